@@ -1,0 +1,76 @@
+"""The rollout-engine interface: what every engine (transformers, vLLM) returns.
+
+Conventions shared by every engine and by the learner:
+- Samples come grouped: `generate(prompts, sampling)` returns `len(prompts) * sampling.n` samples,
+  the `n` samples of prompt `i` at positions `i*n ... i*n+n-1` (so GRPO/GSPO groups are contiguous).
+- `routes_TLK` lists, for each token whose routing the engine computed, the top-k expert ids in each
+  MoE layer (MoE layers only, in model order). Row `t` is the token at position `t` of
+  `prompt_ids + response_ids`. An engine never runs the last sampled token through the model, so
+  `T <= P + R` (usually `P + R - 1`); rows past `T` are unknown.
+- `response_logprobs` are the engine's log-probabilities of the sampled tokens under the raw model
+  distribution (temperature 1, no top-p renormalisation), which is what the importance ratios need.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import numpy as np
+import torch
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    """How to sample responses."""
+
+    n: int = 1
+    """Samples per prompt (the group size G)."""
+    temperature: float = 1.0
+    """Sampling temperature; 1.0 samples from the policy itself."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1.0 disables it."""
+    max_new_tokens: int = 16
+    """Maximum response length in tokens."""
+    seed: int = 0
+    """Seed of the sampling RNG (the same seed and weights give the same samples)."""
+
+
+@dataclass(kw_only=True)
+class RolloutSample:
+    """One sampled response."""
+
+    prompt_index: int
+    """Index of the prompt in the `generate` call (the group id)."""
+    prompt_ids: np.ndarray
+    """int64 [P] prompt token ids (no padding)."""
+    response_ids: np.ndarray
+    """int64 [R] sampled token ids, including the EOS token when one was sampled."""
+    response_logprobs: np.ndarray
+    """float32 [R] engine log-probs of the sampled tokens."""
+    finish_reason: str
+    """"stop" (EOS sampled) or "length" (max_new_tokens reached)."""
+    routes_TLK: np.ndarray | None = None
+    """uint8/uint16 [T, L, K] top-k expert ids per token and MoE layer, or None if not recorded."""
+    router_probs_TLK: np.ndarray | None = None
+    """float16 [T, L, K] router probabilities of those experts, or None."""
+    extra: dict = field(default_factory=dict)
+
+
+class RolloutEngine(abc.ABC):
+    """A generator of samples with per-token log-probs and routes."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[RolloutSample]:
+        """Sample `sampling.n` responses for each prompt (token ids); groups are contiguous."""
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new policy weights, named as in transformers' in-memory `Qwen3MoeForCausalLM`
+        state dict (fused `experts.gate_up_proj` / `experts.down_proj`)."""
+
+    @property
+    @abc.abstractmethod
+    def records_routes(self) -> bool:
+        """True when `generate` fills `routes_TLK` (required for R3 routing replay)."""

@@ -1,0 +1,250 @@
+"""Qwen3-MoE as a Megatron-core `GPTModel`: config mapping, layer spec, construction and forward.
+
+Mapping from a transformers `Qwen3MoeConfig` (see shared/README.md for the geometry facts):
+- attention: GQA (`num_query_groups = num_key_value_heads`), `kv_channels = head_dim`, per-head QK RMSNorm
+  (`qk_layernorm`), RoPE with `rotary_base = rope_theta`, no biases;
+- norms: RMSNorm with `layernorm_epsilon = rms_norm_eps`;
+- MLPs: SwiGLU (`gated_linear_unit`, silu); dense layers use `intermediate_size`, experts
+  `moe_intermediate_size`; a layer is MoE exactly when transformers makes it one
+  (`layer_idx not in mlp_only_layers and (layer_idx + 1) % decoder_sparse_step == 0`), given to
+  Megatron as the `moe_layer_freq` pattern;
+- router: softmax score function, no load-balancing loss, no expert bias, fp32 router;
+  `norm_topk_prob=True` → top-k over logits then softmax over the k chosen (Megatron's default,
+  identical to softmax → top-k → renormalise); `norm_topk_prob=False` → `moe_router_pre_softmax`
+  (softmax over all experts, then top-k, not renormalised);
+- embeddings tied or untied as in the config; the vocabulary may be padded to a multiple
+  (`vocab_pad_multiple`) and the logits are sliced back to the true vocabulary.
+
+Local (Megatron-only) layer spec without Transformer Engine; TE spec when TE is importable.
+TP = PP = 1; expert parallelism over the experts (see `moe_gspo.mcore.parallel`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+UNSUPPORTED_NONDEFAULT = {
+    # field: value that we support (anything else is rejected with a clear message)
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "hidden_act": "silu",
+}
+
+
+def moe_layer_pattern(hf_config) -> list[int]:
+    """1 for each decoder layer that is MoE in transformers' Qwen3-MoE, else 0."""
+    mlp_only = set(hf_config.mlp_only_layers or [])
+    step = hf_config.decoder_sparse_step
+    return [
+        int(i not in mlp_only and hf_config.num_experts > 0 and (i + 1) % step == 0)
+        for i in range(hf_config.num_hidden_layers)
+    ]
+
+
+def rope_theta(hf_config) -> float:
+    rp = getattr(hf_config, "rope_parameters", None) or {}
+    if rp.get("rope_type", "default") not in ("default", None):
+        raise ValueError(
+            f"model.rope_parameters.rope_type={rp.get('rope_type')!r} is not supported by the Megatron "
+            f"mapping (only 'default' RoPE); remove rope scaling from the checkpoint config"
+        )
+    theta = rp.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("model config has no rope_theta (rope_parameters.rope_theta); add it to config.json")
+    return float(theta)
+
+
+def check_supported(hf_config) -> None:
+    """Raise one ValueError listing every config value the mapping does not support."""
+    problems = []
+    if getattr(hf_config, "model_type", None) != "qwen3_moe":
+        problems.append(
+            f"model_type={getattr(hf_config, 'model_type', None)!r} (expected 'qwen3_moe': moe-gspo trains "
+            f"Qwen3-MoE checkpoints; a dense model has no routing to study)"
+        )
+    elif not getattr(hf_config, "num_experts", 0) or not any(moe_layer_pattern(hf_config)):
+        problems.append("num_experts=0 or no MoE layer (mlp_only_layers covers every layer): a dense model")
+    for key, ok in UNSUPPORTED_NONDEFAULT.items():
+        val = getattr(hf_config, key, ok)
+        if val != ok:
+            problems.append(f"{key}={val!r} (supported: {ok!r})")
+    if getattr(hf_config, "model_type", None) == "qwen3_moe" and not problems:
+        rope_theta(hf_config)
+        if hf_config.num_experts_per_tok > hf_config.num_experts:
+            problems.append(
+                f"num_experts_per_tok={hf_config.num_experts_per_tok} > num_experts={hf_config.num_experts}"
+            )
+    if problems:
+        raise ValueError("unsupported model config: " + "; ".join(problems))
+
+
+def padded_vocab_size(vocab_size: int, multiple: int) -> int:
+    if multiple < 1:
+        raise ValueError(f"model.vocab_pad_multiple must be >= 1, got {multiple}")
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def transformer_config_from_hf(
+    hf_config,
+    *,
+    ep_size: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+    enable_routing_replay: bool = False,
+    token_dispatcher: str = "allgather",
+    recompute: bool = False,
+    **overrides: Any,
+):
+    """Megatron `TransformerConfig` equivalent to a transformers `Qwen3MoeConfig`."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    check_supported(hf_config)
+    if token_dispatcher not in ("allgather", "alltoall"):
+        raise ValueError(
+            f"parallel.token_dispatcher={token_dispatcher!r}: use 'allgather' (CPU and GPU) or 'alltoall' (GPU)"
+        )
+    if token_dispatcher == "alltoall" and not torch.cuda.is_available():
+        raise ValueError("parallel.token_dispatcher='alltoall' needs CUDA; use 'allgather' on CPU")
+    on_cuda = torch.cuda.is_available()
+    kw: dict[str, Any] = dict(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=hf_config.num_key_value_heads,
+        kv_channels=getattr(hf_config, "head_dim", None)
+        or hf_config.hidden_size // hf_config.num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=not on_cuda,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        expert_model_parallel_size=ep_size,
+        num_moe_experts=hf_config.num_experts,
+        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+        moe_router_topk=hf_config.num_experts_per_tok,
+        moe_router_pre_softmax=not hf_config.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_dtype="fp32",
+        moe_layer_freq=moe_layer_pattern(hf_config),
+        moe_token_dispatcher_type=token_dispatcher,
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_enable_routing_replay=enable_routing_replay,
+    )
+    if recompute:
+        kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def build_gpt_model(
+    hf_config,
+    *,
+    ep_size: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+    enable_routing_replay: bool = False,
+    token_dispatcher: str = "allgather",
+    vocab_pad_multiple: int = 1,
+    recompute: bool = False,
+    device: torch.device | str | None = None,
+    **config_overrides: Any,
+):
+    """Build the Megatron `GPTModel` for `hf_config` (random init; load weights with `moe_gspo.mcore.weights`).
+
+    Requires `moe_gspo.mcore.parallel.init_distributed` to have run in this process. The model's
+    `vocab_size` attribute is the padded size; `model.hf_vocab_size` the true one.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from moe_gspo.mcore.shims import apply_shims, have_transformer_engine
+
+    apply_shims()
+    config = transformer_config_from_hf(
+        hf_config, ep_size=ep_size, params_dtype=params_dtype,
+        enable_routing_replay=enable_routing_replay, token_dispatcher=token_dispatcher,
+        recompute=recompute, **config_overrides,
+    )
+    use_te = have_transformer_engine()
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+    # Upstream keeps RouterReplay instances in a class-level list; a rebuilt model must start empty.
+    RouterReplay.clear_global_router_replay_instances()
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(hf_config.vocab_size, vocab_pad_multiple),
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=rope_theta(hf_config),
+    )
+    model.hf_vocab_size = hf_config.vocab_size
+    model.hf_config = hf_config
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    return model.to(device)
+
+
+def causal_mask(seq_len: int, device) -> torch.Tensor:
+    """Megatron's explicit attention mask: bool [1, 1, S, S], True = masked (future positions)."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+def forward_logits(model, input_ids_BS: torch.Tensor) -> torch.Tensor:
+    """Logits [B, S, V_true] for right-padded (or unpadded) sequences starting at position 0.
+
+    Right padding needs no attention mask beyond the causal one: real tokens never attend to the
+    padding that follows them.
+    """
+    B, S = input_ids_BS.shape
+    position_ids = torch.arange(S, device=input_ids_BS.device).unsqueeze(0).expand(B, S)
+    logits = model(input_ids=input_ids_BS, position_ids=position_ids,
+                   attention_mask=causal_mask(S, input_ids_BS.device))
+    true_vocab = getattr(model, "hf_vocab_size", logits.shape[-1])
+    return logits[..., :true_vocab]
+
+
+def unwrap(model):
+    """The bare GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def moe_routers(model) -> list:
+    """The TopKRouter modules of every MoE layer, in layer order."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [m for m in unwrap(model).modules() if isinstance(m, TopKRouter)]
+
+
+def moe_layer_ids(hf_config) -> list[int]:
+    """Model-layer indices (0-based) of the MoE layers."""
+    return [i for i, is_moe in enumerate(moe_layer_pattern(hf_config)) if is_moe]

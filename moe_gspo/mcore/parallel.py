@@ -1,0 +1,114 @@
+"""Distributed setup for the Megatron learner: world = EP x DP, TP = PP = 1.
+
+Under torchrun the usual RANK/WORLD_SIZE/LOCAL_RANK variables are read; a plain single process
+(`python -m ...`) gets a world of size 1 over a private file store, so the same code paths run.
+gloo on CPU, NCCL on CUDA. Expert parallelism is carved out of data parallelism (Megatron's
+expert-data-parallel layout): with world size W and EP size E, every rank holds num_experts/E experts
+and a full copy of the dense weights, and each rank processes its own share of the batch.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParallelInfo:
+    """Where this process sits in the learner's process grid."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    ep_size: int
+    ep_rank: int
+    dp_size: int
+    dp_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def validate_parallel_sizes(*, world_size: int, ep_size: int, num_experts: int) -> None:
+    """Raise a ValueError naming the field when the process grid cannot hold the model."""
+    if ep_size < 1:
+        raise ValueError(f"parallel.expert_parallel_size must be >= 1, got {ep_size}")
+    if world_size % ep_size != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by parallel.expert_parallel_size={ep_size}; "
+            f"launch a multiple of {ep_size} processes (torchrun --nproc-per-node ...) or change it"
+        )
+    if num_experts % ep_size != 0:
+        raise ValueError(
+            f"model num_experts={num_experts} is not divisible by parallel.expert_parallel_size={ep_size}; "
+            f"choose an EP size that divides the number of experts"
+        )
+
+
+def init_distributed(*, ep_size: int, num_experts: int, seed: int = 0,
+                     device: str | None = None) -> ParallelInfo:
+    """Initialise torch.distributed and Megatron's parallel state (idempotent within a process)."""
+    from megatron.core import parallel_state as ps
+
+    from moe_gspo.mcore.shims import apply_shims, seed_model_parallel_rng
+
+    use_cuda = torch.cuda.is_available() if device is None else device.startswith("cuda")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate_parallel_sizes(world_size=world_size, ep_size=ep_size, num_experts=num_experts)
+    apply_shims()
+    backend = "nccl" if use_cuda else "gloo"
+    if not dist.is_initialized():
+        rank = int(os.environ.get("RANK", "0"))
+        if "MASTER_ADDR" in os.environ:
+            init_method = "env://"
+        else:
+            assert world_size == 1, "multi-process runs must be launched with torchrun"
+            fd, path = tempfile.mkstemp(prefix="moe_gspo_pg_")
+            os.close(fd)
+            os.unlink(path)
+            init_method = f"file://{path}"
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend, init_method=init_method,
+                                world_size=world_size, rank=rank)
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=1,
+            pipeline_model_parallel_size=1,
+            expert_model_parallel_size=ep_size,
+        )
+    elif ps.get_expert_model_parallel_world_size() != ep_size:
+        raise ValueError(
+            f"Megatron parallel state is already initialised with EP="
+            f"{ps.get_expert_model_parallel_world_size()}, asked for {ep_size}; call destroy_distributed() first"
+        )
+    seed_model_parallel_rng(seed)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return ParallelInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        ep_size=ep_size,
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        dp_rank=ps.get_data_parallel_rank(),
+        device=torch.device(f"cuda:{local_rank}" if use_cuda else "cpu"),
+        backend=backend,
+    )
+
+
+def destroy_distributed() -> None:
+    """Tear down Megatron's parallel state and the process group (tests, end of runs)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,121 @@
+"""Every compatibility shim moe-gspo needs to run Megatron-core 0.16 without CUDA or Transformer Engine.
+
+Each shim is a small, documented monkey-patch of a *missing-hardware* gap, never a change of Megatron's
+math. `apply_shims()` is idempotent and applies only what the current machine needs:
+
+- `te_general_gemm` (wherever Transformer Engine is absent, CPU *and* GPU): `moe_utils` references the
+  name `te_general_gemm` in its router GEMM even when the TE import failed, which raises `NameError`;
+  defining it as `None` selects the plain torch path that already exists upstream.
+- `cuda_current_device` (no CUDA): several Megatron modules call `torch.cuda.current_device()` to pick
+  the device of new tensors; answering `"cpu"` makes them allocate on the CPU.
+- `cpu_rng_tracker` (no CUDA): Megatron forks a named *CUDA* RNG state around weight init and dropout
+  (`tensor_parallel.random.get_cuda_rng_tracker().fork()`); the replacement tracker forks the CPU
+  generator the same way, so seeded init stays reproducible.
+
+On CUDA machines with Transformer Engine none of these are applied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_APPLIED: set[str] = set()
+
+
+def have_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _te_general_gemm_shim() -> bool:
+    from megatron.core.transformer.moe import moe_utils
+
+    if getattr(moe_utils, "HAVE_TE", False) or hasattr(moe_utils, "te_general_gemm"):
+        return False
+    moe_utils.te_general_gemm = None
+    return True
+
+
+def _cuda_current_device_shim() -> bool:
+    if torch.cuda.is_available():
+        return False
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    return True
+
+
+def _make_cpu_tracker_class():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """`CudaRNGStatesTracker` with the same contract, over the CPU generator."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+
+    return CpuRNGStatesTracker
+
+
+def _cpu_rng_tracker_shim() -> bool:
+    if torch.cuda.is_available():
+        return False
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if type(mrandom._CUDA_RNG_STATE_TRACKER).__name__ == "CpuRNGStatesTracker":
+        return False
+    mrandom._CUDA_RNG_STATE_TRACKER = _make_cpu_tracker_class()()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    return True
+
+
+def apply_shims() -> list[str]:
+    """Apply the shims this machine needs; returns the names of all shims in force."""
+    for name, fn in (
+        ("te_general_gemm", _te_general_gemm_shim),
+        ("cuda_current_device", _cuda_current_device_shim),
+        ("cpu_rng_tracker", _cpu_rng_tracker_shim),
+    ):
+        if name not in _APPLIED and fn():
+            _APPLIED.add(name)
+    return sorted(_APPLIED)
+
+
+def seed_model_parallel_rng(seed: int) -> None:
+    """Seed Megatron's named RNG states (data/model/expert parallel) on CPU or CUDA."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if torch.cuda.is_available():
+        mrandom.model_parallel_cuda_manual_seed(seed)
+        return
+    apply_shims()
+    from megatron.core import parallel_state as ps
+
+    tracker = mrandom.get_cuda_rng_tracker()
+    tracker.reset()
+    tp_rank = ps.get_tensor_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
+    ep_rank = ps.get_expert_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + tp_rank)

@@ -1,0 +1,18 @@
+"""Policy-optimisation math: group advantages, GSPO / GSPO-token / GRPO losses, importance-ratio
+statistics and train-inference mismatch metrics. Pure functions on torch tensors."""
+
+from moe_gspo.algos.advantages import group_advantages
+from moe_gspo.algos.mismatch import MISMATCH_KEYS, mismatch_metrics
+from moe_gspo.algos.policy_loss import AGGREGATIONS, ALGOS, policy_loss
+from moe_gspo.algos.ratios import RATIO_KEYS, ratio_stats
+
+__all__ = [
+    "AGGREGATIONS",
+    "ALGOS",
+    "MISMATCH_KEYS",
+    "RATIO_KEYS",
+    "group_advantages",
+    "mismatch_metrics",
+    "policy_loss",
+    "ratio_stats",
+]

@@ -139,6 +139,8 @@ class HFRouterRecorder:
             if self.record_probs:
                 probs_NE = torch.softmax(logits_NE, dim=-1, dtype=torch.float32)
                 self._probs[pos].append(probs_NE.gather(-1, ids_NK.long()))
+
+        hook._moe_gspo_router_hook = True  # lets a deep copy of the model drop hooks it inherited
         return hook
 
     def num_pending(self) -> int:

@@ -1,0 +1,416 @@
+"""The report's figures (matplotlib + seaborn), one small function per figure.
+
+Each figure function takes a `RunData` (or a probe dict) and returns a `matplotlib.figure.Figure`,
+or raises `SkipFigure(reason)` when its inputs are absent (a metric missing from every step, no
+traces). Figures are built with `Figure()` directly, never through pyplot, so no GUI backend or
+global figure state is involved (rendering is Agg's); `render_figures` turns them into PNG bytes
+at a modest dpi so the self-contained HTML stays small.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import pandas as pd
+import seaborn as sns
+from matplotlib.figure import Figure
+
+from analysis.load import (
+    RunData, expert_load_from_topk, load_logprobs, load_topk, matrix_series, probe_value,
+    ratio_variance_by_length, series,
+)
+
+DPI = 100
+
+
+class SkipFigure(Exception):
+    """A figure cannot be drawn; the message is the reason shown in the report's Skipped section."""
+
+
+@dataclass
+class FigureSpec:
+    name: str
+    """File stem of the PNG."""
+    title: str
+    caption: str
+    make: Callable[[Any], Figure]
+
+
+@dataclass
+class RenderedFigure:
+    name: str
+    title: str
+    caption: str
+    png: bytes
+
+
+@dataclass
+class SkippedFigure:
+    name: str
+    title: str
+    reason: str
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _fig(ncols: int = 1, width: float = 6.0, height: float = 3.4) -> tuple[Figure, list]:
+    fig = Figure(figsize=(width * (1 if ncols == 1 else 0.62 * ncols), height), dpi=DPI,
+                 layout="constrained")
+    axes = fig.subplots(1, ncols, squeeze=False)[0]
+    return fig, list(axes)
+
+
+def _need(run: RunData, *keys: str) -> None:
+    """Skip unless at least one of `keys` appears in some record."""
+    if not any(k in r for r in run.records for k in keys):
+        names = " / ".join(f"'{k}'" for k in keys)
+        raise SkipFigure(f"metric {names} missing from all steps" if len(keys) == 1
+                         else f"metrics {names} missing from all steps")
+
+
+def _lines(ax, run: RunData, keys_labels: list[tuple[str, str]], logy: bool = False) -> int:
+    """Plot scalar series on ax; returns how many were drawn."""
+    drawn = 0
+    positive = False
+    for key, label in keys_labels:
+        steps, vals = series(run.records, key)
+        if steps.size == 0:
+            continue
+        marker = "o" if steps.size <= 30 else None
+        ax.plot(steps, vals, marker=marker, markersize=3, label=label)
+        positive |= bool(np.any(vals[np.isfinite(vals)] > 0))
+        drawn += 1
+    if logy and positive:
+        ax.set_yscale("log")
+    if drawn:
+        ax.legend(fontsize="small")
+    return drawn
+
+
+def _layer_labels(run: RunData | None, num_layers: int, probe: dict | None = None) -> list[str]:
+    ids = None
+    if probe is not None and isinstance(probe.get("layer_ids"), list):
+        ids = probe["layer_ids"]
+    elif run is not None:
+        for kinds in run.traces.values():
+            if "rollout" in kinds:
+                try:
+                    ids = load_topk(kinds["rollout"])[2].tolist()
+                except (OSError, ValueError, KeyError):
+                    ids = None
+                break
+    if ids is None or len(ids) != num_layers:
+        return [str(i) for i in range(num_layers)]
+    return [str(i) for i in ids]
+
+
+def _layer_axis_label(labels: list[str]) -> str:
+    return "MoE layer (model layer id)" if labels != [str(i) for i in range(len(labels))] \
+        else "MoE layer (index)"
+
+
+def _load_heatmaps(rollout_LE: np.ndarray, learner_LE: np.ndarray, labels: list[str],
+                   source: str) -> Figure:
+    fig, axes = _fig(3, width=5.0, height=max(2.4, 0.35 * len(labels) + 1.6))
+    vmax = float(max(rollout_LE.max(), learner_LE.max(), 1e-12))
+    for ax, data, name in ((axes[0], rollout_LE, "rollout engine"), (axes[1], learner_LE, "learner")):
+        sns.heatmap(data, ax=ax, vmin=0, vmax=vmax, cmap="viridis", yticklabels=labels,
+                    cbar_kws={"label": "fraction of routings"})
+        ax.set(title=name, xlabel="expert id", ylabel=_layer_axis_label(labels))
+    diff = learner_LE - rollout_LE
+    lim = float(max(np.abs(diff).max(), 1e-12))
+    sns.heatmap(diff, ax=axes[2], vmin=-lim, vmax=lim, center=0, cmap="RdBu_r", yticklabels=labels,
+                cbar_kws={"label": "Δ fraction of routings"})
+    axes[2].set(title="learner − rollout", xlabel="expert id", ylabel="")
+    fig.suptitle(f"Expert load per layer ({source})")
+    return fig
+
+
+# --------------------------------------------------------------------------- run figures
+
+def fig_routing_disagree_heatmap(run: RunData) -> Figure:
+    _need(run, "routing/layer_disagree")
+    steps, vals_SL = matrix_series(run.records, "routing/layer_disagree")
+    if steps.size == 0:
+        raise SkipFigure("'routing/layer_disagree' has no list values")
+    labels = _layer_labels(run, vals_SL.shape[1])
+    fig, (ax,) = _fig(height=max(2.4, 0.35 * len(labels) + 1.4))
+    df = pd.DataFrame(vals_SL.T, index=labels, columns=steps)
+    sns.heatmap(df, ax=ax, cmap="magma", vmin=0, xticklabels="auto",
+                cbar_kws={"label": "fraction of tokens"})
+    ax.set(title="Routing disagreement, rollout engine vs learner",
+           xlabel="training step", ylabel=_layer_axis_label(labels))
+    return fig
+
+
+def fig_routing_disagree_last(run: RunData) -> Figure:
+    _need(run, "routing/layer_disagree")
+    steps, vals_SL = matrix_series(run.records, "routing/layer_disagree")
+    if steps.size == 0:
+        raise SkipFigure("'routing/layer_disagree' has no list values")
+    labels = _layer_labels(run, vals_SL.shape[1])
+    fig, (ax,) = _fig(width=max(4.0, 0.3 * len(labels) + 2.5))
+    sns.barplot(x=labels, y=vals_SL[-1], ax=ax, color="C0")
+    ax.set(title=f"Per-layer routing disagreement at step {int(steps[-1])}",
+           xlabel=_layer_axis_label(labels), ylabel="fraction of tokens")
+    return fig
+
+
+def fig_expert_load(run: RunData) -> Figure:
+    for rec in reversed(run.records):
+        if "routing/expert_load_rollout" in rec and "routing/expert_load_learner" in rec:
+            try:
+                ro = np.asarray(rec["routing/expert_load_rollout"], np.float64)
+                le = np.asarray(rec["routing/expert_load_learner"], np.float64)
+            except (TypeError, ValueError):
+                continue
+            if ro.ndim == 2 and ro.shape == le.shape:
+                return _load_heatmaps(ro, le, _layer_labels(run, ro.shape[0]),
+                                      f"metrics, step {rec['step']}")
+    for step in sorted(run.traces, reverse=True):
+        kinds = run.traces[step]
+        if "rollout" in kinds and "learner" in kinds:
+            topk_r, num_e, layer_ids = load_topk(kinds["rollout"])
+            topk_l, num_e_l, _ = load_topk(kinds["learner"])
+            num_e = max(num_e, num_e_l)
+            return _load_heatmaps(expert_load_from_topk(topk_r, num_e),
+                                  expert_load_from_topk(topk_l, num_e),
+                                  [str(i) for i in layer_ids], f"traces, step {step}")
+    raise SkipFigure("no step has both 'routing/expert_load_rollout' and "
+                     "'routing/expert_load_learner', and no traces with rollout + learner routing")
+
+
+def fig_update_change(run: RunData) -> Figure:
+    _need(run, "update/layer_change", "update/expert_change_frac")
+    steps, vals_SL = matrix_series(run.records, "update/layer_change")
+    fig, axes = _fig(2 if steps.size else 1, width=5.5)
+    if steps.size:
+        labels = _layer_labels(run, vals_SL.shape[1])
+        df = pd.DataFrame(vals_SL.T, index=labels, columns=steps)
+        sns.heatmap(df, ax=axes[0], cmap="magma", vmin=0, xticklabels="auto",
+                    cbar_kws={"label": "fraction of tokens"})
+        axes[0].set(title="per layer (update/layer_change)", xlabel="training step",
+                    ylabel=_layer_axis_label(labels))
+    ax = axes[-1]
+    if not _lines(ax, run, [("update/expert_change_frac", "expert_change_frac"),
+                            ("update/any_layer_change", "any_layer_change")]):
+        ax.text(0.5, 0.5, "update/expert_change_frac not logged", ha="center", transform=ax.transAxes)
+    ax.set(title="all layers", xlabel="training step", ylabel="fraction of routed experts changed")
+    fig.suptitle("Old→new policy expert change per update (same tokens)")
+    return fig
+
+
+def fig_ratio_variance_steps(run: RunData) -> Figure:
+    _need(run, "ratio/token_var", "ratio/seq_var", "mismatch_ratio/token_var", "mismatch_ratio/seq_var")
+    fig, axes = _fig(2, width=5.5)
+    _lines(axes[0], run, [("ratio/token_var", "token ratio"), ("ratio/seq_var", "sequence ratio")],
+           logy=True)
+    axes[0].set(title="new/old policy (in the update)", xlabel="training step",
+                ylabel="variance of ratio (unitless)")
+    _lines(axes[1], run, [("mismatch_ratio/token_var", "token ratio"),
+                          ("mismatch_ratio/seq_var", "sequence ratio")], logy=True)
+    axes[1].set(title="learner/rollout (mismatch)", xlabel="training step",
+                ylabel="variance of ratio (unitless)")
+    fig.suptitle("Token- vs sequence-ratio variance")
+    return fig
+
+
+def fig_ratio_variance_length(run: RunData) -> Figure:
+    paths = [kinds["logprobs"] for _, kinds in sorted(run.traces.items()) if "logprobs" in kinds]
+    if not paths:
+        raise SkipFigure("no traces/step_*_logprobs.npz files (traces off or missing)")
+    sets = []
+    for p in paths:
+        try:
+            sets.append(load_logprobs(p))
+        except (OSError, ValueError, KeyError) as e:
+            run.warnings.append(f"skipped {p.name}: {e}")
+    if not sets:
+        raise SkipFigure("every step_*_logprobs.npz file was unreadable")
+    stats = ratio_variance_by_length(sets)
+    ok = np.isfinite(stats["token_var"])
+    if not ok.any():
+        raise SkipFigure("fewer than 2 responses per length bin in the logprob traces")
+    fig, (ax,) = _fig()
+    x = stats["len_mid"][ok]
+    for key, label in (("token_var", "token ratio exp(d_t)"),
+                       ("seq_norm_var", "length-normalised sequence ratio exp(mean d_t)"),
+                       ("seq_logprod_var", "unnormalised log product Σ d_t")):
+        y = stats[key][ok]
+        ax.plot(x, np.where(y > 0, y, np.nan), marker="o", markersize=3, label=label)
+    if np.any(np.concatenate([stats[k][ok] for k in ("token_var", "seq_norm_var",
+                                                     "seq_logprod_var")]) > 0):
+        ax.set_yscale("log")
+    ax.legend(fontsize="small")
+    ax.set(title=f"Learner/rollout ratio variance vs response length ({len(sets)} traced steps)",
+           xlabel="response length (tokens, bin mean)", ylabel="variance (unitless)")
+    return fig
+
+
+def fig_variance_attribution(run: RunData) -> Figure:
+    _need(run, "mismatch_ratio/token_var_flipped", "mismatch_ratio/token_var_agreed")
+    fig, (ax,) = _fig()
+    _lines(ax, run, [("mismatch_ratio/token_var_flipped", "tokens with a routing flip"),
+                     ("mismatch_ratio/token_var_agreed", "tokens routed identically"),
+                     ("mismatch_ratio/token_var", "all tokens")], logy=True)
+    ax.set(title="Learner/rollout token-ratio variance by routing agreement",
+           xlabel="training step", ylabel="variance of token ratio (unitless)")
+    return fig
+
+
+def fig_clip(run: RunData) -> Figure:
+    _need(run, "clip/token_frac", "clip/seq_frac", "clip/frac_low", "clip/frac_high")
+    fig, (ax,) = _fig()
+    _lines(ax, run, [("clip/token_frac", "tokens clipped"), ("clip/seq_frac", "sequences clipped"),
+                     ("clip/frac_low", "clipped low"), ("clip/frac_high", "clipped high")])
+    ax.set(title="Clip fractions", xlabel="training step", ylabel="fraction")
+    return fig
+
+
+def fig_mismatch(run: RunData) -> Figure:
+    _need(run, "mismatch/k1_kl", "mismatch/k3_kl", "mismatch/extreme_frac_ln2",
+          "mismatch/extreme_frac_ln5")
+    fig, axes = _fig(2, width=5.5)
+    _lines(axes[0], run, [("mismatch/k1_kl", "k1"), ("mismatch/k3_kl", "k3")])
+    axes[0].set(title="KL(rollout ‖ learner)", xlabel="training step", ylabel="KL (nats/token)")
+    _lines(axes[1], run, [("mismatch/extreme_frac_ln2", "|Δ log p| > ln 2"),
+                          ("mismatch/extreme_frac_ln5", "|Δ log p| > ln 5")])
+    axes[1].set(title="extreme tokens", xlabel="training step", ylabel="fraction of tokens")
+    fig.suptitle("Rollout engine vs learner mismatch (same tokens)")
+    return fig
+
+
+def fig_reward(run: RunData) -> Figure:
+    _need(run, "reward/mean")
+    steps, mean = series(run.records, "reward/mean")
+    fig, (ax,) = _fig()
+    ax.plot(steps, mean, label="mean", color="C0")
+    s_std, std = series(run.records, "reward/std")
+    if s_std.size:
+        std_at = dict(zip(s_std.tolist(), std.tolist()))
+        sd = np.asarray([std_at.get(s, np.nan) for s in steps.tolist()])
+        ax.fill_between(steps, mean - sd, mean + sd, alpha=0.25, color="C0", label="± std")
+    s_max, mx = series(run.records, "reward/max")
+    if s_max.size:
+        ax.plot(s_max, mx, ls="--", color="C1", label="max")
+    ax.legend(fontsize="small")
+    ax.set(title="Reward", xlabel="training step", ylabel="reward (task units)")
+    return fig
+
+
+RUN_FIGURES: list[FigureSpec] = [
+    FigureSpec("reward", "Reward", "Batch reward per step: mean with a ± std band, and the max.",
+               fig_reward),
+    FigureSpec("routing_disagree_heatmap", "Routing disagreement (layer × step)",
+               "Fraction of tokens whose top-k expert set differs between the rollout engine and the "
+               "learner, per MoE layer (routing/layer_disagree).", fig_routing_disagree_heatmap),
+    FigureSpec("routing_disagree_last", "Routing disagreement per layer (last step)",
+               "routing/layer_disagree at the last logged step.", fig_routing_disagree_last),
+    FigureSpec("expert_load", "Expert load (rollout, learner, difference)",
+               "Share of routings per expert and layer, from the last step that logged it (or the "
+               "last routing traces).", fig_expert_load),
+    FigureSpec("update_change", "Old→new policy expert change",
+               "Learner routing of the same tokens before vs after each update: per layer, and "
+               "update/expert_change_frac (the GSPO paper's ~10% figure).", fig_update_change),
+    FigureSpec("ratio_variance_steps", "Token vs sequence ratio variance over steps",
+               "ratio/token_var and ratio/seq_var (new/old policy inside the update) and their "
+               "learner/rollout counterparts, log scale.", fig_ratio_variance_steps),
+    FigureSpec("ratio_variance_length", "Ratio variance vs response length (from traces)",
+               "Per response-length bin, pooled over traced steps: variance of token ratios, of the "
+               "length-normalised sequence ratio, and of the unnormalised log product: the GSPO "
+               "variance argument, measured on learner/rollout log-ratios.", fig_ratio_variance_length),
+    FigureSpec("variance_attribution", "Variance attribution: flipped vs agreed routing",
+               "mismatch_ratio/token_var restricted to tokens whose routing differs in ≥1 layer "
+               "vs tokens routed identically.", fig_variance_attribution),
+    FigureSpec("clip", "Clip fractions", "Token and sequence clip fractions (low / high sides).",
+               fig_clip),
+    FigureSpec("mismatch", "Mismatch KL and extreme tokens",
+               "k1/k3 KL between rollout-engine and learner log-probs of the same tokens, and the "
+               "share of tokens with |Δ log p| above ln 2 / ln 5.", fig_mismatch),
+]
+
+
+# --------------------------------------------------------------------------- probe figures
+
+def _probe_list(probe: dict, key: str) -> np.ndarray:
+    if key not in probe:
+        raise SkipFigure(f"probe has no '{key}'")
+    try:
+        return np.asarray(probe[key], np.float64)
+    except (TypeError, ValueError) as e:
+        raise SkipFigure(f"probe '{key}' is not numeric: {e}") from e
+
+
+def fig_probe_layer_disagree(probe: dict) -> Figure:
+    vals_L = _probe_list(probe, "routing/layer_disagree")
+    labels = _layer_labels(None, vals_L.size, probe)
+    fig, (ax,) = _fig(width=max(4.0, 0.3 * len(labels) + 2.5))
+    sns.barplot(x=labels, y=vals_L, ax=ax, color="C0")
+    ax.set(title="Per-layer routing disagreement, rollout engine vs learner",
+           xlabel=_layer_axis_label(labels), ylabel="fraction of tokens")
+    return fig
+
+
+def fig_probe_expert_load(probe: dict) -> Figure:
+    ro = _probe_list(probe, "routing/expert_load_rollout")
+    le = _probe_list(probe, "routing/expert_load_learner")
+    if ro.ndim != 2 or ro.shape != le.shape:
+        raise SkipFigure(f"expert load shapes {ro.shape} / {le.shape} are not equal [L, E]")
+    return _load_heatmaps(ro, le, _layer_labels(None, ro.shape[0], probe), "probe")
+
+
+def fig_probe_variance(probe: dict) -> Figure:
+    names = [("ratio/token_var", "all tokens"), ("ratio/token_var_flipped", "routing flipped"),
+             ("ratio/token_var_agreed", "routing agreed"), ("ratio/seq_var", "sequence ratio")]
+    vals = [(label, probe_value(probe, k)) for k, label in names]
+    vals = [(label, v) for label, v in vals if np.isfinite(v)]
+    if not vals:
+        raise SkipFigure("probe has no ratio variance keys (ratio/token_var, ..._flipped, ..._agreed)")
+    fig, (ax,) = _fig(width=5.0)
+    sns.barplot(x=[v[0] for v in vals], y=[v[1] for v in vals], ax=ax, color="C2")
+    if all(v[1] > 0 for v in vals):
+        ax.set_yscale("log")
+    ax.set(title="Learner/rollout ratio variance attribution", xlabel="token set",
+           ylabel="variance of ratio (unitless)")
+    return fig
+
+
+PROBE_FIGURES: list[FigureSpec] = [
+    FigureSpec("probe_layer_disagree", "Probe: routing disagreement per layer",
+               "Fraction of probed tokens whose top-k set differs between engine and learner.",
+               fig_probe_layer_disagree),
+    FigureSpec("probe_expert_load", "Probe: expert load (rollout, learner, difference)",
+               "Share of routings per expert and layer in the probe.", fig_probe_expert_load),
+    FigureSpec("probe_variance_attribution", "Probe: variance attribution",
+               "Token-ratio variance over all tokens, tokens with a routing flip, tokens routed "
+               "identically, and the length-normalised sequence ratio.", fig_probe_variance),
+]
+
+
+# --------------------------------------------------------------------------- rendering
+
+def figure_png(fig: Figure) -> bytes:
+    """PNG bytes of a figure at the report's dpi."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI)
+    return buf.getvalue()
+
+
+def render_figures(specs: list[FigureSpec], data: Any) -> list[RenderedFigure | SkippedFigure]:
+    """Draw each spec on `data`; a `SkipFigure` (or an unreadable trace file) becomes a SkippedFigure."""
+    out: list[RenderedFigure | SkippedFigure] = []
+    with sns.axes_style("whitegrid"), sns.plotting_context("paper"):
+        for spec in specs:
+            try:
+                fig = spec.make(data)
+            except SkipFigure as e:
+                out.append(SkippedFigure(spec.name, spec.title, str(e)))
+                continue
+            except (OSError, KeyError, ValueError) as e:  # unreadable trace file and the like
+                out.append(SkippedFigure(spec.name, spec.title, f"could not read inputs: {e}"))
+                continue
+            out.append(RenderedFigure(spec.name, spec.title, spec.caption, figure_png(fig)))
+    return out

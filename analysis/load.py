@@ -1,0 +1,389 @@
+"""Robust reading of training run directories and probe JSON files, and the headline numbers.
+
+Everything the report and the ablation comparison know about a run comes through this module:
+- `load_run(run_dir)` reads `metrics.jsonl` (skipping lines that are not valid JSON objects, e.g. the
+  last line cut by a kill, with a `RunDataWarning` naming the line number), `config.yaml`,
+  `done.json` and the list of trace files (see `notes/run_dir_schema.md` for the layout).
+- `series` / `matrix_series` turn the per-step records into step-indexed numpy arrays.
+- `headline_numbers(records)` and `probe_headline(probe)` compute the numbers of the report's top
+  table; their definitions are in `HEADLINE_LABELS` and in the docstrings (tests recompute them).
+- Trace files are read with plain `np.load` per the schema's npz fields, so the report does not
+  depend on the trace writer's Python classes.
+
+User errors (missing run dir, nothing to report on) raise `ReportInputError` (a `ValueError`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+
+class ReportInputError(ValueError):
+    """The run directory / probe file given to the report cannot be used (message says why)."""
+
+
+class RunDataWarning(UserWarning):
+    """Something in a run directory was skipped (bad JSONL line, duplicate step, bad trace)."""
+
+
+TRACE_KINDS = ("rollout", "learner", "updated", "logprobs")
+_TRACE_RE = re.compile(r"^step_(\d+)_(rollout|learner|updated|logprobs)\.npz$")
+
+
+@dataclass
+class RunData:
+    """What a run directory holds, read leniently."""
+
+    source: Path
+    """The run directory."""
+    records: list[dict[str, Any]]
+    """Per-step metric records, sorted by step, one per step (the last one wins on duplicates)."""
+    traces: dict[int, dict[str, Path]]
+    """step -> {kind: npz path} for kind in TRACE_KINDS that exist."""
+    config: dict[str, Any] | None = None
+    done: dict[str, Any] | None = None
+    warnings: list[str] = field(default_factory=list)
+    """Human-readable notes about what was skipped while reading (also emitted as warnings)."""
+
+    @property
+    def name(self) -> str:
+        return self.source.name
+
+
+def _warn(msg: str, sink: list[str]) -> None:
+    sink.append(msg)
+    warnings.warn(msg, RunDataWarning, stacklevel=3)
+
+
+def read_jsonl(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """Read a metrics.jsonl file: returns (records sorted by step, warnings).
+
+    Blank lines are ignored. A line that is not a JSON object with an integer `step` is skipped
+    with a `RunDataWarning` naming its (1-based) line number. When a step occurs twice (a resumed
+    run re-logs steps after its last checkpoint) the later line wins.
+    """
+    path = Path(path)
+    notes: list[str] = []
+    by_step: dict[int, dict[str, Any]] = {}
+    with open(path, "r", encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                _warn(f"{path.name}: skipped line {lineno}: not valid JSON ({e.msg})", notes)
+                continue
+            if not isinstance(rec, dict):
+                _warn(f"{path.name}: skipped line {lineno}: not a JSON object", notes)
+                continue
+            step = rec.get("step")
+            if isinstance(step, bool) or not isinstance(step, (int, float)) or step != int(step):
+                _warn(f"{path.name}: skipped line {lineno}: no integer 'step' field", notes)
+                continue
+            step = int(step)
+            rec["step"] = step
+            if step in by_step:
+                _warn(f"{path.name}: line {lineno} repeats step {step}; keeping the later line", notes)
+            by_step[step] = rec
+    return [by_step[s] for s in sorted(by_step)], notes
+
+
+def list_traces(traces_dir: Path) -> dict[int, dict[str, Path]]:
+    """step -> {kind: path} for the `step_XXXXXX_{kind}.npz` files in `traces_dir` (may not exist)."""
+    out: dict[int, dict[str, Path]] = {}
+    if not traces_dir.is_dir():
+        return out
+    for p in sorted(traces_dir.iterdir()):
+        m = _TRACE_RE.match(p.name)
+        if m and p.is_file():
+            out.setdefault(int(m.group(1)), {})[m.group(2)] = p
+    return dict(sorted(out.items()))
+
+
+def _read_optional(path: Path, loader, notes: list[str]) -> Any:
+    if not path.is_file():
+        return None
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            return loader(f)
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        _warn(f"could not read {path.name}: {e}", notes)
+        return None
+
+
+def load_run(run_dir: str | Path) -> RunData:
+    """Read a run directory. Raises `ReportInputError` when it is missing or holds neither a
+    `metrics.jsonl` with at least one valid record nor any trace file."""
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise ReportInputError(f"run directory {str(run_dir)!r} does not exist; pass the RUN_DIR "
+                               "a training run wrote (it holds metrics.jsonl and traces/)")
+    if not run_dir.is_dir():
+        raise ReportInputError(f"{str(run_dir)!r} is not a directory (a probe report needs a .json file)")
+    notes: list[str] = []
+    metrics_path = run_dir / "metrics.jsonl"
+    records: list[dict[str, Any]] = []
+    if metrics_path.is_file():
+        records, notes = read_jsonl(metrics_path)
+    traces = list_traces(run_dir / "traces")
+    if not records and not traces:
+        what = ("metrics.jsonl has no valid records" if metrics_path.is_file()
+                else "there is no metrics.jsonl")
+        raise ReportInputError(f"nothing to report in {str(run_dir)!r}: {what} and there are no "
+                               "traces/step_*.npz files; is this a training run directory?")
+    config = _read_optional(run_dir / "config.yaml", yaml.safe_load, notes)
+    done = _read_optional(run_dir / "done.json", json.load, notes)
+    return RunData(source=run_dir, records=records, traces=traces,
+                   config=config if isinstance(config, dict) else None,
+                   done=done if isinstance(done, dict) else None, warnings=notes)
+
+
+def load_probe(path: str | Path) -> dict[str, Any]:
+    """Read a probe JSON (`python -m moe_gspo.probe --out drift.json`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ReportInputError(f"probe file {str(path)!r} does not exist")
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            probe = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ReportInputError(f"probe file {str(path)!r} is not valid JSON: {e}") from e
+    if not isinstance(probe, dict):
+        raise ReportInputError(f"probe file {str(path)!r} must hold a JSON object")
+    return probe
+
+
+# --------------------------------------------------------------------------- series
+
+def _as_float(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return math.nan
+    return float(v)
+
+
+def has_key(records: list[dict[str, Any]], key: str) -> bool:
+    """True when at least one record carries `key`."""
+    return any(key in r for r in records)
+
+
+def series(records: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps int64 [S], values float64 [S]) over the records that carry the scalar `key`;
+    non-numeric values become NaN."""
+    pairs = [(r["step"], _as_float(r[key])) for r in records if key in r]
+    if not pairs:
+        return np.zeros(0, np.int64), np.zeros(0, np.float64)
+    steps, vals = zip(*pairs)
+    return np.asarray(steps, np.int64), np.asarray(vals, np.float64)
+
+
+def matrix_series(records: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps [S], values [S, ...]) for a list-valued `key` (e.g. per-layer); records whose value
+    does not have the shape of the first well-formed one are left out."""
+    steps: list[int] = []
+    rows: list[np.ndarray] = []
+    shape = None
+    for r in records:
+        if key not in r:
+            continue
+        try:
+            arr = np.asarray(r[key], dtype=np.float64)
+        except (TypeError, ValueError):
+            continue
+        if arr.ndim == 0:
+            continue
+        if shape is None:
+            shape = arr.shape
+        if arr.shape != shape:
+            continue
+        steps.append(r["step"])
+        rows.append(arr)
+    if not rows:
+        return np.zeros(0, np.int64), np.zeros((0, 0), np.float64)
+    return np.asarray(steps, np.int64), np.stack(rows)
+
+
+def finite_mean(values: np.ndarray) -> float:
+    """Mean of the finite entries; NaN when there are none."""
+    values = np.asarray(values, np.float64)
+    values = values[np.isfinite(values)]
+    return float(values.mean()) if values.size else math.nan
+
+
+# --------------------------------------------------------------------------- traces
+
+def load_logprobs(path: str | Path) -> dict[str, np.ndarray]:
+    """Read a `step_*_logprobs.npz`: rollout_logp, learner_logp [sum_R], response_lens [N], rewards [N]."""
+    with np.load(path, allow_pickle=False) as z:
+        out = {k: np.asarray(z[k]) for k in ("rollout_logp", "learner_logp", "response_lens") if k in z}
+        if "rewards" in z:
+            out["rewards"] = np.asarray(z["rewards"])
+    missing = {"rollout_logp", "learner_logp", "response_lens"} - set(out)
+    if missing:
+        raise ValueError(f"{Path(path).name} lacks arrays {sorted(missing)}")
+    total = int(out["response_lens"].sum())
+    if out["rollout_logp"].shape != (total,) or out["learner_logp"].shape != (total,):
+        raise ValueError(f"{Path(path).name}: logp arrays have shapes {out['rollout_logp'].shape}, "
+                         f"{out['learner_logp'].shape}, expected ({total},) = sum(response_lens)")
+    return out
+
+
+def load_topk(path: str | Path) -> tuple[np.ndarray, int, np.ndarray]:
+    """Read a RoutingTrace npz: (topk_ids [sum_T, L, K], num_experts, layer_ids [L])."""
+    with np.load(path, allow_pickle=False) as z:
+        topk_TLK = np.asarray(z["topk_ids"])
+        num_experts = int(z["num_experts"]) if "num_experts" in z else int(topk_TLK.max()) + 1
+        layer_ids = (np.asarray(z["layer_ids"]) if "layer_ids" in z
+                     else np.arange(topk_TLK.shape[1]))
+    if topk_TLK.ndim != 3:
+        raise ValueError(f"{Path(path).name}: topk_ids has shape {topk_TLK.shape}, expected [T, L, K]")
+    return topk_TLK, num_experts, layer_ids
+
+
+def expert_load_from_topk(topk_TLK: np.ndarray, num_experts: int) -> np.ndarray:
+    """[L, E] share of (token, top-k slot) routings that went to each expert, per layer (rows sum to 1)."""
+    num_tokens, num_layers, k = topk_TLK.shape
+    load_LE = np.zeros((num_layers, num_experts), np.float64)
+    for layer in range(num_layers):
+        counts = np.bincount(topk_TLK[:, layer, :].ravel().astype(np.int64), minlength=num_experts)
+        load_LE[layer] = counts[:num_experts] / max(num_tokens * k, 1)
+    return load_LE
+
+
+def ratio_variance_by_length(logprob_sets: list[dict[str, np.ndarray]], num_bins: int = 6
+                             ) -> dict[str, np.ndarray]:
+    """The GSPO variance argument, measured on learner/rollout log-ratios d_t = learner − rollout.
+
+    Sequences (pooled over the given trace steps) are grouped into up to `num_bins` bins of
+    response length (quantile edges). Per bin: `token_var` = variance of the token ratios exp(d_t);
+    `seq_norm_var` = variance over sequences of the length-normalised ratio exp(mean_t d_t);
+    `seq_logprod_var` = variance over sequences of the unnormalised log product Σ_t d_t.
+    Bins with fewer than 2 sequences get NaN. Returns those arrays plus `len_mid` (mean length
+    per bin) and `num_seqs` per bin.
+    """
+    lens, sums, means, tok_groups = [], [], [], []
+    for lp in logprob_sets:
+        d = lp["learner_logp"].astype(np.float64) - lp["rollout_logp"].astype(np.float64)
+        offsets = np.concatenate([[0], np.cumsum(lp["response_lens"].astype(np.int64))])
+        for i, n in enumerate(lp["response_lens"].astype(np.int64)):
+            if n <= 0:
+                continue
+            d_i = d[offsets[i]:offsets[i + 1]]
+            lens.append(int(n))
+            sums.append(d_i.sum())
+            means.append(d_i.mean())
+            tok_groups.append(d_i)
+    if not lens:
+        raise ValueError("no non-empty responses in the logprob traces")
+    lens_a = np.asarray(lens)
+    edges = np.unique(np.quantile(lens_a, np.linspace(0, 1, num_bins + 1)))
+    if edges.size < 2:
+        edges = np.asarray([lens_a.min(), lens_a.max() + 1])
+    bin_idx = np.clip(np.searchsorted(edges, lens_a, side="right") - 1, 0, edges.size - 2)
+    nb = edges.size - 1
+    out = {k: np.full(nb, np.nan) for k in ("len_mid", "token_var", "seq_norm_var", "seq_logprod_var")}
+    out["num_seqs"] = np.zeros(nb, np.int64)
+    sums_a, means_a = np.asarray(sums), np.asarray(means)
+    for b in range(nb):
+        sel = np.flatnonzero(bin_idx == b)
+        out["num_seqs"][b] = sel.size
+        if sel.size == 0:
+            continue
+        out["len_mid"][b] = lens_a[sel].mean()
+        if sel.size < 2:
+            continue
+        toks = np.concatenate([tok_groups[i] for i in sel])
+        out["token_var"][b] = np.var(np.exp(toks))
+        out["seq_norm_var"][b] = np.var(np.exp(means_a[sel]))
+        out["seq_logprod_var"][b] = np.var(sums_a[sel])
+    return out
+
+
+# --------------------------------------------------------------------------- headline numbers
+
+HEADLINE_LABELS: dict[str, str] = {
+    "num_steps": "training steps logged",
+    "reward_final": "final reward (last step's reward/mean)",
+    "reward_last10_mean": "reward/mean, mean over the last 10% of steps",
+    "reward_first10_mean": "reward/mean, mean over the first 10% of steps",
+    "any_layer_flip_mean": "rollout vs learner: tokens routed differently in ≥1 layer (mean fraction)",
+    "k3_kl_mean": "rollout vs learner k3 KL (mean over steps, nats/token)",
+    "clip_token_frac_mean": "clipped token fraction (mean over steps)",
+    "update_expert_change_mean": "old→new policy expert change per update (mean fraction)",
+    "token_seq_var_ratio": "mean ratio/token_var ÷ mean ratio/seq_var",
+}
+
+
+def _edge_window(n: int) -> int:
+    """Number of entries in a 10% window of n (at least one)."""
+    return max(1, math.ceil(0.1 * n))
+
+
+def headline_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
+    """The report's headline numbers (keys of HEADLINE_LABELS); NaN where the metric is absent.
+
+    Means are over the steps whose value is finite. The 10% windows hold ceil(0.1·n) (≥ 1) of the n
+    finite reward/mean values, first or last by step. The variance ratio is a ratio of means (not a
+    mean of per-step ratios) so a near-zero seq_var on one step cannot dominate it.
+    """
+    _, reward = series(records, "reward/mean")
+    reward = reward[np.isfinite(reward)]
+    w = _edge_window(reward.size)
+    token_var = finite_mean(series(records, "ratio/token_var")[1])
+    seq_var = finite_mean(series(records, "ratio/seq_var")[1])
+    return {
+        "num_steps": float(len(records)),
+        "reward_final": float(reward[-1]) if reward.size else math.nan,
+        "reward_last10_mean": float(reward[-w:].mean()) if reward.size else math.nan,
+        "reward_first10_mean": float(reward[:w].mean()) if reward.size else math.nan,
+        "any_layer_flip_mean": finite_mean(series(records, "routing/any_layer_flip")[1]),
+        "k3_kl_mean": finite_mean(series(records, "mismatch/k3_kl")[1]),
+        "clip_token_frac_mean": finite_mean(series(records, "clip/token_frac")[1]),
+        "update_expert_change_mean": finite_mean(series(records, "update/expert_change_frac")[1]),
+        "token_seq_var_ratio": (token_var / seq_var if np.isfinite(token_var) and np.isfinite(seq_var)
+                                and seq_var > 0 else math.nan),
+    }
+
+
+PROBE_LABELS: dict[str, str] = {
+    "num_tokens": "tokens probed",
+    "num_sequences": "sequences probed",
+    "routing/any_layer_flip": "tokens routed differently in ≥1 layer (fraction)",
+    "routing/mean_layers_differing": "mean number of layers routed differently per token",
+    "routing/topk_overlap": "top-k overlap (fraction of experts shared)",
+    "mismatch/k1_kl": "k1 KL (nats/token)",
+    "mismatch/k3_kl": "k3 KL (nats/token)",
+    "mismatch/logp_abs_diff_mean": "mean |Δ log p|",
+    "mismatch/logp_abs_diff_max": "max |Δ log p|",
+    "mismatch/extreme_frac_ln2": "tokens with |Δ log p| > ln 2 (fraction)",
+    "mismatch/extreme_frac_ln5": "tokens with |Δ log p| > ln 5 (fraction)",
+    "mismatch/ppl_ratio_mean": "mean PPL ratio",
+    "ratio/token_var": "token-ratio variance (learner/rollout)",
+    "ratio/seq_var": "sequence-ratio variance (length-normalised)",
+    "ratio/seq_prod_logvar": "variance of the log ratio product",
+    "ratio/token_var_flipped": "token-ratio variance, tokens with a routing flip",
+    "ratio/token_var_agreed": "token-ratio variance, tokens routed identically",
+}
+
+
+def probe_value(probe: dict[str, Any], key: str) -> float:
+    """A scalar of the probe; `ratio/*` keys also accept the training metrics' `mismatch_ratio/*` name."""
+    if key in probe:
+        return _as_float(probe[key])
+    if key.startswith("ratio/") and "mismatch_" + key in probe:
+        return _as_float(probe["mismatch_" + key])
+    return math.nan
+
+
+def probe_headline(probe: dict[str, Any]) -> dict[str, float]:
+    """Scalar numbers of a probe JSON for the keys of PROBE_LABELS (NaN where absent)."""
+    return {k: probe_value(probe, k) for k in PROBE_LABELS}

@@ -1,0 +1,390 @@
+"""Typed run configuration: one dataclass per component, loaded from YAML, overridden from the CLI.
+
+A config file has one mapping per section (`model`, `parallel`, `rollout`, `algo`, `task`, `train`,
+`logging`); every field is documented below, and `python -m moe_gspo.train --help` lists them.
+Overrides use dotted keys: `train.lr=3e-4 rollout.max_new_tokens=8`; values are parsed as YAML scalars.
+Unknown keys, wrong types, out-of-range values and invalid combinations raise one `ValueError` that
+names the field and the fix. Validation happens once, here, at config time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+ALGOS = ("gspo", "gspo_token", "grpo")
+REPLAYS = ("none", "r2", "r3")
+# Clip ranges from the GSPO paper (Zheng et al. 2025, §5.1): sequence-level ratios live near 1.
+DEFAULT_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.27)}
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The policy model."""
+
+    path: str | None = None
+    """Local Hugging Face Qwen3-MoE checkpoint directory; null builds the tiny random model."""
+    tiny: dict = field(default_factory=dict)
+    """Overrides of `moe_gspo.tiny.TINY_DEFAULTS` (Qwen3MoeConfig fields) when `path` is null."""
+    init_seed: int = 0
+    """Seed of the tiny model's random initialisation."""
+    router_scale: float = 4.0
+    """Tiny model only: multiplier of the router init std (decisive yet precision-sensitive routing)."""
+    tokenizer: str | None = None
+    """Tokenizer directory; null uses the checkpoint's own, or the shipped one for the tiny model."""
+    params_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Learner parameter dtype; auto = bfloat16 on CUDA, float32 on CPU."""
+    vocab_pad_multiple: int = 1
+    """Pad the Megatron vocabulary to a multiple of this (logits are sliced back)."""
+    recompute: bool = False
+    """Full activation recomputation in the learner (R2/R3 replay also covers the recompute pass)."""
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """Learner process grid: world = EP x DP, TP = PP = 1."""
+
+    expert_parallel_size: int = 1
+    """Expert-parallel size; must divide the world size and the number of experts."""
+    token_dispatcher: Literal["allgather", "alltoall"] = "allgather"
+    """Megatron MoE token dispatcher; alltoall needs CUDA."""
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """The rollout (inference) engine and sampling."""
+
+    engine: Literal["hf", "vllm"] = "hf"
+    """hf = embedded transformers engine (CPU/GPU); vllm = vLLM (optional extra, CUDA only)."""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Rollout dtype; bfloat16 like production inference engines (source of train-infer mismatch)."""
+    prompts_per_step: int = 8
+    """Prompts per training step across all ranks (must divide by the data-parallel size)."""
+    samples_per_prompt: int = 8
+    """Group size G: responses sampled per prompt for group-relative advantages."""
+    temperature: float = 1.0
+    """Sampling temperature (log-probs are always those of the untempered policy)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1.0 = off."""
+    max_new_tokens: int = 8
+    """Maximum response length in tokens."""
+    record_routes: bool = True
+    """Record per-token routed experts in the rollout engine (needed for R3 and drift metrics)."""
+    record_probs: bool = True
+    """Also record the router probabilities of the chosen experts (hf engine)."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM only: fraction of GPU memory vLLM may take."""
+
+
+@dataclass(kw_only=True)
+class AlgoConfig:
+    """Policy-optimisation algorithm: the ratio level (sequence / token) is an axis, not a fork."""
+
+    name: Literal["gspo", "gspo_token", "grpo"] = "gspo"
+    """gspo = sequence ratio (Zheng et al. 2025); gspo_token = its token-wise variant; grpo = token ratio."""
+    routing_replay: Literal["none", "r2", "r3"] = "none"
+    """none; r2 = replay old-policy routing in the update (GSPO paper §5.3); r3 = replay rollout routing."""
+    clip_low: float | None = None
+    """Lower clip range epsilon_low; null = the paper's default for the algorithm (3e-4 GSPO, 0.2 GRPO)."""
+    clip_high: float | None = None
+    """Upper clip range epsilon_high; null = the paper's default (4e-4 GSPO, 0.27 GRPO)."""
+    kl_coef: float = 0.0
+    """Coefficient of the k3 KL penalty to the initial policy (0 = off, as in the GSPO paper)."""
+    aggregation: Literal["seq_mean", "token_mean"] = "seq_mean"
+    """GRPO loss aggregation: seq_mean (DeepSeekMath) or token_mean (DAPO)."""
+    adv_eps: float = 1e-6
+    """Epsilon added to the group reward std in the advantage denominator."""
+
+    def clip_range(self) -> tuple[float, float]:
+        lo, hi = DEFAULT_CLIP[self.name]
+        return (lo if self.clip_low is None else self.clip_low, hi if self.clip_high is None else self.clip_high)
+
+
+@dataclass(kw_only=True)
+class TaskConfig:
+    """Prompts and verifiable rewards."""
+
+    name: Literal["copy_first", "reverse", "add", "jsonl"] = "copy_first"
+    """Synthetic tasks (generated on the fly, seeded) or `jsonl` (prompt/answer file, math checker)."""
+    path: str | None = None
+    """JSONL file with `prompt` and `answer` fields (task.name=jsonl)."""
+    prompt_len: int = 4
+    """Synthetic tasks: number of symbols in a prompt."""
+    num_symbols: int = 10
+    """Synthetic tasks: symbols drawn from the first N characters of 0-9a-z."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Optimisation and the training loop."""
+
+    steps: int = 60
+    """Number of RL steps (rollout + update)."""
+    seed: int = 0
+    """Global seed (prompts, sampling, init)."""
+    lr: float = 3e-3
+    """Adam learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.99
+    """Adam beta2."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 = off)."""
+    num_minibatches: int = 4
+    """Optimizer steps per rollout batch (the GSPO paper splits each batch into 4)."""
+    micro_batch_size: int = 0
+    """Sequences per forward/backward on each rank; 0 = a whole mini-batch at once."""
+    checkpoint_every: int = 0
+    """Save a resumable checkpoint every N steps (0 = only at the end)."""
+    keep_checkpoints: int = 2
+    """How many recent checkpoints to keep."""
+    export_hf: bool = True
+    """Export a Hugging Face checkpoint directory at the end of training."""
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """Metrics, traces and wandb."""
+
+    trace_every: int = 10
+    """Save routing traces and log-probs every N steps (0 = never)."""
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    """wandb mode; offline writes under RUN_DIR/wandb and needs no account."""
+    wandb_project: str = "moe-gspo"
+    """wandb project name."""
+    run_name: str | None = None
+    """Run name (defaults to the run directory's name)."""
+    progress: bool = True
+    """Show a progress bar on the console (rank 0)."""
+
+
+@dataclass(kw_only=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def _section_classes() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {name: hints[name] for name in SECTIONS}
+
+
+def field_docs(cls) -> dict[str, str]:
+    """Per-field docstrings (the string literal after each field), read from the source."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(cls))
+    docs: dict[str, str] = {}
+    body = tree.body[0].body
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = str(nxt.value.value)
+    return docs
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check `value` against the annotation `tp`; returns the (lightly coerced) value or raises."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, where)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(errors[0] if errors else f"{where}: invalid value {value!r}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ValueError(f"{where}={value!r} is not one of {list(choices)}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}={value!r} must be true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{where}={value!r} must be an integer")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{where}={value!r} must be a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{where}={value!r} must be a string")
+        return value
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{where} must be a mapping, got {value!r}")
+        return value
+    raise AssertionError(f"unsupported annotation {tp} for {where}")
+
+
+def _build_section(name: str, cls: type, data: dict) -> Any:
+    if not isinstance(data, dict):
+        raise ValueError(f"config section '{name}' must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in known:
+            raise ValueError(f"unknown config key '{name}.{key}'; known keys of '{name}': {', '.join(known)}")
+        kwargs[key] = _coerce(value, hints[key], f"{name}.{key}")
+    return cls(**kwargs)
+
+
+def _check_positive(where: str, value, *, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{where}={value} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def validate(cfg: Config) -> Config:
+    """Per-section range checks, then cross-section combinations. Returns cfg; raises ValueError."""
+    m, p, r, a, t, tr, lg = cfg.model, cfg.parallel, cfg.rollout, cfg.algo, cfg.task, cfg.train, cfg.logging
+    _check_positive("model.vocab_pad_multiple", m.vocab_pad_multiple)
+    _check_positive("model.router_scale", m.router_scale)
+    _check_positive("parallel.expert_parallel_size", p.expert_parallel_size)
+    for k in ("prompts_per_step", "samples_per_prompt", "max_new_tokens"):
+        _check_positive(f"rollout.{k}", getattr(r, k))
+    _check_positive("rollout.temperature", r.temperature)
+    if not 0 < r.top_p <= 1:
+        raise ValueError(f"rollout.top_p={r.top_p} must be in (0, 1]")
+    if not 0 < r.gpu_memory_utilization <= 1:
+        raise ValueError(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} must be in (0, 1]")
+    lo, hi = a.clip_range()
+    if not 0 < lo < 1:
+        raise ValueError(f"algo.clip_low={lo} must be in (0, 1)")
+    if hi <= 0:
+        raise ValueError(f"algo.clip_high={hi} must be > 0")
+    _check_positive("algo.kl_coef", a.kl_coef, allow_zero=True)
+    _check_positive("algo.adv_eps", a.adv_eps)
+    for k in ("steps", "lr", "num_minibatches", "keep_checkpoints"):
+        _check_positive(f"train.{k}", getattr(tr, k))
+    for k in ("micro_batch_size", "checkpoint_every", "grad_clip", "weight_decay"):
+        _check_positive(f"train.{k}", getattr(tr, k), allow_zero=True)
+    for k in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(tr, k) < 1:
+            raise ValueError(f"train.{k}={getattr(tr, k)} must be in [0, 1)")
+    _check_positive("logging.trace_every", lg.trace_every, allow_zero=True)
+    _check_positive("task.prompt_len", t.prompt_len)
+    if not 2 <= t.num_symbols <= 36:
+        raise ValueError(f"task.num_symbols={t.num_symbols} must be in [2, 36]")
+
+    # Cross-section combinations, checked once here.
+    if t.name == "jsonl" and not t.path:
+        raise ValueError("task.name=jsonl needs task.path=FILE.jsonl (lines with 'prompt' and 'answer')")
+    if a.routing_replay == "r3" and not r.record_routes:
+        raise ValueError(
+            "algo.routing_replay=r3 replays the rollout engine's routes, but rollout.record_routes=false; "
+            "set rollout.record_routes=true or choose algo.routing_replay=r2/none"
+        )
+    if a.aggregation == "token_mean" and a.name != "grpo":
+        raise ValueError(
+            f"algo.aggregation=token_mean applies to grpo only; {a.name} averages per sequence by definition"
+        )
+    if r.engine == "vllm" and r.record_probs:
+        # vLLM returns expert ids only; silently dropping probs would surprise in reports.
+        r.record_probs = False
+    num_samples = r.prompts_per_step * r.samples_per_prompt
+    if num_samples % tr.num_minibatches:
+        raise ValueError(
+            f"rollout.prompts_per_step*rollout.samples_per_prompt={num_samples} is not divisible by "
+            f"train.num_minibatches={tr.num_minibatches}"
+        )
+    if a.name in ("gspo", "gspo_token") and hi >= 0.05:
+        warnings.warn(
+            f"algo.name={a.name} with clip range ({lo}, {hi}): that is a token-level range; GSPO's sequence "
+            f"ratio is length-normalised and lives near 1, the paper uses (3e-4, 4e-4). Nothing will be clipped.",
+            stacklevel=2,
+        )
+    if a.name == "grpo" and hi < 0.01:
+        warnings.warn(
+            f"algo.name=grpo with clip range ({lo}, {hi}): a sequence-level range applied to token ratios "
+            f"clips almost every token; the paper's GRPO baseline uses (0.2, 0.27).",
+            stacklevel=2,
+        )
+    return cfg
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    if "=" not in text:
+        raise ValueError(f"override {text!r} must look like section.key=value (e.g. train.lr=1e-3)")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2 or parts[0] not in SECTIONS:
+        raise ValueError(
+            f"override key {key!r} must be section.key with section in {list(SECTIONS)} (e.g. train.lr=1e-3)"
+        )
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ValueError(f"override {text!r}: value is not valid YAML ({e})") from None
+    return parts[0], parts[1], value
+
+
+def config_from_dict(data: dict | None, overrides: list[str] = ()) -> Config:
+    """Build and validate a Config from a nested mapping plus dotted overrides."""
+    data = dict(data or {})
+    for sec in data:
+        if sec not in SECTIONS:
+            raise ValueError(f"unknown config section '{sec}'; sections: {', '.join(SECTIONS)}")
+    merged = {sec: dict(data.get(sec) or {}) for sec in SECTIONS}
+    for ov in overrides:
+        sec, key, value = parse_override(ov)
+        merged[sec][key] = value
+    classes = _section_classes()
+    cfg = Config(**{sec: _build_section(sec, classes[sec], merged[sec]) for sec in SECTIONS})
+    return validate(cfg)
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Load a YAML config file (or the defaults when path is None) and apply overrides."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"config file {str(p)!r} does not exist; pass --config configs/tiny_cpu.yaml or a valid path")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {str(p)!r} must hold a mapping of sections, got {type(data).__name__}")
+    return config_from_dict(data, overrides)

@@ -1,0 +1,334 @@
+"""A transformers rollout engine for Qwen3-MoE that records the experts every token used.
+
+`HFEngine` holds its own copy of the policy (separate from any learner, in the inference dtype,
+bfloat16 by default) and samples with a small KV-cache decoding loop instead of `model.generate`,
+so that router captures map one-to-one onto token positions:
+
+- one prefill forward over the left-padded prompts (each distinct prompt once; the cache is then
+  repeated `n` times) gives the routes of every prompt token;
+- each decode forward feeds one sampled token per row and gives that token's routes.
+
+Position ids come from the attention mask (`cumsum - 1`), so left padding does not shift positions
+and a padded row computes what it would compute alone. The last sampled token of a row is never fed
+back, hence `routes_TLK` has `T = P + R - 1` rows (see `moe_gspo.rollout.base`). Rows that sampled
+EOS keep being fed padding until every row is done; their extra outputs are dropped.
+
+Sampling draws from `softmax(logits / temperature)` restricted to the top-p nucleus, with one
+`torch.Generator` seeded from `SamplingParams.seed` for the whole batch (same seed, weights, prompts
+and batch give the same samples); `temperature == 0` means greedy decoding. `response_logprobs`
+are `log_softmax` of the raw float32 logits (temperature 1, no top-p) at the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from moe_gspo.rollout.base import RolloutEngine, RolloutSample, SamplingParams
+from moe_gspo.rollout.hf_router_hooks import HFRouterRecorder, find_routers
+from moe_gspo.rollout.weights_sync import load_named_tensors_
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
+           "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
+
+
+def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype={dtype} must be a floating-point dtype")
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; use 'bfloat16', 'float32' or 'float16'")
+    return _DTYPES[dtype]
+
+
+def _strip_router_hooks(model: nn.Module) -> None:
+    """Drop `HFRouterRecorder` hooks that `copy.deepcopy` carried over from the source model."""
+    for module in model.modules():
+        for key, hook in list(module._forward_hooks.items()):
+            if getattr(hook, "_moe_gspo_router_hook", False):
+                del module._forward_hooks[key]
+
+
+def _load_model(model_or_dir, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    from transformers import Qwen3MoeForCausalLM
+
+    if isinstance(model_or_dir, nn.Module):
+        if not isinstance(model_or_dir, Qwen3MoeForCausalLM):
+            raise ValueError(f"model_or_dir is a {type(model_or_dir).__name__}; HFEngine needs a "
+                             "Qwen3MoeForCausalLM instance or a checkpoint directory")
+        model = copy.deepcopy(model_or_dir)
+        _strip_router_hooks(model)
+        model.to(device)
+        for param in model.parameters():  # parameters only: rotary buffers keep their float32
+            param.grad = None
+            param.data = param.data.to(dtype)
+        rotary = model.model.rotary_emb
+        if rotary.inv_freq.dtype != torch.float32:  # source was cast with .to(dtype): rebuild exactly
+            model.model.rotary_emb = type(rotary)(config=model.config).to(device)
+    else:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        path = Path(model_or_dir)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model_or_dir={str(path)!r} is not a checkpoint directory (no "
+                             "config.json); pass a local Hugging Face Qwen3-MoE checkpoint dir")
+        model_type = getattr(AutoConfig.from_pretrained(str(path)), "model_type", None)
+        if model_type != "qwen3_moe":
+            raise ValueError(f"checkpoint {str(path)!r} has model_type={model_type!r}; HFEngine "
+                             "supports 'qwen3_moe' only")
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def sample_next_tokens(logits_BV: torch.Tensor, *, temperature: float, top_p: float,
+                       generator: torch.Generator | None) -> torch.Tensor:
+    """Sample one token per row from float32 logits: temperature, then top-p nucleus.
+
+    `temperature == 0` returns the argmax. The nucleus keeps the smallest set of most likely tokens
+    whose mass reaches `top_p` (always at least one token).
+    """
+    if temperature == 0:
+        return logits_BV.argmax(dim=-1)
+    probs_BV = torch.softmax(logits_BV.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
+        mass_before_BV = sorted_BV.cumsum(dim=-1) - sorted_BV
+        sorted_BV = sorted_BV.masked_fill(mass_before_BV >= top_p, 0.0)
+        probs_BV = torch.zeros_like(probs_BV).scatter_(-1, order_BV, sorted_BV)
+    return torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
+
+
+def _check_sampling(sampling: SamplingParams) -> None:
+    if sampling.n < 1:
+        raise ValueError(f"sampling.n={sampling.n} must be >= 1")
+    if sampling.max_new_tokens < 1:
+        raise ValueError(f"sampling.max_new_tokens={sampling.max_new_tokens} must be >= 1")
+    if sampling.temperature < 0:
+        raise ValueError(f"sampling.temperature={sampling.temperature} must be >= 0 (0 = greedy)")
+    if not 0.0 < sampling.top_p <= 1.0:
+        raise ValueError(f"sampling.top_p={sampling.top_p} must be in (0, 1]")
+
+
+class HFEngine(RolloutEngine):
+    """Rollout engine on a transformers `Qwen3MoeForCausalLM`, with router capture by hooks.
+
+    Args:
+        model_or_dir: a `Qwen3MoeForCausalLM` (deep-copied: the engine never shares weights with
+            the caller) or a local checkpoint directory.
+        dtype: inference dtype ("bfloat16" by default, as inference engines run, or "float32").
+        device: "cpu", "cuda", or None for cuda when available.
+        record_routes / record_probs: fill `routes_TLK` / `router_probs_TLK` of every sample.
+        pad_token_id / eos_token_id: default to the model config (eos may be a list of ids).
+    """
+
+    def __init__(self, model_or_dir, *, dtype: str | torch.dtype = "bfloat16",
+                 device: str | torch.device | None = None, record_routes: bool = True,
+                 record_probs: bool = True, pad_token_id: int | None = None,
+                 eos_token_id: int | list[int] | None = None):
+        self.dtype = _parse_dtype(dtype)
+        self.device = torch.device(device if device is not None
+                                   else ("cuda" if torch.cuda.is_available() else "cpu"))
+        self._model = _load_model(model_or_dir, self.dtype, self.device)
+        config = self._model.config
+        self.vocab_size: int = config.vocab_size
+        eos = eos_token_id if eos_token_id is not None else config.eos_token_id
+        if eos is None:
+            raise ValueError("eos_token_id is not set in the model config; pass eos_token_id=")
+        self.eos_token_ids: list[int] = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+        pad = pad_token_id if pad_token_id is not None else config.pad_token_id
+        self.pad_token_id: int = int(pad if pad is not None else self.eos_token_ids[0])
+        for name, tok in [("pad_token_id", self.pad_token_id)] + [("eos_token_id", e) for e in self.eos_token_ids]:
+            if not 0 <= tok < self.vocab_size:
+                raise ValueError(f"{name}={tok} is outside the vocabulary [0, {self.vocab_size})")
+        routers = find_routers(self._model)
+        if not routers:
+            raise ValueError("the model has no MoE layer (every layer is in mlp_only_layers?)")
+        self._moe_layer_ids = [layer for layer, _ in routers]
+        self._top_k = routers[0][1].top_k
+        self._num_experts = routers[0][1].num_experts
+        self.record_probs = bool(record_routes and record_probs)
+        self.recorder: HFRouterRecorder | None = (
+            HFRouterRecorder(self._model, record_probs=self.record_probs) if record_routes else None)
+
+    # ----------------------------------------------------------------------------- properties
+    @property
+    def model(self) -> nn.Module:
+        """The engine's own model (do not train it; use `update_weights`)."""
+        return self._model
+
+    @property
+    def records_routes(self) -> bool:
+        return self.recorder is not None
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self._moe_layer_ids)
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        return list(self._moe_layer_ids)
+
+    @property
+    def top_k(self) -> int:
+        return self._top_k
+
+    @property
+    def num_experts(self) -> int:
+        return self._num_experts
+
+    @property
+    def route_dtype(self) -> np.dtype:
+        return np.dtype(np.uint8 if self._num_experts <= 256 else np.uint16)
+
+    # ----------------------------------------------------------------------------- weights
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy learner weights in (any dtype/device; cast to the engine's dtype).
+
+        Accepts the in-memory fused names and the on-disk per-expert names (see `weights_sync`).
+        Unknown names or shape mismatches raise `ValueError` and leave the weights unchanged.
+        """
+        load_named_tensors_(self._model, named_tensors)
+
+    # ----------------------------------------------------------------------------- generation
+    def _check_prompts(self, prompts: list[list[int]]) -> None:
+        if len(prompts) == 0:
+            raise ValueError("prompts is empty; pass at least one prompt (a list of token ids)")
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
+            bad = [t for t in prompt if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompts[{i}] has token ids {bad[:5]} outside [0, {self.vocab_size})")
+
+    def _pop_routes(self, batch: int, seq: int):
+        """The single recorded forward as ([batch, seq, L, K] ids, probs or None)."""
+        calls = self.recorder.pop()
+        assert len(calls) == 1, f"expected one recorded forward, got {len(calls)}"
+        ids = calls[0].topk_ids_NLK.reshape(batch, seq, self.num_moe_layers, self._top_k)
+        probs = calls[0].probs_NLK
+        if probs is not None:
+            probs = probs.reshape(batch, seq, self.num_moe_layers, self._top_k)
+        return ids, probs
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[RolloutSample]:
+        """Sample `sampling.n` responses per prompt, all prompts in one batch; groups contiguous."""
+        from transformers import DynamicCache
+
+        _check_sampling(sampling)
+        self._check_prompts(prompts)
+        n, device = sampling.n, self.device
+        num_prompts = len(prompts)
+        batch = num_prompts * n
+        lengths_P = [len(p) for p in prompts]
+        max_len = max(lengths_P)
+        input_ids = torch.full((num_prompts, max_len), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((num_prompts, max_len), dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            input_ids[i, max_len - len(prompt):] = torch.as_tensor(prompt, dtype=torch.long)
+            mask[i, max_len - len(prompt):] = 1
+        input_ids, mask = input_ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+
+        generator = torch.Generator(device=device)
+        generator.manual_seed(int(sampling.seed))
+        eos_ids = torch.tensor(self.eos_token_ids, device=device)
+        if self.recorder is not None:
+            self.recorder.clear()
+
+        # Prefill each distinct prompt once, then repeat the cache for the n samples.
+        cache = DynamicCache(config=self._model.config)
+        out = self._model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                          past_key_values=cache, use_cache=True, logits_to_keep=1)
+        prefill_routes = self._pop_routes(num_prompts, max_len) if self.recorder is not None else None
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+        logits_BV = out.logits[:, -1].float().repeat_interleave(n, dim=0)
+        mask = mask.repeat_interleave(n, dim=0)
+        next_pos_B = positions[:, -1].repeat_interleave(n, dim=0) + 1
+
+        tokens, logprobs, decode_ids, decode_probs = [], [], [], []
+        finished_B = torch.zeros(batch, dtype=torch.bool, device=device)
+        for step in range(sampling.max_new_tokens):
+            tok_B = sample_next_tokens(logits_BV, temperature=sampling.temperature,
+                                       top_p=sampling.top_p, generator=generator)
+            tok_B = tok_B.masked_fill(finished_B, self.pad_token_id)
+            logp_B = torch.log_softmax(logits_BV, dim=-1).gather(-1, tok_B[:, None]).squeeze(-1)
+            tokens.append(tok_B)
+            logprobs.append(logp_B)
+            finished_B = finished_B | torch.isin(tok_B, eos_ids)
+            if step == sampling.max_new_tokens - 1 or bool(finished_B.all()):
+                break
+            mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=1)
+            out = self._model(input_ids=tok_B[:, None], attention_mask=mask,
+                              position_ids=next_pos_B[:, None], past_key_values=cache,
+                              use_cache=True)
+            next_pos_B = next_pos_B + 1
+            logits_BV = out.logits[:, -1].float()
+            if self.recorder is not None:
+                ids, probs = self._pop_routes(batch, 1)
+                decode_ids.append(ids[:, 0])
+                decode_probs.append(probs[:, 0] if probs is not None else None)
+
+        return self._collect(prompts, n, max_len, torch.stack(tokens, 1), torch.stack(logprobs, 1),
+                             eos_ids, prefill_routes, decode_ids, decode_probs)
+
+    def _collect(self, prompts, n, max_len, tokens_BS, logprobs_BS, eos_ids, prefill_routes,
+                 decode_ids, decode_probs) -> list[RolloutSample]:
+        """Unpad and split the batch into `RolloutSample`s (one device->host transfer per field)."""
+        is_eos_BS = torch.isin(tokens_BS, eos_ids)
+        has_eos_B = is_eos_BS.any(dim=1)
+        first_eos_B = is_eos_BS.int().argmax(dim=1)
+        resp_len_B = torch.where(has_eos_B, first_eos_B + 1, tokens_BS.shape[1]).cpu().numpy()
+        has_eos_B = has_eos_B.cpu().numpy()
+        tokens_np = tokens_BS.cpu().numpy().astype(np.int64)
+        logprobs_np = logprobs_BS.float().cpu().numpy().astype(np.float32)
+
+        routes = probs = None
+        if prefill_routes is not None:
+            pre_ids, pre_probs = prefill_routes
+            routes = (pre_ids.cpu().numpy().astype(self.route_dtype),
+                      torch.stack(decode_ids, 1).cpu().numpy().astype(self.route_dtype)
+                      if decode_ids else None)
+            if pre_probs is not None:
+                probs = (pre_probs.cpu().numpy().astype(np.float16),
+                         torch.stack(decode_probs, 1).cpu().numpy().astype(np.float16)
+                         if decode_probs else None)
+
+        def rows(parts, prompt_i, b, num_prompt, resp_len):
+            prefill, decode = parts
+            pieces = [prefill[prompt_i, max_len - num_prompt:]]
+            if resp_len > 1:
+                pieces.append(decode[b, :resp_len - 1])
+            return np.concatenate(pieces, axis=0)
+
+        samples = []
+        for b in range(len(prompts) * n):
+            i = b // n
+            resp_len = int(resp_len_B[b])
+            sample = RolloutSample(
+                prompt_index=i,
+                prompt_ids=np.asarray(prompts[i], dtype=np.int64),
+                response_ids=tokens_np[b, :resp_len].copy(),
+                response_logprobs=logprobs_np[b, :resp_len].copy(),
+                finish_reason="stop" if has_eos_B[b] else "length",
+            )
+            if routes is not None:
+                sample.routes_TLK = rows(routes, i, b, len(prompts[i]), resp_len)
+            if probs is not None:
+                sample.router_probs_TLK = rows(probs, i, b, len(prompts[i]), resp_len)
+            samples.append(sample)
+        return samples
+
+    def close(self) -> None:
+        """Remove the router hooks (the engine keeps working, without routes)."""
+        if self.recorder is not None:
+            self.recorder.remove()
+            self.recorder = None

@@ -1,0 +1,269 @@
+"""Routing-drift metrics: how differently two routings (engines, dtypes, policy versions) route
+the same tokens.
+
+Used for rollout-engine vs learner routing (the R3 motivation, Ma et al. 2025, arXiv 2510.11370) and
+for the learner's routing before vs after one update (the GSPO paper's Routing Replay motivation,
+Zheng et al. 2025, arXiv 2507.18071, §5.3: "about 10% of the experts activated ... differ").
+
+Everything compares top-k *sets*: the order of the K ids within a (token, layer) row is ignored.
+Rows are assumed to hold K distinct ids (true for any top-k routing, and for the filler of
+`moe_gspo.routing.align`). Inputs are numpy arrays or torch tensors (converted to numpy on the CPU);
+the work is vectorised over tokens, layers and slots via a [tokens, L, K, K] slot-equality tensor,
+processed in chunks of tokens to bound memory.
+
+Metric keys (`routing_drift`):
+- ``routing/layer_disagree`` list[L]: fraction of tokens whose top-k set differs in that layer.
+- ``routing/any_layer_flip``: fraction of tokens whose set differs in at least one layer.
+- ``routing/mean_layers_differing``: mean number of differing layers per token.
+- ``routing/topk_overlap``: mean |A∩B|/K over tokens and layers.
+- ``routing/jaccard``: mean |A∩B|/|A∪B| over tokens and layers.
+- ``routing/expert_change_frac``: 1 − topk_overlap, the share of activated experts that differ (the
+  GSPO paper's "~10% after one update" quantity when a = old policy, b = new policy).
+- ``routing/expert_load_a`` / ``_b`` [L][E]: share of each layer's k slots that go to each expert
+  (rows sum to 1); ``routing/expert_load_diff`` = b − a.
+- ``routing/prob_kl`` (only with full router distributions ``probs_*_NLE``): mean over tokens and
+  layers of KL(a‖b) = Σ_e a_e (log a_e − log b_e), probabilities clipped below at 1e-12.
+- ``routing/topk_prob_l1`` (only with top-k probabilities ``topk_probs_*_NLK``, as traces store them):
+  see `topk_prob_l1`.
+- ``num_tokens``: tokens compared (after the mask).
+Empty inputs give 0 for every metric (never NaN).
+
+Simplification: no per-layer KL and no weighting by response length; `trace_drift` weights every
+compared token equally.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import numpy as np
+
+from moe_gspo.routing.trace import RoutingTrace
+
+_CHUNK_TOKENS = 4096
+_PROB_FLOOR = 1e-12
+
+
+def _np(x: Any) -> np.ndarray | None:
+    """numpy view of an array or torch tensor (None passes through)."""
+    if x is None:
+        return None
+    if hasattr(x, "detach") and hasattr(x, "cpu"):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def _check_pair(topk_a: Any, topk_b: Any) -> tuple[np.ndarray, np.ndarray]:
+    a, b = _np(topk_a), _np(topk_b)
+    if a.ndim != 3 or b.ndim != 3:
+        raise ValueError(f"topk_a and topk_b must be [N, L, K] arrays, got shapes {a.shape} and {b.shape}")
+    if a.shape != b.shape:
+        raise ValueError(f"topk_a and topk_b must have the same shape [N, L, K], got {a.shape} vs {b.shape}")
+    if a.shape[2] < 1:
+        raise ValueError("top-k arrays need K >= 1 slots")
+    if a.dtype.kind not in "iu" or b.dtype.kind not in "iu":
+        raise ValueError(f"top-k arrays must hold integer expert ids, got {a.dtype} and {b.dtype}")
+    return a, b
+
+
+def _slot_match(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """bool [n, L, K, K]: ``[.., i, j]`` is True when slot i of a and slot j of b hold the same id."""
+    return a[..., :, None] == b[..., None, :]
+
+
+def _intersection(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """int [N, L] size of the intersection of the top-k sets of a and b."""
+    n, num_layers, _ = a.shape
+    out = np.empty((n, num_layers), dtype=np.int32)
+    for s in range(0, n, _CHUNK_TOKENS):
+        out[s:s + _CHUNK_TOKENS] = _slot_match(a[s:s + _CHUNK_TOKENS], b[s:s + _CHUNK_TOKENS]).any(-1).sum(-1)
+    return out
+
+
+def per_token_layer_diff(topk_a_NLK: Any, topk_b_NLK: Any) -> np.ndarray:
+    """bool [N, L]: True where the two top-k sets of a token differ in that layer."""
+    a, b = _check_pair(topk_a_NLK, topk_b_NLK)
+    return _intersection(a, b) < a.shape[2]
+
+
+def per_token_flip_mask(topk_a_NLK: Any, topk_b_NLK: Any) -> np.ndarray:
+    """bool [N]: True for tokens whose top-k set differs in at least one layer."""
+    return per_token_layer_diff(topk_a_NLK, topk_b_NLK).any(axis=1)
+
+
+def expert_load(topk_NLK: Any, num_experts: int) -> np.ndarray:
+    """float64 [L, E]: share of each layer's k slots that go to each expert (rows sum to 1; zeros if
+    there are no tokens)."""
+    ids = _np(topk_NLK)
+    n, num_layers, k = ids.shape
+    if n == 0:
+        return np.zeros((num_layers, num_experts))
+    flat = (np.arange(num_layers, dtype=np.int64)[None, :, None] * num_experts + ids).ravel()
+    counts = np.bincount(flat, minlength=num_layers * num_experts).reshape(num_layers, num_experts)
+    return counts / float(n * k)
+
+
+def topk_prob_l1(topk_a_NLK: Any, probs_a_NLK: Any, topk_b_NLK: Any, probs_b_NLK: Any) -> float:
+    """Mean over tokens and layers of the L1 distance between the two top-k weight vectors.
+
+    Each side's K probabilities are placed on their experts in an E-vector that is zero elsewhere;
+    the result is Σ_e |w_a(e) − w_b(e)| averaged over (token, layer) rows. With renormalised top-k
+    weights (``norm_topk_prob``) it lies in [0, 2]: 0 for identical routing and weights, 2 for
+    disjoint expert sets. It is computed from the K slots only (no E-sized arrays), 0 when empty.
+    """
+    a, b = _check_pair(topk_a_NLK, topk_b_NLK)
+    pa, pb = _np(probs_a_NLK), _np(probs_b_NLK)
+    if pa.shape != a.shape or pb.shape != b.shape:
+        raise ValueError(f"top-k probabilities must have the shape of the ids {a.shape}, got "
+                         f"{pa.shape} and {pb.shape}")
+    n = a.shape[0]
+    if n == 0 or a.shape[1] == 0:
+        return 0.0
+    total = 0.0
+    for s in range(0, n, _CHUNK_TOKENS):
+        m = _slot_match(a[s:s + _CHUNK_TOKENS], b[s:s + _CHUNK_TOKENS])        # [n, L, K, K]
+        wa = pa[s:s + _CHUNK_TOKENS].astype(np.float64)
+        wb = pb[s:s + _CHUNK_TOKENS].astype(np.float64)
+        wb_at_a = (m * wb[..., None, :]).sum(-1)                                 # b's weight on a's experts
+        b_unmatched = ~m.any(-2)                                                 # b slots not in a
+        total += np.abs(wa - wb_at_a).sum() + (wb * b_unmatched).sum()
+    return float(total / (n * a.shape[1]))
+
+
+def routing_drift(topk_a_NLK: Any, topk_b_NLK: Any, *, num_experts: int, probs_a_NLE: Any = None,
+                  probs_b_NLE: Any = None, topk_probs_a_NLK: Any = None, topk_probs_b_NLK: Any = None,
+                  token_mask_N: Any = None) -> dict[str, Any]:
+    """Drift metrics between two routings of the same N tokens (keys in the module docstring).
+
+    `token_mask_N` (bool [N]) restricts every metric to the selected tokens. `probs_*_NLE` are full
+    router distributions [N, L, E] (adds ``routing/prob_kl``); `topk_probs_*_NLK` are the
+    probabilities of the listed experts [N, L, K] (adds ``routing/topk_prob_l1``).
+    """
+    a, b = _check_pair(topk_a_NLK, topk_b_NLK)
+    num_experts = int(num_experts)
+    n_all, num_layers, k = a.shape
+    for name, x in (("topk_a_NLK", a), ("topk_b_NLK", b)):
+        if x.size and (int(x.min()) < 0 or int(x.max()) >= num_experts):
+            raise ValueError(f"{name} holds expert ids outside [0, num_experts={num_experts})")
+    pa, pb = _np(probs_a_NLE), _np(probs_b_NLE)
+    if (pa is None) != (pb is None):
+        raise ValueError("pass both probs_a_NLE and probs_b_NLE, or neither")
+    if pa is not None:
+        for name, p in (("probs_a_NLE", pa), ("probs_b_NLE", pb)):
+            if p.shape != (n_all, num_layers, num_experts):
+                raise ValueError(f"{name} must have shape [N, L, E] = {(n_all, num_layers, num_experts)}, "
+                                 f"got {p.shape}")
+    ta, tb = _np(topk_probs_a_NLK), _np(topk_probs_b_NLK)
+    if (ta is None) != (tb is None):
+        raise ValueError("pass both topk_probs_a_NLK and topk_probs_b_NLK, or neither")
+    if token_mask_N is not None:
+        mask = _np(token_mask_N).astype(bool)
+        if mask.shape != (n_all,):
+            raise ValueError(f"token_mask_N must be a bool array of shape [N] = ({n_all},), got {mask.shape}")
+        a, b = a[mask], b[mask]
+        pa = pa[mask] if pa is not None else None
+        pb = pb[mask] if pb is not None else None
+        ta = ta[mask] if ta is not None else None
+        tb = tb[mask] if tb is not None else None
+    n = a.shape[0]
+
+    load_a, load_b = expert_load(a, num_experts), expert_load(b, num_experts)
+    out: dict[str, Any] = {}
+    if n == 0 or num_layers == 0:
+        out.update({"routing/layer_disagree": [0.0] * num_layers, "routing/any_layer_flip": 0.0,
+                    "routing/mean_layers_differing": 0.0, "routing/topk_overlap": 0.0,
+                    "routing/jaccard": 0.0, "routing/expert_change_frac": 0.0})
+    else:
+        inter = _intersection(a, b)                                   # [n, L]
+        diff = inter < k
+        overlap = float(inter.mean() / k)
+        out.update({
+            "routing/layer_disagree": diff.mean(axis=0).tolist(),
+            "routing/any_layer_flip": float(diff.any(axis=1).mean()),
+            "routing/mean_layers_differing": float(diff.sum(axis=1).mean()),
+            "routing/topk_overlap": overlap,
+            "routing/jaccard": float((inter / (2 * k - inter)).mean()),
+            "routing/expert_change_frac": 1.0 - overlap,
+        })
+    out["routing/expert_load_a"] = load_a.tolist()
+    out["routing/expert_load_b"] = load_b.tolist()
+    out["routing/expert_load_diff"] = (load_b - load_a).tolist()
+    if pa is not None:
+        if n == 0 or num_layers == 0:
+            out["routing/prob_kl"] = 0.0
+        else:
+            la = np.log(np.maximum(pa.astype(np.float64), _PROB_FLOOR))
+            lb = np.log(np.maximum(pb.astype(np.float64), _PROB_FLOOR))
+            out["routing/prob_kl"] = float((np.exp(la) * (la - lb)).sum(-1).mean())
+    if ta is not None:
+        out["routing/topk_prob_l1"] = topk_prob_l1(a, ta, b, tb)
+    out["num_tokens"] = int(n)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+TokenSelection = Literal["all", "response", "prompt"]
+
+
+def common_rows(trace_a: RoutingTrace, trace_b: RoutingTrace, *,
+                tokens: TokenSelection = "all") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Row indices of the tokens both traces routed: ``(rows_a, rows_b, seq_index)``, int64 [M].
+
+    Sequence i contributes its first ``min(T_a_i, T_b_i)`` rows; ``tokens="prompt"`` keeps the rows at
+    positions ``t < P_i`` (the prompt tokens), ``"response"`` those at ``t >= P_i`` (the sampled
+    tokens; note the logits of response token t come from row t − 1). Raises ValueError when the
+    traces do not describe the same sequences (N, L, K, num_experts, layer_ids, lengths).
+    """
+    _check_compatible(trace_a, trace_b)
+    if tokens not in ("all", "response", "prompt"):
+        raise ValueError(f"tokens must be 'all', 'response' or 'prompt', got {tokens!r}")
+    t_common = np.minimum(trace_a.seq_lens, trace_b.seq_lens)
+    p = trace_a.prompt_lens.astype(np.int64)
+    if tokens == "all":
+        lo, hi = np.zeros_like(t_common), t_common
+    elif tokens == "prompt":
+        lo, hi = np.zeros_like(t_common), np.minimum(t_common, p)
+    else:
+        lo, hi = np.minimum(p, t_common), t_common
+    counts = hi - lo
+    total = int(counts.sum())
+    seq_index = np.repeat(np.arange(trace_a.num_sequences, dtype=np.int64), counts)
+    # position within each selected run, then shift by each sequence's first selected row
+    run_start = np.repeat(np.cumsum(counts) - counts, counts)
+    within = np.arange(total, dtype=np.int64) - run_start
+    rows_a = trace_a.seq_offsets[:-1][seq_index] + lo[seq_index] + within
+    rows_b = trace_b.seq_offsets[:-1][seq_index] + lo[seq_index] + within
+    return rows_a, rows_b, seq_index
+
+
+def _check_compatible(ta: RoutingTrace, tb: RoutingTrace) -> None:
+    checks = [("number of sequences N", ta.num_sequences, tb.num_sequences),
+              ("number of MoE layers L", ta.num_layers, tb.num_layers),
+              ("top-k K", ta.top_k, tb.top_k),
+              ("num_experts", ta.num_experts, tb.num_experts)]
+    for what, x, y in checks:
+        if x != y:
+            raise ValueError(f"traces differ in {what}: {x} vs {y}")
+    if not np.array_equal(ta.layer_ids, tb.layer_ids):
+        raise ValueError(f"traces differ in layer_ids: {ta.layer_ids.tolist()} vs {tb.layer_ids.tolist()}")
+    for what, x, y in (("prompt_lens", ta.prompt_lens, tb.prompt_lens),
+                       ("response_lens", ta.response_lens, tb.response_lens)):
+        bad = np.nonzero(x != y)[0]
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"traces differ in {what} (sequence {i}: {x[i]} vs {y[i]}); they must "
+                             f"describe the same tokens")
+
+
+def trace_drift(trace_a: RoutingTrace, trace_b: RoutingTrace, *,
+                tokens: TokenSelection = "all") -> dict[str, Any]:
+    """`routing_drift` over the tokens both traces routed (see `common_rows` for `tokens`).
+
+    Adds ``routing/topk_prob_l1`` when both traces store router probabilities.
+    """
+    rows_a, rows_b, _ = common_rows(trace_a, trace_b, tokens=tokens)
+    kw = {}
+    if trace_a.router_probs is not None and trace_b.router_probs is not None:
+        kw = dict(topk_probs_a_NLK=trace_a.router_probs[rows_a], topk_probs_b_NLK=trace_b.router_probs[rows_b])
+    return routing_drift(trace_a.topk_ids[rows_a], trace_b.topk_ids[rows_b],
+                         num_experts=trace_a.num_experts, **kw)

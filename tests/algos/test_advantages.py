@@ -1,0 +1,71 @@
+"""Tests of group_advantages: hand-computed values, population std, constant groups, errors."""
+
+import math
+
+import pytest
+import torch
+
+from moe_gspo.algos import group_advantages
+
+
+def test_hand_values_population_std():
+    # group 0: [0, 1, 2] mean 1, population std sqrt(((-1)^2 + 0 + 1^2) / 3) = sqrt(2/3)
+    #          -> advantages [-1/sqrt(2/3), 0, 1/sqrt(2/3)] = [-1.2247, 0, 1.2247]
+    #          (the unbiased std would be 1 and give [-1, 0, 1])
+    # group 1: [1, 0, 0] mean 1/3, population std sqrt(((2/3)^2 + 2 (1/3)^2) / 3) = sqrt(2)/3
+    #          -> [(2/3) / (sqrt(2)/3), -(1/3) / (sqrt(2)/3), same] = [sqrt(2), -1/sqrt(2), -1/sqrt(2)]
+    rewards = torch.tensor([0.0, 1.0, 2.0, 1.0, 0.0, 0.0], dtype=torch.float64)
+    adv = group_advantages(rewards, group_size=3, eps=0.0)
+    s = math.sqrt(2.0 / 3.0)
+    expected = torch.tensor([-1 / s, 0.0, 1 / s, math.sqrt(2.0), -1 / math.sqrt(2.0), -1 / math.sqrt(2.0)],
+                            dtype=torch.float64)
+    torch.testing.assert_close(adv, expected)
+
+
+def test_eps_is_added_to_std():
+    # [1, 0]: mean 0.5, population std 0.5 -> (0.5) / (0.5 + 0.5) = 0.5 with eps = 0.5
+    adv = group_advantages(torch.tensor([1.0, 0.0]), group_size=2, eps=0.5)
+    torch.testing.assert_close(adv, torch.tensor([0.5, -0.5]))
+
+
+def test_constant_group_gets_exact_zero():
+    # 0.1 is not representable: mean of three 0.1s need not equal 0.1 bit for bit, but the
+    # advantage must be exactly 0, not a rounding residue divided by eps.
+    rewards = torch.tensor([0.1, 0.1, 0.1, 0.3, 0.3, 0.3, 1.0, 0.0, 1.0])
+    adv = group_advantages(rewards, group_size=3)
+    assert torch.equal(adv[:6], torch.zeros(6))
+    assert adv[6] > 0 and adv[7] < 0
+
+
+def test_group_size_one_gives_zero():
+    adv = group_advantages(torch.tensor([3.0, -1.0, 7.0]), group_size=1)
+    assert torch.equal(adv, torch.zeros(3))
+
+
+def test_groups_are_contiguous_and_standardised():
+    gen = torch.Generator().manual_seed(0)
+    rewards = torch.rand(4 * 5, generator=gen, dtype=torch.float64)
+    adv = group_advantages(rewards, group_size=5, eps=0.0).reshape(4, 5)
+    torch.testing.assert_close(adv.mean(-1), torch.zeros(4, dtype=torch.float64))
+    torch.testing.assert_close(adv.std(-1, correction=0), torch.ones(4, dtype=torch.float64))
+
+
+def test_dtypes():
+    adv = group_advantages(torch.tensor([1, 0, 0, 1]), group_size=2)
+    assert adv.dtype == torch.get_default_dtype()
+    assert group_advantages(torch.tensor([1.0, 0.0], dtype=torch.bfloat16), 2).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "rewards, group_size, match",
+    [
+        (torch.zeros(5), 2, "multiple of group_size"),
+        (torch.zeros(2, 2), 2, "1-D"),
+        (torch.zeros(4), 0, "group_size"),
+        (torch.zeros(4), 2.0, "group_size"),
+        (torch.tensor([0.0, float("nan")]), 2, "nan"),
+    ],
+)
+def test_errors(rewards, group_size, match):
+    with pytest.raises(ValueError, match=match):
+        group_advantages(rewards, group_size)

@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from analysis.load import (
     RunData, expert_load_from_topk, load_logprobs, load_topk, matrix_series, probe_value,
@@ -87,7 +88,13 @@ def _lines(ax, run: RunData, keys_labels: list[tuple[str, str]], logy: bool = Fa
         ax.set_yscale("log")
     if drawn:
         ax.legend(fontsize="small")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     return drawn
+
+
+def _heat_height(num_layers: int, extra: float = 1.4) -> float:
+    """Figure height (inches) for a heatmap with one row per layer, capped for 48+ layer models."""
+    return float(np.clip(0.3 * num_layers + extra, 2.4, 6.5))
 
 
 def _layer_labels(run: RunData | None, num_layers: int, probe: dict | None = None) -> list[str]:
@@ -114,17 +121,19 @@ def _layer_axis_label(labels: list[str]) -> str:
 
 def _load_heatmaps(rollout_LE: np.ndarray, learner_LE: np.ndarray, labels: list[str],
                    source: str) -> Figure:
-    fig, axes = _fig(3, width=5.0, height=max(2.4, 0.35 * len(labels) + 1.6))
+    fig, axes = _fig(3, width=5.0, height=_heat_height(len(labels), 1.6))
     vmax = float(max(rollout_LE.max(), learner_LE.max(), 1e-12))
-    for ax, data, name in ((axes[0], rollout_LE, "rollout engine"), (axes[1], learner_LE, "learner")):
-        sns.heatmap(data, ax=ax, vmin=0, vmax=vmax, cmap="viridis", yticklabels=labels,
-                    cbar_kws={"label": "fraction of routings"})
-        ax.set(title=name, xlabel="expert id", ylabel=_layer_axis_label(labels))
     diff = learner_LE - rollout_LE
     lim = float(max(np.abs(diff).max(), 1e-12))
-    sns.heatmap(diff, ax=axes[2], vmin=-lim, vmax=lim, center=0, cmap="RdBu_r", yticklabels=labels,
-                cbar_kws={"label": "Δ fraction of routings"})
-    axes[2].set(title="learner − rollout", xlabel="expert id", ylabel="")
+    panels = ((rollout_LE, "rollout engine", dict(vmin=0, vmax=vmax, cmap="viridis"),
+               "fraction of routings"),
+              (learner_LE, "learner", dict(vmin=0, vmax=vmax, cmap="viridis"), "fraction of routings"),
+              (diff, "learner − rollout", dict(vmin=-lim, vmax=lim, center=0, cmap="RdBu_r"),
+               "Δ fraction of routings"))
+    for ax, (data, name, kw, unit) in zip(axes, panels):
+        sns.heatmap(pd.DataFrame(data, index=labels), ax=ax, xticklabels="auto",
+                    yticklabels="auto", cbar_kws={"label": unit}, **kw)
+        ax.set(title=name, xlabel="expert id", ylabel=_layer_axis_label(labels) if ax is axes[0] else "")
     fig.suptitle(f"Expert load per layer ({source})")
     return fig
 
@@ -137,9 +146,9 @@ def fig_routing_disagree_heatmap(run: RunData) -> Figure:
     if steps.size == 0:
         raise SkipFigure("'routing/layer_disagree' has no list values")
     labels = _layer_labels(run, vals_SL.shape[1])
-    fig, (ax,) = _fig(height=max(2.4, 0.35 * len(labels) + 1.4))
+    fig, (ax,) = _fig(height=_heat_height(len(labels)))
     df = pd.DataFrame(vals_SL.T, index=labels, columns=steps)
-    sns.heatmap(df, ax=ax, cmap="magma", vmin=0, xticklabels="auto",
+    sns.heatmap(df, ax=ax, cmap="magma", vmin=0, xticklabels="auto", yticklabels="auto",
                 cbar_kws={"label": "fraction of tokens"})
     ax.set(title="Routing disagreement, rollout engine vs learner",
            xlabel="training step", ylabel=_layer_axis_label(labels))
@@ -186,11 +195,12 @@ def fig_expert_load(run: RunData) -> Figure:
 def fig_update_change(run: RunData) -> Figure:
     _need(run, "update/layer_change", "update/expert_change_frac")
     steps, vals_SL = matrix_series(run.records, "update/layer_change")
-    fig, axes = _fig(2 if steps.size else 1, width=5.5)
+    fig, axes = _fig(2 if steps.size else 1, width=5.5,
+                     height=_heat_height(vals_SL.shape[1]) if steps.size else 3.4)
     if steps.size:
         labels = _layer_labels(run, vals_SL.shape[1])
         df = pd.DataFrame(vals_SL.T, index=labels, columns=steps)
-        sns.heatmap(df, ax=axes[0], cmap="magma", vmin=0, xticklabels="auto",
+        sns.heatmap(df, ax=axes[0], cmap="magma", vmin=0, xticklabels="auto", yticklabels="auto",
                     cbar_kws={"label": "fraction of tokens"})
         axes[0].set(title="per layer (update/layer_change)", xlabel="training step",
                     ylabel=_layer_axis_label(labels))
@@ -297,6 +307,7 @@ def fig_reward(run: RunData) -> Figure:
     if s_max.size:
         ax.plot(s_max, mx, ls="--", color="C1", label="max")
     ax.legend(fontsize="small")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set(title="Reward", xlabel="training step", ylabel="reward (task units)")
     return fig
 

@@ -155,6 +155,7 @@ def policy_loss(
     raw_lr = logp - old
     lr = raw_lr.clamp(-limit, limit)
 
+    # Advantages are 0 at masked positions and in empty rows, so their objective terms are 0.
     adv = advantages.detach().to(dtype)
     if adv.dim() == 1:
         adv_B = torch.where(seq_valid_B, adv, 0.0)
@@ -173,7 +174,6 @@ def policy_loss(
     if algo == "gspo":
         s_B = torch.exp(lr.sum(-1) * inv_len_B)
         objective_B = torch.minimum(s_B * adv_B, s_B.clamp(ratio_lo, ratio_hi) * adv_B)
-        objective_B = torch.where(seq_valid_B, objective_B, 0.0)
         objective = objective_B.sum() / num_seqs.clamp(min=1).to(dtype)
         unit_ratio, unit_adv, unit_valid = s_B.detach(), adv_B, seq_valid_B
         token_ratio_BT = s_B.detach()[:, None].expand_as(lr)
@@ -188,7 +188,6 @@ def policy_loss(
         else:
             ratio_BT = torch.exp(lr)
         objective_BT = torch.minimum(ratio_BT * adv_BT, ratio_BT.clamp(ratio_lo, ratio_hi) * adv_BT)
-        objective_BT = torch.where(mask, objective_BT, 0.0)
         objective = aggregate(objective_BT)
         unit_ratio, unit_adv, unit_valid = ratio_BT.detach(), adv_BT, mask
         token_ratio_BT = ratio_BT.detach()

@@ -230,7 +230,7 @@ def _canonical_mcore(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def _merge_ranks(per_rank: list[Mapping[str, Tensor]], hf_config) -> dict[str, Tensor]:
+def _merge_ranks(per_rank: list[Mapping[str, Tensor]]) -> dict[str, Tensor]:
     """One Megatron dict with global expert ids from the dicts of EP ranks 0..n-1 (in EP-rank order)."""
     merged: dict[str, Tensor] = {}
     for rank, sd in enumerate(per_rank):
@@ -263,7 +263,7 @@ def megatron_to_hf(mcore_sd_per_rank: list[Mapping[str, Tensor]] | Mapping[str, 
     if layout not in ("fused", "per_expert"):
         raise ValueError(f"megatron_to_hf: layout={layout!r}; use 'fused' or 'per_expert'")
     check_supported(hf_config)
-    sd = (_merge_ranks(list(mcore_sd_per_rank), hf_config) if isinstance(mcore_sd_per_rank, (list, tuple))
+    sd = (_merge_ranks(list(mcore_sd_per_rank)) if isinstance(mcore_sd_per_rank, (list, tuple))
           else _canonical_mcore(mcore_sd_per_rank))
     V, E, I = hf_config.vocab_size, hf_config.num_experts, hf_config.moe_intermediate_size
     missing: list[str] = []
@@ -391,44 +391,55 @@ def load_hf_model_into_megatron(model, hf_model) -> None:
 
 
 @torch.no_grad()
+def gather_to_hf(named_tensors: Mapping[str, Tensor], hf_config, *, layout: str = "fused") -> dict[str, Tensor]:
+    """HF-named tensors on every rank from this rank's Megatron-named tensors (params, grads, ...).
+
+    Expert tensors (`local_experts.{j}`) are all-gathered over Megatron's expert-model-parallel group
+    with one `all_gather` per dtype and renumbered to global ids; the rest is taken from this rank
+    as is. With EP size 1 (or no parallel state) no collective runs.
+    """
+    ep_rank, ep_size = _ep_rank_size(None, None)
+    if ep_size == 1:
+        return megatron_to_hf(named_tensors, hf_config, layout=layout)
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_expert_model_parallel_group()
+    named = _canonical_mcore(named_tensors)
+    full: dict[str, Tensor] = {}
+    by_dtype: dict[torch.dtype, list[tuple[str, re.Match]]] = {}
+    num_local: dict[str, int] = {}
+    for k, v in named.items():
+        mt = _MCORE_EXPERT_RE.match(k)
+        if mt is None:
+            full[k] = v
+            continue
+        by_dtype.setdefault(v.dtype, []).append((k, mt))
+        num_local[mt["layer"]] = max(num_local.get(mt["layer"], 0), int(mt["j"]) + 1)
+    for items in by_dtype.values():
+        local = torch.cat([named[k].reshape(-1) for k, _ in items])
+        bufs = [torch.empty_like(local) for _ in range(ep_size)]
+        dist.all_gather(bufs, local, group=group)
+        sizes = [named[k].numel() for k, _ in items]
+        for r, buf in enumerate(bufs):
+            for (k, mt), piece in zip(items, torch.split(buf, sizes)):
+                g = r * num_local[mt["layer"]] + int(mt["j"])
+                full[f"decoder.layers.{mt['layer']}.mlp.experts.local_experts.{g}.{mt['fc']}.weight"] = \
+                    piece.view(named[k].shape)
+    return megatron_to_hf(full, hf_config, layout=layout)
+
+
+@torch.no_grad()
 def gather_hf_state_dict(model, hf_config=None, *, layout: str = "fused") -> dict[str, Tensor]:
     """The full HF state dict on every rank (experts all-gathered over the expert-parallel group).
 
-    One `all_gather` per parameter dtype over Megatron's expert-model-parallel group carries every
+    Every EP rank must call it (collective). One `all_gather` per parameter dtype carries every
     local expert weight of every layer; with EP size 1 no collective runs. Dtypes are kept.
     Non-expert tensors alias the model's parameters (detached): copy them before the next optimizer
     step if you need a snapshot.
     """
-    import torch.distributed as dist
-
     from moe_gspo.mcore.model import unwrap
 
     m = unwrap(model)
     hf_config = hf_config if hf_config is not None else m.hf_config
-    params = {k: p.detach() for k, p in m.named_parameters()}
-    ep_rank, ep_size = _ep_rank_size(None, None)
-    if ep_size == 1:
-        return megatron_to_hf(params, hf_config, layout=layout)
-    from megatron.core import parallel_state as ps
-
-    group = ps.get_expert_model_parallel_group()
-    num_local = hf_config.num_experts // ep_size
-    dense = {k: v for k, v in params.items() if not _MCORE_EXPERT_RE.match(k)}
-    expert_names = sorted((k for k in params if _MCORE_EXPERT_RE.match(k)),
-                          key=lambda k: tuple(int(x) if x.isdigit() else x for x in re.split(r"(\d+)", k)))
-    full: dict[str, Tensor] = dict(dense)
-    by_dtype: dict[torch.dtype, list[str]] = {}
-    for k in expert_names:
-        by_dtype.setdefault(params[k].dtype, []).append(k)
-    for names in by_dtype.values():
-        local = torch.cat([params[k].reshape(-1) for k in names])
-        bufs = [torch.empty_like(local) for _ in range(ep_size)]
-        dist.all_gather(bufs, local, group=group)
-        sizes = [params[k].numel() for k in names]
-        for r, buf in enumerate(bufs):
-            for k, piece in zip(names, torch.split(buf, sizes)):
-                mt = _MCORE_EXPERT_RE.match(k)
-                g = r * num_local + int(mt["j"])
-                full[f"decoder.layers.{mt['layer']}.mlp.experts.local_experts.{g}.{mt['fc']}.weight"] = \
-                    piece.view(params[k].shape)
-    return megatron_to_hf(full, hf_config, layout=layout)
+    return gather_to_hf({k: p.detach() for k, p in m.named_parameters()}, hf_config, layout=layout)

@@ -76,7 +76,8 @@ def _intersection(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     n, num_layers, _ = a.shape
     out = np.empty((n, num_layers), dtype=np.int32)
     for s in range(0, n, _CHUNK_TOKENS):
-        out[s:s + _CHUNK_TOKENS] = _slot_match(a[s:s + _CHUNK_TOKENS], b[s:s + _CHUNK_TOKENS]).any(-1).sum(-1)
+        # with K distinct ids per row, each slot of a matches at most one slot of b
+        out[s:s + _CHUNK_TOKENS] = _slot_match(a[s:s + _CHUNK_TOKENS], b[s:s + _CHUNK_TOKENS]).sum((-1, -2))
     return out
 
 

@@ -47,7 +47,7 @@ def test_direction_estimates_kl_a_to_b():
     # pi_a by repeating tokens, so sample means equal expectations under pi_a: k1 and k3 both equal
     # KL(pi_a || pi_b) = sum_x pi_a(x) log(pi_a(x) / pi_b(x)).
     pi_a = [0.5, 0.25, 0.25]
-    pi_b = [0.25, 0.25, 0.5]
+    pi_b = [0.125, 0.375, 0.5]
     counts = [2, 1, 1]  # proportional to pi_a
     la = torch.tensor([[math.log(p) for p, c in zip(pi_a, counts) for _ in range(c)]], dtype=torch.float64)
     lb = torch.tensor([[math.log(p) for p, c in zip(pi_b, counts) for _ in range(c)]], dtype=torch.float64)

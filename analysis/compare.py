@@ -1,0 +1,236 @@
+"""Comparison of several training runs grouped into arms (an arm = one algorithm × routing-replay
+setting, run with several seeds): the report the ablation runner writes at the end.
+
+    python -m analysis.compare OUT_DIR RUN_DIR [RUN_DIR ...]
+
+groups run directories named `<arm>-s<seed>` by `<arm>` (as `python -m moe_gspo.ablate` names them)
+and writes `report.html`, `report.md` and the PNGs into OUT_DIR. Figures: reward per arm (mean over
+seeds with a min/max band across seeds), clip fractions, token and sequence ratio variances, routing
+drift (rollout-vs-learner any-layer flip, old→new expert change). Table per arm: final reward
+(per seed the mean of reward/mean over its last 10% of steps, then mean ± std over seeds, std with
+ddof=0), and per-seed means over steps of the drift / clip / variance metrics, averaged over seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import seaborn as sns
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from analysis.figures import FigureSpec, SkipFigure, render_figures
+from analysis.load import (
+    ReportInputError, RunData, RunDataWarning, finite_mean, headline_numbers, load_run, series,
+)
+from analysis.report import Page, ReportPaths, Table, fmt_number, write_page
+
+
+@dataclass
+class ArmRun:
+    """One run of the matrix: which arm it belongs to, its seed and directory."""
+
+    arm: str
+    seed: int
+    run_dir: Path
+
+
+@dataclass
+class Arms:
+    """Loaded runs per arm, in the order the arms were first given."""
+
+    runs: dict[str, list[tuple[int, RunData]]]
+    expected: dict[str, int]
+    """Number of seeds each arm was meant to have (including runs that could not be read)."""
+    notes: list[str]
+
+
+def load_arms(arm_runs: list[ArmRun]) -> Arms:
+    """Read every run leniently; runs without usable metrics are noted and left out."""
+    runs: dict[str, list[tuple[int, RunData]]] = {}
+    expected: dict[str, int] = {}
+    notes: list[str] = []
+    for ar in arm_runs:
+        expected[ar.arm] = expected.get(ar.arm, 0) + 1
+        runs.setdefault(ar.arm, [])
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RunDataWarning)
+                run = load_run(ar.run_dir)
+        except ReportInputError as e:
+            notes.append(f"{ar.arm} seed {ar.seed}: left out ({e})")
+            continue
+        notes += [f"{ar.arm} seed {ar.seed}: {w}" for w in run.warnings]
+        if not run.records:
+            notes.append(f"{ar.arm} seed {ar.seed}: left out (no metric records)")
+            continue
+        if run.done is None:
+            notes.append(f"{ar.arm} seed {ar.seed}: unfinished (no done.json); included as far as it got")
+        runs[ar.arm].append((ar.seed, run))
+    return Arms(runs, expected, notes)
+
+
+def seed_band(runs: list[tuple[int, RunData]], key: str
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(steps, mean, min, max) across seeds of a scalar metric, on the union of logged steps
+    (each step aggregates the seeds that logged a finite value there)."""
+    per_seed = [dict(zip(*(a.tolist() for a in series(run.records, key)))) for _, run in runs]
+    steps = np.asarray(sorted(set().union(*per_seed)) if per_seed else [], np.int64)
+    if steps.size == 0:
+        empty = np.zeros(0)
+        return steps, empty, empty, empty
+    vals = np.asarray([[d.get(s, math.nan) for s in steps.tolist()] for d in per_seed], np.float64)
+    vals[~np.isfinite(vals)] = np.nan
+    keep = np.isfinite(vals).any(axis=0)
+    vals, steps = vals[:, keep], steps[keep]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return steps, np.nanmean(vals, 0), np.nanmin(vals, 0), np.nanmax(vals, 0)
+
+
+def _arm_panel(ax, arms: Arms, key: str, ylabel: str, logy: bool = False) -> bool:
+    drawn = False
+    palette = sns.color_palette("tab10", n_colors=max(len(arms.runs), 1))
+    for color, (arm, runs) in zip(palette, arms.runs.items()):
+        steps, mean, lo, hi = seed_band(runs, key)
+        if steps.size == 0:
+            continue
+        ax.plot(steps, mean, color=color, label=f"{arm} (n={len(runs)})")
+        if len(runs) > 1:
+            ax.fill_between(steps, lo, hi, color=color, alpha=0.2, linewidth=0)
+        drawn = True
+    if drawn:
+        if logy:
+            ax.set_yscale("log")
+        ax.legend(fontsize="x-small")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    else:
+        ax.text(0.5, 0.5, f"'{key}' not logged", ha="center", va="center", transform=ax.transAxes)
+    ax.set(title=key, xlabel="training step", ylabel=ylabel)
+    return drawn
+
+
+def _panels(arms: Arms, panels: list[tuple[str, str, bool]], title: str) -> Figure:
+    keys = [p[0] for p in panels]
+    if not any(k in r for runs in arms.runs.values() for _, run in runs for r in run.records
+               for k in keys):
+        raise SkipFigure(f"metric(s) {', '.join(keys)} missing from all runs")
+    fig = Figure(figsize=(5.2 * len(panels), 3.6), dpi=100, layout="constrained")
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (key, ylabel, logy) in zip(axes, panels):
+        _arm_panel(ax, arms, key, ylabel, logy)
+    fig.suptitle(title)
+    return fig
+
+
+COMPARE_FIGURES: list[FigureSpec] = [
+    FigureSpec("cmp_reward", "Reward per arm",
+               "reward/mean: line = mean over seeds, band = min/max across seeds.",
+               lambda a: _panels(a, [("reward/mean", "reward (task units)", False)], "Reward")),
+    FigureSpec("cmp_clip", "Clip fractions per arm",
+               "Token and sequence clip fractions (mean over seeds, min/max band).",
+               lambda a: _panels(a, [("clip/token_frac", "fraction of tokens", False),
+                                     ("clip/seq_frac", "fraction of sequences", False)],
+                                 "Clip fractions")),
+    FigureSpec("cmp_ratio_var", "Ratio variances per arm",
+               "New/old policy token- and sequence-ratio variance inside the update (log scale).",
+               lambda a: _panels(a, [("ratio/token_var", "variance (unitless)", True),
+                                     ("ratio/seq_var", "variance (unitless)", True)],
+                                 "Token vs sequence ratio variance")),
+    FigureSpec("cmp_routing", "Routing drift per arm",
+               "Rollout-vs-learner share of tokens routed differently in ≥1 layer, and the old→new "
+               "policy expert change per update.",
+               lambda a: _panels(a, [("routing/any_layer_flip", "fraction of tokens", False),
+                                     ("update/expert_change_frac", "fraction of experts", False)],
+                                 "Routing drift")),
+]
+
+TABLE_COLUMNS = ["arm", "seeds", "final reward (mean ± std)", "any-layer flip", "update expert change",
+                 "clip token frac", "ratio/token_var", "ratio/seq_var"]
+
+
+def arm_summary(runs: list[tuple[int, RunData]]) -> dict[str, float]:
+    """Per-arm numbers of the comparison table (NaN where no seed logged the metric)."""
+    per_seed = []
+    for _, run in runs:
+        h = headline_numbers(run.records)
+        per_seed.append({
+            "final_reward": h["reward_last10_mean"],
+            "any_layer_flip": h["any_layer_flip_mean"],
+            "update_expert_change": h["update_expert_change_mean"],
+            "clip_token_frac": h["clip_token_frac_mean"],
+            "token_var": finite_mean(series(run.records, "ratio/token_var")[1]),
+            "seq_var": finite_mean(series(run.records, "ratio/seq_var")[1]),
+        })
+    keys = ["final_reward", "any_layer_flip", "update_expert_change", "clip_token_frac",
+            "token_var", "seq_var"]
+    out = {k: finite_mean(np.asarray([s[k] for s in per_seed])) for k in keys}
+    finals = np.asarray([s["final_reward"] for s in per_seed], np.float64)
+    finals = finals[np.isfinite(finals)]
+    out["final_reward_std"] = float(finals.std()) if finals.size else math.nan
+    return out
+
+
+def comparison_table(arms: Arms) -> Table:
+    rows = []
+    for arm, runs in arms.runs.items():
+        s = arm_summary(runs)
+        reward = ("n/a" if not math.isfinite(s["final_reward"])
+                  else f"{fmt_number(s['final_reward'])} ± {fmt_number(s['final_reward_std'])}")
+        rows.append([arm, f"{len(runs)}/{arms.expected[arm]}", reward]
+                    + [fmt_number(s[k]) for k in ("any_layer_flip", "update_expert_change",
+                                                  "clip_token_frac", "token_var", "seq_var")])
+    return Table("Arms (means over steps, then over seeds)", TABLE_COLUMNS, rows)
+
+
+def build_comparison(arm_runs: list[ArmRun], out_dir: str | Path,
+                     title: str = "Ablation comparison") -> ReportPaths:
+    """Write the comparison report of `arm_runs` into `out_dir`. Raises `ReportInputError` when
+    no run has metric records."""
+    arms = load_arms(arm_runs)
+    if not any(arms.runs.values()):
+        raise ReportInputError("no run of the comparison has metric records; nothing to compare")
+    page = Page(title=title, intro=[f"{sum(map(len, arms.runs.values()))} runs in {len(arms.runs)} arms"])
+    page.tables.append(comparison_table(arms))
+    page.figures = render_figures(COMPARE_FIGURES, arms)
+    page.notes = arms.notes
+    return write_page(page, out_dir)
+
+
+_SEED_RE = re.compile(r"^(?P<arm>.+)-s(?P<seed>\d+)$")
+
+
+def arm_runs_from_dirs(run_dirs: list[str | Path]) -> list[ArmRun]:
+    """Group directories named `<arm>-s<seed>` by arm; other names become one-seed arms."""
+    out = []
+    for d in map(Path, run_dirs):
+        m = _SEED_RE.match(d.name)
+        out.append(ArmRun(m["arm"], int(m["seed"]), d) if m else ArmRun(d.name, 0, d))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m analysis.compare",
+                                     description="Compare training runs grouped by arm.")
+    parser.add_argument("out_dir")
+    parser.add_argument("run_dirs", nargs="+")
+    args = parser.parse_args(argv)
+    try:
+        paths = build_comparison(arm_runs_from_dirs(args.run_dirs), args.out_dir)
+    except ReportInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(paths.markdown)
+    print(paths.html)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""Expert-drift report of one training run or one probe: `python -m analysis.report`.
+
+    python -m analysis.report RUN_DIR [--out reports/NAME] [--probe drift.json]
+    python -m analysis.report drift.json [--out DIR]          # probe-only report
+
+Writes into `--out` (default `RUN_DIR/report/`, or `<probe stem>_report/` beside a probe file):
+`report.html` (self-contained: every figure embedded as a base64 PNG data URI), `report.md` (the
+same content referencing the PNGs), and one `<figure>.png` per figure. The page starts with a table
+of headline numbers (`analysis.load.headline_numbers`), then the figures (`analysis.figures`), then
+a "Skipped" section naming each figure that could not be drawn and why (metric never logged, traces
+missing), then notes about input lines that were skipped. HTML and Markdown are written atomically.
+
+Exit codes: 0 built, 2 bad input (missing run dir, nothing to report on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import math
+import os
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from analysis.figures import (
+    PROBE_FIGURES, RUN_FIGURES, RenderedFigure, SkippedFigure, render_figures,
+)
+from analysis.load import (
+    HEADLINE_LABELS, PROBE_LABELS, ReportInputError, RunData, RunDataWarning, headline_numbers, load_probe,
+    load_run, probe_headline,
+)
+
+
+# --------------------------------------------------------------------------- files
+
+def write_atomic(path: str | Path, data: bytes | str) -> None:
+    """Write `data` to `path` through a temp file in the same directory and `os.replace`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+        umask = os.umask(0o022)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual mode
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+# --------------------------------------------------------------------------- page model
+
+@dataclass
+class Table:
+    title: str
+    columns: list[str]
+    rows: list[list[str]]
+
+
+@dataclass
+class Page:
+    title: str
+    intro: list[str] = field(default_factory=list)
+    """Plain-text lines under the title."""
+    tables: list[Table] = field(default_factory=list)
+    figures: list[RenderedFigure | SkippedFigure] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """Input problems worth knowing (skipped JSONL lines, unreadable files)."""
+    details: list[tuple[str, str]] = field(default_factory=list)
+    """(summary, preformatted text) blocks shown collapsed in HTML, fenced in Markdown."""
+
+
+@dataclass
+class ReportPaths:
+    html: Path
+    markdown: Path
+    figures: list[Path]
+    skipped: list[SkippedFigure]
+
+
+def fmt_number(v: float, integer: bool = False) -> str:
+    """Table formatting: 'n/a' for NaN, integers plain, others with 4 significant digits."""
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "n/a"
+    if integer:
+        return str(int(v))
+    return f"{v:.4g}"
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:1100px;margin:2em auto;
+padding:0 1em;color:#222}
+table{border-collapse:collapse;margin:.5em 0 1.5em}th,td{border:1px solid #ccc;padding:.25em .6em;
+text-align:left}td.num{text-align:right;font-variant-numeric:tabular-nums}th{background:#f3f3f3}
+figure{margin:1.5em 0}figure img{max-width:100%;height:auto;border:1px solid #eee}
+figcaption{color:#555;font-size:.9em}pre{background:#f7f7f7;padding:.6em;overflow:auto;font-size:.85em}
+.skipped li,.notes li{margin:.2em 0}
+"""
+
+
+def _is_num(s: str) -> bool:
+    try:
+        float(s.split("±")[0])
+        return True
+    except ValueError:
+        return s == "n/a"
+
+
+def render_html(page: Page) -> str:
+    """The self-contained HTML of a page (figures as base64 data URIs, no scripts)."""
+    e = html.escape
+    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+             f"<title>{e(page.title)}</title><style>{_CSS}</style></head><body>",
+             f"<h1>{e(page.title)}</h1>"]
+    parts += [f"<p>{e(line)}</p>" for line in page.intro]
+    for t in page.tables:
+        parts.append(f"<h2>{e(t.title)}</h2><table><thead><tr>"
+                     + "".join(f"<th>{e(c)}</th>" for c in t.columns) + "</tr></thead><tbody>")
+        for row in t.rows:
+            cells = "".join(f'<td class="num">{e(c)}</td>' if i and _is_num(c) else f"<td>{e(c)}</td>"
+                            for i, c in enumerate(row))
+            parts.append(f"<tr>{cells}</tr>")
+        parts.append("</tbody></table>")
+    drawn = [f for f in page.figures if isinstance(f, RenderedFigure)]
+    skipped = [f for f in page.figures if isinstance(f, SkippedFigure)]
+    if drawn:
+        parts.append("<h2>Figures</h2>")
+    for f in drawn:
+        b64 = base64.b64encode(f.png).decode("ascii")
+        parts.append(f'<figure id="{e(f.name)}"><h3>{e(f.title)}</h3>'
+                     f'<img src="data:image/png;base64,{b64}" alt="{e(f.title)}">'
+                     f"<figcaption>{e(f.caption)}</figcaption></figure>")
+    if skipped:
+        parts.append('<h2>Skipped</h2><ul class="skipped">')
+        parts += [f"<li><b>{e(s.title)}</b> ({e(s.name)}): {e(s.reason)}</li>" for s in skipped]
+        parts.append("</ul>")
+    if page.notes:
+        parts.append('<h2>Input notes</h2><ul class="notes">')
+        parts += [f"<li>{e(n)}</li>" for n in page.notes]
+        parts.append("</ul>")
+    for summary, text in page.details:
+        parts.append(f"<details><summary>{e(summary)}</summary><pre>{e(text)}</pre></details>")
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+def _md_cell(s: str) -> str:
+    return s.replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(page: Page) -> str:
+    """The Markdown summary of a page (figures referenced as `<name>.png` beside it)."""
+    out = [f"# {page.title}", ""]
+    out += [line + "  " for line in page.intro]
+    for t in page.tables:
+        out += ["", f"## {t.title}", "", "| " + " | ".join(map(_md_cell, t.columns)) + " |",
+                "|" + "---|" * len(t.columns)]
+        out += ["| " + " | ".join(map(_md_cell, row)) + " |" for row in t.rows]
+    drawn = [f for f in page.figures if isinstance(f, RenderedFigure)]
+    skipped = [f for f in page.figures if isinstance(f, SkippedFigure)]
+    if drawn:
+        out += ["", "## Figures"]
+    for f in drawn:
+        out += ["", f"### {f.title}", "", f"![{f.title}]({f.name}.png)", "", f.caption]
+    if skipped:
+        out += ["", "## Skipped", ""]
+        out += [f"- **{s.title}** (`{s.name}`): {s.reason}" for s in skipped]
+    if page.notes:
+        out += ["", "## Input notes", ""] + [f"- {n}" for n in page.notes]
+    for summary, text in page.details:
+        out += ["", f"<details><summary>{summary}</summary>", "", "```", text.rstrip(), "```",
+                "", "</details>"]
+    return "\n".join(out) + "\n"
+
+
+def write_page(page: Page, out_dir: str | Path) -> ReportPaths:
+    """Write `<name>.png` per drawn figure, `report.html` and `report.md` into `out_dir`.
+    A stale PNG of a figure that is skipped this time is removed."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pngs = []
+    for f in page.figures:
+        png_path = out_dir / f"{f.name}.png"
+        if isinstance(f, RenderedFigure):
+            write_atomic(png_path, f.png)
+            pngs.append(png_path)
+        elif png_path.exists():
+            png_path.unlink()
+    html_path, md_path = out_dir / "report.html", out_dir / "report.md"
+    write_atomic(html_path, render_html(page))
+    write_atomic(md_path, render_markdown(page))
+    return ReportPaths(html_path, md_path, pngs,
+                       [f for f in page.figures if isinstance(f, SkippedFigure)])
+
+
+# --------------------------------------------------------------------------- run / probe pages
+
+def headline_table(records: list[dict]) -> Table:
+    nums = headline_numbers(records)
+    rows = [[HEADLINE_LABELS[k], fmt_number(v, integer=(k == "num_steps"))] for k, v in nums.items()]
+    return Table("Headline numbers", ["quantity", "value"], rows)
+
+
+def probe_tables(probe: dict, heading: str = "Probe") -> list[Table]:
+    info = [[k, str(probe[k])] for k in ("model", "engine", "dtype") if k in probe]
+    nums = probe_headline(probe)
+    rows = [[PROBE_LABELS[k], fmt_number(v, integer=k.startswith("num_"))] for k, v in nums.items()]
+    tables = [Table(f"{heading}: setup", ["field", "value"], info)] if info else []
+    return tables + [Table(f"{heading}: headline numbers", ["quantity", "value"], rows)]
+
+
+def _config_summary(run: RunData) -> list[str]:
+    lines = [f"Run directory: {run.source}"]
+    cfg = run.config or {}
+    algo = cfg.get("algo") if isinstance(cfg.get("algo"), dict) else {}
+    bits = [f"{k}={algo[k]}" for k in ("name", "routing_replay") if k in algo]
+    if bits:
+        lines.append("Algorithm: " + ", ".join(bits))
+    if run.done is not None:
+        lines.append(f"Finished: last step {run.done.get('step', '?')}, "
+                     f"wall time {fmt_number(float(run.done.get('wall_s', math.nan)))} s")
+    else:
+        lines.append("Not finished (no done.json): the run is in progress, failed, or was killed.")
+    lines.append(f"Metric records: {len(run.records)}; traced steps: {len(run.traces)}")
+    return lines
+
+
+def build_run_page(run: RunData, probe: dict | None = None) -> Page:
+    page = Page(title=f"Expert-drift report: {run.name}", intro=_config_summary(run))
+    page.tables.append(headline_table(run.records))
+    page.figures = render_figures(RUN_FIGURES, run)
+    if probe is not None:
+        page.tables += probe_tables(probe)
+        page.figures += render_figures(PROBE_FIGURES, probe)
+    page.notes = list(run.warnings)
+    if run.config:
+        page.details.append(("config.yaml", yaml.safe_dump(run.config, sort_keys=False)))
+    return page
+
+
+def build_probe_page(probe: dict, source: Path) -> Page:
+    page = Page(title=f"Routing-drift probe: {source.name}", intro=[f"Probe file: {source}"])
+    page.tables = probe_tables(probe)
+    page.figures = render_figures(PROBE_FIGURES, probe)
+    return page
+
+
+def build_report(source: str | Path, out_dir: str | Path | None = None,
+                 probe_path: str | Path | None = None) -> ReportPaths:
+    """Build the report of a run directory (optionally with a probe JSON) or of a probe JSON alone.
+    Raises `ReportInputError` for unusable inputs."""
+    source = Path(source)
+    if source.is_file() and source.suffix == ".json":
+        if probe_path is not None:
+            raise ReportInputError("--probe is for a run directory; the source is already a probe file")
+        page = build_probe_page(load_probe(source), source)
+        default_out = source.parent / f"{source.stem}_report"
+    else:
+        run = load_run(source)
+        probe = load_probe(probe_path) if probe_path is not None else None
+        page = build_run_page(run, probe)
+        default_out = source / "report"
+    return write_page(page, Path(out_dir) if out_dir is not None else default_out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m analysis.report", description=__doc__.split("\n")[0])
+    parser.add_argument("source", help="training run directory, or a probe JSON file")
+    parser.add_argument("--out", default=None, help="output directory (default RUN_DIR/report/)")
+    parser.add_argument("--probe", default=None, help="probe JSON to add to a run report")
+    args = parser.parse_args(argv)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RunDataWarning)
+            paths = build_report(args.source, args.out, args.probe)
+    except ReportInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
+    for s in paths.skipped:
+        print(f"skipped figure {s.name}: {s.reason}", file=sys.stderr)
+    for p in paths.figures:
+        print(p)
+    print(paths.markdown)
+    print(paths.html)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

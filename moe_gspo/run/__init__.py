@@ -1,0 +1,1 @@
+"""The pieces of the training entry point: CLI, run directory, metrics sinks, resumable state."""

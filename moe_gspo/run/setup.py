@@ -1,0 +1,138 @@
+"""Building a run: distributed grid, policy (Megatron learner + rollout engine), tokenizer, task.
+
+The rollout engine is data-parallel: every rank owns an engine that samples for its own share of the
+prompts; after each update it receives the full HF-named weights (experts all-gathered over EP).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moe_gspo.config import Config
+from moe_gspo.mcore.parallel import ParallelInfo, init_distributed
+
+
+@dataclass(kw_only=True)
+class Policy:
+    hf_config: Any
+    tokenizer: Any
+    learner: Any
+    engine: Any
+    num_experts: int
+    layer_ids: list[int]
+
+
+def derive_seed(*parts: Any) -> int:
+    """A stable 31-bit seed from any parts (same on every machine and Python run)."""
+    h = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(h[:4], "little") & 0x7FFFFFFF
+
+
+def learner_dtype(cfg: Config) -> torch.dtype:
+    if cfg.model.params_dtype == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return getattr(torch, cfg.model.params_dtype)
+
+
+def _hf_config_and_tokenizer(cfg: Config):
+    from transformers import AutoTokenizer
+
+    from moe_gspo.tokenizer import load_tiny_tokenizer
+    from moe_gspo.tiny import tiny_qwen3_moe_config
+
+    if cfg.model.path is None:
+        hf_config = tiny_qwen3_moe_config(**cfg.model.tiny)
+        tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer) if cfg.model.tokenizer else load_tiny_tokenizer()
+    else:
+        from moe_gspo.mcore.checkpoint import load_hf_config
+
+        hf_config = load_hf_config(cfg.model.path)
+        tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return hf_config, tok
+
+
+def init_run(cfg: Config) -> ParallelInfo:
+    from moe_gspo.tiny import tiny_qwen3_moe_config
+
+    num_experts = (tiny_qwen3_moe_config(**cfg.model.tiny).num_experts if cfg.model.path is None
+                   else _hf_config_and_tokenizer(cfg)[0].num_experts)
+    info = init_distributed(ep_size=cfg.parallel.expert_parallel_size, num_experts=num_experts,
+                            seed=cfg.train.seed)
+    groups = cfg.rollout.prompts_per_step
+    if groups % info.dp_size:
+        raise ValueError(
+            f"rollout.prompts_per_step={groups} must be divisible by the data-parallel size {info.dp_size} "
+            f"(world size {info.world_size}); each rank samples whole groups"
+        )
+    return info
+
+
+def build_engine(cfg: Config, hf_model_or_dir, tokenizer):
+    if cfg.rollout.engine == "vllm":
+        from moe_gspo.rollout.vllm_engine import VLLMEngine
+
+        if not isinstance(hf_model_or_dir, str):
+            raise ValueError("rollout.engine=vllm needs model.path (a checkpoint directory vLLM can load)")
+        return VLLMEngine(hf_model_or_dir, dtype=cfg.rollout.dtype, seed=cfg.train.seed,
+                          gpu_memory_utilization=cfg.rollout.gpu_memory_utilization)
+    from moe_gspo.rollout.hf_engine import HFEngine
+
+    return HFEngine(hf_model_or_dir, dtype=cfg.rollout.dtype, record_routes=cfg.rollout.record_routes,
+                    record_probs=cfg.rollout.record_probs, pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=tokenizer.eos_token_id)
+
+
+def build_policy(cfg: Config, info: ParallelInfo) -> Policy:
+    from moe_gspo.learner.learner import Learner
+    from moe_gspo.learner.replay import ReplayMode
+    from moe_gspo.mcore.model import build_gpt_model, moe_layer_ids
+
+    hf_config, tok = _hf_config_and_tokenizer(cfg)
+    model = build_gpt_model(
+        hf_config, ep_size=info.ep_size, params_dtype=learner_dtype(cfg), enable_routing_replay=True,
+        token_dispatcher=cfg.parallel.token_dispatcher, vocab_pad_multiple=cfg.model.vocab_pad_multiple,
+        recompute=cfg.model.recompute,
+    )
+    if cfg.model.path is None:
+        from moe_gspo.mcore.weights import load_hf_model_into_megatron
+        from moe_gspo.tiny import build_tiny_model
+
+        hf_model = build_tiny_model(hf_config, seed=cfg.model.init_seed, router_scale=cfg.model.router_scale)
+        load_hf_model_into_megatron(model, hf_model)
+        engine_src = hf_model
+    else:
+        from moe_gspo.mcore.checkpoint import read_hf_weights
+        from moe_gspo.mcore.weights import load_into_megatron
+
+        sd = read_hf_weights(cfg.model.path, hf_config, ep_rank=info.ep_rank, ep_size=info.ep_size)
+        load_into_megatron(model, sd, ep_rank=info.ep_rank, ep_size=info.ep_size)
+        engine_src = cfg.model.path
+    learner = Learner(model, hf_config, parallel=info, algo=cfg.algo, train=cfg.train,
+                      replay=ReplayMode(cfg.algo.routing_replay), recompute=cfg.model.recompute)
+    engine = build_engine(cfg, engine_src, tok)
+    return Policy(hf_config=hf_config, tokenizer=tok, learner=learner, engine=engine,
+                  num_experts=hf_config.num_experts, layer_ids=moe_layer_ids(hf_config))
+
+
+def reduce_metrics(metrics: dict[str, Any], info: ParallelInfo) -> dict[str, Any]:
+    """Mean over ranks of every float / list-of-floats metric (max for keys ending in `_max`)."""
+    if info.world_size == 1:
+        return metrics
+    out = dict(metrics)
+    keys = sorted(k for k, v in metrics.items() if isinstance(v, (int, float, list)) and not isinstance(v, bool))
+    for k in keys:
+        t = torch.tensor(metrics[k], dtype=torch.float64)
+        if k.endswith("_max"):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        else:
+            dist.all_reduce(t)
+            t /= info.world_size
+        out[k] = t.tolist()
+    return out

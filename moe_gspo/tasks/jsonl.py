@@ -1,0 +1,57 @@
+"""Prompt/answer JSONL files (GSM8K/MATH style) with a math answer checker.
+
+Each line is a JSON object with a string `prompt` and an `answer` (string or number). Blank lines
+are skipped. A malformed line raises one ValueError naming the file and line number. The stream
+cycles through the file in an order shuffled per epoch by the seed.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from moe_gspo.tasks.base import Prompt, Task
+from moe_gspo.tasks.math_answer import math_reward
+
+
+def read_prompt_file(path: str | Path) -> list[Prompt]:
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"task.path={str(p)!r} does not exist; point it at a JSONL file of prompt/answer lines")
+    items: list[Prompt] = []
+    with p.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{p}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                raise ValueError(f"{p}:{lineno}: needs a string field 'prompt'")
+            ans = obj.get("answer")
+            if isinstance(ans, bool) or not isinstance(ans, (str, int, float)):
+                raise ValueError(f"{p}:{lineno}: needs an 'answer' field (string or number)")
+            items.append(Prompt(text=obj["prompt"], answer=str(ans)))
+    if not items:
+        raise ValueError(f"task.path={str(p)!r} holds no prompts")
+    return items
+
+
+class JsonlTask(Task):
+    def __init__(self, path: str | Path):
+        self.items = read_prompt_file(path)
+
+    def prompts(self, start: int, count: int, seed: int) -> list[Prompt]:
+        n = len(self.items)
+        out = []
+        for i in range(start, start + count):
+            epoch, pos = divmod(i, n)
+            order = list(range(n))
+            random.Random(f"{seed}:{epoch}").shuffle(order)
+            out.append(self.items[order[pos]])
+        return out
+
+    def reward(self, response: str, prompt: Prompt) -> float:
+        return math_reward(response, prompt.answer)

@@ -20,6 +20,10 @@ def _rename(d: dict, old: str, new: str) -> dict:
     return {(new + k[len(old):] if k.startswith(old) else k): v for k, v in d.items()}
 
 
+def _floats(d: dict) -> dict:
+    return {k: float(v) for k, v in d.items()}
+
+
 def stack_common_routes(routes_a: list[np.ndarray], routes_b: list[np.ndarray]):
     """Concatenate per-sequence routes over the rows both sides have; returns (a_NLK, b_NLK, index list)."""
     a_parts, b_parts, rows = [], [], []
@@ -54,7 +58,7 @@ def rollout_vs_learner(*, rollout_logp_BS: torch.Tensor, learner_logp_BS: torch.
     a, b = rollout_logp_BS.detach().float().cpu(), learner_logp_BS.detach().float().cpu()
     mask = mask.cpu()
     out = dict(mismatch_metrics(a, b, mask))
-    out.update(_rename(ratio_stats(b, a, mask), "ratio/", "mismatch_ratio/"))
+    out.update(_rename(_floats(ratio_stats(b, a, mask)), "ratio/", "mismatch_ratio/"))
     if rollout_routes is not None and learner_routes is not None:
         ra, rb, _ = stack_common_routes(rollout_routes, learner_routes)
         drift = routing_drift(ra, rb, num_experts=num_experts)
@@ -63,8 +67,8 @@ def rollout_vs_learner(*, rollout_logp_BS: torch.Tensor, learner_logp_BS: torch.
         out["routing/expert_load_learner"] = out.pop("routing/expert_load_b")
         out.pop("routing/expert_load_diff", None)
         flipped = flipped_response_mask(rollout_routes, learner_routes, mask)
-        out["mismatch_ratio/token_var_flipped"] = ratio_stats(b, a, flipped)["ratio/token_var"]
-        out["mismatch_ratio/token_var_agreed"] = ratio_stats(b, a, mask & ~flipped)["ratio/token_var"]
+        out["mismatch_ratio/token_var_flipped"] = float(ratio_stats(b, a, flipped)["ratio/token_var"])
+        out["mismatch_ratio/token_var_agreed"] = float(ratio_stats(b, a, mask & ~flipped)["ratio/token_var"])
         out["mismatch_ratio/flipped_token_frac"] = float(flipped.sum()) / max(1, int(mask.sum()))
     return out
 

@@ -42,7 +42,7 @@ def extract_answer(text: str) -> str | None:
 
 
 def normalize(ans: str) -> str:
-    ans = ans.strip().strip("$").strip()
+    ans = ans.strip().rstrip(".").strip().strip("$").strip()
     ans = re.sub(r"\\text\{([^}]*)\}", r"\1", ans)
     ans = re.sub(r"\\[dt]?frac\{([^}]*)\}\{([^}]*)\}", r"\1/\2", ans)
     ans = ans.replace("\\!", "").replace(" ", "").rstrip(".")

@@ -79,7 +79,7 @@ def test_matches_python_sets_on_random_data():
     assert m["routing/jaccard"] == pytest.approx((inter / union).mean())
     np.testing.assert_allclose(m["routing/layer_disagree"], (inter < k).mean(0))
     assert m["routing/any_layer_flip"] == pytest.approx((inter < k).any(1).mean())
-    assert 0 < m["routing/any_layer_flip"] < 1
+    assert all(0 < x < 1 for x in m["routing/layer_disagree"])     # the data is not degenerate
 
 
 def test_empty_inputs_give_zeros():
@@ -159,7 +159,7 @@ def test_common_rows_exact_indices():
     rows_a, rows_b, _ = common_rows(ro, le, tokens="prompt")
     assert rows_a.tolist() == [0, 1, 3] and rows_b.tolist() == [0, 1, 4]
     rows_a, rows_b, _ = common_rows(ro, le, tokens="response")
-    assert rows_a.tolist() == [2, 4] and rows_b.tolist() == [3, 6 - 1]
+    assert rows_a.tolist() == [2, 4] and rows_b.tolist() == [2, 5]
 
 
 def test_trace_drift_token_selection():

@@ -1,0 +1,384 @@
+"""Ablation runner: train every arm of an algorithm × routing-replay × seed matrix, then compare.
+
+    python -m moe_gspo.ablate configs/ablation_tiny.yaml [--out DIR] [--dry-run]
+
+The ablation YAML:
+
+    base_config: configs/tiny_cpu.yaml   # required; training config every arm starts from
+    algos: [gspo, gspo_token, grpo]      # required; values of the train CLI's --algo
+    routing_replay: [none, r2, r3]       # required; values of --routing-replay
+    seeds: [0, 1]                        # required; each arm runs once per seed (train.seed=...)
+    overrides: {train.steps: 40}         # optional; dotted config overrides given to every arm
+    nproc: 2                             # optional (default 1); processes per arm (torchrun)
+    out_dir: runs/ablation_tiny          # optional (default runs/ablation); --out overrides it
+    exclude:                             # optional; drop arms matching all given fields
+      - {algo: gspo_token, routing_replay: r2}
+    extra_args: []                       # optional; extra train CLI flags, placed before overrides
+    arm_timeout_s: null                  # optional; kill an arm (its process group) after this long
+
+Relative paths are resolved against the current directory (run from the repository root).
+Each arm runs, in a subprocess, with stdout and stderr going to `{run_dir}/train.log`:
+
+    python -m torch.distributed.run --standalone --nproc-per-node {nproc} -m moe_gspo.train \
+        --config {base_config} --algo {algo} --routing-replay {replay} \
+        --run-dir {out_dir}/{algo}-{replay}-s{seed} [--resume] {extra_args} train.seed={seed} {overrides}
+
+Resuming a matrix: an arm whose `done.json` exists is skipped; an unfinished arm with a checkpoint
+(`checkpoints/step_*`) is rerun with `--resume`; an unfinished arm without one is started afresh
+after its old directory is moved aside to `<run_dir>.prev<k>` (nothing is deleted). A failing arm is
+reported with its log path and the others still run; the exit code is 1 when any arm failed.
+At the end `analysis.compare.build_comparison` writes `{out_dir}/comparison/report.html`.
+The arm runner is a parameter of `run_ablation` so tests can replace the subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+from tqdm import tqdm
+
+KNOWN_ALGOS = ("gspo", "gspo_token", "grpo")
+KNOWN_REPLAY = ("none", "r2", "r3")
+_SPEC_KEYS = {"base_config", "algos", "routing_replay", "seeds", "overrides", "nproc", "out_dir",
+              "exclude", "extra_args", "arm_timeout_s"}
+_REQUIRED = ("base_config", "algos", "routing_replay", "seeds")
+_OVERRIDE_KEY_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
+_RESERVED_OVERRIDES = {"train.seed": "list seeds under 'seeds'"}
+
+
+@dataclass
+class AblationSpec:
+    base_config: Path
+    algos: list[str]
+    routing_replay: list[str]
+    seeds: list[int]
+    overrides: dict[str, Any] = field(default_factory=dict)
+    nproc: int = 1
+    out_dir: Path = Path("runs/ablation")
+    exclude: list[dict[str, Any]] = field(default_factory=list)
+    extra_args: list[str] = field(default_factory=list)
+    arm_timeout_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Arm:
+    algo: str
+    routing_replay: str
+    seed: int
+    run_dir: Path
+
+    @property
+    def group(self) -> str:
+        """The arm without its seed: `{algo}-{routing_replay}`."""
+        return f"{self.algo}-{self.routing_replay}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.group}-s{self.seed}"
+
+
+@dataclass
+class ArmResult:
+    arm: Arm
+    status: str
+    """"skipped" (already done), "finished", or "failed"."""
+    log_path: Path
+    message: str = ""
+
+
+ArmRunner = Callable[[Arm, list[str], Path], int]
+"""(arm, command, log_path) -> exit code. Must leave `{arm.run_dir}/done.json` when it succeeds."""
+
+
+# --------------------------------------------------------------------------- spec
+
+def _str_list(raw: dict, key: str, known: tuple[str, ...] | None) -> list[str]:
+    val = raw[key]
+    if isinstance(val, str):
+        val = [val]
+    if not isinstance(val, list) or not val or not all(isinstance(v, str) for v in val):
+        raise ValueError(f"ablation spec: '{key}' must be a non-empty list of names, got {val!r}")
+    if known is not None:
+        bad = [v for v in val if v not in known]
+        if bad:
+            raise ValueError(f"ablation spec: unknown {key} {bad}; choose from {list(known)}")
+    if len(set(val)) != len(val):
+        raise ValueError(f"ablation spec: '{key}' lists a name twice: {val}")
+    return val
+
+
+def parse_spec(raw: Any, out_dir: str | Path | None = None) -> AblationSpec:
+    """Validate the YAML mapping of an ablation spec (see the module docstring)."""
+    if not isinstance(raw, dict):
+        raise ValueError("ablation spec must be a YAML mapping with keys " + ", ".join(_REQUIRED))
+    unknown = set(raw) - _SPEC_KEYS
+    if unknown:
+        raise ValueError(f"ablation spec: unknown keys {sorted(unknown)}; allowed: {sorted(_SPEC_KEYS)}")
+    missing = [k for k in _REQUIRED if k not in raw]
+    if missing:
+        raise ValueError(f"ablation spec: missing required keys {missing}")
+    seeds = raw["seeds"]
+    if isinstance(seeds, int) and not isinstance(seeds, bool):
+        seeds = [seeds]
+    if (not isinstance(seeds, list) or not seeds
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)
+            or len(set(seeds)) != len(seeds)):
+        raise ValueError(f"ablation spec: 'seeds' must be a list of distinct non-negative ints, got {seeds!r}")
+    overrides = raw.get("overrides") or {}
+    if not isinstance(overrides, dict):
+        raise ValueError("ablation spec: 'overrides' must be a mapping of dotted keys to values")
+    for k, v in overrides.items():
+        if not isinstance(k, str) or not _OVERRIDE_KEY_RE.match(k):
+            raise ValueError(f"ablation spec: override key {k!r} must be dotted, like 'train.steps'")
+        if k in _RESERVED_OVERRIDES:
+            raise ValueError(f"ablation spec: override {k!r} is set per arm; {_RESERVED_OVERRIDES[k]}")
+    nproc = raw.get("nproc", 1)
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise ValueError(f"ablation spec: 'nproc' must be a positive int, got {nproc!r}")
+    exclude = raw.get("exclude") or []
+    fields = {"algo", "routing_replay", "seed"}
+    if not isinstance(exclude, list) or not all(isinstance(e, dict) and e and set(e) <= fields
+                                                for e in exclude):
+        raise ValueError(f"ablation spec: 'exclude' must be a list of mappings using keys {sorted(fields)}")
+    extra = raw.get("extra_args") or []
+    if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
+        raise ValueError("ablation spec: 'extra_args' must be a list of strings")
+    timeout = raw.get("arm_timeout_s")
+    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ValueError(f"ablation spec: 'arm_timeout_s' must be a positive number, got {timeout!r}")
+    if not isinstance(raw["base_config"], str):
+        raise ValueError("ablation spec: 'base_config' must be a path string")
+    return AblationSpec(
+        base_config=Path(raw["base_config"]),
+        algos=_str_list(raw, "algos", KNOWN_ALGOS),
+        routing_replay=_str_list(raw, "routing_replay", KNOWN_REPLAY),
+        seeds=list(seeds), overrides=dict(overrides), nproc=nproc,
+        out_dir=Path(out_dir if out_dir is not None else raw.get("out_dir", "runs/ablation")),
+        exclude=list(exclude), extra_args=list(extra),
+        arm_timeout_s=float(timeout) if timeout is not None else None)
+
+
+def load_spec(path: str | Path, out_dir: str | Path | None = None) -> AblationSpec:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"ablation spec {str(path)!r} does not exist")
+    with open(path, "r", encoding="utf-8") as f:
+        return parse_spec(yaml.safe_load(f), out_dir)
+
+
+def _matches(arm: Arm, rule: dict[str, Any]) -> bool:
+    values = {"algo": arm.algo, "routing_replay": arm.routing_replay, "seed": arm.seed}
+    return all(values[k] == v for k, v in rule.items())
+
+
+def expand_arms(spec: AblationSpec) -> list[Arm]:
+    """All arms of the matrix (algo-major, then replay, then seed) minus the excluded ones."""
+    arms = [Arm(a, r, s, spec.out_dir / f"{a}-{r}-s{s}")
+            for a in spec.algos for r in spec.routing_replay for s in spec.seeds]
+    for rule in spec.exclude:
+        if not any(_matches(arm, rule) for arm in arms):
+            print(f"warning: exclude rule {rule} matches no arm", file=sys.stderr)
+    return [arm for arm in arms if not any(_matches(arm, rule) for rule in spec.exclude)]
+
+
+# --------------------------------------------------------------------------- one arm
+
+def arm_state(arm: Arm) -> str:
+    """"done" (done.json exists), "resume" (a checkpoint exists), or "fresh"."""
+    if (arm.run_dir / "done.json").is_file():
+        return "done"
+    ckpt = arm.run_dir / "checkpoints"
+    if ckpt.is_dir() and any(p.is_dir() and p.name.startswith("step_") for p in ckpt.iterdir()):
+        return "resume"
+    return "fresh"
+
+
+def format_override(key: str, value: Any) -> str:
+    """`key=value` with the value as YAML would read it back (bools lower-case, lists as JSON)."""
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif value is None:
+        text = "null"
+    elif isinstance(value, (list, dict)):
+        text = json.dumps(value)
+    else:
+        text = str(value)
+    return f"{key}={text}"
+
+
+def build_command(spec: AblationSpec, arm: Arm, resume: bool) -> list[str]:
+    """The training command of one arm (the venv's torchrun through `sys.executable`)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", str(spec.nproc), "-m", "moe_gspo.train",
+           "--config", str(spec.base_config), "--algo", arm.algo,
+           "--routing-replay", arm.routing_replay, "--run-dir", str(arm.run_dir)]
+    if resume:
+        cmd.append("--resume")
+    cmd += spec.extra_args
+    cmd.append(f"train.seed={arm.seed}")
+    cmd += [format_override(k, v) for k, v in spec.overrides.items()]
+    return cmd
+
+
+class SubprocessArmRunner:
+    """Runs the command in its own process group, output appended to the log; on timeout or
+    Ctrl-C the whole group (torchrun and its workers) is terminated, then killed."""
+
+    def __init__(self, timeout_s: float | None = None):
+        self.timeout_s = timeout_s
+
+    def __call__(self, arm: Arm, command: list[str], log_path: Path) -> int:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with open(log_path, "ab") as log:
+            log.write(f"$ {shlex.join(command)}\n".encode())
+            log.flush()
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+            try:
+                return proc.wait(timeout=self.timeout_s)
+            except subprocess.TimeoutExpired:
+                self._stop(proc)
+                log.write(f"\n[ablate] killed after {self.timeout_s} s\n".encode())
+                return 124
+            except BaseException:
+                self._stop(proc)
+                raise
+
+    @staticmethod
+    def _stop(proc: subprocess.Popen) -> None:
+        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(timeout=wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def _move_aside(run_dir: Path) -> Path:
+    k = 1
+    while run_dir.with_name(f"{run_dir.name}.prev{k}").exists():
+        k += 1
+    target = run_dir.with_name(f"{run_dir.name}.prev{k}")
+    os.replace(run_dir, target)
+    return target
+
+
+def run_arm(spec: AblationSpec, arm: Arm, arm_runner: ArmRunner) -> ArmResult:
+    """Run (or skip, or resume) one arm; never raises for a failing arm."""
+    log_path = arm.run_dir / "train.log"
+    state = arm_state(arm)
+    if state == "done":
+        return ArmResult(arm, "skipped", log_path, "done.json exists")
+    note = ""
+    if state == "fresh" and arm.run_dir.exists() and any(arm.run_dir.iterdir()):
+        note = f"previous partial run moved to {_move_aside(arm.run_dir)}; "
+    arm.run_dir.mkdir(parents=True, exist_ok=True)
+    command = build_command(spec, arm, resume=(state == "resume"))
+    try:
+        code = arm_runner(arm, command, log_path)
+    except Exception as e:  # a broken launcher fails this arm, not the matrix
+        return ArmResult(arm, "failed", log_path, f"{note}runner raised {type(e).__name__}: {e}")
+    if code != 0:
+        return ArmResult(arm, "failed", log_path, f"{note}exit code {code}")
+    if not (arm.run_dir / "done.json").is_file():
+        return ArmResult(arm, "failed", log_path, f"{note}exited 0 but wrote no done.json")
+    return ArmResult(arm, "finished", log_path, note + ("resumed" if state == "resume" else ""))
+
+
+# --------------------------------------------------------------------------- matrix
+
+def run_ablation(spec: AblationSpec, arm_runner: ArmRunner | None = None, progress: bool = True,
+                 compare: bool = True) -> list[ArmResult]:
+    """Run every arm in order, then (if `compare`) write `{out_dir}/comparison/`."""
+    arm_runner = arm_runner if arm_runner is not None else SubprocessArmRunner(spec.arm_timeout_s)
+    arms = expand_arms(spec)
+    results = []
+    bar = tqdm(arms, desc="ablation", unit="arm", file=sys.stderr, disable=not progress)
+    for arm in bar:
+        bar.set_postfix_str(arm.name)
+        res = run_arm(spec, arm, arm_runner)
+        results.append(res)
+        if res.status == "failed":
+            tqdm.write(f"[ablate] {arm.name} FAILED ({res.message}); log: {res.log_path}",
+                       file=sys.stderr)
+    bar.close()
+    if compare:
+        write_comparison(spec, arms)
+    return results
+
+
+def write_comparison(spec: AblationSpec, arms: list[Arm]) -> Path | None:
+    """Build the comparison report; returns its HTML path, or None when there is nothing to compare."""
+    from analysis.compare import ArmRun, build_comparison  # heavy (matplotlib); only when needed
+    from analysis.load import ReportInputError
+    try:
+        paths = build_comparison([ArmRun(a.group, a.seed, a.run_dir) for a in arms],
+                                 spec.out_dir / "comparison")
+    except ReportInputError as e:
+        print(f"[ablate] no comparison report: {e}", file=sys.stderr)
+        return None
+    print(f"comparison report: {paths.html}")
+    return paths.html
+
+
+def dry_run(spec: AblationSpec) -> list[tuple[Arm, str, list[str]]]:
+    """(arm, action, command) for every arm, printing them; touches nothing."""
+    rows = []
+    actions = {"done": "skip (done)", "resume": "resume", "fresh": "run"}
+    for arm in expand_arms(spec):
+        state = arm_state(arm)
+        cmd = build_command(spec, arm, resume=(state == "resume"))
+        rows.append((arm, actions[state], cmd))
+        print(f"{arm.name:<24} {actions[state]:<12} {shlex.join(cmd)}")
+    print(f"{len(rows)} arms, {sum(r[1] != 'skip (done)' for r in rows)} to run")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moe_gspo.ablate",
+                                     description="Run an algorithm x routing-replay x seed ablation.")
+    parser.add_argument("spec", help="ablation YAML (see the module docstring)")
+    parser.add_argument("--out", default=None, help="output directory (overrides out_dir)")
+    parser.add_argument("--dry-run", action="store_true", help="list the arms and commands only")
+    args = parser.parse_args(argv)
+    try:
+        spec = load_spec(args.spec, args.out)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not spec.base_config.is_file():
+        msg = f"base_config {str(spec.base_config)!r} does not exist (relative to {os.getcwd()})"
+        if not args.dry_run:
+            print(f"error: {msg}", file=sys.stderr)
+            return 2
+        print(f"warning: {msg}", file=sys.stderr)
+    if args.dry_run:
+        dry_run(spec)
+        return 0
+    results = run_ablation(spec)
+    counts = {s: sum(r.status == s for r in results) for s in ("finished", "skipped", "failed")}
+    print(f"arms: {counts['finished']} finished, {counts['skipped']} skipped (already done), "
+          f"{counts['failed']} failed")
+    for r in results:
+        if r.status == "failed":
+            print(f"  FAILED {r.arm.name}: {r.message}; log: {r.log_path}")
+    return 1 if counts["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

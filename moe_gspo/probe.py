@@ -1,0 +1,164 @@
+"""`python -m moe_gspo.probe --model DIR --prompts FILE --out drift.json`: how far apart are the
+inference and training routers of a checkpoint, without training?
+
+Samples responses with the rollout engine (`--engine hf|vllm`, in `--dtype`), recomputes the same
+tokens with the Megatron learner (fp32 on CPU, bf16 on CUDA, EP = world size under torchrun), and
+writes JSON with per-layer routing disagreement, the any-layer flip fraction, the train-inference
+mismatch metrics (k1/k3 KL, extreme-token fractions), the token-ratio vs sequence-ratio variance of
+learner/rollout ratios, and that variance split between tokens whose routing differs vs agrees.
+Keys match the training loop's metrics.jsonl (there `ratio/*` of this file is `mismatch_ratio/*`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """A text file (one prompt per line) or JSONL with a `prompt` field; blank lines skipped."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--prompts {str(p)!r} does not exist; give a text file (one prompt per line) or JSONL")
+    prompts = []
+    for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        if p.suffix == ".jsonl":
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                raise ValueError(f"{p}:{lineno}: needs a string field 'prompt'")
+            prompts.append(obj["prompt"])
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise ValueError(f"--prompts {str(p)!r} holds no prompts; put one prompt per line")
+    return prompts
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m moe_gspo.probe", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="local Hugging Face Qwen3-MoE checkpoint directory")
+    p.add_argument("--prompts", required=True, help="text file (one prompt per line) or .jsonl with 'prompt'")
+    p.add_argument("--out", required=True, help="output JSON path")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="rollout dtype (default bfloat16)")
+    p.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="rollout engine (default hf)")
+    p.add_argument("--samples-per-prompt", type=int, default=4, help="responses per prompt (default 4)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="response length cap (default 32)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    return p
+
+
+def probe(args: argparse.Namespace) -> dict:
+    from moe_gspo.learner.batch import PackedBatch
+    from moe_gspo.learner.logprobs import token_logprobs
+    from moe_gspo.learner.router_hooks import MegatronRouterRecorder
+    from moe_gspo.mcore.checkpoint import load_hf_config, load_megatron_from_hf_dir
+    from moe_gspo.mcore.model import forward_logits, moe_layer_ids
+    from moe_gspo.mcore.parallel import init_distributed
+    from moe_gspo.rollout.base import SamplingParams
+    from moe_gspo.run.compare import rollout_vs_learner
+    from moe_gspo.run.setup import derive_seed, reduce_metrics
+    from transformers import AutoTokenizer
+
+    for name in ("samples_per_prompt", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    hf_config = load_hf_config(args.model)  # clear errors: missing dir, not a Qwen3-MoE
+    prompts = read_prompts(args.prompts)
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    info = init_distributed(ep_size=world, num_experts=hf_config.num_experts, seed=args.seed)
+    if len(prompts) < info.dp_size:
+        raise ValueError(f"--prompts has {len(prompts)} prompts, fewer than the {info.dp_size} processes; add prompts")
+    mine = prompts[info.dp_rank::info.dp_size]
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    model, _ = load_megatron_from_hf_dir(args.model, ep_size=info.ep_size, params_dtype=dtype,
+                                         enable_routing_replay=False, token_dispatcher="allgather",
+                                         vocab_pad_multiple=1)
+    model.eval()
+    tok = AutoTokenizer.from_pretrained(args.model)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    from moe_gspo.run.setup import build_engine
+    from moe_gspo.config import Config, RolloutConfig
+
+    engine = build_engine(Config(rollout=RolloutConfig(engine=args.engine, dtype=args.dtype)), args.model, tok)
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in mine]
+    samples = engine.generate(ids, SamplingParams(n=args.samples_per_prompt, temperature=args.temperature,
+                                                  max_new_tokens=args.max_new_tokens,
+                                                  seed=derive_seed(args.seed, info.rank)))
+    batch = PackedBatch.from_samples(samples, torch.zeros(len(samples)), pad_id)
+    recorder = MegatronRouterRecorder(model)
+    with torch.no_grad():
+        logits = forward_logits(model, batch.input_ids_BS.to(info.device))
+    logp_BS, _ = token_logprobs(logits.float(), batch.input_ids_BS.to(info.device))
+    B, S = batch.input_ids_BS.shape
+    learner_routes = recorder.to_sequences(batch.seq_lens_B.tolist(), B, S)
+    recorder.remove()
+    m = rollout_vs_learner(rollout_logp_BS=batch.rollout_logp_BS, learner_logp_BS=logp_BS.cpu(),
+                           response_mask_BS=batch.response_mask_BS, rollout_routes=batch.rollout_routes,
+                           learner_routes=learner_routes, num_experts=hf_config.num_experts)
+    m["num_tokens"] = int(batch.response_mask_BS.sum())
+    m["num_routed_tokens"] = int(sum(min(len(a), len(b)) for a, b in zip(batch.rollout_routes, learner_routes)))
+    m["num_sequences"] = len(samples)
+    m = reduce_metrics(m, info)
+    for k in ("num_tokens", "num_routed_tokens", "num_sequences"):
+        m[k] = int(round(m[k] * info.world_size))
+    out = {"model": str(args.model), "engine": args.engine, "dtype": args.dtype, "world_size": info.world_size,
+           "layer_ids": moe_layer_ids(hf_config)}
+    for k, v in sorted(m.items()):
+        out[k.replace("mismatch_ratio/", "ratio/")] = v
+    return out
+
+
+def summary_text(res: dict) -> str:
+    lines = [f"probe of {res['model']}  (engine {res['engine']}, rollout dtype {res['dtype']}, "
+             f"{res['num_sequences']} sequences, {res['num_tokens']} response tokens)",
+             "routing disagreement rollout vs learner (fraction of tokens whose top-k set differs):"]
+    for lid, v in zip(res["layer_ids"], res["routing/layer_disagree"]):
+        lines.append(f"  layer {lid:3d}: {v:.4f}")
+    lines += [f"any-layer flip fraction     {res['routing/any_layer_flip']:.4f}",
+              f"k1 KL / k3 KL               {res['mismatch/k1_kl']:.3e} / {res['mismatch/k3_kl']:.3e}",
+              f"|dlogp| mean / max          {res['mismatch/logp_abs_diff_mean']:.3e} / {res['mismatch/logp_abs_diff_max']:.3e}",
+              f"extreme tokens >ln2 / >ln5  {res['mismatch/extreme_frac_ln2']:.4f} / {res['mismatch/extreme_frac_ln5']:.4f}",
+              f"ratio var token / seq       {res['ratio/token_var']:.3e} / {res['ratio/seq_var']:.3e}",
+              f"token-ratio var on flipped / agreed tokens  {res['ratio/token_var_flipped']:.3e} / {res['ratio/token_var_agreed']:.3e}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from moe_gspo.mcore.parallel import destroy_distributed
+    from moe_gspo.run.sinks import atomic_write_text
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        res = probe(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        destroy_distributed()
+    import os
+
+    if int(os.environ.get("RANK", "0")) == 0:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out, json.dumps(res, indent=1))
+        print(summary_text(res))
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -105,7 +105,7 @@ def _layer_labels(run: RunData | None, num_layers: int, probe: dict | None = Non
         for kinds in run.traces.values():
             if "rollout" in kinds:
                 try:
-                    ids = load_topk(kinds["rollout"])[2].tolist()
+                    ids = load_topk(kinds["rollout"][0])[2].tolist()
                 except (OSError, ValueError, KeyError):
                     ids = None
                 break
@@ -229,7 +229,7 @@ def fig_ratio_variance_steps(run: RunData) -> Figure:
 
 
 def fig_ratio_variance_length(run: RunData) -> Figure:
-    paths = [kinds["logprobs"] for _, kinds in sorted(run.traces.items()) if "logprobs" in kinds]
+    paths = [p for _, kinds in sorted(run.traces.items()) for p in kinds.get("logprobs", [])]
     if not paths:
         raise SkipFigure("no traces/step_*_logprobs.npz files (traces off or missing)")
     sets = []
@@ -255,7 +255,8 @@ def fig_ratio_variance_length(run: RunData) -> Figure:
                                                      "seq_logprod_var")]) > 0):
         ax.set_yscale("log")
     ax.legend(fontsize="small")
-    ax.set(title=f"Learner/rollout ratio variance vs response length ({len(sets)} traced steps)",
+    num_steps = sum("logprobs" in kinds for kinds in run.traces.values())
+    ax.set(title=f"Learner/rollout ratio variance vs response length ({num_steps} traced steps)",
            xlabel="response length (tokens, bin mean)", ylabel="variance (unitless)")
     return fig
 

@@ -36,7 +36,7 @@ class RunDataWarning(UserWarning):
 
 
 TRACE_KINDS = ("rollout", "learner", "updated", "logprobs")
-_TRACE_RE = re.compile(r"^step_(\d+)_(rollout|learner|updated|logprobs)\.npz$")
+_TRACE_RE = re.compile(r"^step_(\d+)_(rollout|learner|updated|logprobs)(?:_rank(\d+))?\.npz$")
 
 
 @dataclass
@@ -47,8 +47,9 @@ class RunData:
     """The run directory."""
     records: list[dict[str, Any]]
     """Per-step metric records, sorted by step, one per step (the last one wins on duplicates)."""
-    traces: dict[int, dict[str, Path]]
-    """step -> {kind: npz path} for kind in TRACE_KINDS that exist."""
+    traces: dict[int, dict[str, list[Path]]]
+    """step -> {kind: npz paths} for kind in TRACE_KINDS that exist; one path per rank when a
+    multi-process run wrote `step_XXXXXX_{kind}_rank{r}.npz` (each rank traces its own samples)."""
     config: dict[str, Any] | None = None
     done: dict[str, Any] | None = None
     warnings: list[str] = field(default_factory=list)
@@ -98,16 +99,19 @@ def read_jsonl(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
     return [by_step[s] for s in sorted(by_step)], notes
 
 
-def list_traces(traces_dir: Path) -> dict[int, dict[str, Path]]:
-    """step -> {kind: path} for the `step_XXXXXX_{kind}.npz` files in `traces_dir` (may not exist)."""
-    out: dict[int, dict[str, Path]] = {}
+def list_traces(traces_dir: Path) -> dict[int, dict[str, list[Path]]]:
+    """step -> {kind: paths} for the `step_XXXXXX_{kind}[_rank{r}].npz` files in `traces_dir`
+    (which may not exist); paths of one kind are ordered by rank."""
+    found: dict[int, dict[str, list[tuple[int, Path]]]] = {}
     if not traces_dir.is_dir():
-        return out
-    for p in sorted(traces_dir.iterdir()):
+        return {}
+    for p in traces_dir.iterdir():
         m = _TRACE_RE.match(p.name)
         if m and p.is_file():
-            out.setdefault(int(m.group(1)), {})[m.group(2)] = p
-    return dict(sorted(out.items()))
+            rank = int(m.group(3)) if m.group(3) is not None else -1
+            found.setdefault(int(m.group(1)), {}).setdefault(m.group(2), []).append((rank, p))
+    return {step: {kind: [p for _, p in sorted(paths)] for kind, paths in kinds.items()}
+            for step, kinds in sorted(found.items())}
 
 
 def _read_optional(path: Path, loader, notes: list[str]) -> Any:
@@ -237,8 +241,14 @@ def load_logprobs(path: str | Path) -> dict[str, np.ndarray]:
     return out
 
 
-def load_topk(path: str | Path) -> tuple[np.ndarray, int, np.ndarray]:
-    """Read a RoutingTrace npz: (topk_ids [sum_T, L, K], num_experts, layer_ids [L])."""
+def load_topk(path: str | Path | list) -> tuple[np.ndarray, int, np.ndarray]:
+    """Read a RoutingTrace npz (or the per-rank files of one, concatenated along tokens):
+    (topk_ids [sum_T, L, K], num_experts, layer_ids [L])."""
+    if isinstance(path, (list, tuple)):
+        parts = [load_topk(p) for p in path]
+        if not parts:
+            raise ValueError("no trace files given")
+        return (np.concatenate([p[0] for p in parts]), max(p[1] for p in parts), parts[0][2])
     with np.load(path, allow_pickle=False) as z:
         topk_TLK = np.asarray(z["topk_ids"])
         num_experts = int(z["num_experts"]) if "num_experts" in z else int(topk_TLK.max()) + 1
@@ -324,15 +334,15 @@ HEADLINE_LABELS: dict[str, str] = {
 
 
 def _edge_window(n: int) -> int:
-    """Number of entries in a 10% window of n (at least one)."""
-    return max(1, math.ceil(0.1 * n))
+    """Number of entries in a 10% window of n (at least one; as train.learning_summary)."""
+    return max(1, n // 10)
 
 
 def headline_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
     """The report's headline numbers (keys of HEADLINE_LABELS); NaN where the metric is absent.
 
-    Means are over the steps whose value is finite. The 10% windows hold ceil(0.1·n) (≥ 1) of the n
-    finite reward/mean values, first or last by step. The variance ratio is a ratio of means (not a
+    Means are over the steps whose value is finite. The 10% windows hold max(1, n // 10) of the n
+    finite reward/mean values, first or last by step (as the training's done.json summary). The variance ratio is a ratio of means (not a
     mean of per-step ratios) so a near-zero seq_var on one step cannot dominate it.
     """
     _, reward = series(records, "reward/mean")

@@ -48,8 +48,8 @@ from typing import Any, Callable
 import yaml
 from tqdm import tqdm
 
-KNOWN_ALGOS = ("gspo", "gspo_token", "grpo")
-KNOWN_REPLAY = ("none", "r2", "r3")
+from moe_gspo.config import ALGOS, REPLAYS
+
 _SPEC_KEYS = {"base_config", "algos", "routing_replay", "seeds", "overrides", "nproc", "out_dir",
               "exclude", "extra_args", "arm_timeout_s"}
 _REQUIRED = ("base_config", "algos", "routing_replay", "seeds")
@@ -161,8 +161,8 @@ def parse_spec(raw: Any, out_dir: str | Path | None = None) -> AblationSpec:
         raise ValueError("ablation spec: 'base_config' must be a path string")
     return AblationSpec(
         base_config=Path(raw["base_config"]),
-        algos=_str_list(raw, "algos", KNOWN_ALGOS),
-        routing_replay=_str_list(raw, "routing_replay", KNOWN_REPLAY),
+        algos=_str_list(raw, "algos", ALGOS),
+        routing_replay=_str_list(raw, "routing_replay", REPLAYS),
         seeds=list(seeds), overrides=dict(overrides), nproc=nproc,
         out_dir=Path(out_dir if out_dir is not None else raw.get("out_dir", "runs/ablation")),
         exclude=list(exclude), extra_args=list(extra),
@@ -199,7 +199,8 @@ def arm_state(arm: Arm) -> str:
     if (arm.run_dir / "done.json").is_file():
         return "done"
     ckpt = arm.run_dir / "checkpoints"
-    if ckpt.is_dir() and any(p.is_dir() and p.name.startswith("step_") for p in ckpt.iterdir()):
+    if ckpt.is_dir() and any(p.is_dir() and p.name.startswith("step_") and not p.name.endswith(".tmp")
+                             for p in ckpt.iterdir()):
         return "resume"
     return "fresh"
 
@@ -349,7 +350,8 @@ def dry_run(spec: AblationSpec) -> list[tuple[Arm, str, list[str]]]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, arm_runner: ArmRunner | None = None) -> int:
+    """CLI entry point; `arm_runner` replaces the torchrun subprocess (tests)."""
     parser = argparse.ArgumentParser(prog="python -m moe_gspo.ablate",
                                      description="Run an algorithm x routing-replay x seed ablation.")
     parser.add_argument("spec", help="ablation YAML (see the module docstring)")
@@ -370,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         dry_run(spec)
         return 0
-    results = run_ablation(spec)
+    results = run_ablation(spec, arm_runner)
     counts = {s: sum(r.status == s for r in results) for s in ("finished", "skipped", "failed")}
     print(f"arms: {counts['finished']} finished, {counts['skipped']} skipped (already done), "
           f"{counts['failed']} failed")

@@ -32,6 +32,7 @@ from torch import nn
 from moe_gspo.rollout.base import RolloutEngine, RolloutSample, SamplingParams
 from moe_gspo.rollout.hf_router_hooks import HFRouterRecorder, find_routers
 from moe_gspo.rollout.weights_sync import load_named_tensors_
+from moe_gspo.routing.trace import ids_dtype
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
            "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
@@ -68,6 +69,7 @@ def _load_model(model_or_dir, dtype: torch.dtype, device: torch.device) -> nn.Mo
         for param in model.parameters():  # parameters only: rotary buffers keep their float32
             param.grad = None
             param.data = param.data.to(dtype)
+        model.config.dtype = dtype  # the config is the copy's own
         rotary = model.model.rotary_emb
         if rotary.inv_freq.dtype != torch.float32:  # source was cast with .to(dtype): rebuild exactly
             model.model.rotary_emb = type(rotary)(config=model.config).to(device)
@@ -185,7 +187,8 @@ class HFEngine(RolloutEngine):
 
     @property
     def route_dtype(self) -> np.dtype:
-        return np.dtype(np.uint8 if self._num_experts <= 256 else np.uint16)
+        """uint8 when num_experts <= 256, else uint16."""
+        return ids_dtype(self._num_experts)
 
     # ----------------------------------------------------------------------------- weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -246,7 +249,8 @@ class HFEngine(RolloutEngine):
         # Prefill each distinct prompt once, then repeat the cache for the n samples.
         cache = DynamicCache(config=self._model.config)
         out = self._model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                          past_key_values=cache, use_cache=True, logits_to_keep=1)
+                          past_key_values=cache, use_cache=True, logits_to_keep=1,
+                          output_router_logits=False)
         prefill_routes = self._pop_routes(num_prompts, max_len) if self.recorder is not None else None
         if n > 1:
             cache.batch_repeat_interleave(n)
@@ -269,7 +273,7 @@ class HFEngine(RolloutEngine):
             mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=1)
             out = self._model(input_ids=tok_B[:, None], attention_mask=mask,
                               position_ids=next_pos_B[:, None], past_key_values=cache,
-                              use_cache=True)
+                              use_cache=True, output_router_logits=False)
             next_pos_B = next_pos_B + 1
             logits_BV = out.logits[:, -1].float()
             if self.recorder is not None:

@@ -70,17 +70,25 @@ def _import_vllm():
 
 # --------------------------------------------------------------------------------------------------
 # pure helpers (unit-tested without vLLM)
+def num_experts_from_config(config: dict) -> int:
+    """Experts per MoE layer of a Qwen3-MoE `config.json` dict (0 for a dense model).
+
+    Released checkpoints spell it ``num_experts``; transformers 5 writes ``num_local_experts``.
+    """
+    return int(config.get("num_experts") or config.get("num_local_experts") or 0)
+
+
 def moe_layer_ids_from_config(config: dict) -> list[int]:
     """Model layer indices of the MoE layers of a Qwen3-MoE `config.json` dict.
 
-    A layer is MoE when ``num_experts > 0``, ``layer not in mlp_only_layers`` and
+    A layer is MoE when the model has experts, ``layer not in mlp_only_layers`` and
     ``(layer + 1) % decoder_sparse_step == 0`` (transformers' rule).
     """
     try:
         num_layers = int(config["num_hidden_layers"])
     except KeyError as e:
         raise ValueError("config has no 'num_hidden_layers'; is this a Qwen3-MoE config.json?") from e
-    if int(config.get("num_experts", 0) or 0) <= 0:
+    if num_experts_from_config(config) <= 0:
         return []
     dense = set(config.get("mlp_only_layers") or [])
     step = int(config.get("decoder_sparse_step", 1) or 1)
@@ -252,7 +260,7 @@ class VLLMEngine(RolloutEngine):
         if not cfg_path.is_file():
             raise ValueError(f"model_dir {self.model_dir} has no config.json; pass a Hugging Face checkpoint folder")
         cfg = json.loads(cfg_path.read_text())
-        self.num_experts = int(cfg.get("num_experts", 0) or 0)
+        self.num_experts = num_experts_from_config(cfg)
         self.moe_layer_ids = moe_layer_ids_from_config(cfg)
         self._record_routes = bool(record_routes) and self.num_experts > 0
         kw: dict[str, Any] = dict(model=str(self.model_dir), dtype=dtype, seed=int(seed),

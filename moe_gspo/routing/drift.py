@@ -123,11 +123,12 @@ def topk_prob_l1(topk_a_NLK: Any, probs_a_NLK: Any, topk_b_NLK: Any, probs_b_NLK
     total = 0.0
     for s in range(0, n, _CHUNK_TOKENS):
         m = _slot_match(a[s:s + _CHUNK_TOKENS], b[s:s + _CHUNK_TOKENS])        # [n, L, K, K]
-        wa = pa[s:s + _CHUNK_TOKENS].astype(np.float64)
-        wb = pb[s:s + _CHUNK_TOKENS].astype(np.float64)
-        wb_at_a = (m * wb[..., None, :]).sum(-1)                                 # b's weight on a's experts
-        b_unmatched = ~m.any(-2)                                                 # b slots not in a
-        total += np.abs(wa - wb_at_a).sum() + (wb * b_unmatched).sum()
+        wa = pa[s:s + _CHUNK_TOKENS].astype(np.float32)
+        wb = pb[s:s + _CHUNK_TOKENS].astype(np.float32)
+        wb_at_a = np.einsum("nlij,nlj->nli", m.astype(np.float32), wb)          # b's weight on a's experts
+        b_in_a = m.any(-2)                                                       # b slots whose expert a has
+        total += float(np.abs(wa - wb_at_a).sum(dtype=np.float64))
+        total += float(wb.sum(dtype=np.float64) - wb[b_in_a].sum(dtype=np.float64))
     return float(total / (n * a.shape[1]))
 
 

@@ -13,7 +13,8 @@ import torch
 from _mcore_parity import hf_forward, mcore_forward, topk_mismatches
 from moe_gspo.mcore.model import build_gpt_model, moe_routers, transformer_config_from_hf
 from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
-from moe_gspo.mcore.weights import gather_hf_state_dict, load_hf_model_into_megatron, load_into_megatron
+from moe_gspo.mcore.weights import (gather_hf_state_dict, gather_to_hf, load_hf_model_into_megatron,
+                                    load_into_megatron)
 from moe_gspo.tiny import build_tiny_model, tiny_qwen3_moe_config
 
 VARIANTS = {
@@ -31,8 +32,8 @@ def dist_ep1():
     destroy_distributed()
 
 
-def _ids(B=3, S=24, seed=0, vocab=51):
-    return torch.randint(0, vocab, (B, S), generator=torch.Generator().manual_seed(seed))
+def _ids(B=3, S=24, seed=0, vocab=51, low=0):
+    return torch.randint(low, vocab, (B, S), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -61,27 +62,17 @@ def test_gradients_match_transformers():
     hf = build_tiny_model(cfg, seed=2)
     model = build_gpt_model(cfg)
     load_hf_model_into_megatron(model, hf)
-    ids = _ids(B=2, S=16, seed=1)
+    # no pad token (id 0): transformers' embedding has padding_idx=0 and never gives that row a
+    # gradient, Megatron's does (irrelevant in training: pad positions carry no loss)
+    ids = _ids(B=2, S=16, seed=1, low=1)
     w = torch.randn(2, 16, 51, generator=torch.Generator().manual_seed(3))
     (hf(ids).logits * w).sum().backward()
     (mcore_forward(model, ids)[0] * w).sum().backward()
-    grads = gather_hf_state_dict(_GradView(model), cfg)
+    grads = gather_to_hf({k: p.grad for k, p in model.named_parameters()}, cfg)
     for name, p in hf.named_parameters():
         scale = p.grad.abs().max().item()
         assert scale > 0, name
         assert (grads[name] - p.grad).abs().max().item() <= 1e-4 * max(scale, 1.0), name
-
-
-class _GradView(torch.nn.Module):
-    """Exposes a model's gradients as its parameters (so weight gathering applies to grads)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.hf_config = model.hf_config
-        self._grads = {k: p.grad for k, p in model.named_parameters()}
-
-    def named_parameters(self, *args, **kwargs):
-        return iter((k, torch.nn.Parameter(g, requires_grad=False)) for k, g in self._grads.items())
 
 
 def test_gather_round_trip_is_bit_exact_and_keeps_dtype():
@@ -103,8 +94,11 @@ def test_load_into_megatron_reports_missing_and_mismatched():
     sd = dict(build_tiny_model(cfg, seed=0).state_dict())
     model = build_gpt_model(cfg)
     before = model.embedding.word_embeddings.weight.clone()
+    other = tiny_qwen3_moe_config(intermediate_size=96)  # the dense layer 0 differs
+    with pytest.raises(ValueError, match=r"shape mismatches.*layers\.0\.mlp\.linear_fc1\.weight: got \(192, 64\)"):
+        load_into_megatron(model, dict(build_tiny_model(other, seed=0).state_dict()), ep_rank=0, ep_size=1)
     other = tiny_qwen3_moe_config(moe_intermediate_size=16)
-    with pytest.raises(ValueError, match="shape mismatches.*linear_fc1"):
+    with pytest.raises(ValueError, match="gate_up_proj has shape"):
         load_into_megatron(model, dict(build_tiny_model(other, seed=0).state_dict()), ep_rank=0, ep_size=1)
     assert torch.equal(model.embedding.word_embeddings.weight, before)  # nothing written
     # as EP rank 1 of 2 the weights hold 4 experts while the model (EP=1) has 8

@@ -1,0 +1,238 @@
+"""The learner's batch: rollout samples packed into right-padded tensors, and how ranks split it.
+
+Layout (shared by every learner pass):
+- sequence b is `prompt_ids + response_ids`, laid out from position 0 and right-padded with the pad id
+  up to `S = max(seq_lens)`; no attention mask beyond the causal one is needed for right padding;
+- log-probs are aligned with the tokens: `logp_BS[b, t] = log p(token[b, t] | tokens[b, < t])` for
+  `t >= 1` and 0 at position 0, so `response_mask_BS` selects the response log-probs directly;
+- `rollout_routes[b]` is the engine's `[T_b, L, K]` routing of the tokens at positions `0 .. T_b - 1`
+  (`T_b <= seq_lens[b]`, see `moe_gspo.rollout.base`).
+
+Every data-parallel rank holds the same (global) batch; `plan_shards` says which contiguous rows a rank
+processes and how its rows are cut into micro-batches. Expert parallelism exchanges tokens between
+ranks inside every MoE layer (Megatron's all-gather dispatcher gathers equal-sized blocks), so all ranks
+must run the same number of forwards with the same `[S, B]` shape: shards are padded with dummy rows
+(all pad tokens, no response token) and each micro-batch is cut to the longest sequence that any rank
+has in that micro-batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from moe_gspo.rollout.base import RolloutSample
+
+
+@dataclass(kw_only=True)
+class PackedBatch:
+    """B sequences (prompt + response), right-padded to a common length S."""
+
+    input_ids_BS: torch.Tensor
+    """int64 [B, S] token ids, right-padded with `pad_id`."""
+    response_mask_BS: torch.Tensor
+    """bool [B, S]: True at the positions that hold response tokens."""
+    seq_lens_B: torch.Tensor
+    """int64 [B] real lengths (prompt + response)."""
+    prompt_lens_B: torch.Tensor
+    """int64 [B] prompt lengths."""
+    advantages_B: torch.Tensor
+    """float32 [B] one advantage per sequence."""
+    rollout_logp_BS: torch.Tensor
+    """float32 [B, S] rollout-engine log-probs at response positions, 0 elsewhere."""
+    rollout_routes: list[np.ndarray] | None = None
+    """B arrays [T_b, L, K] of the rollout engine's top-k expert ids, or None when not recorded."""
+    pad_id: int = 0
+    """The padding token id."""
+
+    def __post_init__(self):
+        B, S = self.input_ids_BS.shape
+        for name in ("response_mask_BS", "rollout_logp_BS"):
+            if tuple(getattr(self, name).shape) != (B, S):
+                raise ValueError(f"PackedBatch.{name} has shape {tuple(getattr(self, name).shape)}, "
+                                 f"expected [B, S] = {(B, S)} like input_ids_BS")
+        for name in ("seq_lens_B", "prompt_lens_B", "advantages_B"):
+            if tuple(getattr(self, name).shape) != (B,):
+                raise ValueError(f"PackedBatch.{name} has shape {tuple(getattr(self, name).shape)}, "
+                                 f"expected [B] = ({B},)")
+        if self.rollout_routes is not None and len(self.rollout_routes) != B:
+            raise ValueError(f"PackedBatch.rollout_routes has {len(self.rollout_routes)} entries for "
+                             f"B={B} sequences")
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.input_ids_BS.shape[0])
+
+    @property
+    def seq_len_padded(self) -> int:
+        return int(self.input_ids_BS.shape[1])
+
+    @classmethod
+    def from_samples(cls, samples: Sequence[RolloutSample], advantages, pad_id: int) -> "PackedBatch":
+        """Pack rollout samples; `advantages` holds one number per sample (array, tensor or list).
+
+        `rollout_routes` is the list of every sample's `routes_TLK` when all samples carry routes,
+        None when none does; a mix raises ValueError.
+        """
+        if not samples:
+            raise ValueError("from_samples: samples is empty; pass at least one RolloutSample")
+        adv = torch.as_tensor(np.asarray(advantages, dtype=np.float32).reshape(-1))
+        if adv.shape[0] != len(samples):
+            raise ValueError(f"from_samples: got {adv.shape[0]} advantages for {len(samples)} samples; "
+                             "pass one advantage per sample")
+        prompt_lens = [len(s.prompt_ids) for s in samples]
+        resp_lens = [len(s.response_ids) for s in samples]
+        for i, s in enumerate(samples):
+            if len(s.response_logprobs) != resp_lens[i]:
+                raise ValueError(f"sample {i}: response_logprobs has {len(s.response_logprobs)} entries for "
+                                 f"{resp_lens[i]} response tokens")
+        seq_lens = [p + r for p, r in zip(prompt_lens, resp_lens)]
+        B, S = len(samples), max(max(seq_lens), 1)
+        ids = np.full((B, S), pad_id, dtype=np.int64)
+        mask = np.zeros((B, S), dtype=bool)
+        logp = np.zeros((B, S), dtype=np.float32)
+        for b, s in enumerate(samples):
+            P, R = prompt_lens[b], resp_lens[b]
+            ids[b, :P] = s.prompt_ids
+            ids[b, P:P + R] = s.response_ids
+            mask[b, P:P + R] = True
+            logp[b, P:P + R] = s.response_logprobs
+        has_routes = [s.routes_TLK is not None for s in samples]
+        if all(has_routes):
+            routes = [np.asarray(s.routes_TLK) for s in samples]
+        elif not any(has_routes):
+            routes = None
+        else:
+            raise ValueError("from_samples: some samples carry routes_TLK and some do not; record routes "
+                             "for all samples (rollout.record_routes=true) or for none")
+        return cls(input_ids_BS=torch.from_numpy(ids), response_mask_BS=torch.from_numpy(mask),
+                   seq_lens_B=torch.tensor(seq_lens, dtype=torch.int64),
+                   prompt_lens_B=torch.tensor(prompt_lens, dtype=torch.int64), advantages_B=adv,
+                   rollout_logp_BS=torch.from_numpy(logp), rollout_routes=routes, pad_id=int(pad_id))
+
+    def select(self, indices) -> "PackedBatch":
+        """The sequences at `indices` (any integer index sequence), in that order; S is kept."""
+        idx = torch.as_tensor(np.asarray(indices, dtype=np.int64).reshape(-1))
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_seqs):
+            raise ValueError(f"select: indices must be in [0, {self.num_seqs}), got "
+                             f"[{int(idx.min())}, {int(idx.max())}]")
+        routes = None if self.rollout_routes is None else [self.rollout_routes[int(i)] for i in idx]
+        return PackedBatch(input_ids_BS=self.input_ids_BS[idx], response_mask_BS=self.response_mask_BS[idx],
+                           seq_lens_B=self.seq_lens_B[idx], prompt_lens_B=self.prompt_lens_B[idx],
+                           advantages_B=self.advantages_B[idx], rollout_logp_BS=self.rollout_logp_BS[idx],
+                           rollout_routes=routes, pad_id=self.pad_id)
+
+    def split(self, num_chunks: int) -> list["PackedBatch"]:
+        """`num_chunks` contiguous chunks (sizes differ by at most one), e.g. the mini-batches."""
+        if not 1 <= int(num_chunks) <= self.num_seqs:
+            raise ValueError(f"split: num_chunks={num_chunks} must be in [1, B={self.num_seqs}]")
+        return [self.select(ix) for ix in np.array_split(np.arange(self.num_seqs), int(num_chunks))]
+
+    def shard(self, rank: int, world: int) -> "PackedBatch":
+        """Data-parallel rank `rank`'s contiguous share of the batch (may be empty when B < world)."""
+        if not 0 <= int(rank) < int(world):
+            raise ValueError(f"shard: rank={rank} must be in [0, world={world})")
+        return self.select(np.array_split(np.arange(self.num_seqs), int(world))[int(rank)])
+
+    def trim(self, seq_len: int) -> "PackedBatch":
+        """The same sequences cut (or right-padded) to length `seq_len` (must be >= max(seq_lens))."""
+        seq_len = int(seq_len)
+        longest = int(self.seq_lens_B.max()) if self.num_seqs else 0
+        if seq_len < max(longest, 1):
+            raise ValueError(f"trim: seq_len={seq_len} would cut real tokens (longest sequence {longest})")
+        S = self.seq_len_padded
+        if seq_len <= S:
+            cut = slice(0, seq_len)
+            return dataclasses.replace(self, input_ids_BS=self.input_ids_BS[:, cut],
+                                       response_mask_BS=self.response_mask_BS[:, cut],
+                                       rollout_logp_BS=self.rollout_logp_BS[:, cut])
+        extra = seq_len - S
+        return dataclasses.replace(
+            self,
+            input_ids_BS=torch.nn.functional.pad(self.input_ids_BS, (0, extra), value=self.pad_id),
+            response_mask_BS=torch.nn.functional.pad(self.response_mask_BS, (0, extra), value=False),
+            rollout_logp_BS=torch.nn.functional.pad(self.rollout_logp_BS, (0, extra), value=0.0))
+
+    def pad_rows(self, num_rows: int) -> "PackedBatch":
+        """Append dummy sequences (all pad tokens, length 0, no response token, advantage 0) up to
+        `num_rows` rows. Dummy rows contribute nothing to any loss or metric; they only keep the
+        shapes of expert-parallel ranks equal. Their routes, when routes are present, are empty."""
+        extra = int(num_rows) - self.num_seqs
+        if extra < 0:
+            raise ValueError(f"pad_rows: num_rows={num_rows} < B={self.num_seqs}")
+        if extra == 0:
+            return self
+        S = self.seq_len_padded
+
+        def cat(t, fill):
+            return torch.cat([t, torch.full((extra, *t.shape[1:]), fill, dtype=t.dtype)], 0)
+
+        routes = self.rollout_routes
+        if routes is not None:
+            if routes:
+                r0 = np.asarray(routes[0])
+                empty = np.zeros((0, *r0.shape[1:]), dtype=r0.dtype)
+            else:
+                empty = np.zeros((0, 1, 1), dtype=np.int64)
+            routes = list(routes) + [empty] * extra
+        assert self.input_ids_BS.shape[1] == S
+        return PackedBatch(input_ids_BS=cat(self.input_ids_BS, self.pad_id),
+                           response_mask_BS=cat(self.response_mask_BS, False),
+                           seq_lens_B=cat(self.seq_lens_B, 0), prompt_lens_B=cat(self.prompt_lens_B, 0),
+                           advantages_B=cat(self.advantages_B, 0.0), rollout_logp_BS=cat(self.rollout_logp_BS, 0.0),
+                           rollout_routes=routes, pad_id=self.pad_id)
+
+    def to(self, device) -> "PackedBatch":
+        """Tensors moved to `device` (routes stay host numpy arrays)."""
+        return dataclasses.replace(
+            self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                     if isinstance(getattr(self, f.name), torch.Tensor)})
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Rows `[start, stop)` of a rank's padded shard, run as one forward of padded length `seq_len`."""
+
+    start: int
+    stop: int
+    seq_len: int
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """What one data-parallel rank processes out of a global batch of B sequences."""
+
+    indices: np.ndarray
+    """Global row indices of this rank's real sequences (contiguous; may be empty)."""
+    num_rows: int
+    """Rows of the padded shard (the same on every rank): `ceil(B / dp_size)`."""
+    micro_batches: tuple[MicroBatch, ...]
+    """The same number on every rank; `seq_len` is the longest over all ranks' rows of that slot."""
+
+
+def plan_shards(seq_lens_B, *, dp_rank: int, dp_size: int, micro_batch_size: int = 0) -> ShardPlan:
+    """Shard B sequences contiguously over `dp_size` ranks and cut each shard into micro-batches.
+
+    `micro_batch_size` = sequences per forward (0 = the whole shard). Every rank computes the same
+    plan from the global `seq_lens_B`, so no communication is needed to agree on shapes.
+    """
+    lens = np.asarray(seq_lens_B, dtype=np.int64).reshape(-1)
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"plan_shards: dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
+    if micro_batch_size < 0:
+        raise ValueError(f"plan_shards: micro_batch_size={micro_batch_size} must be >= 0 (0 = whole shard)")
+    shards = np.array_split(np.arange(lens.shape[0]), dp_size)
+    num_rows = max(1, math.ceil(lens.shape[0] / dp_size))
+    mbs = micro_batch_size or num_rows
+    padded = np.zeros((dp_size, num_rows), dtype=np.int64)  # dummy rows have length 0
+    for r, ix in enumerate(shards):
+        padded[r, :len(ix)] = lens[ix]
+    micro = tuple(MicroBatch(start, min(start + mbs, num_rows),
+                             max(1, int(padded[:, start:start + mbs].max())))
+                  for start in range(0, num_rows, mbs))
+    return ShardPlan(indices=shards[dp_rank], num_rows=num_rows, micro_batches=micro)

@@ -1,0 +1,326 @@
+"""The Megatron-core learner: old-policy log-probs, the GSPO/GRPO update step, Routing Replay.
+
+Data layout and sharding: every rank passes the same *global* `PackedBatch` (see `batch.py`). Passes
+over a batch shard it contiguously over the data-parallel ranks (`plan_shards`), pad the shards with
+dummy rows so that expert-parallel ranks run identical shapes, and gather the per-token results back,
+so every rank returns global values.
+
+The update (`train_step`): the batch is cut into `train.num_minibatches` contiguous mini-batches, one
+optimizer step each; every rank processes its shard of a mini-batch in micro-batches of
+`train.micro_batch_size` sequences. `policy_loss` averages over the sequences (tokens, for GRPO's
+token_mean) of one micro-batch; the micro-batch loss is weighted by `count_mb * dp_size / count_global`
+before backward, so after Megatron DDP's gradient reduction (which averages over data-parallel ranks,
+expert gradients included) the gradient is that of the loss averaged over the whole mini-batch: EP=2 /
+DP=2 equals EP=1 on the full batch up to float rounding. Then: gradient sync (`finish_grad_sync`),
+global gradient norm, a NaN/Inf guard agreed on by all ranks (a non-finite loss or norm anywhere skips
+that optimizer step everywhere, counted in `train/skipped_steps`), clipping, the optimizer step.
+The logged `loss/*`, `clip/*`, `ratio/*` metrics are recomputed without gradient on the gathered global
+mini-batch, so rank 0 logs exact global values; mini-batch values are averaged over the steps that
+were not skipped.
+
+Routing Replay (`replay.py`): R2 records the top-k of the old-policy pass (`compute_logprobs`) and
+replays it in the update; R3 replays the rollout engine's routes (`batch.rollout_routes`) in both the
+old-policy pass and the update. Replay tensors are built per micro-batch with
+`moe_gspo.routing.align.build_replay_topk` from the routes of exactly that micro-batch's sequences.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moe_gspo.algos import policy_loss
+from moe_gspo.config import AlgoConfig, TrainConfig
+from moe_gspo.learner.batch import PackedBatch, ShardPlan, plan_shards
+from moe_gspo.learner.logprobs import token_logprobs
+from moe_gspo.learner.optim import LearnerOptimizer, any_rank
+from moe_gspo.learner.replay import ReplayMode, RoutingReplayDriver
+from moe_gspo.learner.router_hooks import MegatronRouterRecorder
+from moe_gspo.mcore.model import forward_logits, moe_layer_ids, moe_routers, unwrap
+from moe_gspo.mcore.parallel import ParallelInfo
+from moe_gspo.routing.align import build_replay_topk
+
+
+@dataclass
+class LogprobResult:
+    """Output of `Learner.compute_logprobs` (global batch, host tensors)."""
+
+    logp_BS: torch.Tensor
+    """float32 [B, S] token-aligned log-probs (0 at position 0 and past each sequence's end)."""
+    routes: list[np.ndarray] | None = None
+    """B arrays [seq_len_b, L, K] (uint8/uint16) of the learner's top-k experts, when recorded."""
+    probs: list[np.ndarray] | None = None
+    """B arrays [seq_len_b, L, K] float32 full-softmax router probabilities of those experts."""
+
+
+class Learner:
+    """Megatron `GPTModel` + DDP + optimizer + routing replay for GSPO / GRPO updates."""
+
+    def __init__(self, model, hf_config, *, parallel: ParallelInfo, algo: AlgoConfig, train: TrainConfig,
+                 replay: ReplayMode | str | None = None, recompute: bool = False):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        self.model = unwrap(model)
+        self.hf_config = hf_config
+        self.parallel = parallel
+        self.algo = algo
+        self.train = train
+        self.replay = ReplayMode(replay.value if isinstance(replay, ReplayMode) else
+                                 (replay if replay is not None else algo.routing_replay))
+        model_recompute = getattr(self.model.config, "recompute_granularity", None) == "full"
+        if bool(recompute) != model_recompute:
+            raise ValueError(f"Learner(recompute={recompute}) but the model was built with recompute="
+                             f"{model_recompute}; pass the same value to build_gpt_model and Learner")
+        self.recompute = bool(recompute)
+        self.device = parallel.device
+        self.vocab_size = int(hf_config.vocab_size)
+        if isinstance(model, DistributedDataParallel):
+            self.ddp = model
+        else:
+            ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                       use_distributed_optimizer=False)
+            self.ddp = DistributedDataParallel(config=self.model.config, ddp_config=ddp_config, module=self.model)
+        self.optimizer = LearnerOptimizer(self.ddp, lr=train.lr, weight_decay=train.weight_decay,
+                                          betas=(train.adam_beta1, train.adam_beta2), grad_clip=train.grad_clip)
+        self.recorder = MegatronRouterRecorder(self.model, record_probs=True, enabled=False)
+        routers = moe_routers(self.model)
+        self.replay_driver = (RoutingReplayDriver(self.model, recompute=self.recompute)
+                              if all(r.router_replay is not None for r in routers) else None)
+        if self.replay is not ReplayMode.NONE and self.replay_driver is None:
+            raise ValueError(f"routing replay {self.replay.value} needs the model built with "
+                             "build_gpt_model(..., enable_routing_replay=True)")
+        self.top_k = self.recorder.top_k
+        self.num_experts = self.recorder.num_experts
+        self.layer_ids = moe_layer_ids(hf_config)
+        self.skipped_steps = 0
+        self.num_updates = 0
+        self._recorded: tuple[torch.Tensor, list[np.ndarray]] | None = None
+
+    # ------------------------------------------------------------------ helpers
+    def _forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
+        return forward_logits(self.ddp, ids_BS)[..., :self.vocab_size]
+
+    def _replay_ctx(self, routes: list[np.ndarray] | None, seq_lens, seq_len: int):
+        if routes is None:
+            return contextlib.nullcontext(None)
+        if self.replay_driver is None:
+            raise ValueError("replay routes were given but the model was built without "
+                             "enable_routing_replay=True")
+        topk = build_replay_topk(routes, [int(n) for n in seq_lens], seq_len, num_experts=self.num_experts,
+                                 top_k=self.top_k, order="sb").to(self.device)
+        return self.replay_driver.replaying(topk)
+
+    def _local(self, batch: PackedBatch, plan: ShardPlan, routes: list | None, *extra_BS: torch.Tensor | None):
+        """This rank's padded shard of `batch`, its routes, and the same rows of each `[B, S]` extra."""
+        local = batch.select(plan.indices).pad_rows(plan.num_rows)
+        local_routes = None
+        if routes is not None:
+            empty = np.zeros((0, len(self.layer_ids), self.top_k), dtype=np.int64)
+            local_routes = [routes[int(i)] for i in plan.indices] + [empty] * (plan.num_rows - len(plan.indices))
+        idx = torch.as_tensor(plan.indices, dtype=torch.long, device=self.device)
+        outs = []
+        for t in extra_BS:
+            if t is None:
+                outs.append(None)
+                continue
+            rows = t[idx]
+            pad = torch.zeros((plan.num_rows - rows.shape[0], *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
+            outs.append(torch.cat([rows, pad]))
+        return local, local_routes, outs
+
+    def _gather_rows(self, local: torch.Tensor, num_seqs: int) -> torch.Tensor:
+        """Concatenate every data-parallel rank's real rows of `local` ([num_rows, ...]) in rank order."""
+        sizes = [len(ix) for ix in np.array_split(np.arange(num_seqs), self.parallel.dp_size)]
+        if self.parallel.dp_size == 1:
+            return local[:sizes[0]]
+        from megatron.core import parallel_state as ps
+
+        bufs = [torch.empty_like(local) for _ in sizes]
+        dist.all_gather(bufs, local.contiguous(), group=ps.get_data_parallel_group())
+        return torch.cat([b[:n] for b, n in zip(bufs, sizes)])
+
+    def _resolve_routes(self, batch: PackedBatch, replay_routes, *, update: bool) -> list | None:
+        if replay_routes is not None:
+            if len(replay_routes) != batch.num_seqs:
+                raise ValueError(f"replay_routes has {len(replay_routes)} entries for B={batch.num_seqs}")
+            return list(replay_routes)
+        if self.replay is ReplayMode.R3:
+            if batch.rollout_routes is None:
+                raise ValueError("routing replay r3 needs the rollout engine's routes (batch.rollout_routes is "
+                                 "None): record them (rollout.record_routes=true) or pass replay_routes")
+            return batch.rollout_routes
+        if self.replay is ReplayMode.R2 and update:
+            if self._recorded is None or not torch.equal(self._recorded[0], batch.input_ids_BS.cpu()):
+                raise ValueError("routing replay r2: no old-policy routes recorded for this batch; call "
+                                 "compute_logprobs(batch) on the same batch first, or pass replay_routes")
+            return self._recorded[1]
+        return None
+
+    # ------------------------------------------------------------------ old-policy pass
+    @torch.no_grad()
+    def compute_logprobs(self, batch: PackedBatch, *, record_routes: bool = False, replay_routes=None,
+                         micro_batch_size: int = 0) -> LogprobResult:
+        """Token log-probs of the global `batch` under the current weights (no gradient, eval mode).
+
+        `record_routes`: also return every sequence's learner routing (top-k ids and probabilities).
+        Under R2 the routes are always recorded and kept for the next `train_step` on this batch.
+        `replay_routes` (B arrays [T_b, L, K]): replay that routing (R3 does so with
+        `batch.rollout_routes` by default). `micro_batch_size` 0 = `train.micro_batch_size`.
+        """
+        routes_in = self._resolve_routes(batch, replay_routes, update=False)
+        record = record_routes or self.replay is ReplayMode.R2
+        mbs = micro_batch_size or self.train.micro_batch_size
+        plan = plan_shards(batch.seq_lens_B.tolist(), dp_rank=self.parallel.dp_rank,
+                           dp_size=self.parallel.dp_size, micro_batch_size=mbs)
+        local, local_routes, _ = self._local(batch.to(self.device), plan, routes_in)
+        S = batch.seq_len_padded
+        L, K = len(self.layer_ids), self.top_k
+        logp_local = torch.zeros((plan.num_rows, S), dtype=torch.float32, device=self.device)
+        ids_local = torch.zeros((plan.num_rows, S, L, K), dtype=torch.int16, device=self.device) if record else None
+        probs_local = torch.zeros((plan.num_rows, S, L, K), dtype=torch.float32, device=self.device) if record else None
+        self.ddp.eval()
+        self.recorder.clear()
+        self.recorder.enabled = record
+        try:
+            for mb in plan.micro_batches:
+                rows, S_i = slice(mb.start, mb.stop), mb.seq_len
+                ids = local.input_ids_BS[rows, :S_i]
+                seq_lens = local.seq_lens_B[rows].tolist()
+                mb_routes = None if local_routes is None else local_routes[rows]
+                with self._replay_ctx(mb_routes, seq_lens, S_i):
+                    logits = self._forward(ids)
+                logp_local[rows, :S_i] = token_logprobs(logits, ids)[0]
+                if record:
+                    assert self.recorder.num_calls() == 1, self.recorder.num_calls()
+                    B_i = mb.stop - mb.start
+                    for stacked, what in ((ids_local, False), (probs_local, True)):
+                        seqs = self.recorder.to_sequences([S_i] * B_i, B_i, S_i, probs=what)
+                        stacked[rows, :S_i] = torch.from_numpy(np.stack(seqs).astype(
+                            np.float32 if what else np.int16)).to(self.device)
+                    self.recorder.clear()
+        finally:
+            self.recorder.enabled = False
+            self.recorder.clear()
+        B = batch.num_seqs
+        logp = self._gather_rows(logp_local, B).cpu()
+        logp = torch.where(torch.arange(S)[None, :] < batch.seq_lens_B.cpu()[:, None], logp, 0.0)
+        result = LogprobResult(logp_BS=logp)
+        if record:
+            lens = batch.seq_lens_B.tolist()
+            id_dtype = np.uint8 if self.num_experts <= 256 else np.uint16
+            all_ids = self._gather_rows(ids_local, B).cpu().numpy()
+            all_probs = self._gather_rows(probs_local, B).cpu().numpy()
+            routes = [np.ascontiguousarray(all_ids[b, :n].astype(id_dtype)) for b, n in enumerate(lens)]
+            probs = [np.ascontiguousarray(all_probs[b, :n]) for b, n in enumerate(lens)]
+            if self.replay is ReplayMode.R2:
+                self._recorded = (batch.input_ids_BS.cpu().clone(), routes)
+            if record_routes:
+                result.routes, result.probs = routes, probs
+        return result
+
+    # ------------------------------------------------------------------ update
+    def train_step(self, batch: PackedBatch, old_logp_BS: torch.Tensor, *, replay_routes=None,
+                   ref_logp_BS: torch.Tensor | None = None) -> dict[str, float]:
+        """One RL update on the global `batch`: `train.num_minibatches` optimizer steps.
+
+        `old_logp_BS`: [B, S] token-aligned log-probs of the policy that sampled the batch (e.g.
+        `compute_logprobs(batch).logp_BS`). Replay per `self.replay` (R2: the routes recorded by the
+        last `compute_logprobs` of this batch; R3: `batch.rollout_routes`) unless `replay_routes`
+        gives them explicitly. `ref_logp_BS` is needed when `algo.kl_coef > 0`.
+        Returns metrics averaged over the mini-batches (see the module docstring).
+        """
+        B, S = batch.num_seqs, batch.seq_len_padded
+        old = torch.as_tensor(old_logp_BS)
+        if tuple(old.shape) != (B, S):
+            raise ValueError(f"old_logp_BS has shape {tuple(old.shape)}, expected the batch's [B, S] = {(B, S)}")
+        if ref_logp_BS is not None and tuple(ref_logp_BS.shape) != (B, S):
+            raise ValueError(f"ref_logp_BS has shape {tuple(ref_logp_BS.shape)}, expected {(B, S)}")
+        if not 1 <= self.train.num_minibatches <= B:
+            raise ValueError(f"train.num_minibatches={self.train.num_minibatches} must be in [1, B={B}]")
+        routes = self._resolve_routes(batch, replay_routes, update=True)
+        batch = batch.to(self.device)
+        old = old.to(self.device, torch.float32)
+        ref = None if ref_logp_BS is None else ref_logp_BS.to(self.device, torch.float32)
+        results = []
+        for idx in np.array_split(np.arange(B), self.train.num_minibatches):
+            t_idx = torch.as_tensor(idx, device=self.device)
+            mini_routes = None if routes is None else [routes[int(i)] for i in idx]
+            results.append(self._train_minibatch(batch.select(idx), old[t_idx],
+                                                 None if ref is None else ref[t_idx], mini_routes))
+        kept = [m for m, skipped in results if not skipped] or [m for m, _ in results]
+        metrics = {k: float(np.mean([m[k] for m in kept])) for k in kept[0]}
+        metrics["train/skipped_steps"] = float(self.skipped_steps)
+        metrics["train/lr"] = float(self.optimizer.lr)
+        return metrics
+
+    def _train_minibatch(self, mini: PackedBatch, old_BS, ref_BS, routes) -> tuple[dict[str, float], bool]:
+        algo, dp = self.algo, self.parallel.dp_size
+        clip_low, clip_high = algo.clip_range()
+        loss_kw = dict(clip_low=clip_low, clip_high=clip_high, kl_coef=algo.kl_coef, aggregation=algo.aggregation)
+        token_mean = algo.aggregation == "token_mean"
+        mask_all = mini.response_mask_BS
+        denom = max(int(mask_all.sum() if token_mean else mask_all.any(-1).sum()), 1)
+        plan = plan_shards(mini.seq_lens_B.tolist(), dp_rank=self.parallel.dp_rank, dp_size=dp,
+                           micro_batch_size=self.train.micro_batch_size)
+        local, local_routes, (old_l, ref_l) = self._local(mini, plan, routes, old_BS, ref_BS)
+        logp_local = torch.zeros_like(old_l)
+        self.ddp.train()
+        self.optimizer.zero_grad()
+        finite = True
+        for mb in plan.micro_batches:
+            rows, S_i = slice(mb.start, mb.stop), mb.seq_len
+            ids, mask = local.input_ids_BS[rows, :S_i], local.response_mask_BS[rows, :S_i]
+            mb_routes = None if local_routes is None else local_routes[rows]
+            with self._replay_ctx(mb_routes, local.seq_lens_B[rows].tolist(), S_i) as handle:
+                logp, _ = token_logprobs(self._forward(ids), ids)
+                loss, _ = policy_loss(algo.name, logp, old_l[rows, :S_i], local.advantages_B[rows], mask,
+                                      ref_logp_BT=None if ref_l is None else ref_l[rows, :S_i], **loss_kw)
+                count = int(mask.sum() if token_mean else mask.any(-1).sum())
+                scaled = loss * (count * dp / denom)
+                if handle is not None:
+                    handle.backward(scaled)
+                else:
+                    scaled.backward()
+            finite = finite and bool(torch.isfinite(loss.detach()))
+            logp_local[rows, :S_i] = logp.detach()
+        self.ddp.finish_grad_sync()
+        norm = self.optimizer.grad_norm()
+        skip = any_rank(not (finite and math.isfinite(norm)), self.device)
+        if skip:
+            self.skipped_steps += 1
+        else:
+            self.optimizer.clip(norm)
+            self.optimizer.step()
+            self.num_updates += 1
+        self.optimizer.zero_grad()
+        logp_all = self._gather_rows(logp_local, mini.num_seqs)
+        with torch.no_grad():
+            _, m = policy_loss(algo.name, logp_all, old_BS, mini.advantages_B, mask_all, ref_logp_BT=ref_BS,
+                               **loss_kw)
+        out = {k: float(v) for k, v in m.items()}
+        out["grad/norm"] = norm
+        return out, skip
+
+    # ------------------------------------------------------------------ weights and checkpoints
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full HF (fused-expert) state dict on every rank, for the rollout engine's weight sync.
+        Collective over the EP group: every rank must call it. Non-expert tensors alias the weights."""
+        from moe_gspo.mcore.weights import gather_hf_state_dict
+
+        return gather_hf_state_dict(self.model, self.hf_config, layout="fused")
+
+    def state_dict(self) -> dict:
+        """This rank's model and optimizer state (per-rank checkpoint)."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "skipped_steps": self.skipped_steps, "num_updates": self.num_updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.num_updates = int(state.get("num_updates", 0))

@@ -1,0 +1,67 @@
+"""analysis.compare: seed bands, the per-arm table, and the comparison report of an ablation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from analysis.compare import (
+    COMPARE_FIGURES, ArmRun, arm_runs_from_dirs, build_comparison, seed_band,
+)
+from analysis.load import ReportInputError, RunData
+from synth_run import assert_real_png, write_synthetic_run
+
+
+def _run(points: list[tuple[int, float]]) -> RunData:
+    return RunData(source=Path("x"), records=[{"step": s, "reward/mean": v} for s, v in points],
+                   traces={})
+
+
+def test_seed_band_hand_example():
+    runs = [(0, _run([(0, 1.0), (1, 2.0), (2, 3.0)])), (1, _run([(1, 3.0), (2, 5.0)]))]
+    steps, mean, lo, hi = seed_band(runs, "reward/mean")
+    assert steps.tolist() == [0, 1, 2]
+    np.testing.assert_allclose(mean, [1.0, 2.5, 4.0])
+    np.testing.assert_allclose(lo, [1.0, 2.0, 3.0])
+    np.testing.assert_allclose(hi, [1.0, 3.0, 5.0])
+    assert seed_band(runs, "clip/token_frac")[0].size == 0
+
+
+def test_arm_runs_from_dirs_groups_by_seed_suffix():
+    got = arm_runs_from_dirs(["a/grpo-r2-s0", "a/grpo-r2-s11", "a/custom"])
+    assert [(r.arm, r.seed) for r in got] == [("grpo-r2", 0), ("grpo-r2", 11), ("custom", 0)]
+
+
+def _final_reward(run_dir: Path) -> float:
+    rewards = [json.loads(l)["reward/mean"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    k = max(1, len(rewards) // 10)
+    return sum(rewards[-k:]) / k
+
+
+def test_comparison_report(tmp_path):
+    arm_runs = []
+    for i, arm in enumerate(("gspo-none", "grpo-r2")):
+        for seed in (0, 1):
+            d = write_synthetic_run(tmp_path / f"{arm}-s{seed}", seed=10 * i + seed, with_traces=False)
+            arm_runs.append(ArmRun(arm, seed, d))
+    arm_runs.append(ArmRun("grpo-r2", 2, tmp_path / "grpo-r2-s2"))  # never ran
+    paths = build_comparison(arm_runs, tmp_path / "comparison")
+    assert {p.stem for p in paths.figures} == {s.name for s in COMPARE_FIGURES}
+    for p in paths.figures:
+        assert_real_png(p)
+    md = paths.markdown.read_text()
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in md.splitlines()
+            if line.startswith("| gspo-none") or line.startswith("| grpo-r2")}
+    assert rows["gspo-none"][1] == "2/2" and rows["grpo-r2"][1] == "2/3"
+    finals = [_final_reward(tmp_path / f"gspo-none-s{s}") for s in (0, 1)]
+    mean, std = np.mean(finals), np.std(finals)
+    assert rows["gspo-none"][2] == f"{mean:.4g} ± {std:.4g}"
+    assert "grpo-r2 seed 2: left out" in md
+
+
+def test_comparison_without_any_metrics_is_an_error(tmp_path):
+    with pytest.raises(ReportInputError, match="nothing to compare"):
+        build_comparison([ArmRun("a", 0, tmp_path / "missing")], tmp_path / "out")

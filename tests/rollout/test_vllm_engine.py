@@ -1,0 +1,262 @@
+"""Tests for moe_gspo.rollout.vllm_engine without vLLM: stand-ins shaped like vLLM 0.33's objects
+(`vllm.outputs.CompletionOutput`, `RequestOutput`, `vllm.logprobs.Logprob`)."""
+
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from moe_gspo.rollout.base import SamplingParams
+from moe_gspo.rollout.vllm_engine import (
+    VLLMEngine,
+    completion_to_sample,
+    moe_layer_ids_from_config,
+    num_experts_from_config,
+    request_outputs_to_samples,
+    routed_experts_to_routes,
+    sampled_logprobs,
+    split_fused_experts,
+    vllm_sampling_kwargs,
+)
+
+
+# ---- stand-ins with vLLM's attribute names ------------------------------------------------------
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    routed_experts: np.ndarray | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    prompt_logprobs: Any
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    extra: dict = field(default_factory=dict)
+
+
+def _completion(index, prompt_len, tokens, *, num_layer_cols=3, moe_cols=(1, 2), k=2, finish="stop", seed=0):
+    """A completion whose routed_experts has one column per decoder layer (dense column 0 unwritten)."""
+    rng = np.random.default_rng(seed)
+    t = prompt_len + len(tokens) - 1
+    routed = np.zeros((t, num_layer_cols, k), dtype=np.uint8)
+    for c in moe_cols:
+        routed[:, c] = np.argsort(rng.random((t, 8)), axis=-1)[:, :k]
+    lps = [{tok: Logprob(-0.1 * (j + 1), rank=1), 99: Logprob(-5.0, rank=2)} for j, tok in enumerate(tokens)]
+    return CompletionOutput(index=index, text="", token_ids=list(tokens), cumulative_logprob=None, logprobs=lps,
+                            routed_experts=routed, finish_reason=finish)
+
+
+# ---- pure conversions ---------------------------------------------------------------------------
+def test_routed_experts_to_routes_selects_moe_columns_and_narrows_dtype():
+    c = _completion(0, 3, [5, 6, 1])
+    routes = routed_experts_to_routes(c.routed_experts.astype(np.int32), 3, 3, 8, moe_layer_ids=[1, 2])
+    assert routes.shape == (5, 2, 2) and routes.dtype == np.uint8
+    np.testing.assert_array_equal(routes, c.routed_experts[:, 1:])
+    # an array that already has only the MoE columns is taken as is
+    np.testing.assert_array_equal(routed_experts_to_routes(routes, 3, 3, 8, moe_layer_ids=[1, 2]), routes)
+    # T = P + R is accepted too; uint16 for more than 256 experts
+    wide = routed_experts_to_routes(np.full((6, 1, 2), 300, dtype=np.int32), 3, 3, 512)
+    assert wide.dtype == np.uint16 and int(wide[0, 0, 0]) == 300
+
+
+def test_routed_experts_to_routes_errors():
+    c = _completion(0, 3, [5, 6, 1])
+    with pytest.raises(ValueError, match="routed_experts_prompt_start"):
+        routed_experts_to_routes(c.routed_experts[2:], 3, 3, 8, moe_layer_ids=[1, 2])
+    with pytest.raises(ValueError, match="expected prompt_len"):
+        routed_experts_to_routes(np.zeros((9, 2, 2), np.int32), 3, 3, 8)
+    with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
+        routed_experts_to_routes(c.routed_experts, 3, 3, 4, moe_layer_ids=[1, 2])
+    with pytest.raises(ValueError, match="moe_layer_ids"):
+        routed_experts_to_routes(c.routed_experts, 3, 3, 8, moe_layer_ids=[1, 5])
+    with pytest.raises(ValueError, match="shape"):
+        routed_experts_to_routes(np.zeros((5, 2), np.int32), 3, 3, 8)
+    with pytest.raises(ValueError, match="integer"):
+        routed_experts_to_routes(np.zeros((5, 2, 2), np.float32), 3, 3, 8)
+
+
+def test_sampled_logprobs_picks_the_sampled_token():
+    lps = [{7: Logprob(-0.25), 3: Logprob(-2.0)}, {3: Logprob(-1.5), 7: Logprob(-0.75)}]
+    np.testing.assert_array_equal(sampled_logprobs([7, 3], lps), np.array([-0.25, -1.5], np.float32))
+    with pytest.raises(ValueError, match="logprobs=0"):
+        sampled_logprobs([7], None)
+    with pytest.raises(ValueError, match="sampled token 4"):
+        sampled_logprobs([7, 4], lps)
+    with pytest.raises(ValueError, match="2 logprob entries for 1"):
+        sampled_logprobs([7], lps)
+
+
+def test_completion_to_sample():
+    c = _completion(1, 3, [5, 6, 1], finish="stop")
+    s = completion_to_sample(4, [2, 9, 9], c, num_experts=8, moe_layer_ids=[1, 2])
+    assert s.prompt_index == 4 and s.prompt_ids.tolist() == [2, 9, 9] and s.prompt_ids.dtype == np.int64
+    assert s.response_ids.tolist() == [5, 6, 1] and s.finish_reason == "stop"
+    np.testing.assert_allclose(s.response_logprobs, [-0.1, -0.2, -0.3], rtol=1e-6)
+    assert s.response_logprobs.dtype == np.float32
+    assert s.routes_TLK.shape == (5, 2, 2) and s.routes_TLK.dtype == np.uint8 and s.router_probs_TLK is None
+    no_routes = completion_to_sample(0, [2, 9, 9], c)          # num_experts unknown: routes not converted
+    assert no_routes.routes_TLK is None
+    c.finish_reason = "abort"
+    with pytest.raises(ValueError, match="abort"):
+        completion_to_sample(0, [2, 9, 9], c)
+    c.finish_reason = "length"
+    c.routed_experts = c.routed_experts[1:]
+    with pytest.raises(ValueError, match="prompt 0, completion 1"):
+        completion_to_sample(0, [2, 9, 9], c, num_experts=8, moe_layer_ids=[1, 2])
+
+
+def test_request_outputs_grouped_and_sorted_by_completion_index():
+    prompts = [[2, 3], [2, 4, 4]]
+    ros = [RequestOutput("0", None, p, None,
+                         [_completion(j, len(p), [10 + 2 * i + j, 1], seed=j) for j in (1, 0)])   # out of order
+           for i, p in enumerate(prompts)]
+    samples = request_outputs_to_samples(ros, prompts, 2, num_experts=8, moe_layer_ids=[1, 2])
+    assert [s.prompt_index for s in samples] == [0, 0, 1, 1]
+    assert [int(s.response_ids[0]) for s in samples] == [10, 11, 12, 13]
+    assert [s.routes_TLK.shape[0] for s in samples] == [3, 3, 4, 4]     # P + R - 1
+    with pytest.raises(ValueError, match="expected n=3"):
+        request_outputs_to_samples(ros, prompts, 3)
+    with pytest.raises(ValueError, match="different prompt"):
+        request_outputs_to_samples(ros, [[2, 3], [2, 4]], 2)
+
+
+def test_vllm_sampling_kwargs_gives_every_sample_its_own_seed():
+    sp = SamplingParams(n=3, temperature=0.7, top_p=0.9, max_new_tokens=12, seed=100)
+    kws = [vllm_sampling_kwargs(sp, i) for i in range(4)]
+    assert kws[0] == dict(n=3, temperature=0.7, top_p=0.9, top_k=0, max_tokens=12, seed=100, logprobs=0,
+                          detokenize=False)
+    child_seeds = [kw["seed"] + j for kw in kws for j in range(3)]       # vLLM gives child j seed + j
+    assert len(set(child_seeds)) == 12
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        vllm_sampling_kwargs(SamplingParams(max_new_tokens=0), 0)
+
+
+def test_moe_layer_ids_from_config():
+    assert moe_layer_ids_from_config({"num_hidden_layers": 3, "num_experts": 8, "mlp_only_layers": [0]}) == [1, 2]
+    assert moe_layer_ids_from_config({"num_hidden_layers": 6, "num_experts": 8, "decoder_sparse_step": 2}) == [1, 3, 5]
+    assert moe_layer_ids_from_config({"num_hidden_layers": 48, "num_experts": 128}) == list(range(48))
+    assert moe_layer_ids_from_config({"num_hidden_layers": 4, "num_experts": 0}) == []
+    # transformers 5 writes num_local_experts (as in the tiny checkpoint's config.json)
+    assert num_experts_from_config({"num_local_experts": 8}) == 8
+    assert moe_layer_ids_from_config({"num_hidden_layers": 2, "num_local_experts": 8}) == [0, 1]
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        moe_layer_ids_from_config({})
+
+
+# ---- weight naming ------------------------------------------------------------------------------
+def test_split_fused_experts_hand_example():
+    # E=2, I=1, H=2: gate rows first, then up rows
+    gate_up = torch.tensor([[[1., 2.], [3., 4.]], [[5., 6.], [7., 8.]]])       # [E, 2I, H]
+    down = torch.tensor([[[9.], [10.]], [[11.], [12.]]])                       # [E, H, I]
+    out = dict(split_fused_experts([("model.layers.1.mlp.experts.gate_up_proj", gate_up),
+                                    ("model.layers.1.mlp.experts.down_proj", down),
+                                    ("model.norm.weight", torch.ones(2))]))
+    assert out["model.layers.1.mlp.experts.0.gate_proj.weight"].tolist() == [[1., 2.]]
+    assert out["model.layers.1.mlp.experts.0.up_proj.weight"].tolist() == [[3., 4.]]
+    assert out["model.layers.1.mlp.experts.1.up_proj.weight"].tolist() == [[7., 8.]]
+    assert out["model.layers.1.mlp.experts.1.down_proj.weight"].tolist() == [[11.], [12.]]
+    assert out["model.norm.weight"].tolist() == [1., 1.]
+    assert len(out) == 7
+    with pytest.raises(ValueError, match="gate rows then up rows"):
+        list(split_fused_experts([("x.experts.gate_up_proj", torch.zeros(2, 3, 2))]))
+
+
+def test_split_fused_experts_matches_the_on_disk_checkpoint(tmp_path):
+    from safetensors.torch import load_file
+
+    from moe_gspo.tiny import build_tiny_model, make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ck", seed=3)
+    on_disk = {}
+    for f in ckpt.glob("*.safetensors"):
+        on_disk.update(load_file(str(f)))
+    model = build_tiny_model(seed=3)
+    converted = dict(split_fused_experts(model.state_dict().items()))
+    assert set(converted) == set(on_disk)
+    for name, t in on_disk.items():
+        torch.testing.assert_close(converted[name], t, rtol=0, atol=0, msg=name)
+
+
+# ---- the engine itself, with vllm absent or faked -----------------------------------------------
+def test_constructing_without_vllm_raises_helpful_import_error(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "vllm", None)      # makes `import vllm` raise ImportError
+    with pytest.raises(ImportError, match=r"pip install 'moe-gspo\[vllm\]'"):
+        VLLMEngine(tmp_path)
+
+
+class _FakeLLM:
+    def __init__(self, **kw):
+        self.kw, self.rpc_calls, self.resets, self.seen_params = kw, [], 0, None
+
+    def generate(self, requests, sampling_params=None, use_tqdm=True):
+        self.seen_params = sampling_params
+        outs = []
+        for i, (req, sp) in enumerate(zip(requests, sampling_params)):
+            p = req["prompt_token_ids"]
+            comps = [_completion(j, len(p), [20 + i, 30 + j, 1], seed=sp.seed + j) for j in range(sp.n)]
+            outs.append(RequestOutput(str(i), None, list(p), None, comps[::-1]))
+        return outs
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.rpc_calls.append((method, kwargs))
+        return [None]
+
+    def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
+        self.resets += 1
+        return True
+
+
+def test_engine_with_fake_vllm(monkeypatch, tmp_path):
+    from moe_gspo.tiny import build_tiny_model, tiny_qwen3_moe_config
+
+    fake = types.ModuleType("vllm")
+    fake.LLM = _FakeLLM
+    fake.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    tiny_qwen3_moe_config().to_json_file(str(tmp_path / "config.json"))
+
+    eng = VLLMEngine(tmp_path, dtype="float32", seed=5, gpu_memory_utilization=0.3)
+    assert eng.records_routes and eng.moe_layer_ids == [1, 2] and eng.num_experts == 8
+    assert eng.llm.kw["enable_return_routed_experts"] is True and eng.llm.kw["logprobs_mode"] == "raw_logprobs"
+    assert eng.llm.kw["seed"] == 5 and eng.llm.kw["model"] == str(tmp_path)
+
+    samples = eng.generate([[2, 5], [2, 6, 7]], SamplingParams(n=2, max_new_tokens=3, seed=1))
+    assert [s.prompt_index for s in samples] == [0, 0, 1, 1]
+    assert [s.response_ids.tolist() for s in samples][:2] == [[20, 30, 1], [20, 31, 1]]
+    assert [s.routes_TLK.shape for s in samples] == [(4, 2, 2), (4, 2, 2), (5, 2, 2), (5, 2, 2)]
+    assert [sp.seed for sp in eng.llm.seen_params] == [1, 3]
+
+    model = build_tiny_model(seed=0)
+    eng.update_weights(model.state_dict().items())
+    (method, kwargs), = eng.llm.rpc_calls
+    assert method == "reload_weights" and kwargs["is_checkpoint_format"] is True
+    names = [n for n, _ in kwargs["weights_iterator"]]
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in names
+    assert not any(n.endswith("gate_up_proj") for n in names)
+    assert eng.llm.resets == 1
+
+    with pytest.raises(ValueError, match="config.json"):
+        VLLMEngine(tmp_path / "nowhere")

@@ -26,7 +26,7 @@ import seaborn as sns
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from analysis.figures import FigureSpec, SkipFigure, render_figures
+from analysis.figures import FigureSpec, SkipFigure, positive_or_nan, render_figures
 from analysis.load import (
     ReportInputError, RunData, RunDataWarning, finite_mean, headline_numbers, load_run, series,
 )
@@ -98,10 +98,14 @@ def seed_band(runs: list[tuple[int, RunData]], key: str
 def _arm_panel(ax, arms: Arms, key: str, ylabel: str, logy: bool = False) -> bool:
     drawn = False
     palette = sns.color_palette("tab10", n_colors=max(len(arms.runs), 1))
+    bands = {arm: seed_band(runs, key) for arm, runs in arms.runs.items()}
+    logy = logy and any(np.any(b[1] > 0) for b in bands.values())
     for color, (arm, runs) in zip(palette, arms.runs.items()):
-        steps, mean, lo, hi = seed_band(runs, key)
+        steps, mean, lo, hi = bands[arm]
         if steps.size == 0:
             continue
+        if logy:
+            mean, lo, hi = positive_or_nan(mean), positive_or_nan(lo), positive_or_nan(hi)
         ax.plot(steps, mean, color=color, label=f"{arm} (n={len(runs)})")
         if len(runs) > 1:
             ax.fill_between(steps, lo, hi, color=color, alpha=0.2, linewidth=0)

@@ -10,6 +10,7 @@ at a modest dpi so the self-contained HTML stays small.
 from __future__ import annotations
 
 import io
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -21,7 +22,7 @@ from matplotlib.ticker import MaxNLocator
 
 from analysis.load import (
     RunData, expert_load_from_topk, load_logprobs, load_topk, matrix_series, probe_value,
-    ratio_variance_by_length, series,
+    ratio_variance_by_length, series, trace_layer_ids,
 )
 
 DPI = 100
@@ -72,19 +73,26 @@ def _need(run: RunData, *keys: str) -> None:
                          else f"metrics {names} missing from all steps")
 
 
+def positive_or_nan(values: np.ndarray) -> np.ndarray:
+    """Values for a log axis: non-positive entries become NaN (gaps) instead of being clipped."""
+    values = np.asarray(values, np.float64)
+    return np.where(values > 0, values, np.nan)
+
+
 def _lines(ax, run: RunData, keys_labels: list[tuple[str, str]], logy: bool = False) -> int:
-    """Plot scalar series on ax; returns how many were drawn."""
+    """Plot scalar series on ax (log y when `logy` and some value is positive); returns how many
+    series were drawn."""
     drawn = 0
-    positive = False
+    logy = logy and any(np.any(series(run.records, k)[1] > 0) for k, _ in keys_labels)
     for key, label in keys_labels:
         steps, vals = series(run.records, key)
         if steps.size == 0:
             continue
         marker = "o" if steps.size <= 30 else None
-        ax.plot(steps, vals, marker=marker, markersize=3, label=label)
-        positive |= bool(np.any(vals[np.isfinite(vals)] > 0))
+        ax.plot(steps, positive_or_nan(vals) if logy else vals, marker=marker, markersize=3,
+                label=label)
         drawn += 1
-    if logy and positive:
+    if logy:
         ax.set_yscale("log")
     if drawn:
         ax.legend(fontsize="small")
@@ -102,13 +110,7 @@ def _layer_labels(run: RunData | None, num_layers: int, probe: dict | None = Non
     if probe is not None and isinstance(probe.get("layer_ids"), list):
         ids = probe["layer_ids"]
     elif run is not None:
-        for kinds in run.traces.values():
-            if "rollout" in kinds:
-                try:
-                    ids = load_topk(kinds["rollout"][0])[2].tolist()
-                except (OSError, ValueError, KeyError):
-                    ids = None
-                break
+        ids = trace_layer_ids(run)
     if ids is None or len(ids) != num_layers:
         return [str(i) for i in range(num_layers)]
     return [str(i) for i in ids]
@@ -119,12 +121,19 @@ def _layer_axis_label(labels: list[str]) -> str:
         else "MoE layer (index)"
 
 
+def _finite_max(*arrays: np.ndarray) -> float:
+    """Largest finite entry (a colour-scale limit), at least 1e-12; 1.0 when nothing is finite."""
+    vals = np.concatenate([np.ravel(a) for a in arrays])
+    vals = vals[np.isfinite(vals)]
+    return float(max(vals.max(), 1e-12)) if vals.size else 1.0
+
+
 def _load_heatmaps(rollout_LE: np.ndarray, learner_LE: np.ndarray, labels: list[str],
                    source: str) -> Figure:
     fig, axes = _fig(3, width=5.0, height=_heat_height(len(labels), 1.6))
-    vmax = float(max(rollout_LE.max(), learner_LE.max(), 1e-12))
+    vmax = _finite_max(rollout_LE, learner_LE)
     diff = learner_LE - rollout_LE
-    lim = float(max(np.abs(diff).max(), 1e-12))
+    lim = _finite_max(np.abs(diff))
     panels = ((rollout_LE, "rollout engine", dict(vmin=0, vmax=vmax, cmap="viridis"),
                "fraction of routings"),
               (learner_LE, "learner", dict(vmin=0, vmax=vmax, cmap="viridis"), "fraction of routings"),
@@ -249,8 +258,7 @@ def fig_ratio_variance_length(run: RunData) -> Figure:
     for key, label in (("token_var", "token ratio exp(d_t)"),
                        ("seq_norm_var", "length-normalised sequence ratio exp(mean d_t)"),
                        ("seq_logprod_var", "unnormalised log product Σ d_t")):
-        y = stats[key][ok]
-        ax.plot(x, np.where(y > 0, y, np.nan), marker="o", markersize=3, label=label)
+        ax.plot(x, positive_or_nan(stats[key][ok]), marker="o", markersize=3, label=label)
     if np.any(np.concatenate([stats[k][ok] for k in ("token_var", "seq_norm_var",
                                                      "seq_logprod_var")]) > 0):
         ax.set_yscale("log")
@@ -414,7 +422,9 @@ def figure_png(fig: Figure) -> bytes:
 def render_figures(specs: list[FigureSpec], data: Any) -> list[RenderedFigure | SkippedFigure]:
     """Draw each spec on `data`; a `SkipFigure` (or an unreadable trace file) becomes a SkippedFigure."""
     out: list[RenderedFigure | SkippedFigure] = []
-    with sns.axes_style("whitegrid"), sns.plotting_context("paper"):
+    with sns.axes_style("whitegrid"), sns.plotting_context("paper"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN slices of metrics never logged
+        warnings.simplefilter("ignore", PendingDeprecationWarning)  # seaborn's cmap.set_bad call
         for spec in specs:
             try:
                 fig = spec.make(data)
@@ -422,7 +432,8 @@ def render_figures(specs: list[FigureSpec], data: Any) -> list[RenderedFigure | 
                 out.append(SkippedFigure(spec.name, spec.title, str(e)))
                 continue
             except (OSError, KeyError, ValueError) as e:  # unreadable trace file and the like
-                out.append(SkippedFigure(spec.name, spec.title, f"could not read inputs: {e}"))
+                out.append(SkippedFigure(spec.name, spec.title,
+                                         f"could not read inputs: {type(e).__name__}: {e}"))
                 continue
             out.append(RenderedFigure(spec.name, spec.title, spec.caption, figure_png(fig)))
     return out

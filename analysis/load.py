@@ -1,14 +1,17 @@
 """Robust reading of training run directories and probe JSON files, and the headline numbers.
 
 Everything the report and the ablation comparison know about a run comes through this module:
-- `load_run(run_dir)` reads `metrics.jsonl` (skipping lines that are not valid JSON objects, e.g. the
-  last line cut by a kill, with a `RunDataWarning` naming the line number), `config.yaml`,
-  `done.json` and the list of trace files (see `notes/run_dir_schema.md` for the layout).
+- `load_run(run_dir)` reads what `python -m moe_gspo.train` writes: `metrics.jsonl` (skipping lines
+  that are not JSON objects with an integer `step`, e.g. the last line cut by a kill, with a
+  `RunDataWarning` naming the line number), `config.yaml`, `done.json`, and the list of
+  `traces/step_XXXXXX_{rollout,learner,updated,logprobs}[_rank{r}].npz` files (one per rank when
+  the run had several processes).
 - `series` / `matrix_series` turn the per-step records into step-indexed numpy arrays.
 - `headline_numbers(records)` and `probe_headline(probe)` compute the numbers of the report's top
   table; their definitions are in `HEADLINE_LABELS` and in the docstrings (tests recompute them).
-- Trace files are read with plain `np.load` per the schema's npz fields, so the report does not
-  depend on the trace writer's Python classes.
+- Trace files are read with plain `np.load` (fields as documented in `moe_gspo.routing.trace`), so
+  the report does not depend on the trace writer's classes; `ratio_variance_by_length` measures
+  the GSPO variance argument on the logged learner/rollout log-probs.
 
 User errors (missing run dir, nothing to report on) raise `ReportInputError` (a `ValueError`).
 """
@@ -259,6 +262,20 @@ def load_topk(path: str | Path | list) -> tuple[np.ndarray, int, np.ndarray]:
     return topk_TLK, num_experts, layer_ids
 
 
+def trace_layer_ids(run: RunData) -> list[int] | None:
+    """Model layer ids of the MoE layers, from the first routing trace of the run (None if none)."""
+    for kinds in run.traces.values():
+        for kind in ("rollout", "learner", "updated"):
+            for path in kinds.get(kind, []):
+                try:
+                    with np.load(path, allow_pickle=False) as z:
+                        if "layer_ids" in z:
+                            return np.asarray(z["layer_ids"]).astype(int).tolist()
+                except (OSError, ValueError):
+                    continue
+    return None
+
+
 def expert_load_from_topk(topk_TLK: np.ndarray, num_experts: int) -> np.ndarray:
     """[L, E] share of (token, top-k slot) routings that went to each expert, per layer (rows sum to 1)."""
     num_tokens, num_layers, k = topk_TLK.shape
@@ -342,8 +359,9 @@ def headline_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
     """The report's headline numbers (keys of HEADLINE_LABELS); NaN where the metric is absent.
 
     Means are over the steps whose value is finite. The 10% windows hold max(1, n // 10) of the n
-    finite reward/mean values, first or last by step (as the training's done.json summary). The variance ratio is a ratio of means (not a
-    mean of per-step ratios) so a near-zero seq_var on one step cannot dominate it.
+    finite reward/mean values, first or last by step (as in the training's done.json summary).
+    The variance ratio is a ratio of means (not a mean of per-step ratios) so a near-zero
+    seq_var on one step cannot dominate it.
     """
     _, reward = series(records, "reward/mean")
     reward = reward[np.isfinite(reward)]

@@ -260,7 +260,7 @@ def build_report(source: str | Path, out_dir: str | Path | None = None,
     """Build the report of a run directory (optionally with a probe JSON) or of a probe JSON alone.
     Raises `ReportInputError` for unusable inputs."""
     source = Path(source)
-    if source.is_file() and source.suffix == ".json":
+    if source.suffix == ".json" and not source.is_dir():
         if probe_path is not None:
             raise ReportInputError("--probe is for a run directory; the source is already a probe file")
         page = build_probe_page(load_probe(source), source)
@@ -287,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for w in caught:
-        print(f"warning: {w.message}", file=sys.stderr)
+        if issubclass(w.category, RunDataWarning):
+            print(f"warning: {w.message}", file=sys.stderr)
     for s in paths.skipped:
         print(f"skipped figure {s.name}: {s.reason}", file=sys.stderr)
     for p in paths.figures:

@@ -134,7 +134,8 @@ def parse_spec(raw: Any, out_dir: str | Path | None = None) -> AblationSpec:
     if (not isinstance(seeds, list) or not seeds
             or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)
             or len(set(seeds)) != len(seeds)):
-        raise ValueError(f"ablation spec: 'seeds' must be a list of distinct non-negative ints, got {seeds!r}")
+        raise ValueError("ablation spec: 'seeds' must be a list of distinct non-negative ints, "
+                         f"got {seeds!r}")
     overrides = raw.get("overrides") or {}
     if not isinstance(overrides, dict):
         raise ValueError("ablation spec: 'overrides' must be a mapping of dotted keys to values")

@@ -1,0 +1,18 @@
+"""Megatron-core learner backend for Qwen3-MoE (the model, its weights and its process grid).
+
+Supported scope:
+- parallelism: tensor parallel = pipeline parallel = 1; expert parallelism (EP) carved out of data
+  parallelism, world size = EP x DP (`parallel.init_distributed`); every rank holds all dense weights
+  and `num_experts / EP` experts (global expert id = ep_rank * E_local + local index);
+- layer spec: Megatron's local spec on CPU (gloo, `moe_token_dispatcher_type="allgather"`, the shims
+  of `shims.py`), the Transformer Engine spec when TE is importable (its fused norm weights,
+  `linear_qkv.layer_norm_weight` / dense `linear_fc1.layer_norm_weight`, are handled by `weights`);
+- experts: `SequentialMLP` (no grouped GEMM), SwiGLU, no shared experts, no load-balancing loss;
+- models: transformers `Qwen3MoeForCausalLM` configs (`model.check_supported` says why others fail),
+  tied or untied embeddings, optional vocabulary padding.
+
+Modules: `shims` (CPU / no-TE compatibility), `parallel` (process grid), `model` (config mapping,
+`GPTModel` construction, forward), `weights` (HF <-> Megatron tensors, gather for rollout sync),
+`checkpoint` (safetensors directories in and out). Nothing here is imported eagerly, so
+`import moe_gspo.mcore` does not import Megatron.
+"""

@@ -26,8 +26,8 @@ from typing import Mapping
 
 import torch
 
-from moe_gspo.mcore.model import check_supported
-from moe_gspo.mcore.weights import expert_keys_for_rank, gather_hf_state_dict, moe_layer_ids_of
+from moe_gspo.mcore.model import check_supported, moe_layer_ids
+from moe_gspo.mcore.weights import expert_keys_for_rank, gather_hf_state_dict
 
 SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -117,9 +117,10 @@ def read_hf_weights(ckpt_dir, hf_config, *, ep_rank: int = 0, ep_size: int = 1) 
                 for j, e in enumerate(range(lo, hi)):
                     p = f"model.layers.{layer}.mlp.experts.{e}."
                     if proj == "down_proj":
-                        out[p + "down_proj.weight"] = rows[j].clone()
+                        out[p + "down_proj.weight"] = rows[j]
                     else:
-                        out[p + "gate_proj.weight"], out[p + "up_proj.weight"] = rows[j, :I].clone(), rows[j, I:].clone()
+                        out[p + "gate_proj.weight"] = rows[j, :I]
+                        out[p + "up_proj.weight"] = rows[j, I:]
     return out
 
 
@@ -165,14 +166,14 @@ def to_per_expert_layout(hf_sd: Mapping[str, torch.Tensor], hf_config) -> dict[s
         for e in range(t.shape[0]):
             p = f"model.layers.{layer}.mlp.experts.{e}."
             if proj == "down_proj":
-                out[p + "down_proj.weight"] = t[e].clone()
+                out[p + "down_proj.weight"] = t[e]
             else:
-                out[p + "gate_proj.weight"], out[p + "up_proj.weight"] = t[e, :I].clone(), t[e, I:].clone()
+                out[p + "gate_proj.weight"], out[p + "up_proj.weight"] = t[e, :I], t[e, I:]
     return out
 
 
 def _check_complete(hf_sd: Mapping[str, torch.Tensor], hf_config) -> None:
-    layers = set(moe_layer_ids_of(hf_config))
+    layers = set(moe_layer_ids(hf_config))
     for l in layers:
         for e in range(hf_config.num_experts):
             if f"model.layers.{l}.mlp.experts.{e}.down_proj.weight" not in hf_sd:

@@ -35,7 +35,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from moe_gspo.mcore.model import check_supported, moe_layer_pattern, padded_vocab_size
+from moe_gspo.mcore.model import check_supported, moe_layer_ids, moe_layer_pattern, padded_vocab_size
 
 Tensor = torch.Tensor
 
@@ -85,11 +85,8 @@ def expert_keys_for_rank(hf_config, *, ep_rank: int = 0, ep_size: int = 1) -> se
     """The per-expert (on-disk) HF names that EP rank `ep_rank` needs; all other expert names are skipped."""
     experts = _local_experts(hf_config, ep_rank, ep_size)
     return {f"model.layers.{l}.mlp.experts.{e}.{p}.weight"
-            for l in moe_layer_ids_of(hf_config) for e in experts for p in ("gate_proj", "up_proj", "down_proj")}
-
-
-def moe_layer_ids_of(hf_config) -> list[int]:
-    return [i for i, m in enumerate(moe_layer_pattern(hf_config)) if m]
+            for l in moe_layer_ids(hf_config) for e in experts
+            for p in ("gate_proj", "up_proj", "down_proj")}
 
 
 def _pad_rows(w: Tensor, rows: int) -> Tensor:
@@ -98,6 +95,10 @@ def _pad_rows(w: Tensor, rows: int) -> Tensor:
     if w.shape[0] > rows:
         raise ValueError(f"vocabulary tensor has {w.shape[0]} rows, more than the padded vocabulary {rows}")
     return torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])], dim=0)
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:8]) + (f" ... ({len(names)} in all)" if len(names) > 8 else "")
 
 
 class _Reader:
@@ -115,8 +116,7 @@ class _Reader:
 
     def raise_if_missing(self, what: str) -> None:
         if self.missing:
-            shown = ", ".join(self.missing[:8]) + (f" ... ({len(self.missing)} in all)" if len(self.missing) > 8 else "")
-            raise ValueError(f"{what}: the HF state dict lacks {shown}; is it a Qwen3-MoE checkpoint matching "
+            raise ValueError(f"{what}: the HF state dict lacks {_shown(self.missing)}; is it a Qwen3-MoE checkpoint matching "
                              "this config (num_hidden_layers, num_experts, mlp_only_layers)?")
 
 
@@ -154,7 +154,7 @@ def _hf_to_megatron_rows(hf_sd: Mapping[str, Tensor], hf_config, *, ep_rank: int
         out["embedding.word_embeddings.weight"] = _pad_rows(emb, vocab_rows)
     for l, is_moe in enumerate(moe_layer_pattern(hf_config)):
         h, m = f"model.layers.{l}.", f"decoder.layers.{l}."
-        q, k, v = get(h + "self_attn.q_proj.weight"), get(h + "self_attn.k_proj.weight"), get(h + "self_attn.v_proj.weight")
+        q, k, v = (get(f"{h}self_attn.{p}_proj.weight") for p in "qkv")
         if q is not None and k is not None and v is not None:
             out[m + "self_attention.linear_qkv.weight"] = _qkv_to_megatron(q, k, v, hf_config)
         for hf_name, mc_name in (("self_attn.o_proj", "self_attention.linear_proj"),
@@ -166,7 +166,7 @@ def _hf_to_megatron_rows(hf_sd: Mapping[str, Tensor], hf_config, *, ep_rank: int
             if t is not None:
                 out[m + mc_name + ".weight"] = t
         if not is_moe:
-            g, u, d = get(h + "mlp.gate_proj.weight"), get(h + "mlp.up_proj.weight"), get(h + "mlp.down_proj.weight")
+            g, u, d = (get(f"{h}mlp.{p}_proj.weight") for p in ("gate", "up", "down"))
             if g is not None and u is not None:
                 out[m + "mlp.linear_fc1.weight"] = torch.cat([g, u], dim=0)
             if d is not None:
@@ -258,7 +258,8 @@ def megatron_to_hf(mcore_sd_per_rank: list[Mapping[str, Tensor]] | Mapping[str, 
     names) or one dict whose `local_experts.{j}` ids are already global (0..E-1). `layout="fused"`
     gives transformers 5's in-memory names (`experts.gate_up_proj` / `experts.down_proj`),
     `"per_expert"` the on-disk names. Vocabulary padding is stripped; no `lm_head` when tied.
-    Non-expert outputs may alias the inputs (clone them for a snapshot).
+    Outputs other than q/k/v and the fused expert stacks are views of the inputs (clone them for a
+    snapshot); `"per_expert"` is therefore copy-free for the expert weights, `"fused"` stacks them.
     """
     if layout not in ("fused", "per_expert"):
         raise ValueError(f"megatron_to_hf: layout={layout!r}; use 'fused' or 'per_expert'")
@@ -296,7 +297,7 @@ def megatron_to_hf(mcore_sd_per_rank: list[Mapping[str, Tensor]] | Mapping[str, 
             fc1, fc2 = get(m + "mlp.linear_fc1.weight"), get(m + "mlp.linear_fc2.weight")
             if fc1 is not None:
                 half = fc1.shape[0] // 2
-                out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = fc1[:half].clone(), fc1[half:].clone()
+                out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = fc1[:half], fc1[half:]
             if fc2 is not None:
                 out[h + "mlp.down_proj.weight"] = fc2
             continue
@@ -312,8 +313,8 @@ def megatron_to_hf(mcore_sd_per_rank: list[Mapping[str, Tensor]] | Mapping[str, 
             out[h + "mlp.experts.down_proj"] = torch.stack(fc2s)
         else:
             for e in range(E):
-                out[f"{h}mlp.experts.{e}.gate_proj.weight"] = fc1s[e][:I].clone()
-                out[f"{h}mlp.experts.{e}.up_proj.weight"] = fc1s[e][I:].clone()
+                out[f"{h}mlp.experts.{e}.gate_proj.weight"] = fc1s[e][:I]
+                out[f"{h}mlp.experts.{e}.up_proj.weight"] = fc1s[e][I:]
                 out[f"{h}mlp.experts.{e}.down_proj.weight"] = fc2s[e]
     norm = get("decoder.final_layernorm.weight")
     if norm is not None:
@@ -323,8 +324,7 @@ def megatron_to_hf(mcore_sd_per_rank: list[Mapping[str, Tensor]] | Mapping[str, 
         if head is not None:
             out["lm_head.weight"] = head[:V]
     if missing:
-        shown = ", ".join(missing[:8]) + (f" ... ({len(missing)} in all)" if len(missing) > 8 else "")
-        raise ValueError(f"megatron_to_hf: the Megatron weights lack {shown}. Pass every EP rank's state "
+        raise ValueError(f"megatron_to_hf: the Megatron weights lack {_shown(missing)}. Pass every EP rank's state "
                          "dict as a list (EP-rank order), or one dict with global expert ids")
     return out
 
@@ -435,8 +435,9 @@ def gather_hf_state_dict(model, hf_config=None, *, layout: str = "fused") -> dic
 
     Every EP rank must call it (collective). One `all_gather` per parameter dtype carries every
     local expert weight of every layer; with EP size 1 no collective runs. Dtypes are kept.
-    Non-expert tensors alias the model's parameters (detached): copy them before the next optimizer
-    step if you need a snapshot.
+    Tensors may be views of the model's parameters (see `megatron_to_hf`): copy them before the
+    next optimizer step if you need a snapshot. For rollout weight sync `layout="per_expert"` avoids
+    stacking the experts (`moe_gspo.rollout.weights_sync.load_named_tensors_` accepts those names).
     """
     from moe_gspo.mcore.model import unwrap
 

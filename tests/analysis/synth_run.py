@@ -173,3 +173,16 @@ def assert_real_png(path: Path) -> None:
     assert data[:8] == PNG_SIGNATURE, path
     assert len(data) > 1024, path
     assert float(np.var(mpimg.imread(path))) > 0, path
+
+
+def write_degenerate_run(run_dir: Path, fill: float | None, num_steps: int = 3) -> Path:
+    """A run dir (no traces) whose every metric is `fill` (0.0 or None = JSON null), lists included."""
+    rng = np.random.default_rng(0)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        for step in range(num_steps):
+            rec = synthetic_record(step, rng)
+            rec = {k: v if k == "step" else np.full(np.shape(v), np.nan if fill is None else fill).tolist()
+                   if isinstance(v, list) else fill for k, v in rec.items()}
+            f.write(json.dumps(rec).replace("NaN", "null") + "\n")
+    return run_dir

@@ -12,7 +12,7 @@ from analysis.compare import (
     COMPARE_FIGURES, ArmRun, arm_runs_from_dirs, build_comparison, seed_band,
 )
 from analysis.load import ReportInputError, RunData
-from synth_run import assert_real_png, write_synthetic_run
+from synth_run import assert_real_png, write_degenerate_run, write_synthetic_run
 
 
 def _run(points: list[tuple[int, float]]) -> RunData:
@@ -65,3 +65,12 @@ def test_comparison_report(tmp_path):
 def test_comparison_without_any_metrics_is_an_error(tmp_path):
     with pytest.raises(ReportInputError, match="nothing to compare"):
         build_comparison([ArmRun("a", 0, tmp_path / "missing")], tmp_path / "out")
+
+
+def test_comparison_of_degenerate_runs(tmp_path):
+    arm_runs = [ArmRun("a", 0, write_degenerate_run(tmp_path / "a-s0", 0.0)),
+                ArmRun("a", 1, write_degenerate_run(tmp_path / "a-s1", None))]
+    paths = build_comparison(arm_runs, tmp_path / "comparison")
+    assert len(paths.figures) == len(COMPARE_FIGURES) and paths.skipped == []
+    row = [l for l in paths.markdown.read_text().splitlines() if l.startswith("| a |")][0]
+    assert "0 ± 0" in row  # the null seed has no finite reward; the zero seed gives 0

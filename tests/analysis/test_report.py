@@ -12,13 +12,14 @@ import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from analysis.figures import PROBE_FIGURES, RUN_FIGURES
 from analysis.load import HEADLINE_LABELS, PROBE_LABELS, ReportInputError, RunDataWarning
 from analysis.report import build_report, fmt_number, main
-from synth_run import NUM_STEPS, assert_real_png, recompute_headline, write_synthetic_run
+from synth_run import (
+    NUM_STEPS, assert_real_png, recompute_headline, write_degenerate_run, write_synthetic_run,
+)
 
 def md_table(md: str, heading: str) -> dict[str, str]:
     """quantity -> value of a two-column Markdown table under `## heading`."""
@@ -142,6 +143,18 @@ def test_expert_load_falls_back_to_rank_traces(tmp_path):
     names = {p.stem for p in paths.figures}
     assert {"expert_load", "ratio_variance_length"} <= names and paths.skipped == []
     assert_real_png(tmp_path / "out" / "expert_load.png")
+
+
+@pytest.mark.parametrize("fill", [0.0, None], ids=["zeros", "nulls"])
+def test_degenerate_values_still_build(tmp_path, fill):
+    run_dir = write_degenerate_run(tmp_path / "run", fill)
+    paths = build_report(run_dir)
+    assert [s.name for s in paths.skipped] == ["ratio_variance_length"]
+    table = md_table(paths.markdown.read_text(), "Headline numbers")
+    assert table[HEADLINE_LABELS["num_steps"]] == "3"
+    assert table[HEADLINE_LABELS["token_seq_var_ratio"]] == "n/a"  # 0/0 or no values
+    for p in paths.figures:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_probe_only_report(probe_file, tmp_path):

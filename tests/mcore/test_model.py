@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _mcore_parity import hf_forward, mcore_forward, topk_mismatches
+from ._mcore_parity import hf_forward, mcore_forward, topk_mismatches
 from moe_gspo.mcore.model import build_gpt_model, moe_routers, transformer_config_from_hf
 from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
 from moe_gspo.mcore.weights import (gather_hf_state_dict, gather_to_hf, load_hf_model_into_megatron,
@@ -42,8 +42,9 @@ def test_logits_and_topk_match_transformers(variant):
     hf = build_tiny_model(cfg, seed=5)
     model = build_gpt_model(cfg, vocab_pad_multiple=8).eval()
     load_hf_model_into_megatron(model, hf)
-    assert len(moe_routers(model)) == sum(1 for i in range(cfg.num_hidden_layers)
-                                          if i not in cfg.mlp_only_layers and (i + 1) % cfg.decoder_sparse_step == 0)
+    num_moe = sum(1 for i in range(cfg.num_hidden_layers)
+                  if i not in cfg.mlp_only_layers and (i + 1) % cfg.decoder_sparse_step == 0)
+    assert len(moe_routers(model)) == num_moe
     ids = _ids()
     with torch.no_grad():
         ref, ref_masks = hf_forward(hf, ids)

@@ -103,3 +103,22 @@ def test_missing_and_unknown_keys_are_named(hf_pair):
         megatron_to_hf(hf_to_megatron(fused, cfg), cfg, layout="grouped")
     with pytest.raises(ValueError, match="not divisible by expert_parallel_size=3"):
         hf_to_megatron(fused, cfg, ep_size=3)
+
+
+def test_transformer_engine_fused_norm_names(hf_pair):
+    """With the TE spec the layer norms live in the next linear; both spellings convert the same."""
+    from moe_gspo.mcore.weights import _adapt_to_model_names
+
+    cfg, fused = hf_pair
+    mc = hf_to_megatron(fused, cfg)
+    te_keys = {k.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
+               for k in mc}
+    # dense layer 0 folds pre_mlp_layernorm into linear_fc1; MoE layers keep a separate norm
+    te_keys = {k.replace("layers.0.pre_mlp_layernorm.weight", "layers.0.mlp.linear_fc1.layer_norm_weight")
+               for k in te_keys}
+    te = _adapt_to_model_names(mc, te_keys)
+    assert set(te) == te_keys
+    assert "decoder.layers.1.pre_mlp_layernorm.weight" in te
+    assert torch.equal(te["decoder.layers.0.mlp.linear_fc1.layer_norm_weight"],
+                       fused["model.layers.0.post_attention_layernorm.weight"])
+    _assert_bit_exact(megatron_to_hf({**te, "output_layer._extra_state": None}, cfg), fused)

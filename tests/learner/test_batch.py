@@ -1,0 +1,86 @@
+"""PackedBatch packing, selection, sharding and the per-rank micro-batch plan."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moe_gspo.learner.batch import PackedBatch, plan_shards
+from moe_gspo.rollout.base import RolloutSample
+
+
+def _sample(prompt, response, logp, routes=None):
+    return RolloutSample(prompt_index=0, prompt_ids=np.array(prompt), response_ids=np.array(response),
+                         response_logprobs=np.array(logp, dtype=np.float32), finish_reason="stop",
+                         routes_TLK=routes)
+
+
+def _two():
+    return [_sample([5, 6], [7, 8, 9], [-0.5, -1.0, -1.5]), _sample([5, 6, 7, 8], [1], [-2.0])]
+
+
+def test_from_samples_layout():
+    b = PackedBatch.from_samples(_two(), [1.0, -1.0], pad_id=0)
+    assert b.input_ids_BS.tolist() == [[5, 6, 7, 8, 9], [5, 6, 7, 8, 1]]
+    assert b.response_mask_BS.tolist() == [[False, False, True, True, True], [False, False, False, False, True]]
+    assert b.seq_lens_B.tolist() == [5, 5] and b.prompt_lens_B.tolist() == [2, 4]
+    assert b.rollout_logp_BS.tolist() == [[0, 0, -0.5, -1.0, -1.5], [0, 0, 0, 0, -2.0]]
+    assert b.advantages_B.dtype == torch.float32 and b.advantages_B.tolist() == [1.0, -1.0]
+    assert b.rollout_routes is None
+
+
+def test_from_samples_pads_and_keeps_routes():
+    r0, r1 = np.zeros((4, 2, 2), np.uint8), np.ones((2, 2, 2), np.uint8)
+    samples = [_sample([5, 6], [7, 8, 9], [-1, -1, -1], r0), _sample([5], [1], [-2.0], r1)]
+    b = PackedBatch.from_samples(samples, np.array([0.5, 0.25]), pad_id=3)
+    assert b.input_ids_BS[1].tolist() == [5, 1, 3, 3, 3]
+    assert b.seq_lens_B.tolist() == [5, 2]
+    assert b.rollout_routes[0] is r0 and b.rollout_routes[1] is r1
+
+
+def test_from_samples_errors():
+    with pytest.raises(ValueError, match="advantages"):
+        PackedBatch.from_samples(_two(), [1.0], pad_id=0)
+    mixed = [_sample([5], [6], [-1], np.zeros((1, 2, 2), np.uint8)), _sample([5], [6], [-1])]
+    with pytest.raises(ValueError, match="routes_TLK"):
+        PackedBatch.from_samples(mixed, [0.0, 0.0], pad_id=0)
+
+
+def test_select_split_shard():
+    samples = [_sample([5] * (i + 1), [6], [-float(i)]) for i in range(5)]
+    b = PackedBatch.from_samples(samples, np.arange(5), pad_id=0)
+    s = b.select([3, 1])
+    assert s.seq_lens_B.tolist() == [5, 3] and s.advantages_B.tolist() == [3.0, 1.0]
+    assert s.seq_len_padded == b.seq_len_padded
+    chunks = b.split(2)
+    assert [c.advantages_B.tolist() for c in chunks] == [[0, 1, 2], [3, 4]]
+    assert [b.shard(r, 2).advantages_B.tolist() for r in range(2)] == [[0, 1, 2], [3, 4]]
+    assert b.shard(1, 8).num_seqs == 1 and b.shard(7, 8).num_seqs == 0
+    with pytest.raises(ValueError, match="num_chunks"):
+        b.split(6)
+    with pytest.raises(ValueError, match="rank"):
+        b.shard(2, 2)
+
+
+def test_pad_rows_and_trim():
+    b = PackedBatch.from_samples(_two(), [1.0, -1.0], pad_id=0)
+    p = b.pad_rows(4)
+    assert p.num_seqs == 4 and p.input_ids_BS[2:].eq(0).all()
+    assert not p.response_mask_BS[2:].any() and p.seq_lens_B.tolist() == [5, 5, 0, 0]
+    assert b.trim(7).input_ids_BS.shape == (2, 7)
+    with pytest.raises(ValueError, match="cut real tokens"):
+        b.trim(4)
+
+
+def test_plan_shards_equal_shapes_on_every_rank():
+    lens = [3, 9, 4, 2, 7]  # B=5 over 2 ranks: shards [0,1,2] and [3,4] (+1 dummy row)
+    plans = [plan_shards(lens, dp_rank=r, dp_size=2, micro_batch_size=2) for r in range(2)]
+    assert [p.indices.tolist() for p in plans] == [[0, 1, 2], [3, 4]]
+    assert all(p.num_rows == 3 for p in plans)
+    # micro-batch 0 holds rows {0,1} of rank 0 (lens 3, 9) and {3,4} of rank 1 (2, 7): max 9;
+    # micro-batch 1 holds row 2 (len 4) and a dummy row: 4.
+    for p in plans:
+        assert [(m.start, m.stop, m.seq_len) for m in p.micro_batches] == [(0, 2, 9), (2, 3, 4)]
+    whole = plan_shards(lens, dp_rank=0, dp_size=1)
+    assert [(m.start, m.stop, m.seq_len) for m in whole.micro_batches] == [(0, 5, 9)]

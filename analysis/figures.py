@@ -20,8 +20,10 @@ import seaborn as sns
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from moe_gspo.routing.drift import expert_load
+
 from analysis.load import (
-    RunData, expert_load_from_topk, load_logprobs, load_topk, matrix_series, probe_value,
+    RunData, load_logprobs, load_topk, matrix_series, probe_value,
     ratio_variance_by_length, series, trace_layer_ids,
 )
 
@@ -194,8 +196,7 @@ def fig_expert_load(run: RunData) -> Figure:
             topk_r, num_e, layer_ids = load_topk(kinds["rollout"])
             topk_l, num_e_l, _ = load_topk(kinds["learner"])
             num_e = max(num_e, num_e_l)
-            return _load_heatmaps(expert_load_from_topk(topk_r, num_e),
-                                  expert_load_from_topk(topk_l, num_e),
+            return _load_heatmaps(expert_load(topk_r, num_e), expert_load(topk_l, num_e),
                                   [str(i) for i in layer_ids], f"traces, step {step}")
     raise SkipFigure("no step has both 'routing/expert_load_rollout' and "
                      "'routing/expert_load_learner', and no traces with rollout + learner routing")

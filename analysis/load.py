@@ -276,16 +276,6 @@ def trace_layer_ids(run: RunData) -> list[int] | None:
     return None
 
 
-def expert_load_from_topk(topk_TLK: np.ndarray, num_experts: int) -> np.ndarray:
-    """[L, E] share of (token, top-k slot) routings that went to each expert, per layer (rows sum to 1)."""
-    num_tokens, num_layers, k = topk_TLK.shape
-    load_LE = np.zeros((num_layers, num_experts), np.float64)
-    for layer in range(num_layers):
-        counts = np.bincount(topk_TLK[:, layer, :].ravel().astype(np.int64), minlength=num_experts)
-        load_LE[layer] = counts[:num_experts] / max(num_tokens * k, 1)
-    return load_LE
-
-
 def ratio_variance_by_length(logprob_sets: list[dict[str, np.ndarray]], num_bins: int = 6
                              ) -> dict[str, np.ndarray]:
     """The GSPO variance argument, measured on learner/rollout log-ratios d_t = learner − rollout.
@@ -385,6 +375,7 @@ def headline_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
 PROBE_LABELS: dict[str, str] = {
     "num_tokens": "tokens probed",
     "num_sequences": "sequences probed",
+    "num_routed_tokens": "tokens with routing from both engine and learner",
     "routing/any_layer_flip": "tokens routed differently in ≥1 layer (fraction)",
     "routing/mean_layers_differing": "mean number of layers routed differently per token",
     "routing/topk_overlap": "top-k overlap (fraction of experts shared)",
@@ -400,6 +391,7 @@ PROBE_LABELS: dict[str, str] = {
     "ratio/seq_prod_logvar": "variance of the log ratio product",
     "ratio/token_var_flipped": "token-ratio variance, tokens with a routing flip",
     "ratio/token_var_agreed": "token-ratio variance, tokens routed identically",
+    "ratio/flipped_token_frac": "response tokens with a routing flip (fraction)",
 }
 
 

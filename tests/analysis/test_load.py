@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from analysis.load import (
-    ReportInputError, RunDataWarning, expert_load_from_topk, headline_numbers, list_traces,
+    ReportInputError, RunDataWarning, headline_numbers, list_traces,
     load_run, matrix_series, probe_headline, ratio_variance_by_length, read_jsonl, series,
 )
 from synth_run import (
@@ -88,11 +88,6 @@ def test_list_traces_groups_rank_files(tmp_path):
     assert [p.name for p in traces[10]["rollout"]] == ["step_000010_rollout_rank0.npz",
                                                       "step_000010_rollout_rank1.npz"]
     assert list(traces[20]) == ["logprobs"]
-
-
-def test_expert_load_from_topk_hand_example():
-    topk_TLK = np.asarray([[[0, 1]], [[0, 2]]], np.uint8)  # 2 tokens, 1 layer, top-2
-    np.testing.assert_allclose(expert_load_from_topk(topk_TLK, 4), [[0.5, 0.25, 0.25, 0.0]])
 
 
 def test_ratio_variance_by_length_hand_example():

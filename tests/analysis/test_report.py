@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from analysis.figures import PROBE_FIGURES, RUN_FIGURES
-from analysis.load import HEADLINE_LABELS, PROBE_LABELS, ReportInputError, RunDataWarning
+from analysis.figures import PROBE_FIGURES, RUN_FIGURES, SkippedFigure, render_figures
+from analysis.load import HEADLINE_LABELS, PROBE_LABELS, ReportInputError, RunDataWarning, load_run
 from analysis.report import build_report, fmt_number, main
 from synth_run import (
     NUM_STEPS, assert_real_png, recompute_headline, write_degenerate_run, write_synthetic_run,
@@ -143,6 +143,10 @@ def test_expert_load_falls_back_to_rank_traces(tmp_path):
     names = {p.stem for p in paths.figures}
     assert {"expert_load", "ratio_variance_length"} <= names and paths.skipped == []
     assert_real_png(tmp_path / "out" / "expert_load.png")
+    shutil.rmtree(run_dir / "traces")  # neither metrics nor traces: skipped, with the reason
+    spec = [s for s in RUN_FIGURES if s.name == "expert_load"]
+    (skipped,) = render_figures(spec, load_run(run_dir))
+    assert isinstance(skipped, SkippedFigure) and "no traces" in skipped.reason
 
 
 @pytest.mark.parametrize("fill", [0.0, None], ids=["zeros", "nulls"])

@@ -95,6 +95,7 @@ def test_gspo_steps_improve_the_objective(dist):
         assert metrics["train/skipped_steps"] == 0 and metrics["ratio/num_seqs"] == 4
         assert np.isfinite(metrics["grad/norm"]) and metrics["grad/norm"] > 0
     objectives.append(surrogate_objective(learner.compute_logprobs(batch).logp_BS, batch))
+    print(objectives)
     assert objectives[-1] > objectives[0] + 0.05, objectives
     assert learner.num_updates == 6
     for key in ("loss/policy", "loss/total", "clip/frac_low", "clip/token_frac", "ratio/seq_var", "train/lr"):

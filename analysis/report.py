@@ -279,16 +279,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="output directory (default RUN_DIR/report/)")
     parser.add_argument("--probe", default=None, help="probe JSON to add to a run report")
     args = parser.parse_args(argv)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", RunDataWarning)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RunDataWarning)
+        try:
             paths = build_report(args.source, args.out, args.probe)
-    except ReportInputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        except ReportInputError as e:
+            paths, error = None, e
     for w in caught:
         if issubclass(w.category, RunDataWarning):
             print(f"warning: {w.message}", file=sys.stderr)
+    if paths is None:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     for s in paths.skipped:
         print(f"skipped figure {s.name}: {s.reason}", file=sys.stderr)
     for p in paths.figures:

@@ -181,7 +181,7 @@ class Learner:
         S = batch.seq_len_padded
         L, K = len(self.layer_ids), self.top_k
         logp_local = torch.zeros((plan.num_rows, S), dtype=torch.float32, device=self.device)
-        ids_local = torch.zeros((plan.num_rows, S, L, K), dtype=torch.int16, device=self.device) if record else None
+        ids_local = torch.zeros((plan.num_rows, S, L, K), dtype=torch.int32, device=self.device) if record else None
         probs_local = torch.zeros((plan.num_rows, S, L, K), dtype=torch.float32, device=self.device) if record else None
         self.ddp.eval()
         self.recorder.clear()
@@ -201,7 +201,7 @@ class Learner:
                     for stacked, what in ((ids_local, False), (probs_local, True)):
                         seqs = self.recorder.to_sequences([S_i] * B_i, B_i, S_i, probs=what)
                         stacked[rows, :S_i] = torch.from_numpy(np.stack(seqs).astype(
-                            np.float32 if what else np.int16)).to(self.device)
+                            np.float32 if what else np.int32)).to(self.device)
                     self.recorder.clear()
         finally:
             self.recorder.enabled = False

@@ -45,7 +45,6 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(dist):
             after.append((learner.compute_logprobs(batch).logp_BS, m))
         # Adam's first step is ~lr * sign(grad), so weights can differ by up to ~lr where a gradient
         # is ~0; the log-probs after the step are the meaningful comparison.
-        print("max |dlogp|", float((after[0][0] - after[1][0]).abs().max()))
         assert (after[0][0] - after[1][0]).abs().max() <= 1e-5
         assert after[0][1]["grad/norm"] == pytest.approx(after[1][1]["grad/norm"], rel=1e-5)
         assert after[0][1]["loss/total"] == pytest.approx(after[1][1]["loss/total"], rel=1e-5)
@@ -95,8 +94,8 @@ def test_gspo_steps_improve_the_objective(dist):
         assert metrics["train/skipped_steps"] == 0 and metrics["ratio/num_seqs"] == 4
         assert np.isfinite(metrics["grad/norm"]) and metrics["grad/norm"] > 0
     objectives.append(surrogate_objective(learner.compute_logprobs(batch).logp_BS, batch))
-    print(objectives)
-    assert objectives[-1] > objectives[0] + 0.05, objectives
+    assert all(b > a for a, b in zip(objectives, objectives[1:])), objectives
+    assert objectives[-1] > objectives[0] + 0.3, objectives
     assert learner.num_updates == 6
     for key in ("loss/policy", "loss/total", "clip/frac_low", "clip/token_frac", "ratio/seq_var", "train/lr"):
         assert key in metrics

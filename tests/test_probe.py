@@ -1,0 +1,80 @@
+"""moe_gspo.probe on a tiny checkpoint the test writes (in-process, world size 1)."""
+
+import json
+
+import pytest
+
+from moe_gspo import probe
+from moe_gspo.tiny import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("probe")
+    make_tiny_checkpoint(d / "model", seed=1)
+    (d / "prompts.txt").write_text("0123:\nabcd<\n\n57+21=\nhello world\n")
+    return d
+
+
+def _run(ckpt, tmp_path, *extra):
+    out = tmp_path / "drift.json"
+    rc = probe.main(["--model", str(ckpt / "model"), "--prompts", str(ckpt / "prompts.txt"), "--out", str(out),
+                     "--samples-per-prompt", "6", "--max-new-tokens", "12", *extra])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+def test_fp32_rollout_matches_learner_exactly(ckpt, tmp_path, capsys):
+    res = _run(ckpt, tmp_path, "--dtype", "float32")
+    assert res["num_sequences"] == 4 * 6
+    assert res["num_tokens"] > 0
+    assert len(res["routing/layer_disagree"]) == len(res["layer_ids"]) == 2
+    assert res["routing/layer_disagree"] == [0.0, 0.0]
+    assert res["routing/any_layer_flip"] == 0.0
+    assert res["mismatch/logp_abs_diff_max"] <= 1e-4
+    for key in ("mismatch/k1_kl", "mismatch/k3_kl", "mismatch/extreme_frac_ln2", "ratio/token_var", "ratio/seq_var"):
+        assert key in res
+    assert "any-layer flip fraction" in capsys.readouterr().out
+
+
+def test_bf16_rollout_shows_routing_drift(ckpt, tmp_path):
+    res = _run(ckpt, tmp_path, "--dtype", "bfloat16")
+    assert res["routing/any_layer_flip"] > 0
+    assert max(res["routing/layer_disagree"]) > 0
+    assert res["mismatch/logp_abs_diff_mean"] > 1e-4
+    # the flipped/agreed split covers the response tokens
+    assert 0 <= res["ratio/flipped_token_frac"] <= 1
+
+
+@pytest.mark.parametrize("case,msg", [
+    ("missing_dir", "is not a directory"),
+    ("dense", "qwen3_moe"),
+    ("empty_prompts", "holds no prompts"),
+])
+def test_bad_inputs_exit_2_with_one_clear_message(ckpt, tmp_path, capsys, case, msg):
+    model, prompts = ckpt / "model", ckpt / "prompts.txt"
+    if case == "missing_dir":
+        model = tmp_path / "nope"
+    elif case == "dense":
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+        cfg = Qwen3Config(vocab_size=51, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+        model = tmp_path / "dense"
+        Qwen3ForCausalLM(cfg).save_pretrained(model)
+    else:
+        prompts = tmp_path / "empty.txt"
+        prompts.write_text("\n \n")
+    rc = probe.main(["--model", str(model), "--prompts", str(prompts), "--out", str(tmp_path / "x.json")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert msg in err and err.count("error:") == 1
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_read_prompts_jsonl(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a"}\n\n{"prompt": "b", "answer": 1}\n')
+    assert probe.read_prompts(f) == ["a", "b"]
+    f.write_text('{"prompt": "a"}\n{"q": 1}\n')
+    with pytest.raises(ValueError, match="p.jsonl:2"):
+        probe.read_prompts(f)

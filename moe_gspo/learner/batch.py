@@ -81,6 +81,8 @@ class PackedBatch:
         """
         if not samples:
             raise ValueError("from_samples: samples is empty; pass at least one RolloutSample")
+        if isinstance(advantages, torch.Tensor):
+            advantages = advantages.detach().cpu().numpy()
         adv = torch.as_tensor(np.asarray(advantages, dtype=np.float32).reshape(-1))
         if adv.shape[0] != len(samples):
             raise ValueError(f"from_samples: got {adv.shape[0]} advantages for {len(samples)} samples; "
@@ -117,11 +119,11 @@ class PackedBatch:
 
     def select(self, indices) -> "PackedBatch":
         """The sequences at `indices` (any integer index sequence), in that order; S is kept."""
-        idx = torch.as_tensor(np.asarray(indices, dtype=np.int64).reshape(-1))
+        idx = torch.as_tensor(np.asarray(indices, dtype=np.int64).reshape(-1), device=self.input_ids_BS.device)
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_seqs):
             raise ValueError(f"select: indices must be in [0, {self.num_seqs}), got "
                              f"[{int(idx.min())}, {int(idx.max())}]")
-        routes = None if self.rollout_routes is None else [self.rollout_routes[int(i)] for i in idx]
+        routes = None if self.rollout_routes is None else [self.rollout_routes[int(i)] for i in idx.tolist()]
         return PackedBatch(input_ids_BS=self.input_ids_BS[idx], response_mask_BS=self.response_mask_BS[idx],
                            seq_lens_B=self.seq_lens_B[idx], prompt_lens_B=self.prompt_lens_B[idx],
                            advantages_B=self.advantages_B[idx], rollout_logp_BS=self.rollout_logp_BS[idx],
@@ -167,10 +169,9 @@ class PackedBatch:
             raise ValueError(f"pad_rows: num_rows={num_rows} < B={self.num_seqs}")
         if extra == 0:
             return self
-        S = self.seq_len_padded
 
         def cat(t, fill):
-            return torch.cat([t, torch.full((extra, *t.shape[1:]), fill, dtype=t.dtype)], 0)
+            return torch.cat([t, torch.full((extra, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)], 0)
 
         routes = self.rollout_routes
         if routes is not None:
@@ -180,7 +181,6 @@ class PackedBatch:
             else:
                 empty = np.zeros((0, 1, 1), dtype=np.int64)
             routes = list(routes) + [empty] * extra
-        assert self.input_ids_BS.shape[1] == S
         return PackedBatch(input_ids_BS=cat(self.input_ids_BS, self.pad_id),
                            response_mask_BS=cat(self.response_mask_BS, False),
                            seq_lens_B=cat(self.seq_lens_B, 0), prompt_lens_B=cat(self.prompt_lens_B, 0),

@@ -99,6 +99,13 @@ class MegatronRouterRecorder:
         self._check_call(call)
         return [ids[call] for ids in self._ids]
 
+    def router_probs(self, call: int = -1) -> list[torch.Tensor]:
+        """Per layer, the `[N, K]` float32 full-softmax probabilities of `topk_ids(call)`."""
+        self._check_call(call)
+        if not self.record_probs:
+            raise ValueError("router_probs() needs a recorder built with record_probs=True")
+        return [p[call] for p in self._probs]
+
     def _check_call(self, call: int) -> None:
         n = self.num_calls()
         if not -n <= call < n:

@@ -140,3 +140,21 @@ def test_checkpoint_round_trip_and_hf_export(dist):
     assert _max_change(params_snapshot(model), target) > 0
     learner.train_step(batch, batch.rollout_logp_BS)  # same Adam state -> same second step
     assert _max_change(params_snapshot(model), target) <= 1e-7
+
+
+def test_kl_penalty_and_argument_errors(dist):
+    cfg, _, model = tiny_pair()
+    learner = make_learner(model, cfg, dist, algo=AlgoConfig(name="grpo", kl_coef=0.1))
+    batch = make_batch(4, seed=10)
+    old = learner.compute_logprobs(batch).logp_BS
+    with pytest.raises(ValueError, match="ref_logp_BT"):
+        learner.train_step(batch, old)
+    with pytest.raises(ValueError, match="old_logp_BS has shape"):
+        learner.train_step(batch, old[:, :-1])
+    m = learner.train_step(batch, old, ref_logp_BS=old - 0.5)
+    assert m["loss/kl"] > 0 and m["loss/total"] == pytest.approx(m["loss/policy"] + 0.1 * m["loss/kl"], rel=1e-6)
+    r3 = make_learner(tiny_pair()[2], cfg, dist, replay="r3")
+    with pytest.raises(ValueError, match="rollout_routes"):
+        r3.compute_logprobs(batch)
+    with pytest.raises(ValueError, match="recompute"):
+        make_learner(tiny_pair()[2], cfg, dist, recompute=True)

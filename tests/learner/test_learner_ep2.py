@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from _learner_common import make_batch, make_learner, tiny_pair
 from _learner_ep2_worker import EP2_ALGO, EP2_BATCH, EP2_TRAIN
@@ -56,7 +55,8 @@ def test_ep2_nan_guard_and_r2_on_each_shard(ranks):
 
 def test_ep2_training_matches_ep1_on_the_full_batch(ranks, dist):
     """Same init, same batch, 2 train_steps x 2 mini-batches: EP=2/DP=2 with micro-batches of 2 vs
-    EP=1 with whole mini-batches. Measured here: max |Δlogp| ~1e-6 (fp32 reduction order)."""
+    EP=1 with whole mini-batches. Measured here: max |Δlogp| 8.8e-6 after the 2 steps (fp32
+    reduction order; the policy moved by up to 1.2 nats), |Δ grad/norm| <= 7e-7, |Δ loss| <= 2e-7."""
     batch = make_batch(**EP2_BATCH, with_routes=True)
     assert ranks[0]["input_ids"] == batch.input_ids_BS.tolist()
     cfg, _, model = tiny_pair()

@@ -1,0 +1,93 @@
+"""Benchmark: overhead of router recording and of R2 routing replay in the Megatron learner.
+
+`python -m moe_gspo.bench.learner_bench [--seqs 16] [--repeats 5]` builds the tiny Qwen3-MoE in a
+single-process learner (EP=1) and times, as medians over `--repeats` runs after a warm-up:
+- the old-policy pass `compute_logprobs` without and with `record_routes` (router forward hooks);
+- `train_step` without replay (model built without routing replay) and with R2 replay.
+It prints the times and the overheads in percent. Not a test; takes well under a minute on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+
+import numpy as np
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv=None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", type=int, default=16, help="sequences per batch")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement")
+    parser.add_argument("--micro-batch-size", type=int, default=4, help="train.micro_batch_size")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+
+    from moe_gspo.config import AlgoConfig, TrainConfig
+    from moe_gspo.learner.batch import PackedBatch
+    from moe_gspo.learner.learner import Learner
+    from moe_gspo.mcore.model import build_gpt_model
+    from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
+    from moe_gspo.mcore.weights import load_hf_model_into_megatron
+    from moe_gspo.rollout.base import RolloutSample
+    from moe_gspo.tiny import build_tiny_model, tiny_qwen3_moe_config
+
+    cfg = tiny_qwen3_moe_config()
+    info = init_distributed(ep_size=1, num_experts=cfg.num_experts, seed=0)
+    try:
+        hf = build_tiny_model(cfg, seed=0)
+        rng = np.random.default_rng(0)
+        samples = []
+        for i in range(args.seqs):
+            response = rng.integers(3, cfg.vocab_size, int(rng.integers(8, 24)))
+            samples.append(RolloutSample(prompt_index=i // 4, prompt_ids=rng.integers(3, cfg.vocab_size, 8),
+                                         response_ids=response, finish_reason="length",
+                                         response_logprobs=np.full(len(response), -2.0, np.float32)))
+        batch = PackedBatch.from_samples(samples, rng.standard_normal(args.seqs), pad_id=0)
+        train = TrainConfig(lr=1e-5, num_minibatches=2, micro_batch_size=args.micro_batch_size)
+
+        def learner(replay: str) -> Learner:
+            model = build_gpt_model(cfg, enable_routing_replay=replay != "none")
+            load_hf_model_into_megatron(model, hf)
+            return Learner(model, cfg, parallel=info, algo=AlgoConfig(name="gspo"), train=train, replay=replay)
+
+        plain, r2 = learner("none"), learner("r2")
+        old = plain.compute_logprobs(batch).logp_BS
+        r2.compute_logprobs(batch)  # records the old routing that R2 replays
+        t = {
+            "logprobs_s": _median_time(lambda: plain.compute_logprobs(batch), args.repeats),
+            "logprobs_record_s": _median_time(lambda: plain.compute_logprobs(batch, record_routes=True),
+                                              args.repeats),
+            "train_step_s": _median_time(lambda: plain.train_step(batch, old), args.repeats),
+            "train_step_r2_s": _median_time(lambda: r2.train_step(batch, old), args.repeats),
+        }
+    finally:
+        destroy_distributed()
+    t["record_overhead_pct"] = 100.0 * (t["logprobs_record_s"] / t["logprobs_s"] - 1.0)
+    t["r2_overhead_pct"] = 100.0 * (t["train_step_r2_s"] / t["train_step_s"] - 1.0)
+    tokens = int(batch.seq_lens_B.sum())
+    print(f"tiny Qwen3-MoE learner, EP=1 on {info.device}, {args.seqs} sequences / {tokens} tokens, "
+          f"micro-batch {args.micro_batch_size}, median of {args.repeats}")
+    print(f"  compute_logprobs            {t['logprobs_s'] * 1e3:8.1f} ms")
+    print(f"  compute_logprobs + record   {t['logprobs_record_s'] * 1e3:8.1f} ms   "
+          f"overhead {t['record_overhead_pct']:+.1f}%")
+    print(f"  train_step (no replay)      {t['train_step_s'] * 1e3:8.1f} ms")
+    print(f"  train_step (R2 replay)      {t['train_step_r2_s'] * 1e3:8.1f} ms   "
+          f"overhead {t['r2_overhead_pct']:+.1f}%")
+    return t
+
+
+if __name__ == "__main__":
+    main()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -59,61 +60,52 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def probe(args: argparse.Namespace) -> dict:
+    from transformers import AutoTokenizer
+
+    from moe_gspo.config import AlgoConfig, Config, RolloutConfig
     from moe_gspo.learner.batch import PackedBatch
-    from moe_gspo.learner.logprobs import token_logprobs
-    from moe_gspo.learner.router_hooks import MegatronRouterRecorder
+    from moe_gspo.learner.learner import Learner
     from moe_gspo.mcore.checkpoint import load_hf_config, load_megatron_from_hf_dir
-    from moe_gspo.mcore.model import forward_logits, moe_layer_ids
+    from moe_gspo.mcore.model import moe_layer_ids
     from moe_gspo.mcore.parallel import init_distributed
     from moe_gspo.rollout.base import SamplingParams
     from moe_gspo.run.compare import rollout_vs_learner
-    from moe_gspo.run.setup import derive_seed, reduce_metrics
-    from transformers import AutoTokenizer
+    from moe_gspo.run.setup import build_engine, derive_seed
+    from moe_gspo.run.steps import gather_samples
 
     for name in ("samples_per_prompt", "max_new_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     hf_config = load_hf_config(args.model)  # clear errors: missing dir, not a Qwen3-MoE
     prompts = read_prompts(args.prompts)
-    import os
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     info = init_distributed(ep_size=world, num_experts=hf_config.num_experts, seed=args.seed)
     if len(prompts) < info.dp_size:
         raise ValueError(f"--prompts has {len(prompts)} prompts, fewer than the {info.dp_size} processes; add prompts")
-    mine = prompts[info.dp_rank::info.dp_size]
+    bounds = [len(prompts) * r // info.dp_size for r in range(info.dp_size + 1)]
+    mine = prompts[bounds[info.dp_rank]:bounds[info.dp_rank + 1]]
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     model, _ = load_megatron_from_hf_dir(args.model, ep_size=info.ep_size, params_dtype=dtype,
                                          enable_routing_replay=False, token_dispatcher="allgather",
                                          vocab_pad_multiple=1)
-    model.eval()
+    learner = Learner(model, hf_config, parallel=info, algo=AlgoConfig(), train=None)  # inference only
     tok = AutoTokenizer.from_pretrained(args.model)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    from moe_gspo.run.setup import build_engine
-    from moe_gspo.config import Config, RolloutConfig
-
     engine = build_engine(Config(rollout=RolloutConfig(engine=args.engine, dtype=args.dtype)), args.model, tok)
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in mine]
-    samples = engine.generate(ids, SamplingParams(n=args.samples_per_prompt, temperature=args.temperature,
-                                                  max_new_tokens=args.max_new_tokens,
-                                                  seed=derive_seed(args.seed, info.rank)))
+    local = engine.generate(ids, SamplingParams(n=args.samples_per_prompt, temperature=args.temperature,
+                                                max_new_tokens=args.max_new_tokens,
+                                                seed=derive_seed(args.seed, info.dp_rank)))
+    samples = gather_samples(local, info, prompt_offset=bounds[info.dp_rank])
     batch = PackedBatch.from_samples(samples, torch.zeros(len(samples)), pad_id)
-    recorder = MegatronRouterRecorder(model)
-    with torch.no_grad():
-        logits = forward_logits(model, batch.input_ids_BS.to(info.device))
-    logp_BS, _ = token_logprobs(logits.float(), batch.input_ids_BS.to(info.device))
-    B, S = batch.input_ids_BS.shape
-    learner_routes = recorder.to_sequences(batch.seq_lens_B.tolist(), B, S)
-    recorder.remove()
-    m = rollout_vs_learner(rollout_logp_BS=batch.rollout_logp_BS, learner_logp_BS=logp_BS.cpu(),
+    res = learner.compute_logprobs(batch, record_routes=True)
+    m = rollout_vs_learner(rollout_logp_BS=batch.rollout_logp_BS, learner_logp_BS=res.logp_BS,
                            response_mask_BS=batch.response_mask_BS, rollout_routes=batch.rollout_routes,
-                           learner_routes=learner_routes, num_experts=hf_config.num_experts)
+                           learner_routes=res.routes, num_experts=hf_config.num_experts)
+    learner_routes = res.routes
     m["num_tokens"] = int(batch.response_mask_BS.sum())
     m["num_routed_tokens"] = int(sum(min(len(a), len(b)) for a, b in zip(batch.rollout_routes, learner_routes)))
     m["num_sequences"] = len(samples)
-    m = reduce_metrics(m, info)
-    for k in ("num_tokens", "num_routed_tokens", "num_sequences"):
-        m[k] = int(round(m[k] * info.world_size))
     out = {"model": str(args.model), "engine": args.engine, "dtype": args.dtype, "world_size": info.world_size,
            "layer_ids": moe_layer_ids(hf_config)}
     for k, v in sorted(m.items()):
@@ -149,8 +141,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         destroy_distributed()
-    import os
-
     if int(os.environ.get("RANK", "0")) == 0:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,7 @@ def train(cfg: Config, run_dir: Path, resume: bool) -> dict:
     from moe_gspo.run import steps
     from moe_gspo.run.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
     from moe_gspo.run.compare import policy_update_drift, rollout_vs_learner
-    from moe_gspo.run.setup import build_policy, init_run, reduce_metrics
+    from moe_gspo.run.setup import build_policy, init_run
     from moe_gspo.run.sinks import MetricsSink, atomic_write_text
     from moe_gspo.tasks import make_task
 
@@ -47,31 +47,29 @@ def train(cfg: Config, run_dir: Path, resume: bool) -> dict:
     t_start = time.time()
     for step in bar:
         t0 = time.time()
-        prompts = steps.rank_prompts(task, cfg, info, state.prompts_consumed)
+        prompts = steps.step_prompts(task, cfg, state.prompts_consumed)
         samples = steps.rollout(policy, prompts, cfg, info, step)
         rewards = steps.score(policy, task, prompts, samples)
         batch = PackedBatch.from_samples(samples, steps.advantages(rewards, cfg), policy.tokenizer.pad_token_id)
         t_rollout = time.time() - t0
-        old = learner.compute_logprobs(batch, record_routes=True)  # natural routing: drift + R2 record
+        old = learner.compute_logprobs(batch, record_routes=True, no_replay=True)  # natural routing (R2 records it)
         metrics = rollout_vs_learner(rollout_logp_BS=batch.rollout_logp_BS, learner_logp_BS=old.logp_BS,
                                      response_mask_BS=batch.response_mask_BS, rollout_routes=batch.rollout_routes,
                                      learner_routes=old.routes, num_experts=policy.num_experts)
-        replay_routes = {"r2": old.routes, "r3": batch.rollout_routes}.get(replay)
-        old_logp = old.logp_BS if replay != "r3" else learner.compute_logprobs(batch, replay_routes=replay_routes).logp_BS
-        metrics = reduce_metrics(metrics, info)
-        metrics.update(learner.train_step(batch, old_logp, replay_routes=replay_routes))
-        new = learner.compute_logprobs(batch, record_routes=True)
-        metrics.update(reduce_metrics(policy_update_drift(old.routes, new.routes, num_experts=policy.num_experts), info))
+        old_logp = learner.compute_logprobs(batch).logp_BS if replay == "r3" else old.logp_BS  # R3: under rollout routes
+        metrics.update(learner.train_step(batch, old_logp))  # R2 / R3 replay inside, per algo.routing_replay
+        new = learner.compute_logprobs(batch, record_routes=True, no_replay=True)
+        metrics.update(policy_update_drift(old.routes, new.routes, num_experts=policy.num_experts))
         engine.update_weights(learner.hf_state_dict().items())
-        metrics.update(steps.sample_metrics(rewards, samples, info))
+        metrics.update(steps.sample_metrics(rewards, samples))
         state.step, state.prompts_consumed = step + 1, state.prompts_consumed + cfg.rollout.prompts_per_step
         dt = time.time() - t0
-        num_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples) * info.world_size
+        num_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
         metrics.update({"perf/step_time_s": dt, "perf/rollout_s": t_rollout, "perf/learner_s": dt - t_rollout,
                         "perf/tokens_per_s": num_tokens / dt})
         sink.log(step, metrics)
-        if cfg.logging.trace_every and step % cfg.logging.trace_every == 0:
-            steps.save_step_traces(run_dir, step, info, policy, samples, batch, old, new, rewards)
+        if info.is_main and cfg.logging.trace_every and step % cfg.logging.trace_every == 0:
+            steps.save_step_traces(run_dir, step, policy, samples, batch, old, new, rewards)
         if cfg.train.checkpoint_every and state.step % cfg.train.checkpoint_every == 0:
             save_checkpoint(run_dir, state, learner.state_dict(), rank=info.rank, keep=cfg.train.keep_checkpoints)
         bar.set_postfix({"reward": f"{metrics['reward/mean']:.3f}", "flip": f"{metrics.get('routing/any_layer_flip', 0):.3f}",

@@ -61,8 +61,10 @@ class LogprobResult:
 class Learner:
     """Megatron `GPTModel` + DDP + optimizer + routing replay for GSPO / GRPO updates."""
 
-    def __init__(self, model, hf_config, *, parallel: ParallelInfo, algo: AlgoConfig, train: TrainConfig,
+    def __init__(self, model, hf_config, *, parallel: ParallelInfo, algo: AlgoConfig, train: TrainConfig | None,
                  replay: ReplayMode | str | None = None, recompute: bool = False):
+        """`train=None` builds an inference-only learner (log-probs and routes, as in `moe_gspo.probe`):
+        no DDP gradient buffers and no optimizer state are allocated, and `train_step` is refused."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         self.model = unwrap(model)
@@ -79,14 +81,17 @@ class Learner:
         self.recompute = bool(recompute)
         self.device = parallel.device
         self.vocab_size = int(hf_config.vocab_size)
-        if isinstance(model, DistributedDataParallel):
+        if train is None:
+            self.ddp, self.optimizer = self.model, None
+        elif isinstance(model, DistributedDataParallel):
             self.ddp = model
         else:
             ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                        use_distributed_optimizer=False)
             self.ddp = DistributedDataParallel(config=self.model.config, ddp_config=ddp_config, module=self.model)
-        self.optimizer = LearnerOptimizer(self.ddp, lr=train.lr, weight_decay=train.weight_decay,
-                                          betas=(train.adam_beta1, train.adam_beta2), grad_clip=train.grad_clip)
+        if train is not None:
+            self.optimizer = LearnerOptimizer(self.ddp, lr=train.lr, weight_decay=train.weight_decay,
+                                              betas=(train.adam_beta1, train.adam_beta2), grad_clip=train.grad_clip)
         self.recorder = MegatronRouterRecorder(self.model, record_probs=True, enabled=False)
         routers = moe_routers(self.model)
         self.replay_driver = (RoutingReplayDriver(self.model, recompute=self.recompute)
@@ -164,17 +169,21 @@ class Learner:
     # ------------------------------------------------------------------ old-policy pass
     @torch.no_grad()
     def compute_logprobs(self, batch: PackedBatch, *, record_routes: bool = False, replay_routes=None,
-                         micro_batch_size: int = 0) -> LogprobResult:
+                         micro_batch_size: int = 0, no_replay: bool = False) -> LogprobResult:
         """Token log-probs of the global `batch` under the current weights (no gradient, eval mode).
 
         `record_routes`: also return every sequence's learner routing (top-k ids and probabilities).
         Under R2 the routes are always recorded and kept for the next `train_step` on this batch.
         `replay_routes` (B arrays [T_b, L, K]): replay that routing (R3 does so with
         `batch.rollout_routes` by default). `micro_batch_size` 0 = `train.micro_batch_size`.
+        `no_replay=True`: the learner's natural routing even under R3 (for drift measurement); R2 still
+        records.
         """
-        routes_in = self._resolve_routes(batch, replay_routes, update=False)
+        if no_replay and replay_routes is not None:
+            raise ValueError("compute_logprobs: pass either replay_routes or no_replay=True, not both")
+        routes_in = None if no_replay else self._resolve_routes(batch, replay_routes, update=False)
         record = record_routes or self.replay is ReplayMode.R2
-        mbs = micro_batch_size or self.train.micro_batch_size
+        mbs = micro_batch_size or (self.train.micro_batch_size if self.train is not None else 0)
         plan = plan_shards(batch.seq_lens_B.tolist(), dp_rank=self.parallel.dp_rank,
                            dp_size=self.parallel.dp_size, micro_batch_size=mbs)
         local, local_routes, _ = self._local(batch.to(self.device), plan, routes_in)
@@ -234,6 +243,8 @@ class Learner:
         gives them explicitly. `ref_logp_BS` is needed when `algo.kl_coef > 0`.
         Returns metrics averaged over the mini-batches (see the module docstring).
         """
+        if self.optimizer is None:
+            raise ValueError("this Learner was built inference-only (train=None); pass a TrainConfig to train")
         B, S = batch.num_seqs, batch.seq_len_padded
         old = torch.as_tensor(old_logp_BS)
         if tuple(old.shape) != (B, S):
@@ -308,14 +319,17 @@ class Learner:
 
     # ------------------------------------------------------------------ weights and checkpoints
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full HF (fused-expert) state dict on every rank, for the rollout engine's weight sync.
-        Collective over the EP group: every rank must call it. Non-expert tensors alias the weights."""
+        """Full HF state dict (on-disk per-expert names) on every rank, for the rollout engine's weight
+        sync; per-expert avoids restacking every expert each step. Collective over the EP group: every
+        rank must call it. Tensors alias the weights (clone for a snapshot)."""
         from moe_gspo.mcore.weights import gather_hf_state_dict
 
-        return gather_hf_state_dict(self.model, self.hf_config, layout="fused")
+        return gather_hf_state_dict(self.model, self.hf_config, layout="per_expert")
 
     def state_dict(self) -> dict:
         """This rank's model and optimizer state (per-rank checkpoint)."""
+        if self.optimizer is None:
+            raise ValueError("an inference-only Learner (train=None) has no training state to save")
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "skipped_steps": self.skipped_steps, "num_updates": self.num_updates}
 

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from moe_gspo.config import Config
 from moe_gspo.mcore.parallel import ParallelInfo, init_distributed
@@ -119,20 +118,3 @@ def build_policy(cfg: Config, info: ParallelInfo) -> Policy:
     engine = build_engine(cfg, engine_src, tok)
     return Policy(hf_config=hf_config, tokenizer=tok, learner=learner, engine=engine,
                   num_experts=hf_config.num_experts, layer_ids=moe_layer_ids(hf_config))
-
-
-def reduce_metrics(metrics: dict[str, Any], info: ParallelInfo) -> dict[str, Any]:
-    """Mean over ranks of every float / list-of-floats metric (max for keys ending in `_max`)."""
-    if info.world_size == 1:
-        return metrics
-    out = dict(metrics)
-    keys = sorted(k for k, v in metrics.items() if isinstance(v, (int, float, list)) and not isinstance(v, bool))
-    for k in keys:
-        t = torch.tensor(metrics[k], dtype=torch.float64)
-        if k.endswith("_max"):
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        else:
-            dist.all_reduce(t)
-            t /= info.world_size
-        out[k] = t.tolist()
-    return out

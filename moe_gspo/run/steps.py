@@ -16,19 +16,38 @@ from moe_gspo.run.setup import Policy, derive_seed
 from moe_gspo.tasks import Prompt, Task
 
 
-def rank_prompts(task: Task, cfg: Config, info: ParallelInfo, consumed: int) -> list[Prompt]:
-    """This rank's share of the step's prompts (whole groups per rank)."""
-    per_rank = cfg.rollout.prompts_per_step // info.dp_size
-    return task.prompts(consumed + info.dp_rank * per_rank, per_rank, cfg.train.seed)
+def step_prompts(task: Task, cfg: Config, consumed: int) -> list[Prompt]:
+    """The step's prompts (all ranks)."""
+    return task.prompts(consumed, cfg.rollout.prompts_per_step, cfg.train.seed)
 
 
 def rollout(policy: Policy, prompts: list[Prompt], cfg: Config, info: ParallelInfo, step: int) -> list[RolloutSample]:
+    """Data-parallel sampling: each rank generates whole groups for its share of `prompts`, then every
+    rank receives the global batch (the learner takes the same global batch on every rank)."""
+    per_rank = len(prompts) // info.dp_size
+    mine = prompts[info.dp_rank * per_rank:(info.dp_rank + 1) * per_rank]
     tok = policy.tokenizer
-    ids = [tok(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
+    ids = [tok(p.text, add_special_tokens=False)["input_ids"] for p in mine]
     r = cfg.rollout
     sampling = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
-                              max_new_tokens=r.max_new_tokens, seed=derive_seed(cfg.train.seed, step, info.rank))
-    return policy.engine.generate(ids, sampling)
+                              max_new_tokens=r.max_new_tokens, seed=derive_seed(cfg.train.seed, step, info.dp_rank))
+    return gather_samples(policy.engine.generate(ids, sampling), info, prompt_offset=info.dp_rank * per_rank)
+
+
+def gather_samples(samples: list[RolloutSample], info: ParallelInfo, *, prompt_offset: int) -> list[RolloutSample]:
+    """Every data-parallel rank's samples, in rank order, on every rank (prompt indices made global)."""
+    for s in samples:
+        s.prompt_index += prompt_offset
+    if info.world_size == 1:
+        return samples
+    parts: list = [None] * info.world_size
+    dist.all_gather_object(parts, samples)
+    seen, out = set(), []
+    for rank_samples in parts:  # ranks sharing a dp_rank (none when world = EP x DP) sampled the same groups
+        if rank_samples and rank_samples[0].prompt_index not in seen:
+            seen.update(s.prompt_index for s in rank_samples)
+            out.extend(rank_samples)
+    return out
 
 
 def score(policy: Policy, task: Task, prompts: list[Prompt], samples: list[RolloutSample]) -> torch.Tensor:
@@ -44,33 +63,23 @@ def advantages(rewards: torch.Tensor, cfg: Config) -> torch.Tensor:
     return group_advantages(rewards, cfg.rollout.samples_per_prompt, eps=cfg.algo.adv_eps)
 
 
-def gather_floats(x: torch.Tensor, info: ParallelInfo) -> torch.Tensor:
-    """Concatenate a 1-D float tensor over all ranks (equal lengths)."""
-    if info.world_size == 1:
-        return x
-    out = [torch.empty_like(x) for _ in range(info.world_size)]
-    dist.all_gather(out, x.contiguous())
-    return torch.cat(out)
-
-
-def sample_metrics(rewards: torch.Tensor, samples: list[RolloutSample], info: ParallelInfo) -> dict:
+def sample_metrics(rewards: torch.Tensor, samples: list[RolloutSample]) -> dict:
+    r = rewards
     lens = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
     stop = torch.tensor([s.finish_reason == "stop" for s in samples], dtype=torch.float32)
-    r, lens, stop = (gather_floats(t, info) for t in (rewards, lens, stop))
     return {"reward/mean": r.mean().item(), "reward/std": r.std(unbiased=False).item(), "reward/max": r.max().item(),
             "response/len_mean": lens.mean().item(), "response/len_max": lens.max().item(),
             "response/stop_frac": stop.mean().item(), "num_sequences": int(r.numel())}
 
 
-def save_step_traces(run_dir: Path, step: int, info: ParallelInfo, policy: Policy, samples, batch,
-                     old, new, rewards: torch.Tensor) -> None:
-    """Routing traces (rollout / learner / updated learner) and log-probs of this rank's samples."""
+def save_step_traces(run_dir: Path, step: int, policy: Policy, samples, batch, old, new,
+                     rewards: torch.Tensor) -> None:
+    """Routing traces (rollout / learner / updated learner) and log-probs of the step's global batch."""
     from moe_gspo.routing.trace import RoutingTrace, save_trace
-    from moe_gspo.run.sinks import atomic_write_text  # noqa: F401  (same atomic discipline)
 
     out = run_dir / "traces"
     out.mkdir(parents=True, exist_ok=True)
-    suffix = "" if info.world_size == 1 else f"_rank{info.rank}"
+    suffix = ""
     plens = [len(s.prompt_ids) for s in samples]
     rlens = [len(s.response_ids) for s in samples]
     sources = {"learner": old.routes, "updated": new.routes if new is not None else None,

@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     from moe_gspo.mcore.parallel import destroy_distributed
     from moe_gspo.run.sinks import atomic_write_text
 
+    from moe_gspo.run.setup import quiet_known_warnings
+
+    quiet_known_warnings()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -111,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     from moe_gspo.mcore.parallel import destroy_distributed
     from moe_gspo.run.cli import parse_train_args
 
+    from moe_gspo.run.setup import quiet_known_warnings
+
+    quiet_known_warnings()
     args, cfg = parse_train_args(argv)
     try:
         train(cfg, Path(args.run_dir), args.resume)

@@ -11,6 +11,10 @@ math. `apply_shims()` is idempotent and applies only what the current machine ne
 - `cpu_rng_tracker` (no CUDA): Megatron forks a named *CUDA* RNG state around weight init and dropout
   (`tensor_parallel.random.get_cuda_rng_tracker().fork()`); the replacement tracker forks the CPU
   generator the same way, so seeded init stays reproducible.
+- `cuda_rng_state_io` (no CUDA): activation recomputation (`tensor_parallel.checkpoint`) saves and
+  restores the CUDA generator state around the recomputed forward; without CUDA there is no such
+  state, so reading it gives an empty tensor and restoring it does nothing (the CPU generator and
+  the tracker's states are still saved and restored by Megatron itself).
 
 On CUDA machines with Transformer Engine none of these are applied.
 """
@@ -25,11 +29,9 @@ _APPLIED: set[str] = set()
 
 
 def have_transformer_engine() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:
-        return False
-    return True
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def _te_general_gemm_shim() -> bool:
@@ -90,12 +92,23 @@ def _cpu_rng_tracker_shim() -> bool:
     return True
 
 
+def _cuda_rng_state_io_shim() -> bool:
+    if torch.cuda.is_available():
+        return False
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
+    return True
+
+
 def apply_shims() -> list[str]:
     """Apply the shims this machine needs; returns the names of all shims in force."""
     for name, fn in (
         ("te_general_gemm", _te_general_gemm_shim),
         ("cuda_current_device", _cuda_current_device_shim),
         ("cpu_rng_tracker", _cpu_rng_tracker_shim),
+        ("cuda_rng_state_io", _cuda_rng_state_io_shim),
     ):
         if name not in _APPLIED and fn():
             _APPLIED.add(name)

@@ -26,6 +26,16 @@ class Policy:
     layer_ids: list[int]
 
 
+def quiet_known_warnings() -> None:
+    """Silence third-party warnings that say nothing actionable here (Apex/TE absent, Megatron
+    deprecations of options we do not set)."""
+    import warnings
+
+    for pattern in (r".*Apex is not installed.*", r".*Transformer Engine and Apex are not installed.*",
+                    r".*full scope is deprecated.*", r".*TorchFP8Tensor.*"):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
 def derive_seed(*parts: Any) -> int:
     """A stable 31-bit seed from any parts (same on every machine and Python run)."""
     h = hashlib.sha256(":".join(map(str, parts)).encode()).digest()

@@ -55,8 +55,11 @@ def run(info) -> dict:
     # 1. log-probs and routes vs transformers; the gathered HF state dict is the original one
     cfg, hf, model = tiny_pair(ep_size=2)
     learner = make_learner(model, cfg, info, algo=AlgoConfig(**EP2_ALGO), **EP2_TRAIN)
+    from moe_gspo.mcore.checkpoint import to_per_expert_layout
+
     sd = learner.hf_state_dict()
-    out["hf_state_dict_exact"] = all(torch.equal(sd[k], v) for k, v in hf.state_dict().items())
+    ref = to_per_expert_layout(hf.state_dict(), hf.config)
+    out["hf_state_dict_exact"] = set(sd) == set(ref) and all(torch.equal(sd[k], v) for k, v in ref.items())
     ref = hf_token_logprobs(hf, batch)
     res = learner.compute_logprobs(batch, record_routes=True)
     out["logp_vs_hf_max_abs"] = float((res.logp_BS - ref).abs().max())

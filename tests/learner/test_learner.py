@@ -127,8 +127,10 @@ def test_nan_loss_skips_the_step_and_training_continues(dist):
 def test_checkpoint_round_trip_and_hf_export(dist):
     cfg, hf, model = tiny_pair()
     learner = make_learner(model, cfg, dist)
-    hf_sd = learner.hf_state_dict()
-    ref = hf.state_dict()
+    from moe_gspo.mcore.checkpoint import to_per_expert_layout
+
+    hf_sd = learner.hf_state_dict()  # on-disk per-expert names, what the rollout engines load
+    ref = to_per_expert_layout(hf.state_dict(), cfg)
     assert set(hf_sd) == set(ref) and all(torch.equal(hf_sd[k], ref[k]) for k in ref)
     batch = make_batch(6, seed=9)
     learner.train_step(batch, batch.rollout_logp_BS)

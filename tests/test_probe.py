@@ -78,3 +78,20 @@ def test_read_prompts_jsonl(tmp_path):
     f.write_text('{"prompt": "a"}\n{"q": 1}\n')
     with pytest.raises(ValueError, match="p.jsonl:2"):
         probe.read_prompts(f)
+
+
+@pytest.mark.slow
+def test_probe_under_torchrun_ep2_fp32_has_no_drift(ckpt, tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "drift_ep2.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "moe_gspo.probe", "--model", str(ckpt / "model"), "--prompts", str(ckpt / "prompts.txt"),
+           "--out", str(out), "--dtype", "float32", "--samples-per-prompt", "3", "--max-new-tokens", "6"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["world_size"] == 2 and res["num_sequences"] == 4 * 3
+    assert res["routing/any_layer_flip"] == 0.0
+    assert res["mismatch/logp_abs_diff_max"] <= 1e-4

@@ -34,6 +34,8 @@ def quiet_known_warnings() -> None:
     for pattern in (r".*Apex is not installed.*", r".*Transformer Engine and Apex are not installed.*",
                     r".*full scope is deprecated.*", r".*TorchFP8Tensor.*"):
         warnings.filterwarnings("ignore", message=pattern)
+    # Megatron-core 0.16 calls collectives that torch 2.13 marks deprecated.
+    warnings.filterwarnings("ignore", message=r"`torch.distributed.\w+` is deprecated", category=FutureWarning)
 
 
 def derive_seed(*parts: Any) -> int:

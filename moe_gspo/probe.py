@@ -25,20 +25,12 @@ def read_prompts(path: str | Path) -> list[str]:
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"--prompts {str(p)!r} does not exist; give a text file (one prompt per line) or JSONL")
-    prompts = []
-    for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        if p.suffix == ".jsonl":
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                raise ValueError(f"{p}:{lineno}: needs a string field 'prompt'")
-            prompts.append(obj["prompt"])
-        else:
-            prompts.append(line)
+    from moe_gspo.tasks.jsonl import iter_prompt_objects
+
+    if p.suffix == ".jsonl":
+        prompts = [obj["prompt"] for _, obj in iter_prompt_objects(p)]
+    else:
+        prompts = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not prompts:
         raise ValueError(f"--prompts {str(p)!r} holds no prompts; put one prompt per line")
     return prompts

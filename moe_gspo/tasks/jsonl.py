@@ -15,11 +15,9 @@ from moe_gspo.tasks.base import Prompt, Task
 from moe_gspo.tasks.math_answer import math_reward
 
 
-def read_prompt_file(path: str | Path) -> list[Prompt]:
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"task.path={str(p)!r} does not exist; point it at a JSONL file of prompt/answer lines")
-    items: list[Prompt] = []
+def iter_prompt_objects(p: Path):
+    """(line number, object) for each non-blank line of a JSONL file; every object has a string
+    `prompt`. A malformed line raises one ValueError naming the file and line."""
     with p.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -30,10 +28,19 @@ def read_prompt_file(path: str | Path) -> list[Prompt]:
                 raise ValueError(f"{p}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
                 raise ValueError(f"{p}:{lineno}: needs a string field 'prompt'")
-            ans = obj.get("answer")
-            if isinstance(ans, bool) or not isinstance(ans, (str, int, float)):
-                raise ValueError(f"{p}:{lineno}: needs an 'answer' field (string or number)")
-            items.append(Prompt(text=obj["prompt"], answer=str(ans)))
+            yield lineno, obj
+
+
+def read_prompt_file(path: str | Path) -> list[Prompt]:
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"task.path={str(p)!r} does not exist; point it at a JSONL file of prompt/answer lines")
+    items: list[Prompt] = []
+    for lineno, obj in iter_prompt_objects(p):
+        ans = obj.get("answer")
+        if isinstance(ans, bool) or not isinstance(ans, (str, int, float)):
+            raise ValueError(f"{p}:{lineno}: needs an 'answer' field (string or number)")
+        items.append(Prompt(text=obj["prompt"], answer=str(ans)))
     if not items:
         raise ValueError(f"task.path={str(p)!r} holds no prompts")
     return items

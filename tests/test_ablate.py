@@ -203,7 +203,7 @@ def test_shipped_ablation_config_parses():
     arms = expand_arms(spec)
     assert {a.algo for a in arms} == {"gspo", "gspo_token", "grpo"}
     assert {a.group for a in arms if a.algo == "grpo"} == {"grpo-none", "grpo-r2", "grpo-r3"}
-    assert spec.overrides["train.steps"] == 40 and spec.nproc == 2
+    assert spec.overrides["train.steps"] == 200 and spec.nproc == 2
 
 
 def test_subprocess_runner_logs_and_returns_code(tmp_path):
@@ -231,4 +231,4 @@ def test_commands_parse_with_the_train_cli():
         args, cfg = cli.parse_train_args(cmd[cmd.index("moe_gspo.train") + 1:])
         assert (cfg.algo.name, cfg.algo.routing_replay, cfg.train.seed) == (arm.algo, arm.routing_replay,
                                                                             arm.seed)
-        assert cfg.train.steps == 40 and args.resume and args.run_dir == str(arm.run_dir)
+        assert cfg.train.steps == 200 and args.resume and args.run_dir == str(arm.run_dir)

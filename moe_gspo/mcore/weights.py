@@ -60,6 +60,14 @@ _HF_KNOWN_RE = re.compile(
     r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight)$")
 
 
+
+# Per-layer tensors whose HF and Megatron names differ only by a rename (both directions use it).
+_LAYER_RENAMES = (("self_attn.o_proj", "self_attention.linear_proj"),
+                  ("self_attn.q_norm", "self_attention.q_layernorm"),
+                  ("self_attn.k_norm", "self_attention.k_layernorm"),
+                  ("input_layernorm", "input_layernorm"),
+                  ("post_attention_layernorm", "pre_mlp_layernorm"))
+
 def _geometry(hf_config) -> tuple[int, int, int, int]:
     """(num_heads, num_kv_heads, head_dim, hidden)."""
     nh, ng = hf_config.num_attention_heads, hf_config.num_key_value_heads
@@ -157,11 +165,7 @@ def _hf_to_megatron_rows(hf_sd: Mapping[str, Tensor], hf_config, *, ep_rank: int
         q, k, v = (get(f"{h}self_attn.{p}_proj.weight") for p in "qkv")
         if q is not None and k is not None and v is not None:
             out[m + "self_attention.linear_qkv.weight"] = _qkv_to_megatron(q, k, v, hf_config)
-        for hf_name, mc_name in (("self_attn.o_proj", "self_attention.linear_proj"),
-                                 ("self_attn.q_norm", "self_attention.q_layernorm"),
-                                 ("self_attn.k_norm", "self_attention.k_layernorm"),
-                                 ("input_layernorm", "input_layernorm"),
-                                 ("post_attention_layernorm", "pre_mlp_layernorm")):
+        for hf_name, mc_name in _LAYER_RENAMES:
             t = get(h + hf_name + ".weight")
             if t is not None:
                 out[m + mc_name + ".weight"] = t
@@ -285,11 +289,7 @@ def megatron_to_hf(mcore_sd_per_rank: list[Mapping[str, Tensor]] | Mapping[str, 
         if qkv is not None:
             (out[h + "self_attn.q_proj.weight"], out[h + "self_attn.k_proj.weight"],
              out[h + "self_attn.v_proj.weight"]) = _qkv_to_hf(qkv, hf_config)
-        for hf_name, mc_name in (("self_attn.o_proj", "self_attention.linear_proj"),
-                                 ("self_attn.q_norm", "self_attention.q_layernorm"),
-                                 ("self_attn.k_norm", "self_attention.k_layernorm"),
-                                 ("input_layernorm", "input_layernorm"),
-                                 ("post_attention_layernorm", "pre_mlp_layernorm")):
+        for hf_name, mc_name in _LAYER_RENAMES:
             t = get(m + mc_name + ".weight")
             if t is not None:
                 out[h + hf_name + ".weight"] = t

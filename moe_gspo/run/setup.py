@@ -72,8 +72,12 @@ def _hf_config_and_tokenizer(cfg: Config):
 def init_run(cfg: Config) -> ParallelInfo:
     from moe_gspo.tiny import tiny_qwen3_moe_config
 
-    num_experts = (tiny_qwen3_moe_config(**cfg.model.tiny).num_experts if cfg.model.path is None
-                   else _hf_config_and_tokenizer(cfg)[0].num_experts)
+    if cfg.model.path is None:
+        num_experts = tiny_qwen3_moe_config(**cfg.model.tiny).num_experts
+    else:
+        from moe_gspo.mcore.checkpoint import load_hf_config
+
+        num_experts = load_hf_config(cfg.model.path).num_experts  # config only; weights load later
     info = init_distributed(ep_size=cfg.parallel.expert_parallel_size, num_experts=num_experts,
                             seed=cfg.train.seed)
     groups = cfg.rollout.prompts_per_step

@@ -79,7 +79,6 @@ def save_step_traces(run_dir: Path, step: int, policy: Policy, samples, batch, o
 
     out = run_dir / "traces"
     out.mkdir(parents=True, exist_ok=True)
-    suffix = ""
     plens = [len(s.prompt_ids) for s in samples]
     rlens = [len(s.response_ids) for s in samples]
     sources = {"learner": old.routes, "updated": new.routes if new is not None else None,
@@ -89,10 +88,10 @@ def save_step_traces(run_dir: Path, step: int, policy: Policy, samples, batch, o
             continue
         trace = RoutingTrace.from_samples(routes, plens, rlens, num_experts=policy.num_experts,
                                           layer_ids=policy.layer_ids, meta={"source": name, "step": step})
-        save_trace(out / f"step_{step:06d}_{name}{suffix}.npz", trace)
+        save_trace(out / f"step_{step:06d}_{name}.npz", trace)
     mask = batch.response_mask_BS.bool()
-    tmp = out / f".step_{step:06d}_logprobs{suffix}.tmp.npz"
+    tmp = out / f".step_{step:06d}_logprobs.tmp.npz"
     np.savez(tmp, rollout_logp=batch.rollout_logp_BS[mask].float().numpy(),
              learner_logp=old.logp_BS[mask].float().cpu().numpy(),
              response_lens=np.asarray(rlens, np.int32), rewards=rewards.numpy().astype(np.float32))
-    tmp.replace(out / f"step_{step:06d}_logprobs{suffix}.npz")
+    tmp.replace(out / f"step_{step:06d}_logprobs.npz")

@@ -81,6 +81,17 @@ class RolloutConfig:
     """Also record the router probabilities of the chosen experts (hf engine)."""
     gpu_memory_utilization: float = 0.5
     """vLLM only: fraction of GPU memory vLLM may take."""
+    tensor_parallel_size: int = 1
+    """vLLM only: tensor-parallel size of one rollout engine, spanning that many consecutive torchrun
+    ranks (1 = every rank runs its own engine)."""
+    max_model_len: int | None = None
+    """vLLM only: longest prompt + response the engine accepts; null = derived from the task and
+    rollout.max_new_tokens."""
+    kv_cache_gib: float | None = None
+    """vLLM only: KV-cache budget per engine in GiB; null = vLLM's own (gpu_memory_utilization on GPU)."""
+    sleep_level: int = 0
+    """vLLM on CUDA only: put the engine to sleep during the learner's passes (0 = never, 1 = offload
+    weights to host and drop the KV cache, 2 = drop both; weights are re-synced on wake)."""
 
 
 @dataclass(kw_only=True)

@@ -2,7 +2,7 @@
 
 `tiny_qwen3_moe_config()` gives the geometry every CPU test and the default training config use:
 3 decoder layers (layer 0 dense through `mlp_only_layers`, layers 1-2 MoE), 8 experts, top-2,
-GQA (4 query / 2 KV heads), untied embeddings, vocabulary from the shipped tokenizer.
+GQA (4 query / 2 KV heads of dim 32), untied embeddings, vocabulary from the shipped tokenizer.
 `make_tiny_checkpoint()` writes a real Hugging Face checkpoint directory (safetensors + config +
 tokenizer) so the checkpoint-loading code is exercised exactly as on a real model.
 """
@@ -25,7 +25,7 @@ TINY_DEFAULTS: dict[str, Any] = dict(
     num_hidden_layers=3,
     num_attention_heads=4,
     num_key_value_heads=2,
-    head_dim=16,
+    head_dim=32,  # vLLM's CPU attention supports head_dim 32, 64, 80, ... (not 16)
     num_experts=8,
     num_experts_per_tok=2,
     norm_topk_prob=True,

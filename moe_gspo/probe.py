@@ -85,9 +85,12 @@ def probe(args: argparse.Namespace) -> dict:
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     engine = build_engine(Config(rollout=RolloutConfig(engine=args.engine, dtype=args.dtype)), args.model, tok)
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in mine]
-    local = engine.generate(ids, SamplingParams(n=args.samples_per_prompt, temperature=args.temperature,
-                                                max_new_tokens=args.max_new_tokens,
-                                                seed=derive_seed(args.seed, info.dp_rank)))
+    try:
+        local = engine.generate(ids, SamplingParams(n=args.samples_per_prompt, temperature=args.temperature,
+                                                    max_new_tokens=args.max_new_tokens,
+                                                    seed=derive_seed(args.seed, info.dp_rank)))
+    finally:
+        engine.close()  # before the process group goes (vLLM's own teardown would take it down)
     samples = gather_samples(local, info, prompt_offset=bounds[info.dp_rank])
     batch = PackedBatch.from_samples(samples, torch.zeros(len(samples)), pad_id)
     res = learner.compute_logprobs(batch, record_routes=True)

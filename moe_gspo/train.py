@@ -35,7 +35,7 @@ def train(cfg: Config, run_dir: Path, resume: bool) -> dict:
         state, learner_state, rng = load_checkpoint(ckpt, rank=info.rank, world_size=info.world_size)
         learner.load_state_dict(learner_state)
         set_rng_state(rng)
-    engine.update_weights(learner.hf_state_dict().items())
+    engine.update_weights(learner.hf_weight_stream())  # collective: every rank, one layer at a time
     if info.is_main:
         atomic_write_text(run_dir / "config.yaml", cfg.to_yaml())
         print(cfg.to_yaml() if state.step == 0 else f"resuming at step {state.step} from {run_dir}", flush=True)
@@ -49,6 +49,7 @@ def train(cfg: Config, run_dir: Path, resume: bool) -> dict:
         t0 = time.time()
         prompts = steps.step_prompts(task, cfg, state.prompts_consumed)
         samples = steps.rollout(policy, prompts, cfg, info, step)
+        engine.sleep()  # frees the engine's GPU memory for the learner (vLLM, rollout.sleep_level > 0)
         rewards = steps.score(policy, task, prompts, samples)
         batch = PackedBatch.from_samples(samples, steps.advantages(rewards, cfg), policy.tokenizer.pad_token_id)
         t_rollout = time.time() - t0
@@ -60,7 +61,7 @@ def train(cfg: Config, run_dir: Path, resume: bool) -> dict:
         metrics.update(learner.train_step(batch, old_logp))  # R2 / R3 replay inside, per algo.routing_replay
         new = learner.compute_logprobs(batch, record_routes=True, no_replay=True)
         metrics.update(policy_update_drift(old.routes, new.routes, num_experts=policy.num_experts))
-        engine.update_weights(learner.hf_state_dict().items())
+        engine.update_weights(learner.hf_weight_stream())
         metrics.update(steps.sample_metrics(rewards, samples))
         state.step, state.prompts_consumed = step + 1, state.prompts_consumed + cfg.rollout.prompts_per_step
         dt = time.time() - t0
@@ -75,6 +76,7 @@ def train(cfg: Config, run_dir: Path, resume: bool) -> dict:
         bar.set_postfix({"reward": f"{metrics['reward/mean']:.3f}", "flip": f"{metrics.get('routing/any_layer_flip', 0):.3f}",
                          "clip": f"{metrics.get('clip/token_frac', 0):.3f}"})
     sink.close()
+    engine.close()
     return finish(cfg, run_dir, info, policy, state, time.time() - t_start)
 
 

@@ -318,10 +318,19 @@ class Learner:
         return out, skip
 
     # ------------------------------------------------------------------ weights and checkpoints
+    def hf_weight_stream(self):
+        """The weights as a stream of HF-named tensors, one layer at a time, for the rollout engine's
+        weight sync (`engine.update_weights(learner.hf_weight_stream())`): experts are all-gathered over
+        the EP group per layer, never the whole model at once. Collective: every rank must consume the
+        stream to its end, in the same order (see `moe_gspo.mcore.weight_stream`)."""
+        from moe_gspo.mcore.weight_stream import HFWeightStream
+
+        return HFWeightStream(self.model, self.hf_config, layout="per_expert")
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full HF state dict (on-disk per-expert names) on every rank, for the rollout engine's weight
-        sync; per-expert avoids restacking every expert each step. Collective over the EP group: every
-        rank must call it. Tensors alias the weights (clone for a snapshot)."""
+        """Full HF state dict (on-disk per-expert names) on every rank, for export and checkpoints (the
+        rollout sync uses `hf_weight_stream`, which never holds the whole model). Collective over the
+        EP group: every rank must call it. Tensors alias the weights (clone for a snapshot)."""
         from moe_gspo.mcore.weights import gather_hf_state_dict
 
         return gather_hf_state_dict(self.model, self.hf_config, layout="per_expert")

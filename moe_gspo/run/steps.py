@@ -21,17 +21,31 @@ def step_prompts(task: Task, cfg: Config, consumed: int) -> list[Prompt]:
     return task.prompts(consumed, cfg.rollout.prompts_per_step, cfg.train.seed)
 
 
+def rollout_share(info: ParallelInfo, tensor_parallel_size: int = 1) -> tuple[int, int]:
+    """(index, count) of this rank's rollout engine: each engine samples `1/count` of the prompts.
+
+    Every data-parallel rank has its own engine, except that a tensor-parallel vLLM engine spans
+    `tensor_parallel_size` consecutive ranks, which must sample the same prompts with the same seed.
+    """
+    tp = max(1, int(tensor_parallel_size))
+    if tp == 1:
+        return info.dp_rank, info.dp_size
+    assert info.world_size == info.dp_size and info.world_size % tp == 0, (info, tp)
+    return info.rank // tp, info.world_size // tp
+
+
 def rollout(policy: Policy, prompts: list[Prompt], cfg: Config, info: ParallelInfo, step: int) -> list[RolloutSample]:
-    """Data-parallel sampling: each rank generates whole groups for its share of `prompts`, then every
+    """Data-parallel sampling: each engine generates whole groups for its share of `prompts`, then every
     rank receives the global batch (the learner takes the same global batch on every rank)."""
-    per_rank = len(prompts) // info.dp_size
-    mine = prompts[info.dp_rank * per_rank:(info.dp_rank + 1) * per_rank]
+    r = cfg.rollout
+    share, num_shares = rollout_share(info, r.tensor_parallel_size if r.engine == "vllm" else 1)
+    per_rank = len(prompts) // num_shares
+    mine = prompts[share * per_rank:(share + 1) * per_rank]
     tok = policy.tokenizer
     ids = [tok(p.text, add_special_tokens=False)["input_ids"] for p in mine]
-    r = cfg.rollout
     sampling = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
-                              max_new_tokens=r.max_new_tokens, seed=derive_seed(cfg.train.seed, step, info.dp_rank))
-    return gather_samples(policy.engine.generate(ids, sampling), info, prompt_offset=info.dp_rank * per_rank)
+                              max_new_tokens=r.max_new_tokens, seed=derive_seed(cfg.train.seed, step, share))
+    return gather_samples(policy.engine.generate(ids, sampling), info, prompt_offset=share * per_rank)
 
 
 def gather_samples(samples: list[RolloutSample], info: ParallelInfo, *, prompt_offset: int) -> list[RolloutSample]:

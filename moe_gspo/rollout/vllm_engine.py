@@ -320,8 +320,10 @@ class VLLMEngine(RolloutEngine):
 
             self.llm.apply_model(vllm_cpu.repack_fused_moe_weights)
         _check_names(seen, expected, "update_weights (the engine now holds a mix of old and new weights)")
-        self.llm.reset_prefix_cache()
         self._wake(None)
+        # KV blocks (and the routes cached with them) were computed with the old weights
+        if self.llm.reset_prefix_cache() is False:
+            raise RuntimeError("vLLM did not reset its prefix cache after a weight update (requests running?)")
 
     # ----------------------------------------------------------------------------- memory
     def sleep(self) -> None:

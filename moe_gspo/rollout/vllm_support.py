@@ -41,7 +41,8 @@ def check_installed() -> tuple[str, str]:
     """The installed (distribution, version); ValueError when vLLM is missing or another version."""
     found = installed_vllm()
     if found is None:
-        raise ValueError(f"rollout.engine=vllm needs vLLM, which is not installed; {INSTALL_HINT}")
+        raise ValueError(f"the vLLM engine (rollout.engine=vllm, probe --engine vllm) needs vLLM, which is not "
+                         f"installed; {INSTALL_HINT}")
     dist, version = found
     if SUPPORTED.get(dist) != version:
         supported = ", ".join(f"{d}=={v}" for d, v in SUPPORTED.items())

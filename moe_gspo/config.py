@@ -189,10 +189,10 @@ class TrainConfig:
     between updates (they hold zeros there; nothing is copied); all = also move the bf16 parameter
     buffers (needs the distributed optimizer) and the optimizer's GPU state to pinned host memory during
     the rollout (CUDA only). Megatron-core's own buffer / optimizer offload."""
-    memory_check: Literal["refuse", "warn", "off"] = "refuse"
+    memory_check: Literal["refuse", "warn", "skip"] = "refuse"
     """Start-up memory check on GPU (the plan of `python -m moe_gspo.plan` for this config and world
     size), before any weight is loaded: refuse = stop when it does not fit, warn = print its message and
-    go on, off = skip. The plan is skipped on CPU."""
+    go on, skip = do not run it. The plan is skipped on CPU."""
 
 
 @dataclass(kw_only=True)

@@ -224,7 +224,7 @@ def count_plan(geom: Geometry, learner: LearnerSetup, rollout: RolloutSetup, *, 
                 kv = 0.0
         per_token = kv_bytes_per_token(geom, tp=r.tp, dtype_bytes=r.dtype_bytes)
         kv_tokens = int(kv // per_token)
-        if kv_tokens < r.max_model_len:
+        if kv_tokens < r.max_model_len and kv > 0:
             problems.append(f"the KV cache ({kv / GIB:.2f} GiB per GPU) holds {kv_tokens} tokens, fewer than "
                             f"one sequence of rollout.max_model_len={r.max_model_len}: vLLM will not start; "
                             "raise rollout.kv_cache_gib")
@@ -278,10 +278,11 @@ def count_plan(geom: Geometry, learner: LearnerSetup, rollout: RolloutSetup, *, 
         free = gpu_mem_gib * GIB - resident
         need = r.gpu_memory_utilization * gpu_mem_gib * GIB
         if need > free:
+            fix = (f"set rollout.gpu_memory_utilization <= {math.floor(free / gpu_mem_gib / GIB * 100) / 100:.2f}"
+                   if free >= 0.05 * gpu_mem_gib * GIB else "shrink the learner's resident memory first")
             problems.append(f"vLLM starts only with rollout.gpu_memory_utilization x GPU memory free: "
                             f"{r.gpu_memory_utilization} x {gpu_mem_gib:g} = {need / GIB:.1f} GiB, but the learner "
-                            f"already holds {resident / GIB:.1f} GiB; set rollout.gpu_memory_utilization <= "
-                            f"{max(0.0, math.floor(free / gpu_mem_gib / GIB * 100) / 100):.2f}")
+                            f"already holds {resident / GIB:.1f} GiB; {fix}")
 
     host_per_rank = opt_host + host_rollout + host_learner
     host_node = host_per_rank * min(gpus_per_node, s.num_gpus) / GIB

@@ -49,8 +49,9 @@ def describe_setup(result: PlanResult, cfg) -> list[str]:
     if r.engine == "vllm":
         kv = f"KV {r.kv_cache_gib:g} GiB/GPU" if r.kv_cache_gib is not None else \
             f"KV from gpu_memory_utilization={r.gpu_memory_utilization:g}"
-        rollout = (f"rollout: vLLM {r.dtype}, TP={r.tensor_parallel_size} ({n // max(r.tensor_parallel_size, 1)} "
-                   f"engines, {_b(p['rollout_per_gpu'])} params per GPU), sleep level {r.sleep_level}, {kv}")
+        engines = n // max(r.tensor_parallel_size, 1)
+        rollout = (f"rollout: vLLM {r.dtype}, TP={r.tensor_parallel_size} ({engines} engine{'s' if engines != 1 else ''}, "
+                   f"{_b(p['rollout_per_gpu'])} params per GPU), sleep level {r.sleep_level}, {kv}")
     else:
         rollout = f"rollout: transformers engine {r.dtype}, a full copy per rank"
     return [learner, rollout]

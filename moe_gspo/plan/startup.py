@@ -5,7 +5,7 @@
    distributed optimizer or CPU offload on a CPU) stop the run with one message naming the field.
 2. On CUDA, the memory plan of this config (`python -m moe_gspo.plan`) for this world size and this GPU's
    memory: `train.memory_check=refuse` (default) stops a config that will not fit with the plan's verdict
-   and the knob to turn; `warn` prints it (rank 0) and goes on; `off` skips it. The plan is counted,
+   and the knob to turn; `warn` prints it (rank 0) and goes on; `skip` skips it. The plan is counted,
    not measured, so `warn` is the escape hatch when a run is known to fit.
 On CPU the plan is skipped: it models GPU memory (bf16, vLLM, CUDA allowances), while CPU runs are tiny
 and bounded by host memory.
@@ -23,7 +23,7 @@ def startup_check(cfg, *, on_cuda: bool, world_size: int, gpu_mem_gib: float | N
     from moe_gspo.learner.optim import resolve_optimizer_options
 
     resolve_optimizer_options(cfg.train, on_cuda=on_cuda)
-    if not on_cuda or cfg.train.memory_check == "off":
+    if not on_cuda or cfg.train.memory_check == "skip":
         return None
     from moe_gspo.plan import make_plan
     from moe_gspo.plan.report import one_line

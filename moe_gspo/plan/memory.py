@@ -28,8 +28,8 @@ vLLM's `kv_cache_memory_bytes`; null = what `gpu_memory_utilization x GPU memory
 and vLLM's runtime), and vLLM's runtime allowance. Sleep (`rollout.sleep_level` 1/2) frees weights and
 KV during the learner's passes; a sleeping engine keeps `vllm_asleep_gib`. vLLM also refuses to start
 unless `gpu_memory_utilization x GPU memory` is free when it starts (after the learner is built).
-**Rollout (transformers engine)**: a full copy of the weights per rank, no TP, no sleep, and the KV of
-all of the rank's sequences (prompts x samples, full length).
+**Rollout (transformers engine)**: a full copy of the weights per rank (resident in every phase), no TP,
+no sleep, and while it generates the KV of all of the rank's sequences (prompts x samples, full length).
 **Offload during the rollout** (`train.offload_during_rollout`): `grads` frees the gradient buffers
 except around the update (rollout, log-prob and weight-sync phases have none); `all` also moves the
 parameters and the optimizer's GPU state (not precision-aware) to pinned host memory for the rollout.
@@ -240,8 +240,8 @@ def count_plan(geom: Geometry, learner: LearnerSetup, rollout: RolloutSetup, *, 
         weights = counts.total * r.dtype_bytes  # transformers engine: a full copy on every rank
         kv = r.seqs_per_rank * r.max_model_len * kv_bytes_per_token(geom, tp=1, dtype_bytes=r.dtype_bytes)
         rt = r.seqs_per_rank * geom.vocab_size * 4 + 0.5 * GIB  # fp32 logits of one decode step + workspace
-        awake = asleep = weights + kv + rt
-        sync_engine = awake
+        awake = weights + kv + rt
+        asleep = sync_engine = weights  # the KV cache lives only inside generate()
         host_rollout = 0.0
         if r.tp > 1 or r.sleep_level:
             notes.append("rollout.tensor_parallel_size and rollout.sleep_level apply to vLLM only (engine=hf)")

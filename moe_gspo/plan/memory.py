@@ -228,7 +228,7 @@ def count_plan(geom: Geometry, learner: LearnerSetup, rollout: RolloutSetup, *, 
             problems.append(f"the KV cache ({kv / GIB:.2f} GiB per GPU) holds {kv_tokens} tokens, fewer than "
                             f"one sequence of rollout.max_model_len={r.max_model_len}: vLLM will not start; "
                             "raise rollout.kv_cache_gib")
-        else:
+        elif kv > 0:
             notes.append(f"KV cache: {kv_tokens:,} tokens per engine = {kv_tokens // r.max_model_len} sequences of "
                          f"{r.max_model_len} tokens in flight")
         sleeping = r.sleep_level > 0

@@ -10,7 +10,7 @@ def test_memory_bench_code_path_on_cpu(capsys):
         import pytest
 
         pytest.skip("covered by tests/plan/test_plan_gpu.py on CUDA")
-    assert main(["--steps", "1", "--seq-len", "48", "--seqs", "8", "--group", "4"]) == 0
+    assert main(["--steps", "1", "--seq-len", "16", "--seqs", "4", "--group", "2"]) == 0
     out = capsys.readouterr().out
     for phase in ("rollout", "logprobs", "update", "weight_sync"):
         assert f"cpu               {phase}" in out

@@ -14,7 +14,8 @@ Memory options (`OptimizerOptions`, resolved once from `TrainConfig` and the dev
   DDP config): main params and Adam state sharded over the data-parallel group for dense parameters and
   over the expert-data-parallel group (world / EP) for experts;
 - `precision_aware_optimizer`: `use_precision_aware_optimizer` (no fp32 main-param copy held by
-  Megatron; Adam moments in `optimizer_state_dtype` with Transformer Engine's FusedAdam);
+  Megatron; Adam moments in `optimizer_state_dtype` with Transformer Engine's FusedAdam); megatron-core
+  0.16 needs Transformer Engine for it, with or without CPU offload;
 - `optimizer_cpu_offload` with `optimizer_offload_fraction` and `overlap_cpu_optimizer_d2h_h2d`:
   Megatron's `HybridDeviceOptimizer` (CPU AdamW over that fraction of the shard);
 - `grad_reduce_in_fp32`: the DDP gradient buffers' dtype.
@@ -68,15 +69,18 @@ def resolve_optimizer_options(train, *, on_cuda: bool, have_te: bool | None = No
         return OptimizerOptions(distributed_optimizer=False, grad_reduce_in_fp32=bool(train.grad_reduce_in_fp32),
                                 offload_during_rollout=train.offload_during_rollout)
     distributed = True if train.distributed_optimizer is None else bool(train.distributed_optimizer)
-    if train.precision_aware_optimizer and not train.optimizer_cpu_offload:
+    if train.precision_aware_optimizer:
         if have_te is None:
             from moe_gspo.mcore.shims import have_transformer_engine
 
             have_te = have_transformer_engine()
         if not have_te:
-            raise ValueError("train.precision_aware_optimizer=true without train.optimizer_cpu_offload needs "
-                             "Transformer Engine's FusedAdam, which is not importable: install transformer-engine, "
-                             "or also set train.optimizer_cpu_offload=true (Megatron's HybridDeviceOptimizer)")
+            # megatron-core 0.16's OptimizerConfig reads TE's version for the precision-aware optimizer
+            # (a TypeError without TE), and without CPU offload it steps with TE's FusedAdam.
+            raise ValueError("train.precision_aware_optimizer=true needs Transformer Engine (megatron-core 0.16 "
+                             "requires it for the precision-aware optimizer, also with CPU offload), which is not "
+                             "importable: install transformer-engine, or set train.precision_aware_optimizer=false "
+                             "and train.optimizer_cpu_offload=false")
     return OptimizerOptions(
         distributed_optimizer=distributed, precision_aware_optimizer=bool(train.precision_aware_optimizer),
         optimizer_state_dtype=train.optimizer_state_dtype, optimizer_cpu_offload=bool(train.optimizer_cpu_offload),
@@ -140,8 +144,10 @@ class LearnerOptimizer:
         if self.options.distributed_optimizer and not self.use_megatron:
             raise ValueError("train.distributed_optimizer=true needs CUDA (Megatron's optimizer); on CPU set it to null")
         ddp_distributed = bool(getattr(getattr(ddp_model, "ddp_config", None), "use_distributed_optimizer", False))
-        assert ddp_distributed == self.options.distributed_optimizer, \
-            "the DDP config and the optimizer disagree on use_distributed_optimizer"
+        if ddp_distributed != self.options.distributed_optimizer:
+            raise ValueError(f"the DDP model was wrapped with use_distributed_optimizer={ddp_distributed} but "
+                             f"train.distributed_optimizer resolves to {self.options.distributed_optimizer}; pass the "
+                             "bare GPTModel to Learner (it wraps it), or make them agree")
         if self.use_megatron:
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 

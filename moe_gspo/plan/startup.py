@@ -18,11 +18,12 @@ import sys
 
 
 def startup_check(cfg, *, on_cuda: bool, world_size: int, gpu_mem_gib: float | None = None,
-                  gpus_per_node: int = 8, is_main: bool = True):
-    """Raises ValueError when the run must not start; returns the plan (None when skipped)."""
+                  gpus_per_node: int = 8, is_main: bool = True, have_te: bool | None = None):
+    """Raises ValueError when the run must not start; returns the plan (None when skipped).
+    `have_te`: whether Transformer Engine is importable (None = look)."""
     from moe_gspo.learner.optim import resolve_optimizer_options
 
-    resolve_optimizer_options(cfg.train, on_cuda=on_cuda)
+    resolve_optimizer_options(cfg.train, on_cuda=on_cuda, have_te=have_te)
     if not on_cuda or cfg.train.memory_check == "skip":
         return None
     from moe_gspo.plan import make_plan

@@ -43,9 +43,30 @@ def test_gpu_resolution():
     off = resolve_optimizer_options(load_config(None, ["train.distributed_optimizer=false"]).train, on_cuda=True)
     assert not off.distributed_optimizer
     pa = load_config(None, ["train.precision_aware_optimizer=true"]).train
-    with pytest.raises(ValueError, match="Transformer Engine's FusedAdam"):
+    with pytest.raises(ValueError, match="needs Transformer Engine"):
         resolve_optimizer_options(pa, on_cuda=True, have_te=False)
     assert resolve_optimizer_options(pa, on_cuda=True, have_te=True).precision_aware_optimizer
     offload = load_config("configs/qwen3_30b_a3b.yaml").train
-    o = resolve_optimizer_options(offload, on_cuda=True, have_te=False)  # HybridDeviceOptimizer needs no TE
+    with pytest.raises(ValueError, match="needs Transformer Engine"):  # megatron-core 0.16 reads TE's version
+        resolve_optimizer_options(offload, on_cuda=True, have_te=False)
+    o = resolve_optimizer_options(offload, on_cuda=True, have_te=True)
     assert o.optimizer_cpu_offload and o.precision_aware_optimizer and o.optimizer_offload_fraction == 1.0
+
+
+def test_megatron_precision_aware_config_needs_transformer_engine():
+    """Why the rule above: megatron-core 0.16's OptimizerConfig fails without TE (even with CPU offload)."""
+    import warnings
+
+    import torch
+    from megatron.core.optimizer import OptimizerConfig
+
+    from moe_gspo.mcore.shims import have_transformer_engine
+
+    if have_transformer_engine():
+        pytest.skip("Transformer Engine is installed")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(TypeError):
+            OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, params_dtype=torch.bfloat16,
+                            use_distributed_optimizer=True, use_precision_aware_optimizer=True,
+                            optimizer_cpu_offload=True, optimizer_offload_fraction=1.0)

@@ -57,12 +57,14 @@ def test_startup_check_on_cpu_resolves_options_and_skips_the_plan():
 
 def test_startup_check_on_gpu_refuses_or_warns(capsys):
     cfg = load_config("configs/qwen3_30b_a3b.yaml")
-    assert startup_check(cfg, on_cuda=True, world_size=8, gpu_mem_gib=80.0).fits
+    with pytest.raises(ValueError, match="needs Transformer Engine"):
+        startup_check(cfg, on_cuda=True, world_size=8, gpu_mem_gib=80.0, have_te=False)
+    assert startup_check(cfg, on_cuda=True, world_size=8, gpu_mem_gib=80.0, have_te=True).fits
     assert "fits" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"does not fit: .*Knob to turn: .*train.memory_check=warn"):
-        startup_check(cfg, on_cuda=True, world_size=8, gpu_mem_gib=32.0)
+        startup_check(cfg, on_cuda=True, world_size=8, gpu_mem_gib=32.0, have_te=True)
     warn = load_config("configs/qwen3_30b_a3b.yaml", ["train.memory_check=warn"])
-    assert not startup_check(warn, on_cuda=True, world_size=8, gpu_mem_gib=32.0).fits
+    assert not startup_check(warn, on_cuda=True, world_size=8, gpu_mem_gib=32.0, have_te=True).fits
     assert "warning: memory plan" in capsys.readouterr().err
     off = load_config("configs/qwen3_30b_a3b.yaml", ["train.memory_check=skip"])
-    assert startup_check(off, on_cuda=True, world_size=8, gpu_mem_gib=32.0) is None
+    assert startup_check(off, on_cuda=True, world_size=8, gpu_mem_gib=32.0, have_te=True) is None

@@ -160,6 +160,39 @@ class TrainConfig:
     """How many recent checkpoints to keep."""
     export_hf: bool = True
     """Export a Hugging Face checkpoint directory at the end of training."""
+    # Learner memory options: Megatron-core's own (see moe_gspo/learner/optim.py and `python -m moe_gspo.plan`).
+    distributed_optimizer: bool | None = None
+    """Megatron's distributed optimizer: fp32 main params and Adam state sharded over data parallelism
+    (dense params over all ranks, experts over the expert-data-parallel ranks = world/EP); null = on with
+    CUDA, off on CPU (CUDA only)."""
+    precision_aware_optimizer: bool = False
+    """Megatron's precision-aware optimizer (use_precision_aware_optimizer): no separate fp32 main-param
+    copy on the GPU; needs the distributed optimizer, and Transformer Engine's FusedAdam unless
+    train.optimizer_cpu_offload (CUDA only)."""
+    optimizer_state_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Adam moments' dtype with the precision-aware optimizer on the GPU (Megatron's exp_avg_dtype /
+    exp_avg_sq_dtype); bfloat16 halves them. Not with CPU offload (the CPU Adam keeps fp32)."""
+    optimizer_cpu_offload: bool = False
+    """Megatron's optimizer CPU offload (HybridDeviceOptimizer): fp32 main params and Adam state of
+    train.optimizer_offload_fraction of the parameters live and step on the host; needs
+    train.precision_aware_optimizer (as Megatron-LM requires) (CUDA only)."""
+    optimizer_offload_fraction: float = 1.0
+    """With train.optimizer_cpu_offload: fraction of this rank's optimizer shard kept on the host (0-1)."""
+    overlap_cpu_optimizer_d2h_h2d: bool = True
+    """With train.optimizer_cpu_offload: overlap the gradient D2H / parameter H2D copies with the CPU
+    optimizer step (Megatron's overlap_cpu_optimizer_d2h_h2d)."""
+    grad_reduce_in_fp32: bool = True
+    """Accumulate and reduce gradients in fp32 buffers (Megatron DDP's grad_reduce_in_fp32); false keeps
+    them in the parameter dtype (half the gradient memory with bf16 params)."""
+    offload_during_rollout: Literal["none", "grads", "all"] = "none"
+    """Free learner GPU memory while the rollout engine generates: grads = release the gradient buffers
+    between updates (they hold zeros there; nothing is copied); all = also move the bf16 parameter
+    buffers (needs the distributed optimizer) and the optimizer's GPU state to pinned host memory during
+    the rollout (CUDA only). Megatron-core's own buffer / optimizer offload."""
+    memory_check: Literal["refuse", "warn", "skip"] = "refuse"
+    """Start-up memory check on GPU (the plan of `python -m moe_gspo.plan` for this config and world
+    size), before any weight is loaded: refuse = stop when it does not fit, warn = print its message and
+    go on, skip = do not run it. The plan is skipped on CPU."""
 
 
 @dataclass(kw_only=True)
@@ -286,6 +319,30 @@ def _check_positive(where: str, value, *, allow_zero: bool = False) -> None:
         raise ValueError(f"{where}={value} must be {'>= 0' if allow_zero else '> 0'}")
 
 
+def _check_learner_memory_options(tr: TrainConfig) -> None:
+    """Device-independent combinations of the optimizer memory options (the device-dependent ones are
+    checked at start-up by `moe_gspo.learner.optim.resolve_optimizer_options`)."""
+    if not 0.0 <= tr.optimizer_offload_fraction <= 1.0:
+        raise ValueError(f"train.optimizer_offload_fraction={tr.optimizer_offload_fraction} must be in [0, 1]")
+    if tr.optimizer_cpu_offload and not tr.precision_aware_optimizer:
+        raise ValueError("train.optimizer_cpu_offload=true needs train.precision_aware_optimizer=true (Megatron's "
+                         "HybridDeviceOptimizer reuses that code path, as Megatron-LM requires); set both")
+    if tr.precision_aware_optimizer and tr.distributed_optimizer is False:
+        raise ValueError("train.precision_aware_optimizer=true needs Megatron's distributed optimizer; set "
+                         "train.distributed_optimizer=true (or null)")
+    if tr.offload_during_rollout == "all" and tr.distributed_optimizer is False:
+        raise ValueError("train.offload_during_rollout=all moves the parameter buffers of Megatron's distributed "
+                         "optimizer; set train.distributed_optimizer=true (or null), or offload_during_rollout=grads")
+    if tr.optimizer_state_dtype != "float32":
+        if not tr.precision_aware_optimizer:
+            raise ValueError(f"train.optimizer_state_dtype={tr.optimizer_state_dtype} needs "
+                             "train.precision_aware_optimizer=true; set it, or optimizer_state_dtype=float32")
+        if tr.optimizer_cpu_offload:
+            raise ValueError(f"train.optimizer_state_dtype={tr.optimizer_state_dtype} is not supported with "
+                             "train.optimizer_cpu_offload=true (the CPU Adam keeps fp32 moments); set "
+                             "optimizer_state_dtype=float32")
+
+
 def validate(cfg: Config) -> Config:
     """Per-section range checks, then cross-section combinations. Returns cfg; raises ValueError."""
     m, p, r, a, t, tr, lg = cfg.model, cfg.parallel, cfg.rollout, cfg.algo, cfg.task, cfg.train, cfg.logging
@@ -313,6 +370,7 @@ def validate(cfg: Config) -> Config:
     for k in ("adam_beta1", "adam_beta2"):
         if not 0 <= getattr(tr, k) < 1:
             raise ValueError(f"train.{k}={getattr(tr, k)} must be in [0, 1)")
+    _check_learner_memory_options(tr)
     _check_positive("logging.trace_every", lg.trace_every, allow_zero=True)
     _check_positive("task.prompt_len", t.prompt_len)
     if not 2 <= t.num_symbols <= 36:

@@ -23,11 +23,13 @@ def train(cfg: Config, run_dir: Path, resume: bool) -> dict:
     from moe_gspo.run import steps
     from moe_gspo.run.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
     from moe_gspo.run.compare import policy_update_drift, rollout_vs_learner
+    from moe_gspo.plan.startup import check_before_loading
     from moe_gspo.run.setup import build_policy, init_run
     from moe_gspo.run.sinks import MetricsSink, atomic_write_text
     from moe_gspo.tasks import make_task
 
     info = init_run(cfg)
+    check_before_loading(cfg, info)  # optimizer options for this device; the memory plan on GPU (moe_gspo.plan)
     run_dir.mkdir(parents=True, exist_ok=True)
     policy, task, state = build_policy(cfg, info), make_task(cfg.task), TrainState()
     learner, engine, replay = policy.learner, policy.engine, cfg.algo.routing_replay
@@ -48,7 +50,9 @@ def train(cfg: Config, run_dir: Path, resume: bool) -> dict:
     for step in bar:
         t0 = time.time()
         prompts = steps.step_prompts(task, cfg, state.prompts_consumed)
+        learner.offload_for_rollout()  # train.offload_during_rollout (no-op by default)
         samples = steps.rollout(policy, prompts, cfg, info, step)
+        learner.reload_after_rollout()
         rewards = steps.score(policy, task, prompts, samples)
         batch = PackedBatch.from_samples(samples, steps.advantages(rewards, cfg), policy.tokenizer.pad_token_id)
         t_rollout = time.time() - t0

@@ -38,7 +38,8 @@ from moe_gspo.algos import policy_loss
 from moe_gspo.config import AlgoConfig, TrainConfig
 from moe_gspo.learner.batch import PackedBatch, ShardPlan, plan_shards
 from moe_gspo.learner.logprobs import token_logprobs
-from moe_gspo.learner.optim import LearnerOptimizer, any_rank
+from moe_gspo.learner.offload import LearnerOffload
+from moe_gspo.learner.optim import LearnerOptimizer, any_rank, resolve_optimizer_options
 from moe_gspo.learner.replay import ReplayMode, RoutingReplayDriver
 from moe_gspo.learner.router_hooks import MegatronRouterRecorder
 from moe_gspo.mcore.model import forward_logits, moe_layer_ids, moe_routers, unwrap
@@ -83,15 +84,23 @@ class Learner:
         self.vocab_size = int(hf_config.vocab_size)
         if train is None:
             self.ddp, self.optimizer = self.model, None
-        elif isinstance(model, DistributedDataParallel):
-            self.ddp = model
         else:
-            ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                       use_distributed_optimizer=False)
-            self.ddp = DistributedDataParallel(config=self.model.config, ddp_config=ddp_config, module=self.model)
-        if train is not None:
+            # Megatron's memory options (distributed optimizer, CPU offload, ...), see learner/optim.py.
+            opts = resolve_optimizer_options(train, on_cuda=self.device.type == "cuda")
+            if isinstance(model, DistributedDataParallel):
+                self.ddp = model
+            else:
+                ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=opts.grad_reduce_in_fp32,
+                                                           overlap_grad_reduce=False,
+                                                           use_distributed_optimizer=opts.distributed_optimizer)
+                self.ddp = DistributedDataParallel(config=self.model.config, ddp_config=ddp_config, module=self.model)
             self.optimizer = LearnerOptimizer(self.ddp, lr=train.lr, weight_decay=train.weight_decay,
-                                              betas=(train.adam_beta1, train.adam_beta2), grad_clip=train.grad_clip)
+                                              betas=(train.adam_beta1, train.adam_beta2), grad_clip=train.grad_clip,
+                                              options=opts)
+            self.offload = LearnerOffload(self.ddp, self.optimizer.opt if self.optimizer.use_megatron else None,
+                                          mode=opts.offload_during_rollout,
+                                          move_optimizer=not opts.precision_aware_optimizer)
+            self.offload.release_grads()  # train.offload_during_rollout: no gradient memory until the first update
         self.recorder = MegatronRouterRecorder(self.model, record_probs=True, enabled=False)
         routers = moe_routers(self.model)
         self.replay_driver = (RoutingReplayDriver(self.model, recompute=self.recompute)
@@ -254,6 +263,7 @@ class Learner:
         if not 1 <= self.train.num_minibatches <= B:
             raise ValueError(f"train.num_minibatches={self.train.num_minibatches} must be in [1, B={B}]")
         routes = self._resolve_routes(batch, replay_routes, update=True)
+        self.offload.restore_grads()  # train.offload_during_rollout: gradient buffers back for the update
         batch = batch.to(self.device)
         old = old.to(self.device, torch.float32)
         ref = None if ref_logp_BS is None else ref_logp_BS.to(self.device, torch.float32)
@@ -263,6 +273,7 @@ class Learner:
             mini_routes = None if routes is None else [routes[int(i)] for i in idx]
             results.append(self._train_minibatch(batch.select(idx), old[t_idx],
                                                  None if ref is None else ref[t_idx], mini_routes))
+        self.offload.release_grads()
         kept = [m for m, skipped in results if not skipped] or [m for m, _ in results]
         metrics = {k: float(np.mean([m[k] for m in kept])) for k in kept[0]}
         metrics["train/skipped_steps"] = float(self.skipped_steps)
@@ -316,6 +327,17 @@ class Learner:
         out = {k: float(v) for k, v in m.items()}
         out["grad/norm"] = norm
         return out, skip
+
+    # ------------------------------------------------------------------ memory during the rollout
+    def offload_for_rollout(self) -> None:
+        """Free this learner's GPU memory for the rollout engine per `train.offload_during_rollout`
+        (see `moe_gspo.learner.offload`); `reload_after_rollout()` before the next learner pass."""
+        if self.optimizer is not None:
+            self.offload.offload_for_rollout()
+
+    def reload_after_rollout(self) -> None:
+        if self.optimizer is not None:
+            self.offload.reload_after_rollout()
 
     # ------------------------------------------------------------------ weights and checkpoints
     def hf_state_dict(self) -> dict[str, torch.Tensor]:

@@ -97,7 +97,7 @@ def test_gspo_steps_improve_the_objective(dist):
     assert all(b > a for a, b in zip(objectives, objectives[1:])), objectives
     assert objectives[-1] > objectives[0] + 0.3, objectives
     assert learner.num_updates == 6
-    for key in ("loss/policy", "loss/total", "clip/frac_low", "clip/token_frac", "ratio/seq_var", "train/lr"):
+    for key in ("loss/policy", "loss/total", "clip/token_frac_low", "clip/out_of_range_frac", "clip/token_frac", "ratio/seq_var", "train/lr"):
         assert key in metrics
 
 

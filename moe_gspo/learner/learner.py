@@ -16,7 +16,10 @@ global gradient norm, a NaN/Inf guard agreed on by all ranks (a non-finite loss 
 that optimizer step everywhere, counted in `train/skipped_steps`), clipping, the optimizer step.
 The logged `loss/*`, `clip/*`, `ratio/*` metrics are recomputed without gradient on the gathered global
 mini-batch, so rank 0 logs exact global values; mini-batch values are averaged over the steps that
-were not skipped.
+were not skipped. Rollout corrections (`moe_gspo.algos.rollout_correction`) enter as per-token weights
+on the policy-gradient term and a rejection mask and-ed into the response mask (also in the
+normalisation counts); a caller's `after_optimizer_step` hook runs after each optimizer step (the
+routing-drift probe of `moe_gspo.run.learner_passes` measures the routing after the first one).
 
 Routing Replay (`replay.py`): R2 records the top-k of the old-policy pass (`compute_logprobs`) and
 replays it in the update; R3 replays the rollout engine's routes (`batch.rollout_routes`) in both the

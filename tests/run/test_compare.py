@@ -71,7 +71,7 @@ def test_prompt_and_response_rows_are_split():
 
 def test_one_token_prompts_give_nan_prompt_metrics():
     mask = torch.zeros(1, 3, dtype=torch.bool)
-    mask[0, 1:3] = True  # P = 1, R = 2: no prompt row produces no log-prob... none exists
+    mask[0, 1:3] = True  # P = 1, R = 2: rows 0-1 produce the response log-probs; no prompt row is left
     logp = torch.where(mask, -1.0, 0.0)
     m = rollout_vs_learner(rollout_logp_BS=logp, learner_logp_BS=logp, response_mask_BS=mask,
                            rollout_routes=_routes([2]), learner_routes=_routes([3]), num_experts=4)

@@ -1,4 +1,4 @@
-"""Ablation runner: train every arm of an algorithm × routing-replay × seed matrix, then compare.
+"""Ablation runner: train every arm of an algorithm × routing-replay [× variant] × seed matrix, then compare.
 
     python -m moe_gspo.ablate configs/ablation_tiny.yaml [--out DIR] [--dry-run]
 
@@ -11,6 +11,9 @@ The ablation YAML:
     overrides: {train.steps: 40}         # optional; dotted config overrides given to every arm
     nproc: 2                             # optional (default 1); processes per arm (torchrun)
     out_dir: runs/ablation_tiny          # optional (default runs/ablation); --out overrides it
+    variants:                            # optional; named override sets, one more matrix axis
+      none: {}
+      tis: {algo.rollout_is: token}
     exclude:                             # optional; drop arms matching all given fields
       - {algo: gspo_token, routing_replay: r2}
     extra_args: []                       # optional; extra train CLI flags, placed before overrides
@@ -21,7 +24,12 @@ Each arm runs, in a subprocess, with stdout and stderr going to `{run_dir}/train
 
     python -m torch.distributed.run --standalone --nproc-per-node {nproc} -m moe_gspo.train \
         --config {base_config} --algo {algo} --routing-replay {replay} \
-        --run-dir {out_dir}/{algo}-{replay}-s{seed} [--resume] {extra_args} train.seed={seed} {overrides}
+        --run-dir {out_dir}/{algo}-{replay}[-{variant}]-s{seed} [--resume] {extra_args} train.seed={seed} \
+        {overrides} {variant overrides}
+
+With `variants`, every algo x replay arm runs once per variant (its overrides come last, so they win);
+arm names gain `-{variant}` and `exclude` rules may name a `variant`. `--dry-run` also builds every
+arm's config (base file + flags + overrides) and reports the ones that do not validate.
 
 Resuming a matrix: an arm whose `done.json` exists is skipped; an unfinished arm with a checkpoint
 (`checkpoints/step_*`) is rerun with `--resume`; an unfinished arm without one is started afresh
@@ -51,7 +59,9 @@ from tqdm import tqdm
 from moe_gspo.config import ALGOS, REPLAYS
 
 _SPEC_KEYS = {"base_config", "algos", "routing_replay", "seeds", "overrides", "nproc", "out_dir",
-              "exclude", "extra_args", "arm_timeout_s"}
+              "exclude", "extra_args", "arm_timeout_s", "variants"}
+_VARIANT_RE = re.compile(r"^[A-Za-z0-9_.]+$")
+_AXIS_OVERRIDES = {"algo.name": "list it under 'algos'", "algo.routing_replay": "list it under 'routing_replay'"}
 _REQUIRED = ("base_config", "algos", "routing_replay", "seeds")
 _OVERRIDE_KEY_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 _RESERVED_OVERRIDES = {"train.seed": "list seeds under 'seeds'"}
@@ -69,6 +79,7 @@ class AblationSpec:
     exclude: list[dict[str, Any]] = field(default_factory=list)
     extra_args: list[str] = field(default_factory=list)
     arm_timeout_s: float | None = None
+    variants: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -77,11 +88,13 @@ class Arm:
     routing_replay: str
     seed: int
     run_dir: Path
+    variant: str = ""
+    """Name of the spec's `variants` entry ("" without variants)."""
 
     @property
     def group(self) -> str:
-        """The arm without its seed: `{algo}-{routing_replay}`."""
-        return f"{self.algo}-{self.routing_replay}"
+        """The arm without its seed: `{algo}-{routing_replay}[-{variant}]`."""
+        return f"{self.algo}-{self.routing_replay}" + (f"-{self.variant}" if self.variant else "")
 
     @property
     def name(self) -> str:
@@ -147,8 +160,9 @@ def parse_spec(raw: Any, out_dir: str | Path | None = None) -> AblationSpec:
     nproc = raw.get("nproc", 1)
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
         raise ValueError(f"ablation spec: 'nproc' must be a positive int, got {nproc!r}")
+    variants = _parse_variants(raw.get("variants"))
     exclude = raw.get("exclude") or []
-    fields = {"algo", "routing_replay", "seed"}
+    fields = {"algo", "routing_replay", "seed"} | ({"variant"} if variants else set())
     if not isinstance(exclude, list) or not all(isinstance(e, dict) and e and set(e) <= fields
                                                 for e in exclude):
         raise ValueError(f"ablation spec: 'exclude' must be a list of mappings using keys {sorted(fields)}")
@@ -167,7 +181,31 @@ def parse_spec(raw: Any, out_dir: str | Path | None = None) -> AblationSpec:
         seeds=list(seeds), overrides=dict(overrides), nproc=nproc,
         out_dir=Path(out_dir if out_dir is not None else raw.get("out_dir", "runs/ablation")),
         exclude=list(exclude), extra_args=list(extra),
-        arm_timeout_s=float(timeout) if timeout is not None else None)
+        arm_timeout_s=float(timeout) if timeout is not None else None, variants=variants)
+
+
+def _parse_variants(raw: Any) -> dict[str, dict[str, Any]]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError("ablation spec: 'variants' must be a mapping of names to override mappings, "
+                         "e.g. {none: {}, tis: {algo.rollout_is: token}}")
+    out = {}
+    for name, overrides in raw.items():
+        if not isinstance(name, str) or not _VARIANT_RE.match(name):
+            raise ValueError(f"ablation spec: variant name {name!r} must use letters, digits, '_' or '.'")
+        overrides = overrides or {}
+        if not isinstance(overrides, dict):
+            raise ValueError(f"ablation spec: variant {name!r} must map dotted keys to values, got {overrides!r}")
+        for k in overrides:
+            if not isinstance(k, str) or not _OVERRIDE_KEY_RE.match(k):
+                raise ValueError(f"ablation spec: variant {name!r}: override key {k!r} must be dotted, like "
+                                 "'algo.rollout_is'")
+            reserved = {**_RESERVED_OVERRIDES, **_AXIS_OVERRIDES}
+            if k in reserved:
+                raise ValueError(f"ablation spec: variant {name!r} sets {k!r}, an axis of the matrix; {reserved[k]}")
+        out[name] = dict(overrides)
+    return out
 
 
 def load_spec(path: str | Path, out_dir: str | Path | None = None) -> AblationSpec:
@@ -179,14 +217,15 @@ def load_spec(path: str | Path, out_dir: str | Path | None = None) -> AblationSp
 
 
 def _matches(arm: Arm, rule: dict[str, Any]) -> bool:
-    values = {"algo": arm.algo, "routing_replay": arm.routing_replay, "seed": arm.seed}
+    values = {"algo": arm.algo, "routing_replay": arm.routing_replay, "seed": arm.seed, "variant": arm.variant}
     return all(values[k] == v for k, v in rule.items())
 
 
 def expand_arms(spec: AblationSpec) -> list[Arm]:
-    """All arms of the matrix (algo-major, then replay, then seed) minus the excluded ones."""
-    arms = [Arm(a, r, s, spec.out_dir / f"{a}-{r}-s{s}")
-            for a in spec.algos for r in spec.routing_replay for s in spec.seeds]
+    """All arms of the matrix (algo-major, then replay, then variant, then seed) minus the excluded ones."""
+    variants = list(spec.variants) or [""]
+    arms = [Arm(a, r, s, spec.out_dir / (f"{a}-{r}-{v}-s{s}" if v else f"{a}-{r}-s{s}"), v)
+            for a in spec.algos for r in spec.routing_replay for v in variants for s in spec.seeds]
     for rule in spec.exclude:
         if not any(_matches(arm, rule) for arm in arms):
             print(f"warning: exclude rule {rule} matches no arm", file=sys.stderr)
@@ -228,9 +267,32 @@ def build_command(spec: AblationSpec, arm: Arm, resume: bool) -> list[str]:
     if resume:
         cmd.append("--resume")
     cmd += spec.extra_args
-    cmd.append(f"train.seed={arm.seed}")
-    cmd += [format_override(k, v) for k, v in spec.overrides.items()]
+    cmd += arm_overrides(spec, arm)
     return cmd
+
+
+def arm_overrides(spec: AblationSpec, arm: Arm) -> list[str]:
+    """The dotted overrides of one arm, in the order the command passes them (later ones win)."""
+    out = [f"train.seed={arm.seed}"]
+    out += [format_override(k, v) for k, v in spec.overrides.items()]
+    out += [format_override(k, v) for k, v in spec.variants.get(arm.variant, {}).items()]
+    return out
+
+
+def arm_config_error(spec: AblationSpec, arm: Arm) -> str | None:
+    """Why the arm's training config would not validate (None when it does), without running it."""
+    import warnings
+
+    from moe_gspo.config import load_config
+
+    overrides = [f"algo.name={arm.algo}", f"algo.routing_replay={arm.routing_replay}", *arm_overrides(spec, arm)]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            load_config(spec.base_config, overrides)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 class SubprocessArmRunner:
@@ -339,22 +401,30 @@ def write_comparison(spec: AblationSpec, arms: list[Arm]) -> Path | None:
 
 
 def dry_run(spec: AblationSpec) -> list[tuple[Arm, str, list[str]]]:
-    """(arm, action, command) for every arm, printing them; touches nothing."""
+    """(arm, action, command) for every arm, printing them; touches nothing. An arm whose config does
+    not validate gets the action "invalid config" (and the reason printed under it)."""
     rows = []
     actions = {"done": "skip (done)", "resume": "resume", "fresh": "run"}
+    check = spec.base_config.is_file()
     for arm in expand_arms(spec):
         state = arm_state(arm)
         cmd = build_command(spec, arm, resume=(state == "resume"))
-        rows.append((arm, actions[state], cmd))
-        print(f"{arm.name:<24} {actions[state]:<12} {shlex.join(cmd)}")
-    print(f"{len(rows)} arms, {sum(r[1] != 'skip (done)' for r in rows)} to run")
+        error = arm_config_error(spec, arm) if check else None
+        action = "invalid config" if error else actions[state]
+        rows.append((arm, action, cmd))
+        print(f"{arm.name:<24} {action:<12} {shlex.join(cmd)}")
+        if error:
+            print(f"    error: {error}")
+    print(f"{len(rows)} arms, {sum(r[1] in ('run', 'resume') for r in rows)} to run"
+          + (f", {sum(r[1] == 'invalid config' for r in rows)} with an invalid config" if check else
+             " (configs not checked: base_config missing)"))
     return rows
 
 
 def main(argv: list[str] | None = None, arm_runner: ArmRunner | None = None) -> int:
     """CLI entry point; `arm_runner` replaces the torchrun subprocess (tests)."""
     parser = argparse.ArgumentParser(prog="python -m moe_gspo.ablate",
-                                     description="Run an algorithm x routing-replay x seed ablation.")
+                                     description="Run an algorithm x routing-replay [x variant] x seed ablation.")
     parser.add_argument("spec", help="ablation YAML (see the module docstring)")
     parser.add_argument("--out", default=None, help="output directory (overrides out_dir)")
     parser.add_argument("--dry-run", action="store_true", help="list the arms and commands only")
@@ -371,8 +441,8 @@ def main(argv: list[str] | None = None, arm_runner: ArmRunner | None = None) -> 
             return 2
         print(f"warning: {msg}", file=sys.stderr)
     if args.dry_run:
-        dry_run(spec)
-        return 0
+        rows = dry_run(spec)
+        return 2 if any(action == "invalid config" for _, action, _ in rows) else 0
     results = run_ablation(spec, arm_runner)
     counts = {s: sum(r.status == s for r in results) for s in ("finished", "skipped", "failed")}
     print(f"arms: {counts['finished']} finished, {counts['skipped']} skipped (already done), "

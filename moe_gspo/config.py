@@ -70,9 +70,12 @@ class RolloutConfig:
     samples_per_prompt: int = 8
     """Group size G: responses sampled per prompt for group-relative advantages."""
     temperature: float = 1.0
-    """Sampling temperature (log-probs are always those of the untempered policy)."""
+    """Sampling temperature. Log-probs on both sides (rollout engine and learner) are those of the
+    untempered policy, so with temperature != 1 the samples do not come from pi_old: importance
+    ratios, rollout corrections and KL estimates are biased (a warning says so at config time)."""
     top_p: float = 1.0
-    """Nucleus sampling mass; 1.0 = off."""
+    """Nucleus sampling mass; 1.0 = off. Below 1 the same bias as temperature != 1 applies (the
+    log-probs are not renormalised over the nucleus)."""
     max_new_tokens: int = 8
     """Maximum response length in tokens."""
     record_routes: bool = True
@@ -107,11 +110,30 @@ class AlgoConfig:
     clip_high: float | None = None
     """Upper clip range epsilon_high; null = the paper's default (4e-4 GSPO, 0.27 GRPO)."""
     kl_coef: float = 0.0
-    """Coefficient of the k3 KL penalty to the initial policy (0 = off, as in the GSPO paper)."""
+    """Coefficient of the k3 KL penalty to the initial policy (0 = off, as in the GSPO paper). > 0 builds
+    a frozen reference model: one more copy of the parameters in the learner's dtype, expert-sharded
+    like the policy, no gradients or optimizer state; one extra no-grad pass per step (it replays the
+    routing the update replays: none = natural, r2 = old-policy routes, r3 = rollout routes)."""
     aggregation: Literal["seq_mean", "token_mean"] = "seq_mean"
     """GRPO loss aggregation: seq_mean (DeepSeekMath) or token_mean (DAPO)."""
     adv_eps: float = 1e-6
     """Epsilon added to the group reward std in the advantage denominator."""
+    rollout_is: Literal["none", "token", "sequence"] = "none"
+    """Train-inference correction (verl's name; TIS, Yao et al. 2025): multiply each token's
+    policy-gradient term by the truncated importance weight pi_learner_old / pi_rollout, per token
+    (token) or the product over the response (sequence); detached. Under R3 pi_learner_old is the
+    pass that replays the rollout routes. See moe_gspo/algos/rollout_correction.py."""
+    rollout_is_threshold: float | None = None
+    """Truncation C of the rollout_is weights (min(w, C)); null = 2.0 (verl's default)."""
+    rollout_rs: Literal["none", "token", "sequence", "geometric"] = "none"
+    """Train-inference rejection (masked IS, verl's name): drop tokens (token), or whole sequences
+    by the product (sequence) or geometric mean (geometric, IcePop/MIS-style) of their ratios
+    pi_learner_old / pi_rollout, when outside [rollout_rs_threshold_lower, rollout_rs_threshold]."""
+    rollout_rs_threshold: float | None = None
+    """Upper bound (> 1) of the kept ratios; required when rollout_rs != none (e.g. 2.0 for token,
+    1.001 for geometric)."""
+    rollout_rs_threshold_lower: float | None = None
+    """Lower bound (in (0, 1)) of the kept ratios; null = 1 / rollout_rs_threshold."""
 
     def clip_range(self) -> tuple[float, float]:
         lo, hi = DEFAULT_CLIP[self.name]
@@ -209,6 +231,11 @@ class LoggingConfig:
     """Run name (defaults to the run directory's name)."""
     progress: bool = True
     """Show a progress bar on the console (rank 0)."""
+    update_drift_every: int = 1
+    """Measure update/* (old->new learner routing after the first optimizer step of the step) and
+    update_all_minibatches/* (after all of them) every N steps (0 = never). Each costs one extra
+    no-grad learner pass over the step's batch (one in total when train.num_minibatches = 1); the
+    routing traces of kind `updated` are written only on steps where it ran."""
 
 
 @dataclass(kw_only=True)
@@ -372,6 +399,8 @@ def validate(cfg: Config) -> Config:
             raise ValueError(f"train.{k}={getattr(tr, k)} must be in [0, 1)")
     _check_learner_memory_options(tr)
     _check_positive("logging.trace_every", lg.trace_every, allow_zero=True)
+    _check_positive("logging.update_drift_every", lg.update_drift_every, allow_zero=True)
+    _validate_rollout_correction(a)
     _check_positive("task.prompt_len", t.prompt_len)
     if not 2 <= t.num_symbols <= 36:
         raise ValueError(f"task.num_symbols={t.num_symbols} must be in [2, 36]")
@@ -409,7 +438,41 @@ def validate(cfg: Config) -> Config:
             f"clips almost every token; the paper's GRPO baseline uses (0.2, 0.27).",
             stacklevel=2,
         )
+    if r.temperature != 1.0 or r.top_p < 1.0:
+        warnings.warn(
+            f"rollout.temperature={r.temperature}, rollout.top_p={r.top_p}: responses are sampled from the "
+            "tempered/nucleus distribution but every log-prob (rollout engine and learner) is the untempered "
+            "policy's, so the importance ratios, rollout corrections and KL estimates are biased; use "
+            "temperature 1.0 and top_p 1.0 for on-policy ratios.",
+            stacklevel=2,
+        )
     return cfg
+
+
+def _validate_rollout_correction(a: AlgoConfig) -> None:
+    """Rollout-correction fields of `algo` (see moe_gspo/algos/rollout_correction.py)."""
+    if a.rollout_is == "none" and a.rollout_is_threshold is not None:
+        raise ValueError(f"algo.rollout_is_threshold={a.rollout_is_threshold} has no effect with "
+                         "algo.rollout_is=none; set algo.rollout_is=token|sequence or drop the threshold")
+    if a.rollout_is_threshold is not None and not a.rollout_is_threshold > 0:
+        raise ValueError(f"algo.rollout_is_threshold={a.rollout_is_threshold} must be > 0 (the weights are "
+                         "min(ratio, threshold); verl's default is 2.0)")
+    if a.rollout_rs == "none":
+        for k in ("rollout_rs_threshold", "rollout_rs_threshold_lower"):
+            if getattr(a, k) is not None:
+                raise ValueError(f"algo.{k}={getattr(a, k)} has no effect with algo.rollout_rs=none; set "
+                                 "algo.rollout_rs=token|sequence|geometric or drop it")
+        return
+    if a.rollout_rs_threshold is None:
+        raise ValueError(f"algo.rollout_rs={a.rollout_rs} needs algo.rollout_rs_threshold (the upper bound of the "
+                         "kept ratios, > 1; e.g. 2.0 for token, 1.001 for geometric)")
+    if not a.rollout_rs_threshold > 1.0:
+        raise ValueError(f"algo.rollout_rs_threshold={a.rollout_rs_threshold} must be > 1 (ratio 1 = no mismatch "
+                         "must be kept)")
+    lower = a.rollout_rs_threshold_lower
+    if lower is not None and not 0.0 < lower < 1.0:
+        raise ValueError(f"algo.rollout_rs_threshold_lower={lower} must be in (0, 1) (null = 1 / "
+                         "algo.rollout_rs_threshold)")
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

@@ -3,9 +3,11 @@ inference and training routers of a checkpoint, without training?
 
 Samples responses with the rollout engine (`--engine hf|vllm`, in `--dtype`), recomputes the same
 tokens with the Megatron learner (fp32 on CPU, bf16 on CUDA, EP = world size under torchrun), and
-writes JSON with per-layer routing disagreement, the any-layer flip fraction, the train-inference
-mismatch metrics (k1/k3 KL, extreme-token fractions), the token-ratio vs sequence-ratio variance of
-learner/rollout ratios, and that variance split between tokens whose routing differs vs agrees.
+writes JSON with per-layer routing disagreement, the any-layer flip fraction (rows that produce
+response log-probs; prompt rows under `routing_prompt/*`), the train-inference mismatch metrics
+(k1/k3 KL, extreme-token fractions), the token-ratio vs sequence-ratio variance of learner/rollout
+ratios, and each routing subset's share of that variance (flipped vs agreed tokens; NaN -> null
+when a subset is empty).
 Keys match the training loop's metrics.jsonl (there `ratio/*` of this file is `mismatch_ratio/*`).
 """
 
@@ -93,7 +95,8 @@ def probe(args: argparse.Namespace) -> dict:
     res = learner.compute_logprobs(batch, record_routes=True)
     m = rollout_vs_learner(rollout_logp_BS=batch.rollout_logp_BS, learner_logp_BS=res.logp_BS,
                            response_mask_BS=batch.response_mask_BS, rollout_routes=batch.rollout_routes,
-                           learner_routes=res.routes, num_experts=hf_config.num_experts)
+                           learner_routes=res.routes, num_experts=hf_config.num_experts,
+                           group_ids=[smp.prompt_index for smp in samples])
     learner_routes = res.routes
     m["num_tokens"] = int(batch.response_mask_BS.sum())
     m["num_routed_tokens"] = int(sum(min(len(a), len(b)) for a, b in zip(batch.rollout_routes, learner_routes)))
@@ -103,6 +106,10 @@ def probe(args: argparse.Namespace) -> dict:
     for k, v in sorted(m.items()):
         out[k.replace("mismatch_ratio/", "ratio/")] = v
     return out
+
+
+def _num(v) -> str:
+    return "n/a" if v is None or (isinstance(v, float) and v != v) else f"{v:.3f}"
 
 
 def summary_text(res: dict) -> str:
@@ -116,7 +123,8 @@ def summary_text(res: dict) -> str:
               f"|dlogp| mean / max          {res['mismatch/logp_abs_diff_mean']:.3e} / {res['mismatch/logp_abs_diff_max']:.3e}",
               f"extreme tokens >ln2 / >ln5  {res['mismatch/extreme_frac_ln2']:.4f} / {res['mismatch/extreme_frac_ln5']:.4f}",
               f"ratio var token / seq       {res['ratio/token_var']:.3e} / {res['ratio/seq_var']:.3e}",
-              f"token-ratio var on flipped / agreed tokens  {res['ratio/token_var_flipped']:.3e} / {res['ratio/token_var_agreed']:.3e}"]
+              f"share of token-ratio variance on flipped / agreed tokens  "
+              f"{_num(res['ratio/token_var_share_flipped'])} / {_num(res['ratio/token_var_share_agreed'])}"]
     return "\n".join(lines)
 
 
@@ -139,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out, json.dumps(res, indent=1))
+        from moe_gspo.run.sinks import _jsonable
+
+        atomic_write_text(out, json.dumps({k: _jsonable(v) for k, v in res.items()}, indent=1))  # NaN -> null
         print(summary_text(res))
         print(f"wrote {out}")
     return 0

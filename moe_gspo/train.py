@@ -2,8 +2,10 @@
 
 The RL loop: sample prompts → the rollout engine generates G responses per prompt with routes and
 log-probs → rewards → group advantages → the learner recomputes old log-probs (recording its own
-routes; R2 replays them in the update, R3 replays the rollout engine's) → mini-batch updates with the
-selected loss → weight sync to the rollout engine → metrics. `--help` lists every option.
+routes; R2 replays them in the update, R3 replays the rollout engine's), rollout corrections and
+reference log-probs when configured, then mini-batch updates with the selected loss
+(`run.learner_passes.learner_update`) → weight sync to the rollout engine → metrics. `--help` lists
+every option.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ def train(cfg: Config, run_dir: Path, resume: bool) -> dict:
     from moe_gspo.learner.batch import PackedBatch
     from moe_gspo.run import steps
     from moe_gspo.run.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
-    from moe_gspo.run.compare import policy_update_drift, rollout_vs_learner
     from moe_gspo.plan.startup import check_before_loading
+    from moe_gspo.run.learner_passes import ReferencePolicy, learner_update
     from moe_gspo.run.setup import build_policy, init_run
     from moe_gspo.run.sinks import MetricsSink, atomic_write_text
     from moe_gspo.tasks import make_task
@@ -32,7 +34,8 @@ def train(cfg: Config, run_dir: Path, resume: bool) -> dict:
     check_before_loading(cfg, info)  # optimizer options for this device; the memory plan on GPU (moe_gspo.plan)
     run_dir.mkdir(parents=True, exist_ok=True)
     policy, task, state = build_policy(cfg, info), make_task(cfg.task), TrainState()
-    learner, engine, replay = policy.learner, policy.engine, cfg.algo.routing_replay
+    learner, engine = policy.learner, policy.engine
+    reference = ReferencePolicy(cfg, info, learner) if cfg.algo.kl_coef > 0 else None  # initial weights
     if resume and (ckpt := latest_checkpoint(run_dir)) is not None:
         state, learner_state, rng = load_checkpoint(ckpt, rank=info.rank, world_size=info.world_size)
         learner.load_state_dict(learner_state)
@@ -56,14 +59,8 @@ def train(cfg: Config, run_dir: Path, resume: bool) -> dict:
         rewards = steps.score(policy, task, prompts, samples)
         batch = PackedBatch.from_samples(samples, steps.advantages(rewards, cfg), policy.tokenizer.pad_token_id)
         t_rollout = time.time() - t0
-        old = learner.compute_logprobs(batch, record_routes=True, no_replay=True)  # natural routing (R2 records it)
-        metrics = rollout_vs_learner(rollout_logp_BS=batch.rollout_logp_BS, learner_logp_BS=old.logp_BS,
-                                     response_mask_BS=batch.response_mask_BS, rollout_routes=batch.rollout_routes,
-                                     learner_routes=old.routes, num_experts=policy.num_experts)
-        old_logp = learner.compute_logprobs(batch).logp_BS if replay == "r3" else old.logp_BS  # R3: under rollout routes
-        metrics.update(learner.train_step(batch, old_logp))  # R2 / R3 replay inside, per algo.routing_replay
-        new = learner.compute_logprobs(batch, record_routes=True, no_replay=True)
-        metrics.update(policy_update_drift(old.routes, new.routes, num_experts=policy.num_experts))
+        passes = learner_update(cfg, policy, batch, samples, step, reference=reference)  # old pass, update, drift
+        metrics = passes.metrics
         engine.update_weights(learner.hf_state_dict().items())
         metrics.update(steps.sample_metrics(rewards, samples))
         state.step, state.prompts_consumed = step + 1, state.prompts_consumed + cfg.rollout.prompts_per_step
@@ -73,7 +70,8 @@ def train(cfg: Config, run_dir: Path, resume: bool) -> dict:
                         "perf/tokens_per_s": num_tokens / dt})
         sink.log(step, metrics)
         if info.is_main and cfg.logging.trace_every and step % cfg.logging.trace_every == 0:
-            steps.save_step_traces(run_dir, step, policy, samples, batch, old, new, rewards)
+            steps.save_step_traces(run_dir, step, policy, samples, batch, passes.old, passes.new, rewards,
+                                   replayed_logp_BS=passes.replayed_logp_BS)
         if cfg.train.checkpoint_every and state.step % cfg.train.checkpoint_every == 0:
             save_checkpoint(run_dir, state, learner.state_dict(), rank=info.rank, keep=cfg.train.keep_checkpoints)
         bar.set_postfix({"reward": f"{metrics['reward/mean']:.3f}", "flip": f"{metrics.get('routing/any_layer_flip', 0):.3f}",

@@ -37,6 +37,15 @@ def test_overrides_typed():
     (["algo.aggregation=token_mean"], "token_mean applies to grpo only"),
     (["task.name=jsonl"], "task.path"),
     (["rollout.prompts_per_step=3", "rollout.samples_per_prompt=1"], "not divisible by train.num_minibatches"),
+    (["algo.rollout_is=tis"], "algo.rollout_is='tis' is not one of"),
+    (["algo.rollout_rs=geometric"], "algo.rollout_rs=geometric needs algo.rollout_rs_threshold"),
+    (["algo.rollout_rs=token", "algo.rollout_rs_threshold=0.9"], "algo.rollout_rs_threshold=0.9 must be > 1"),
+    (["algo.rollout_rs=token", "algo.rollout_rs_threshold=2", "algo.rollout_rs_threshold_lower=1.5"],
+     "algo.rollout_rs_threshold_lower=1.5 must be in"),
+    (["algo.rollout_rs_threshold=2"], "algo.rollout_rs_threshold=2.0 has no effect with algo.rollout_rs=none"),
+    (["algo.rollout_is_threshold=3"], "algo.rollout_is_threshold=3.0 has no effect with algo.rollout_is=none"),
+    (["algo.rollout_is=token", "algo.rollout_is_threshold=0"], "algo.rollout_is_threshold=0.0 must be > 0"),
+    (["logging.update_drift_every=-1"], "logging.update_drift_every=-1 must be >= 0"),
 ])
 def test_bad_values_name_the_field(overrides, msg):
     with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace("[", r"\[")):
@@ -62,6 +71,19 @@ def test_gspo_with_token_level_clip_warns_and_grpo_with_sequence_clip_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_config(None, ["algo.name=grpo"])  # paper defaults: no warning
+
+
+def test_rollout_corrections_accepted_on_every_algo():
+    for algo in ("gspo", "gspo_token", "grpo"):
+        cfg = load_config(None, [f"algo.name={algo}", "algo.rollout_is=sequence", "algo.rollout_is_threshold=5",
+                                 "algo.rollout_rs=geometric", "algo.rollout_rs_threshold=1.001"])
+        assert (cfg.algo.rollout_is, cfg.algo.rollout_rs, cfg.algo.rollout_rs_threshold) == ("sequence", "geometric", 1.001)
+
+
+def test_tempered_sampling_warns_naming_the_fields():
+    for override in ("rollout.temperature=0.7", "rollout.top_p=0.9"):
+        with pytest.warns(UserWarning, match=r"rollout.temperature=.*rollout.top_p=.*biased"):
+            load_config(None, [override])
 
 
 def test_every_field_has_a_docstring():

@@ -73,8 +73,10 @@ def sample_metrics(rewards: torch.Tensor, samples: list[RolloutSample]) -> dict:
 
 
 def save_step_traces(run_dir: Path, step: int, policy: Policy, samples, batch, old, new,
-                     rewards: torch.Tensor) -> None:
-    """Routing traces (rollout / learner / updated learner) and log-probs of the step's global batch."""
+                     rewards: torch.Tensor, *, replayed_logp_BS: torch.Tensor | None = None) -> None:
+    """Routing traces (rollout / learner natural routing / updated learner, when measured) and
+    log-probs of the step's global batch; under R3 also `learner_replayed_logp` (the pass replaying
+    the rollout routes, the loss's pi_old)."""
     from moe_gspo.routing.trace import RoutingTrace, save_trace
 
     out = run_dir / "traces"
@@ -91,7 +93,8 @@ def save_step_traces(run_dir: Path, step: int, policy: Policy, samples, batch, o
         save_trace(out / f"step_{step:06d}_{name}.npz", trace)
     mask = batch.response_mask_BS.bool()
     tmp = out / f".step_{step:06d}_logprobs.tmp.npz"
+    extra = {} if replayed_logp_BS is None else {"learner_replayed_logp": replayed_logp_BS[mask].float().cpu().numpy()}
     np.savez(tmp, rollout_logp=batch.rollout_logp_BS[mask].float().numpy(),
              learner_logp=old.logp_BS[mask].float().cpu().numpy(),
-             response_lens=np.asarray(rlens, np.int32), rewards=rewards.numpy().astype(np.float32))
+             response_lens=np.asarray(rlens, np.int32), rewards=rewards.numpy().astype(np.float32), **extra)
     tmp.replace(out / f"step_{step:06d}_logprobs.npz")

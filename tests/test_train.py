@@ -1,5 +1,6 @@
 """The training entry point: a short smoke run of every algo x replay arm, CLI errors, and
-kill + resume reproducing an uninterrupted EP=2 run exactly."""
+kill + resume (past a truncated rank file in the latest checkpoint) reproducing an uninterrupted EP=2
+run exactly. Faults and bad input: tests/test_train_faults.py."""
 
 import json
 import os
@@ -99,8 +100,15 @@ def test_ep2_kill_and_resume_reproduces_uninterrupted_run(tmp_path):
     os.killpg(p.pid, signal.SIGKILL)  # the whole torchrun process group, mid-step
     p.wait()
     assert not (cut_dir / "done.json").exists()
+    # Issue 12, defect 3: a truncated rank file in the latest checkpoint (here rank 1's only) made
+    # both ranks die with tracebacks; now both agree to fall back to the previous checkpoint.
+    latest_dir = cut_dir / "checkpoints" / latest.read_text().strip()
+    rank1 = latest_dir / "rank_00001.pt"
+    os.truncate(rank1, rank1.stat().st_size // 2)
     out = _finish(_torchrun(cut_dir, "--resume"))
     assert "resuming at step" in out
+    warnings = [l for l in out.splitlines() if l.startswith("warning:")]
+    assert len(warnings) == 1 and f"{latest_dir.name} is unusable: rank_00001.pt is truncated" in warnings[0], out
     ref, cut = _metrics(ref_dir), _metrics(cut_dir)
     assert [r["step"] for r in cut] == list(range(5))
     for a, b in zip(ref, cut):

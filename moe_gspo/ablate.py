@@ -23,7 +23,7 @@ train CLI does it (config file, overrides, flags): an invalid arm stops the matr
 and one line per bad arm; the output directory is checked too.
 Each arm runs, in a subprocess, with stdout and stderr going to `{run_dir}/train.log`:
 
-    python -m torch.distributed.run --standalone --nproc-per-node {nproc} -m moe_gspo.train \
+    python -m moe_gspo.launch --standalone --nproc-per-node {nproc} -m moe_gspo.train \
         --config {base_config} --algo {algo} --routing-replay {replay} \
         --run-dir {out_dir}/{algo}-{replay}-s{seed} [--resume] {extra_args} train.seed={seed} {overrides}
 
@@ -231,8 +231,9 @@ def format_override(key: str, value: Any) -> str:
 
 
 def build_command(spec: AblationSpec, arm: Arm, resume: bool) -> list[str]:
-    """The training command of one arm (the venv's torchrun through `sys.executable`)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    """The training command of one arm: torchrun (through `sys.executable` and `moe_gspo.launch`, so
+    that the arm's exit code is the worker's: 2 for a user error, 3 for a rank failure)."""
+    cmd = [sys.executable, "-m", "moe_gspo.launch", "--standalone",  # torchrun, exiting with the worker's code
            "--nproc-per-node", str(spec.nproc), "-m", "moe_gspo.train",
            "--config", str(spec.base_config), "--algo", arm.algo,
            "--routing-replay", arm.routing_replay, "--run-dir", str(arm.run_dir)]

@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
                 name = f"signal {-code}"
             print(f"[moe_gspo.launch] rank {rank} was killed by {name}", file=sys.stderr, flush=True)
             return 128 - code
-        print(f"[moe_gspo.launch] rank {rank} exited with code {code} (its error is above)", file=sys.stderr,
-              flush=True)
+        print(f"[moe_gspo.launch] {e.name} failed with exit code {code} (first on rank {rank}); the error is "
+              f"printed above", file=sys.stderr, flush=True)
         return code
     return 0
 

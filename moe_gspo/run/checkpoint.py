@@ -290,7 +290,12 @@ def resume(run_dir: Path, *, learner, fingerprint: dict, params_finite: Callable
     rank, world = _world()
     candidates = checkpoint_candidates(run_dir)
     if not candidates:
-        return None
+        dirs = step_dirs(run_dir)
+        if not dirs:
+            return None
+        raise ValueError(f"--resume: {str(run_dir / 'checkpoints' / 'latest')!r} names {_latest_name(run_dir)}, which "
+                         f"does not exist, and the other checkpoints ({', '.join(p.name for p in dirs.values())}) are "
+                         f"newer than it: leftovers of an earlier run. Move them away, or start afresh with --overwrite")
     rejected = []
     for i, path in enumerate(candidates):
         problem, meta, payload = _read_candidate(path, rank)

@@ -111,6 +111,16 @@ def test_resume_without_an_intact_checkpoint_stops(tmp_path):
     assert sorted(step_dirs(tmp_path)) == [1, 2]  # nothing deleted
 
 
+def test_resume_never_restarts_silently_when_latest_names_a_deleted_checkpoint(tmp_path):
+    """Defect 1's aftermath: `latest` named a checkpoint rotation had deleted, while stale newer ones
+    remained; every later --resume restarted from step 0 without a word."""
+    _save(tmp_path, 4)
+    _save(tmp_path, 6)
+    (tmp_path / "checkpoints" / "latest").write_text("step_000003\n")
+    with pytest.raises(ValueError, match="names step_000003, which does not exist.*leftovers of an earlier run"):
+        resume(tmp_path, learner=FakeLearner(), fingerprint=FP, params_finite=lambda: True, warn=print)
+
+
 @pytest.mark.parametrize("change,msg", [
     ({"algo.name": "grpo"}, "written with algo.name=gspo, this run has algo.name=grpo; resume with the same value "
                             r"\(--algo\)"),

@@ -132,10 +132,12 @@ def summary_text(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Exit codes as `moe_gspo.train` (0 done, 2 a user error printed once, 3 a rank failure)."""
     from moe_gspo.mcore.parallel import destroy_distributed
+    from moe_gspo.run.activity import exit_with_launcher
     from moe_gspo.run.errors import run_entry
     from moe_gspo.run.setup import quiet_known_warnings
 
     quiet_known_warnings()
+    exit_with_launcher()  # kill -9 of torchrun must not leave this worker writing
     args = build_parser().parse_intermixed_args(argv)
 
     def body() -> int:

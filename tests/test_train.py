@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from _procs import alive, worker_pids
 from moe_gspo import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,8 +98,16 @@ def test_ep2_kill_and_resume_reproduces_uninterrupted_run(tmp_path):
             break
         time.sleep(0.05)
     assert p.poll() is None, "run finished before it could be killed"
-    os.killpg(p.pid, signal.SIGKILL)  # the whole torchrun process group, mid-step
+    workers = worker_pids(p.pid)
+    assert sorted(workers) == [0, 1], workers
+    os.killpg(p.pid, signal.SIGKILL)  # torchrun's process group, mid-step (its workers run in their own sessions)
     p.wait()
+    # Issue 12: the workers used to survive their launcher and keep writing into the run directory,
+    # racing the resumed run; now the kernel kills them with it (PR_SET_PDEATHSIG).
+    deadline = time.time() + 30
+    while any(alive(pid) for pid in workers.values()) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(pid) for pid in workers.values()), "workers outlived a killed torchrun"
     assert not (cut_dir / "done.json").exists()
     # Issue 12, defect 3: a truncated rank file in the latest checkpoint (here rank 1's only) made
     # both ranks die with tracebacks; now both agree to fall back to the previous checkpoint.

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _procs import alive, worker_pids
 from moe_gspo import ablate, probe, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,25 +109,6 @@ def test_resume_without_an_intact_checkpoint_stops_and_keeps_everything(run, cap
 
 # ----------------------------------------------------------------------------- defect 4: a stopped rank hangs
 
-def _worker_pids(launcher_pid: int) -> dict[int, int]:
-    """RANK -> pid of the torchrun workers under `launcher_pid`."""
-    out = {}
-    for child in Path("/proc").iterdir():
-        if not child.name.isdigit():
-            continue
-        try:
-            stat = (child / "stat").read_text()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid != launcher_pid:
-                continue
-            env = dict(kv.split("=", 1) for kv in (child / "environ").read_text().split("\0") if "=" in kv)
-        except (OSError, ValueError):
-            continue
-        if "RANK" in env:
-            out[int(env["RANK"])] = int(child.name)
-    return out
-
-
 @pytest.mark.slow
 def test_a_stopped_rank_becomes_a_clear_error_within_the_timeout(tmp_path):
     """Defect 4: with SIGSTOP on one rank the other waited >= 160 s silently (gloo's default 30 min)."""
@@ -145,13 +127,12 @@ def test_a_stopped_rank_becomes_a_clear_error_within_the_timeout(tmp_path):
                 break
             time.sleep(0.2)
         assert p.poll() is None, p.communicate()[0][-3000:]
-        workers = _worker_pids(p.pid)  # moe_gspo.launch runs the torchrun agent in-process
+        workers = worker_pids(p.pid)  # moe_gspo.launch runs the torchrun agent in-process
         assert sorted(workers) == [0, 1], workers
         stopped = workers[1]
         os.kill(stopped, signal.SIGSTOP)
         t_stop = time.time()
-        while p.poll() is None and workers[0] and Path(f"/proc/{workers[0]}").exists() \
-                and time.time() - t_stop < 120:
+        while p.poll() is None and alive(workers[0]) and time.time() - t_stop < 120:
             time.sleep(0.2)
         waited = time.time() - t_stop
         os.kill(stopped, signal.SIGKILL)  # the agent's SIGTERM stays pending on a stopped process

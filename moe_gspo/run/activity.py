@@ -16,6 +16,9 @@ aborting the process instead (its own message; not reproducible on the CPU machi
 from __future__ import annotations
 
 import json
+import os
+import signal
+import sys
 import time
 from contextlib import contextmanager
 from datetime import timedelta
@@ -23,7 +26,9 @@ from typing import Iterator
 
 from moe_gspo.run.errors import RankFailure, _default_store
 
-_TIMEOUT_TEXT = ("Timed out", "timed out", "Timeout", "timeout")
+# gloo ("Timed out waiting 300000ms for recv operation"), the TCPStore ("Socket Timeout", "wait timeout"),
+# NCCL's watchdog ("collective operation timeout").
+_TIMEOUT_TEXT = ("Timed out waiting", "Socket Timeout", "wait timeout", "collective operation timeout")
 _PEER_LOST_TEXT = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
 _KEY = "moe_gspo/activity/{}"
 
@@ -99,3 +104,25 @@ class Activity:
             if kind is None or isinstance(e, RankFailure):
                 raise
             raise RankFailure(self.describe(kind)) from e
+
+
+def exit_with_launcher() -> None:
+    """Under torchrun: have the kernel kill this worker when the launcher dies (Linux PR_SET_PDEATHSIG).
+
+    torchrun starts every worker in a session of its own, so `kill -9` of torchrun (or of its process
+    group, as a job scheduler or a test does) leaves the workers running: they keep training and
+    writing checkpoints and metrics into the run directory, racing a later `--resume`. A no-op
+    outside torchrun (a plain `python -m moe_gspo.train` must survive its shell) and off Linux."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the launcher died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -87,6 +87,14 @@ def user_message(exc: BaseException) -> tuple[int, str] | None:
     """(exit code, one-line message) for a user error or a rank failure; None for a bug."""
     if isinstance(exc, RankFailure):
         return EXIT_RANK_FAILURE, str(exc)
+    from moe_gspo.run.activity import comm_failure_kind
+
+    kind = comm_failure_kind(exc)
+    if kind is not None:  # outside `Activity.watch()` (start-up, probe): no activity to name
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        what = "timed out (parallel.collective_timeout_s)" if kind == "timeout" else "lost its connection"
+        return EXIT_RANK_FAILURE, (f"rank {os.environ.get('RANK', '0')}: a collective {what} ({first}); another "
+                                   f"rank stopped responding or died")
     if isinstance(exc, ValueError):
         return EXIT_USER_ERROR, str(exc)
     if is_disk_full(exc):

@@ -1,6 +1,6 @@
 """Ablation runner: train every arm of an algorithm × routing-replay [× variant] × seed matrix, then compare.
 
-    python -m moe_gspo.ablate configs/ablation_tiny.yaml [--out DIR] [--dry-run]
+    python -m moe_gspo.ablate configs/ablation_tiny.yaml [--out DIR] [--dry-run] [section.key=value ...]
 
 The ablation YAML:
 
@@ -19,10 +19,14 @@ The ablation YAML:
     extra_args: []                       # optional; extra train CLI flags, placed before overrides
     arm_timeout_s: null                  # optional; kill an arm (its process group) after this long
 
+Dotted overrides on the command line (anywhere among the flags) are added to `overrides`.
 Relative paths are resolved against the current directory (run from the repository root).
+Before any arm runs (and in `--dry-run`), every arm's full train command line is validated like the
+train CLI does it (config file, overrides, flags): an invalid arm stops the matrix with exit code 2
+and one line per bad arm; the output directory is checked too.
 Each arm runs, in a subprocess, with stdout and stderr going to `{run_dir}/train.log`:
 
-    python -m torch.distributed.run --standalone --nproc-per-node {nproc} -m moe_gspo.train \
+    python -m moe_gspo.launch --standalone --nproc-per-node {nproc} -m moe_gspo.train \
         --config {base_config} --algo {algo} --routing-replay {replay} \
         --run-dir {out_dir}/{algo}-{replay}[-{variant}]-s{seed} [--resume] {extra_args} train.seed={seed} \
         {overrides} {variant overrides}
@@ -53,7 +57,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import yaml
 from tqdm import tqdm
 
 from moe_gspo.config import ALGOS, REPLAYS
@@ -208,12 +211,20 @@ def _parse_variants(raw: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def load_spec(path: str | Path, out_dir: str | Path | None = None) -> AblationSpec:
+def load_spec(path: str | Path, out_dir: str | Path | None = None, overrides: list[str] = ()) -> AblationSpec:
+    """Read and validate an ablation YAML; `overrides` (`section.key=value`) extend its `overrides`."""
+    from moe_gspo.config import load_yaml_file, parse_override
+
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"ablation spec {str(path)!r} does not exist")
-    with open(path, "r", encoding="utf-8") as f:
-        return parse_spec(yaml.safe_load(f), out_dir)
+    raw = load_yaml_file(path, what="ablation spec")
+    if overrides and isinstance(raw, dict) and isinstance(raw.get("overrides") or {}, dict):
+        raw = dict(raw, overrides=dict(raw.get("overrides") or {}))
+        for text in overrides:
+            sec, key, value = parse_override(text)
+            raw["overrides"][f"{sec}.{key}"] = value
+    return parse_spec(raw, out_dir)
 
 
 def _matches(arm: Arm, rule: dict[str, Any]) -> bool:
@@ -259,8 +270,9 @@ def format_override(key: str, value: Any) -> str:
 
 
 def build_command(spec: AblationSpec, arm: Arm, resume: bool) -> list[str]:
-    """The training command of one arm (the venv's torchrun through `sys.executable`)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    """The training command of one arm: torchrun (through `sys.executable` and `moe_gspo.launch`, so
+    that the arm's exit code is the worker's: 2 for a user error, 3 for a rank failure)."""
+    cmd = [sys.executable, "-m", "moe_gspo.launch", "--standalone",  # torchrun, exiting with the worker's code
            "--nproc-per-node", str(spec.nproc), "-m", "moe_gspo.train",
            "--config", str(spec.base_config), "--algo", arm.algo,
            "--routing-replay", arm.routing_replay, "--run-dir", str(arm.run_dir)]
@@ -400,6 +412,27 @@ def write_comparison(spec: AblationSpec, arms: list[Arm]) -> Path | None:
     return paths.html
 
 
+def validate_arms(spec: AblationSpec) -> list[str]:
+    """One message per arm whose train command line would be refused (config, overrides, flags)."""
+    from moe_gspo.run.cli import check_train_args
+    from moe_gspo.run.rundir import check_output_dir
+
+    problems = []
+    try:
+        check_output_dir(spec.out_dir, "out_dir")
+        if not spec.base_config.is_file():
+            raise ValueError(f"base_config {str(spec.base_config)!r} does not exist (relative to {os.getcwd()})")
+    except ValueError as e:
+        return [str(e)]
+    for arm in expand_arms(spec):
+        cmd = build_command(spec, arm, resume=arm_state(arm) == "resume")
+        try:
+            check_train_args(cmd[cmd.index("moe_gspo.train") + 1:])
+        except ValueError as e:
+            problems.append(f"arm {arm.name}: {e}")
+    return problems
+
+
 def dry_run(spec: AblationSpec) -> list[tuple[Arm, str, list[str]]]:
     """(arm, action, command) for every arm, printing them; touches nothing. An arm whose config does
     not validate gets the action "invalid config" (and the reason printed under it)."""
@@ -422,27 +455,32 @@ def dry_run(spec: AblationSpec) -> list[tuple[Arm, str, list[str]]]:
 
 
 def main(argv: list[str] | None = None, arm_runner: ArmRunner | None = None) -> int:
-    """CLI entry point; `arm_runner` replaces the torchrun subprocess (tests)."""
+    """CLI entry point; `arm_runner` replaces the torchrun subprocess (tests). Exit codes: 0 all arms
+    finished or skipped, 1 an arm failed, 2 a bad spec, override or arm config (nothing ran)."""
     parser = argparse.ArgumentParser(prog="python -m moe_gspo.ablate",
                                      description="Run an algorithm x routing-replay [x variant] x seed ablation.")
     parser.add_argument("spec", help="ablation YAML (see the module docstring)")
     parser.add_argument("--out", default=None, help="output directory (overrides out_dir)")
-    parser.add_argument("--dry-run", action="store_true", help="list the arms and commands only")
-    args = parser.parse_args(argv)
+    parser.add_argument("--dry-run", action="store_true", help="validate every arm and list the commands only")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="dotted config overrides added to the spec's overrides (every arm)")
+    args = parser.parse_intermixed_args(argv)
     try:
-        spec = load_spec(args.spec, args.out)
+        spec = load_spec(args.spec, args.out, args.overrides)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if not spec.base_config.is_file():
-        msg = f"base_config {str(spec.base_config)!r} does not exist (relative to {os.getcwd()})"
-        if not args.dry_run:
-            print(f"error: {msg}", file=sys.stderr)
-            return 2
-        print(f"warning: {msg}", file=sys.stderr)
-    if args.dry_run:
+    problems = validate_arms(spec)
+    if args.dry_run:  # every arm listed, an invalid one with its reason under it
         rows = dry_run(spec)
-        return 2 if any(action == "invalid config" for _, action, _ in rows) else 0
+        for p in problems:
+            if not p.startswith("arm "):  # the spec's own problems (arm ones are listed above)
+                print(f"error: {p}", file=sys.stderr)
+        return 2 if problems or any(action == "invalid config" for _, action, _ in rows) else 0
+    if problems:
+        for p in problems:
+            print(f"error: {p}", file=sys.stderr)
+        return 2
     results = run_ablation(spec, arm_runner)
     counts = {s: sum(r.status == s for r in results) for s in ("finished", "skipped", "failed")}
     print(f"arms: {counts['finished']} finished, {counts['skipped']} skipped (already done), "

@@ -10,6 +10,7 @@ names the field and the fix. Validation happens once, here, at config time.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 import warnings
@@ -55,6 +56,10 @@ class ParallelConfig:
     """Expert-parallel size; must divide the world size and the number of experts."""
     token_dispatcher: Literal["allgather", "alltoall"] = "allgather"
     """Megatron MoE token dispatcher; alltoall needs CUDA."""
+    collective_timeout_s: float | None = None
+    """Seconds a rank waits in a collective (torch.distributed and Megatron's groups) before the run
+    stops with an error naming the rank that did not arrive and what it was doing; null = 300 on CPU
+    (gloo), 1800 on CUDA (NCCL)."""
 
 
 @dataclass(kw_only=True)
@@ -314,6 +319,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{where}={value!r} must be a number")
+        if not math.isfinite(value):
+            raise ValueError(f"{where}={value!r} must be a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -378,6 +385,12 @@ def validate(cfg: Config) -> Config:
     _check_positive("parallel.expert_parallel_size", p.expert_parallel_size)
     for k in ("prompts_per_step", "samples_per_prompt", "max_new_tokens"):
         _check_positive(f"rollout.{k}", getattr(r, k))
+    if r.samples_per_prompt < 2:
+        raise ValueError(
+            f"rollout.samples_per_prompt={r.samples_per_prompt}: group-relative advantages need at least 2 "
+            f"responses per prompt (a group of 1 has advantage 0 and trains nothing); set it to 2 or more"
+        )
+    _check_positive("parallel.collective_timeout_s", p.collective_timeout_s)
     _check_positive("rollout.temperature", r.temperature)
     if not 0 < r.top_p <= 1:
         raise ValueError(f"rollout.top_p={r.top_p} must be in (0, 1]")
@@ -475,6 +488,44 @@ def _validate_rollout_correction(a: AlgoConfig) -> None:
                          "algo.rollout_rs_threshold)")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML keeps
+    the last one silently, so a second `train:` section would drop the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: let PyYAML report it
+                continue
+            if first != key_node.start_mark.line + 1:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first given on line {first}); merge the two into one",
+                    key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml_file(path: str | Path, *, what: str) -> Any:
+    """Parse a YAML file with duplicate keys rejected; errors are one ValueError naming the file,
+    the line and the problem."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = e.object[:e.start].count(b"\n") + 1
+        raise ValueError(f"{what} {str(p)!r} line {line}: not valid UTF-8 (byte 0x{e.object[e.start]:02x}); "
+                         "save it as UTF-8") from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ValueError(f"{what} {str(p)!r}{where}: {problem}") from None
+
+
 def parse_override(text: str) -> tuple[str, str, Any]:
     if "=" not in text:
         raise ValueError(f"override {text!r} must look like section.key=value (e.g. train.lr=1e-3)")
@@ -494,9 +545,12 @@ def parse_override(text: str) -> tuple[str, str, Any]:
 def config_from_dict(data: dict | None, overrides: list[str] = ()) -> Config:
     """Build and validate a Config from a nested mapping plus dotted overrides."""
     data = dict(data or {})
-    for sec in data:
+    for sec, body in data.items():
         if sec not in SECTIONS:
             raise ValueError(f"unknown config section '{sec}'; sections: {', '.join(SECTIONS)}")
+        if body is not None and not isinstance(body, dict):
+            raise ValueError(f"config section '{sec}' must be a mapping of keys (e.g. '{sec}:' then indented "
+                             f"'key: value' lines), got a {type(body).__name__}: {body!r}")
     merged = {sec: dict(data.get(sec) or {}) for sec in SECTIONS}
     for ov in overrides:
         sec, key, value = parse_override(ov)
@@ -513,10 +567,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         p = Path(path)
         if not p.is_file():
             raise ValueError(f"config file {str(p)!r} does not exist; pass --config configs/tiny_cpu.yaml or a valid path")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ValueError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        data = load_yaml_file(p, what="config file") or {}
         if not isinstance(data, dict):
             raise ValueError(f"config file {str(p)!r} must hold a mapping of sections, got {type(data).__name__}")
     return config_from_dict(data, overrides)

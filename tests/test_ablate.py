@@ -66,7 +66,7 @@ def test_build_command(tmp_path):
     spec = parse_spec(_spec_dict(tmp_path))
     arm = expand_arms(spec)[-1]
     cmd = build_command(spec, arm, resume=False)
-    assert cmd[:7] == [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    assert cmd[:7] == [sys.executable, "-m", "moe_gspo.launch", "--standalone",
                        "--nproc-per-node", "2", "-m"]
     assert cmd[7] == "moe_gspo.train"
     i = cmd.index("--algo")

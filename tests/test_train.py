@@ -1,5 +1,6 @@
 """The training entry point: a short smoke run of every algo x replay arm, CLI errors, and
-kill + resume reproducing an uninterrupted EP=2 run exactly."""
+kill + resume (past a truncated rank file in the latest checkpoint) reproducing an uninterrupted EP=2
+run exactly. Faults and bad input: tests/test_train_faults.py."""
 
 import json
 import math
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from _procs import alive, worker_pids
 from moe_gspo import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,11 +152,26 @@ def test_ep2_kill_and_resume_reproduces_uninterrupted_run(tmp_path):
             break
         time.sleep(0.05)
     assert p.poll() is None, "run finished before it could be killed"
-    os.killpg(p.pid, signal.SIGKILL)  # the whole torchrun process group, mid-step
+    workers = worker_pids(p.pid)
+    assert sorted(workers) == [0, 1], workers
+    os.killpg(p.pid, signal.SIGKILL)  # torchrun's process group, mid-step (its workers run in their own sessions)
     p.wait()
+    # Issue 12: the workers used to survive their launcher and keep writing into the run directory,
+    # racing the resumed run; now the kernel kills them with it (PR_SET_PDEATHSIG).
+    deadline = time.time() + 30
+    while any(alive(pid) for pid in workers.values()) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(pid) for pid in workers.values()), "workers outlived a killed torchrun"
     assert not (cut_dir / "done.json").exists()
+    # Issue 12, defect 3: a truncated rank file in the latest checkpoint (here rank 1's only) made
+    # both ranks die with tracebacks; now both agree to fall back to the previous checkpoint.
+    latest_dir = cut_dir / "checkpoints" / latest.read_text().strip()
+    rank1 = latest_dir / "rank_00001.pt"
+    os.truncate(rank1, rank1.stat().st_size // 2)
     out = _finish(_torchrun(cut_dir, "--resume"))
     assert "resuming at step" in out
+    warnings = [l for l in out.splitlines() if l.startswith("warning:")]
+    assert len(warnings) == 1 and f"{latest_dir.name} is unusable: rank_00001.pt is truncated" in warnings[0], out
     ref, cut = _metrics(ref_dir), _metrics(cut_dir)
     assert [r["step"] for r in cut] == list(range(5))
     for a, b in zip(ref, cut):

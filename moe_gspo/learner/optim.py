@@ -120,6 +120,17 @@ def any_rank(flag: bool, device) -> bool:
     return bool(t.item() > 0)
 
 
+def params_finite(params, device) -> bool:
+    """True when every element of every tensor in `params` is finite on every rank (collective).
+    One fused max-abs reduction per tensor (NaN propagates through it), no full-size temporaries."""
+    params = [p.detach() for p in params if p.numel()]
+    bad = False
+    if params:
+        maxabs = torch.stack([n.float() for n in torch._foreach_norm(params, float("inf"))])
+        bad = not bool(torch.isfinite(maxabs).all())
+    return not any_rank(bad, device)
+
+
 def clip_coefficient(norm: float, max_norm: float) -> float:
     """Factor that scales gradients of norm `norm` down to at most `max_norm` (1.0 when off or within)."""
     if max_norm <= 0 or not math.isfinite(norm):

@@ -54,7 +54,8 @@ class RolloutSample:
     routes_TLK: np.ndarray | None = None
     """uint8/uint16 [T, L, K] top-k expert ids per token and MoE layer, or None if not recorded."""
     router_probs_TLK: np.ndarray | None = None
-    """float16 [T, L, K] router probabilities of those experts, or None."""
+    """float16 [T, L, K] full-softmax router probabilities of those experts (softmax over all experts,
+    before the top-k renormalisation; see `moe_gspo.routing.trace`), or None."""
     extra: dict = field(default_factory=dict)
 
 

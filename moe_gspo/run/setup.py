@@ -69,7 +69,19 @@ def _hf_config_and_tokenizer(cfg: Config):
         tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    check_tokenizer_fits(tok, hf_config, tokenizer_dir=cfg.model.tokenizer or cfg.model.path or "the shipped tiny tokenizer",
+                         model=cfg.model.path or f"the tiny model (model.tiny={cfg.model.tiny})")
     return hf_config, tok
+
+
+def check_tokenizer_fits(tok, hf_config, *, tokenizer_dir: str, model: str) -> None:
+    """A ValueError naming both when the tokenizer has ids the model's embedding cannot hold."""
+    num_tokens = len(tok)
+    if num_tokens > hf_config.vocab_size:
+        raise ValueError(
+            f"tokenizer {tokenizer_dir!r} has {num_tokens} tokens but model {model!r} has vocab_size="
+            f"{hf_config.vocab_size}: its ids would index past the embedding. Use the model's own tokenizer "
+            f"(model.tokenizer=null) or a model trained with this tokenizer")
 
 
 def init_run(cfg: Config) -> ParallelInfo:
@@ -82,7 +94,7 @@ def init_run(cfg: Config) -> ParallelInfo:
 
         num_experts = load_hf_config(cfg.model.path).num_experts  # config only; weights load later
     info = init_distributed(ep_size=cfg.parallel.expert_parallel_size, num_experts=num_experts,
-                            seed=cfg.train.seed)
+                            seed=cfg.train.seed, timeout_s=cfg.parallel.collective_timeout_s)
     groups = cfg.rollout.prompts_per_step
     if groups % info.dp_size:
         raise ValueError(

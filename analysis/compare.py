@@ -5,10 +5,14 @@ setting, run with several seeds): the report the ablation runner writes at the e
 
 groups run directories named `<arm>-s<seed>` by `<arm>` (as `python -m moe_gspo.ablate` names them)
 and writes `report.html`, `report.md` and the PNGs into OUT_DIR. Figures: reward per arm (mean over
-seeds with a min/max band across seeds), clip fractions, token and sequence ratio variances, routing
-drift (rollout-vs-learner any-layer flip, old→new expert change). Table per arm: final reward
-(per seed the mean of reward/mean over its last 10% of steps, then mean ± std over seeds, std with
-ddof=0), and per-seed means over steps of the drift / clip / variance metrics, averaged over seeds.
+seeds with a min/max band across seeds), binding and out-of-range clip fractions, token and sequence
+ratio variances, routing drift (rollout-vs-learner any-layer flip, old→new expert change after the
+first optimizer step), train-inference mismatch with natural routing (`mismatch/*`) next to the
+pass that replays the rollout routes (`mismatch_replayed/*`, R3 arms only). Tables per arm: final
+reward (per seed the mean of reward/mean over its last 10% of steps, then mean ± std over seeds, std
+with ddof=0) and per-seed means over steps of the drift / clip / variance metrics, averaged over
+seeds; and mismatch vs mismatch_replayed side by side. Steps where a metric is null/NaN (e.g. a
+variance share of an empty subset) are left out of its means.
 """
 
 from __future__ import annotations
@@ -139,9 +143,11 @@ COMPARE_FIGURES: list[FigureSpec] = [
                "reward/mean: line = mean over seeds, band = min/max across seeds.",
                lambda a: _panels(a, [("reward/mean", "reward (task units)", False)], "Reward")),
     FigureSpec("cmp_clip", "Clip fractions per arm",
-               "Token and sequence clip fractions (mean over seeds, min/max band).",
-               lambda a: _panels(a, [("clip/token_frac", "fraction of tokens", False),
-                                     ("clip/seq_frac", "fraction of sequences", False)],
+               "Binding clip fractions of tokens and sequences (the clip takes the gradient away) and "
+               "the out-of-range token fraction whatever the sign of A (mean over seeds, min/max band).",
+               lambda a: _panels(a, [("clip/token_frac", "fraction of tokens (binding)", False),
+                                     ("clip/seq_frac", "fraction of sequences (binding)", False),
+                                     ("clip/out_of_range_frac", "fraction of tokens (out of range)", False)],
                                  "Clip fractions")),
     FigureSpec("cmp_ratio_var", "Ratio variances per arm",
                "New/old policy token- and sequence-ratio variance inside the update (log scale).",
@@ -154,44 +160,64 @@ COMPARE_FIGURES: list[FigureSpec] = [
                lambda a: _panels(a, [("routing/any_layer_flip", "fraction of tokens", False),
                                      ("update/expert_change_frac", "fraction of experts", False)],
                                  "Routing drift")),
+    FigureSpec("cmp_mismatch", "Train-inference mismatch per arm: natural vs replayed routing",
+               "k3 KL and |Δ log p| > ln 2 token fraction between rollout-engine and learner log-probs: "
+               "learner with its natural routing (mismatch/*, every arm) and replaying the rollout "
+               "engine's routes (mismatch_replayed/*, R3 arms: the log-probs their loss uses).",
+               lambda a: _panels(a, [("mismatch/k3_kl", "k3 KL, natural (nats/token)", True),
+                                     ("mismatch_replayed/k3_kl", "k3 KL, replayed (nats/token)", True),
+                                     ("mismatch/extreme_frac_ln2", "tokens, natural", False),
+                                     ("mismatch_replayed/extreme_frac_ln2", "tokens, replayed", False)],
+                                 "Mismatch: natural vs replayed routing")),
 ]
 
 TABLE_COLUMNS = ["arm", "seeds", "final reward (mean ± std)", "any-layer flip", "update expert change",
-                 "clip token frac", "ratio/token_var", "ratio/seq_var"]
+                 "clip token frac (binding)", "clip out-of-range frac", "ratio/token_var", "ratio/seq_var"]
+MISMATCH_COLUMNS = ["arm", "k3 KL natural", "k3 KL replayed", "|Δ log p| > ln 2 natural",
+                    "|Δ log p| > ln 2 replayed", "mean |Δ log p| natural", "mean |Δ log p| replayed"]
+_MISMATCH_KEYS = ["mismatch/k3_kl", "mismatch_replayed/k3_kl", "mismatch/extreme_frac_ln2",
+                  "mismatch_replayed/extreme_frac_ln2", "mismatch/logp_abs_diff_mean",
+                  "mismatch_replayed/logp_abs_diff_mean"]
+_SUMMARY_KEYS = ["final_reward", "any_layer_flip", "update_expert_change", "clip_token_frac",
+                 "clip_out_of_range_frac", "token_var", "seq_var"] + _MISMATCH_KEYS
 
 
 def arm_summary(runs: list[tuple[int, RunData]]) -> dict[str, float]:
-    """Per-arm numbers of the comparison table (NaN where no seed logged the metric)."""
+    """Per-arm numbers of the comparison tables (NaN where no seed logged the metric)."""
     per_seed = []
     for _, run in runs:
         h = headline_numbers(run.records)
-        per_seed.append({
+        row = {
             "final_reward": h["reward_last10_mean"],
             "any_layer_flip": h["any_layer_flip_mean"],
             "update_expert_change": h["update_expert_change_mean"],
             "clip_token_frac": h["clip_token_frac_mean"],
+            "clip_out_of_range_frac": h["clip_out_of_range_frac_mean"],
             "token_var": finite_mean(series(run.records, "ratio/token_var")[1]),
             "seq_var": finite_mean(series(run.records, "ratio/seq_var")[1]),
-        })
-    keys = ["final_reward", "any_layer_flip", "update_expert_change", "clip_token_frac",
-            "token_var", "seq_var"]
-    out = {k: finite_mean(np.asarray([s[k] for s in per_seed])) for k in keys}
+        }
+        row.update({k: finite_mean(series(run.records, k)[1]) for k in _MISMATCH_KEYS})
+        per_seed.append(row)
+    out = {k: finite_mean(np.asarray([s[k] for s in per_seed])) for k in _SUMMARY_KEYS}
     finals = np.asarray([s["final_reward"] for s in per_seed], np.float64)
     finals = finals[np.isfinite(finals)]
     out["final_reward_std"] = float(finals.std()) if finals.size else math.nan
     return out
 
 
-def comparison_table(arms: Arms) -> Table:
-    rows = []
+def comparison_tables(arms: Arms) -> list[Table]:
+    rows, mismatch_rows = [], []
     for arm, runs in arms.runs.items():
         s = arm_summary(runs)
         reward = ("n/a" if not math.isfinite(s["final_reward"])
                   else f"{fmt_number(s['final_reward'])} ± {fmt_number(s['final_reward_std'])}")
         rows.append([arm, f"{len(runs)}/{arms.expected[arm]}", reward]
-                    + [fmt_number(s[k]) for k in ("any_layer_flip", "update_expert_change",
-                                                  "clip_token_frac", "token_var", "seq_var")])
-    return Table("Arms (means over steps, then over seeds)", TABLE_COLUMNS, rows)
+                    + [fmt_number(s[k]) for k in ("any_layer_flip", "update_expert_change", "clip_token_frac",
+                                                  "clip_out_of_range_frac", "token_var", "seq_var")])
+        mismatch_rows.append([arm] + [fmt_number(s[k]) for k in _MISMATCH_KEYS])
+    return [Table("Arms (means over steps, then over seeds)", TABLE_COLUMNS, rows),
+            Table("Train-inference mismatch: learner with natural routing vs replaying the rollout routes "
+                  "(R3 arms; n/a elsewhere)", MISMATCH_COLUMNS, mismatch_rows)]
 
 
 def build_comparison(arm_runs: list[ArmRun], out_dir: str | Path,
@@ -202,7 +228,7 @@ def build_comparison(arm_runs: list[ArmRun], out_dir: str | Path,
     if not any(arms.runs.values()):
         raise ReportInputError("no run of the comparison has metric records; nothing to compare")
     page = Page(title=title, intro=[f"{sum(map(len, arms.runs.values()))} runs in {len(arms.runs)} arms"])
-    page.tables.append(comparison_table(arms))
+    page.tables += comparison_tables(arms)
     page.figures = render_figures(COMPARE_FIGURES, arms)
     page.notes = arms.notes
     return write_page(page, out_dir)

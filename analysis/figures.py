@@ -203,7 +203,8 @@ def fig_expert_load(run: RunData) -> Figure:
 
 
 def fig_update_change(run: RunData) -> Figure:
-    _need(run, "update/layer_change", "update/expert_change_frac")
+    _need(run, "update/layer_change", "update/expert_change_frac",
+          "update_all_minibatches/expert_change_frac")
     steps, vals_SL = matrix_series(run.records, "update/layer_change")
     fig, axes = _fig(2 if steps.size else 1, width=5.5,
                      height=_heat_height(vals_SL.shape[1]) if steps.size else 3.4)
@@ -212,14 +213,15 @@ def fig_update_change(run: RunData) -> Figure:
         df = pd.DataFrame(vals_SL.T, index=labels, columns=steps)
         sns.heatmap(df, ax=axes[0], cmap="magma", vmin=0, xticklabels="auto", yticklabels="auto",
                     cbar_kws={"label": "fraction of tokens"})
-        axes[0].set(title="per layer (update/layer_change)", xlabel="training step",
+        axes[0].set(title="per layer, after the first optimizer step", xlabel="training step",
                     ylabel=_layer_axis_label(labels))
     ax = axes[-1]
-    if not _lines(ax, run, [("update/expert_change_frac", "expert_change_frac"),
-                            ("update/any_layer_change", "any_layer_change")]):
+    if not _lines(ax, run, [("update/expert_change_frac", "experts, after the first optimizer step"),
+                            ("update/any_layer_change", "tokens (≥1 layer), after the first step"),
+                            ("update_all_minibatches/expert_change_frac", "experts, after all mini-batches")]):
         ax.text(0.5, 0.5, "update/expert_change_frac not logged", ha="center", transform=ax.transAxes)
-    ax.set(title="all layers", xlabel="training step", ylabel="fraction of routed experts changed")
-    fig.suptitle("Old→new policy expert change per update (same tokens)")
+    ax.set(title="all layers", xlabel="training step", ylabel="fraction changed")
+    fig.suptitle("Old→new learner routing of the same response tokens")
     return fig
 
 
@@ -271,21 +273,23 @@ def fig_ratio_variance_length(run: RunData) -> Figure:
 
 
 def fig_variance_attribution(run: RunData) -> Figure:
-    _need(run, "mismatch_ratio/token_var_flipped", "mismatch_ratio/token_var_agreed")
+    _need(run, "mismatch_ratio/token_var_share_flipped", "mismatch_ratio/flipped_token_frac")
     fig, (ax,) = _fig()
-    _lines(ax, run, [("mismatch_ratio/token_var_flipped", "tokens with a routing flip"),
-                     ("mismatch_ratio/token_var_agreed", "tokens routed identically"),
-                     ("mismatch_ratio/token_var", "all tokens")], logy=True)
-    ax.set(title="Learner/rollout token-ratio variance by routing agreement",
-           xlabel="training step", ylabel="variance of token ratio (unitless)")
+    _lines(ax, run, [("mismatch_ratio/token_var_share_flipped", "share of the variance on flipped tokens"),
+                     ("mismatch_ratio/flipped_token_frac", "share of the tokens that flipped")])
+    ax.set_ylim(-0.02, 1.02)
+    ax.set(title="Learner/rollout token-ratio variance carried by routing-flipped tokens",
+           xlabel="training step", ylabel="fraction")
     return fig
 
 
 def fig_clip(run: RunData) -> Figure:
-    _need(run, "clip/token_frac", "clip/seq_frac", "clip/frac_low", "clip/frac_high")
+    _need(run, "clip/token_frac", "clip/seq_frac", "clip/out_of_range_frac")
     fig, (ax,) = _fig()
-    _lines(ax, run, [("clip/token_frac", "tokens clipped"), ("clip/seq_frac", "sequences clipped"),
-                     ("clip/frac_low", "clipped low"), ("clip/frac_high", "clipped high")])
+    _lines(ax, run, [("clip/token_frac", "tokens, clip binds"), ("clip/seq_frac", "sequences, clip binds"),
+                     ("clip/token_frac_low", "tokens, binds low (A < 0)"),
+                     ("clip/token_frac_high", "tokens, binds high (A > 0)"),
+                     ("clip/out_of_range_frac", "tokens out of range (either sign of A)")])
     ax.set(title="Clip fractions", xlabel="training step", ylabel="fraction")
     return fig
 
@@ -294,12 +298,29 @@ def fig_mismatch(run: RunData) -> Figure:
     _need(run, "mismatch/k1_kl", "mismatch/k3_kl", "mismatch/extreme_frac_ln2",
           "mismatch/extreme_frac_ln5")
     fig, axes = _fig(2, width=5.5)
-    _lines(axes[0], run, [("mismatch/k1_kl", "k1"), ("mismatch/k3_kl", "k3")])
+    _lines(axes[0], run, [("mismatch/k1_kl", "k1"), ("mismatch/k3_kl", "k3"),
+                          ("mismatch_replayed/k3_kl", "k3, replaying rollout routes (R3)")])
     axes[0].set(title="KL(rollout ‖ learner)", xlabel="training step", ylabel="KL (nats/token)")
     _lines(axes[1], run, [("mismatch/extreme_frac_ln2", "|Δ log p| > ln 2"),
-                          ("mismatch/extreme_frac_ln5", "|Δ log p| > ln 5")])
+                          ("mismatch/extreme_frac_ln5", "|Δ log p| > ln 5"),
+                          ("mismatch_replayed/extreme_frac_ln2", "|Δ log p| > ln 2, replayed (R3)")])
     axes[1].set(title="extreme tokens", xlabel="training step", ylabel="fraction of tokens")
-    fig.suptitle("Rollout engine vs learner mismatch (same tokens)")
+    fig.suptitle("Rollout engine vs learner mismatch (same tokens; natural routing unless marked)")
+    return fig
+
+
+def fig_rollout_corr(run: RunData) -> Figure:
+    _need(run, "rollout_corr/is_ess", "rollout_corr/rs_masked_token_frac")
+    fig, axes = _fig(2, width=5.5)
+    _lines(axes[0], run, [("rollout_corr/is_weight_mean", "mean applied weight"),
+                          ("rollout_corr/is_raw_max", "max raw ratio"),
+                          ("rollout_corr/is_ess", "effective sample size (fraction)")])
+    axes[0].set(title="importance weights π_old / π_rollout", xlabel="training step", ylabel="value")
+    _lines(axes[1], run, [("rollout_corr/is_truncated_frac", "IS units truncated"),
+                          ("rollout_corr/rs_masked_token_frac", "tokens rejected"),
+                          ("rollout_corr/rs_masked_seq_frac", "sequences with a rejected token")])
+    axes[1].set(title="truncation and rejection", xlabel="training step", ylabel="fraction")
+    fig.suptitle("Rollout corrections (rollout_corr/*)")
     return fig
 
 
@@ -334,8 +355,10 @@ RUN_FIGURES: list[FigureSpec] = [
                "Share of routings per expert and layer, from the last step that logged it (or the "
                "last routing traces).", fig_expert_load),
     FigureSpec("update_change", "Old→new policy expert change",
-               "Learner routing of the same tokens before vs after each update: per layer, and "
-               "update/expert_change_frac (the GSPO paper's ~10% figure).", fig_update_change),
+               "Learner routing (natural) of the rows that produce response log-probs, before vs after "
+               "the first optimizer step of each RL step (update/*, the GSPO paper's ~10% figure), per "
+               "layer and overall, and after all mini-batches (update_all_minibatches/*).",
+               fig_update_change),
     FigureSpec("ratio_variance_steps", "Token vs sequence ratio variance over steps",
                "ratio/token_var and ratio/seq_var (new/old policy inside the update) and their "
                "learner/rollout counterparts, log scale.", fig_ratio_variance_steps),
@@ -344,13 +367,22 @@ RUN_FIGURES: list[FigureSpec] = [
                "length-normalised sequence ratio, and of the unnormalised log product: the GSPO "
                "variance argument, measured on learner/rollout log-ratios.", fig_ratio_variance_length),
     FigureSpec("variance_attribution", "Variance attribution: flipped vs agreed routing",
-               "mismatch_ratio/token_var restricted to tokens whose routing differs in ≥1 layer "
-               "vs tokens routed identically.", fig_variance_attribution),
-    FigureSpec("clip", "Clip fractions", "Token and sequence clip fractions (low / high sides).",
-               fig_clip),
+               "Share of the total sum of squared deviations of the learner/rollout token ratios that "
+               "falls on tokens whose producing row is routed differently in ≥1 layer "
+               "(mismatch_ratio/token_var_share_flipped), next to the share of such tokens; steps "
+               "without a flipped token are gaps, not zeros.", fig_variance_attribution),
+    FigureSpec("clip", "Clip fractions",
+               "Binding clip fractions (the clip takes the gradient away: ratio above 1+ε with A > 0, "
+               "or below 1−ε with A < 0; as verl's pg_clipfrac) and, for comparison, the share of "
+               "tokens whose ratio is out of range whatever the sign of A.", fig_clip),
     FigureSpec("mismatch", "Mismatch KL and extreme tokens",
-               "k1/k3 KL between rollout-engine and learner log-probs of the same tokens, and the "
-               "share of tokens with |Δ log p| above ln 2 / ln 5.", fig_mismatch),
+               "k1/k3 KL between rollout-engine and learner log-probs of the same tokens (learner with "
+               "natural routing; under R3 also the pass replaying the rollout routes), and the share of "
+               "tokens with |Δ log p| above ln 2 / ln 5.", fig_mismatch),
+    FigureSpec("rollout_corr", "Rollout corrections",
+               "Truncated importance weights π_learner_old / π_rollout (mean applied, max raw, effective "
+               "sample size) and the fractions truncated / rejected, when algo.rollout_is / rollout_rs "
+               "are on.", fig_rollout_corr),
 ]
 
 
@@ -384,18 +416,18 @@ def fig_probe_expert_load(probe: dict) -> Figure:
 
 
 def fig_probe_variance(probe: dict) -> Figure:
-    names = [("ratio/token_var", "all tokens"), ("ratio/token_var_flipped", "routing flipped"),
-             ("ratio/token_var_agreed", "routing agreed"), ("ratio/seq_var", "sequence ratio")]
+    names = [("ratio/token_var_share_flipped", "routing flipped"),
+             ("ratio/token_var_share_agreed", "routing agreed"),
+             ("ratio/flipped_token_frac", "tokens flipped")]
     vals = [(label, probe_value(probe, k)) for k, label in names]
     vals = [(label, v) for label, v in vals if np.isfinite(v)]
     if not vals:
-        raise SkipFigure("probe has no ratio variance keys (ratio/token_var, ..._flipped, ..._agreed)")
+        raise SkipFigure("probe has no variance-share keys (ratio/token_var_share_flipped / _agreed)")
     fig, (ax,) = _fig(width=5.0)
     sns.barplot(x=[v[0] for v in vals], y=[v[1] for v in vals], ax=ax, color="C2")
-    if all(v[1] > 0 for v in vals):
-        ax.set_yscale("log")
-    ax.set(title="Learner/rollout ratio variance attribution", xlabel="token set",
-           ylabel="variance of ratio (unitless)")
+    ax.set_ylim(0, 1)
+    ax.set(title="Learner/rollout token-ratio variance attribution", xlabel="token set",
+           ylabel="share of the total (fraction)")
     return fig
 
 
@@ -406,8 +438,9 @@ PROBE_FIGURES: list[FigureSpec] = [
     FigureSpec("probe_expert_load", "Probe: expert load (rollout, learner, difference)",
                "Share of routings per expert and layer in the probe.", fig_probe_expert_load),
     FigureSpec("probe_variance_attribution", "Probe: variance attribution",
-               "Token-ratio variance over all tokens, tokens with a routing flip, tokens routed "
-               "identically, and the length-normalised sequence ratio.", fig_probe_variance),
+               "Share of the learner/rollout token-ratio sum of squared deviations on tokens with a "
+               "routing flip and on tokens routed identically, and the share of flipped tokens.",
+               fig_probe_variance),
 ]
 
 

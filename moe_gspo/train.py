@@ -2,8 +2,10 @@
 
 The RL loop: sample prompts → the rollout engine generates G responses per prompt with routes and
 log-probs → rewards → group advantages → the learner recomputes old log-probs (recording its own
-routes; R2 replays them in the update, R3 replays the rollout engine's) → mini-batch updates with the
-selected loss → weight sync to the rollout engine → metrics. `--help` lists every option.
+routes; R2 replays them in the update, R3 replays the rollout engine's), rollout corrections and
+reference log-probs when configured, then mini-batch updates with the selected loss
+(`run.learner_passes.learner_update`) → weight sync to the rollout engine → metrics. `--help` lists
+every option.
 """
 
 from __future__ import annotations
@@ -16,75 +18,103 @@ from pathlib import Path
 from moe_gspo.config import Config
 
 
-def train(cfg: Config, run_dir: Path, resume: bool) -> dict:
+def train(cfg: Config, run_dir: Path, resume: bool = False, *, overwrite: bool = False) -> dict:
+    """Run (or continue) a training run in `run_dir`; see `moe_gspo.run.rundir` for what may happen to it."""
+    from moe_gspo.plan.startup import check_before_loading
+    from moe_gspo.run.activity import Activity
+    from moe_gspo.run.learner_passes import ReferencePolicy
+    from moe_gspo.run.rundir import plan_run_dir
+    from moe_gspo.run.setup import build_policy, init_run
+    from moe_gspo.run.start import start_run
+    from moe_gspo.tasks import make_task
+
+    plan = plan_run_dir(run_dir, resume=resume, overwrite=overwrite)  # output path: before any compute
+    task = make_task(cfg.task)  # data errors: before any compute
+    info = init_run(cfg)
+    check_before_loading(cfg, info)  # optimizer options for this device; the memory plan on GPU (moe_gspo.plan)
+    act = Activity(rank=info.rank, world_size=info.world_size, timeout_s=info.timeout_s)
+    with act.watch():  # a collective timeout / lost rank becomes one message naming the ranks
+        act("building the policy")
+        policy = build_policy(cfg, info)
+        # the KL reference keeps the initial weights (before any --resume checkpoint is loaded)
+        reference = ReferencePolicy(cfg, info, policy.learner) if cfg.algo.kl_coef > 0 else None
+        act("preparing the run directory")
+        state = start_run(cfg, plan, info, policy, resume_asked=resume)
+        return {} if state is None else loop(cfg, plan.path, info, policy, task, state, act, reference)
+
+
+def loop(cfg: Config, run_dir: Path, info, policy, task, state, act, reference) -> dict:
     from tqdm import tqdm
 
     from moe_gspo.learner.batch import PackedBatch
     from moe_gspo.run import steps
-    from moe_gspo.run.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
-    from moe_gspo.run.compare import policy_update_drift, rollout_vs_learner
-    from moe_gspo.run.setup import build_policy, init_run
-    from moe_gspo.run.sinks import MetricsSink, atomic_write_text
-    from moe_gspo.tasks import make_task
+    from moe_gspo.run.checkpoint import save_checkpoint
+    from moe_gspo.run.learner_passes import learner_update
+    from moe_gspo.run.sinks import MetricsSink
+    from moe_gspo.run.start import check_updated_policy, fingerprint
 
-    info = init_run(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    policy, task, state = build_policy(cfg, info), make_task(cfg.task), TrainState()
-    learner, engine, replay = policy.learner, policy.engine, cfg.algo.routing_replay
-    if resume and (ckpt := latest_checkpoint(run_dir)) is not None:
-        state, learner_state, rng = load_checkpoint(ckpt, rank=info.rank, world_size=info.world_size)
-        learner.load_state_dict(learner_state)
-        set_rng_state(rng)
-    engine.update_weights(learner.hf_state_dict().items())
-    if info.is_main:
-        atomic_write_text(run_dir / "config.yaml", cfg.to_yaml())
-        print(cfg.to_yaml() if state.step == 0 else f"resuming at step {state.step} from {run_dir}", flush=True)
+    learner, engine = policy.learner, policy.engine
+    act("initial weight sync")
+    engine.update_weights(learner.hf_weight_stream())  # collective: every rank, one layer at a time
     sink = MetricsSink(run_dir, enabled=info.is_main, wandb_mode=cfg.logging.wandb_mode,
                        project=cfg.logging.wandb_project, run_name=cfg.logging.run_name or run_dir.name,
                        config=cfg.to_dict(), start_step=state.step)
     bar = tqdm(range(state.step, cfg.train.steps), initial=state.step, total=cfg.train.steps,
                disable=not (info.is_main and cfg.logging.progress), dynamic_ncols=True)
-    t_start = time.time()
+    t_start, wall_before = time.time(), state.wall_s
     for step in bar:
         t0 = time.time()
+        act(f"rollout, step {step}")
         prompts = steps.step_prompts(task, cfg, state.prompts_consumed)
+        learner.offload_for_rollout()  # train.offload_during_rollout (no-op by default)
         samples = steps.rollout(policy, prompts, cfg, info, step)
+        engine.sleep()  # frees the engine's GPU memory for the learner (vLLM, rollout.sleep_level > 0)
+        learner.reload_after_rollout()
         rewards = steps.score(policy, task, prompts, samples)
         batch = PackedBatch.from_samples(samples, steps.advantages(rewards, cfg), policy.tokenizer.pad_token_id)
         t_rollout = time.time() - t0
-        old = learner.compute_logprobs(batch, record_routes=True, no_replay=True)  # natural routing (R2 records it)
-        metrics = rollout_vs_learner(rollout_logp_BS=batch.rollout_logp_BS, learner_logp_BS=old.logp_BS,
-                                     response_mask_BS=batch.response_mask_BS, rollout_routes=batch.rollout_routes,
-                                     learner_routes=old.routes, num_experts=policy.num_experts)
-        old_logp = learner.compute_logprobs(batch).logp_BS if replay == "r3" else old.logp_BS  # R3: under rollout routes
-        metrics.update(learner.train_step(batch, old_logp))  # R2 / R3 replay inside, per algo.routing_replay
-        new = learner.compute_logprobs(batch, record_routes=True, no_replay=True)
-        metrics.update(policy_update_drift(old.routes, new.routes, num_experts=policy.num_experts))
-        engine.update_weights(learner.hf_state_dict().items())
+        act(f"learner passes, step {step}")
+        passes = learner_update(cfg, policy, batch, samples, step, reference=reference)  # old pass, update, drift
+        metrics = passes.metrics
+        check_updated_policy(learner, passes.new.logp_BS if passes.new is not None else None, batch.response_mask_BS,
+                             cfg=cfg, step=step, run_dir=run_dir, device=info.device)  # NaN/Inf never reach the engine
+        act(f"weight sync, step {step}")
+        engine.update_weights(learner.hf_weight_stream())  # wakes a sleeping vLLM engine
         metrics.update(steps.sample_metrics(rewards, samples))
         state.step, state.prompts_consumed = step + 1, state.prompts_consumed + cfg.rollout.prompts_per_step
+        state.wall_s = wall_before + time.time() - t_start
         dt = time.time() - t0
         num_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
         metrics.update({"perf/step_time_s": dt, "perf/rollout_s": t_rollout, "perf/learner_s": dt - t_rollout,
                         "perf/tokens_per_s": num_tokens / dt})
         sink.log(step, metrics)
         if info.is_main and cfg.logging.trace_every and step % cfg.logging.trace_every == 0:
-            steps.save_step_traces(run_dir, step, policy, samples, batch, old, new, rewards)
+            steps.save_step_traces(run_dir, step, policy, samples, batch, passes.old, passes.new, rewards,
+                                   replayed_logp_BS=passes.replayed_logp_BS)
         if cfg.train.checkpoint_every and state.step % cfg.train.checkpoint_every == 0:
-            save_checkpoint(run_dir, state, learner.state_dict(), rank=info.rank, keep=cfg.train.keep_checkpoints)
+            act(f"checkpoint, step {state.step}")
+            save_checkpoint(run_dir, state, learner.state_dict(), rank=info.rank, keep=cfg.train.keep_checkpoints,
+                            fingerprint=fingerprint(cfg, policy, info))
         bar.set_postfix({"reward": f"{metrics['reward/mean']:.3f}", "flip": f"{metrics.get('routing/any_layer_flip', 0):.3f}",
                          "clip": f"{metrics.get('clip/token_frac', 0):.3f}"})
     sink.close()
-    return finish(cfg, run_dir, info, policy, state, time.time() - t_start)
+    engine.close()
+    act("finishing")
+    return finish(cfg, run_dir, info, policy, state)
 
 
-def finish(cfg: Config, run_dir: Path, info, policy, state, wall_s: float) -> dict:
-    """Final checkpoint, HF export, learning summary, done.json."""
+def finish(cfg: Config, run_dir: Path, info, policy, state) -> dict:
+    """Final checkpoint (unless the loop just wrote it), HF export, learning summary, done.json (wall
+    time summed over resumed segments)."""
     from moe_gspo.mcore.checkpoint import save_hf_checkpoint
-    from moe_gspo.run.checkpoint import save_checkpoint
+    from moe_gspo.run.checkpoint import latest_checkpoint, save_checkpoint
     from moe_gspo.run.sinks import atomic_write_text
+    from moe_gspo.run.start import fingerprint
 
-    save_checkpoint(run_dir, state, policy.learner.state_dict(), rank=info.rank, keep=cfg.train.keep_checkpoints)
+    last = latest_checkpoint(run_dir)
+    if last is None or last.name != f"step_{state.step:06d}":
+        save_checkpoint(run_dir, state, policy.learner.state_dict(), rank=info.rank,
+                        keep=cfg.train.keep_checkpoints, fingerprint=fingerprint(cfg, policy, info))
     if cfg.train.export_hf:
         from moe_gspo.tokenizer import ASSET_DIR
 
@@ -94,9 +124,10 @@ def finish(cfg: Config, run_dir: Path, info, policy, state, wall_s: float) -> di
     summary = {}
     if info.is_main:
         summary = learning_summary(run_dir / "metrics.jsonl")
-        atomic_write_text(run_dir / "done.json", json.dumps({"step": state.step, "wall_s": wall_s, "summary": summary}, indent=1))
+        atomic_write_text(run_dir / "done.json", json.dumps({"step": state.step, "wall_s": state.wall_s,
+                                                             "segments": state.segments, "summary": summary}, indent=1))
         print(f"mean reward, first 10% of steps: {summary['reward_first10']:.4f}   "
-              f"last 10%: {summary['reward_last10']:.4f}   ({state.step} steps, {wall_s:.0f} s)", flush=True)
+              f"last 10%: {summary['reward_last10']:.4f}   ({state.step} steps, {state.wall_s:.0f} s)", flush=True)
     return summary
 
 
@@ -108,21 +139,21 @@ def learning_summary(metrics_path: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 done, 2 a user error (one line, printed once), 3 a rank failure (see
+    `moe_gspo.run.errors`), 1 a bug (traceback)."""
     from moe_gspo.mcore.parallel import destroy_distributed
+    from moe_gspo.run.activity import exit_with_launcher
     from moe_gspo.run.cli import parse_train_args
-
+    from moe_gspo.run.errors import run_entry
     from moe_gspo.run.setup import quiet_known_warnings
 
     quiet_known_warnings()
-    args, cfg = parse_train_args(argv)
+    exit_with_launcher()  # kill -9 of torchrun must not leave this worker writing
+    args, cfg = parse_train_args(argv)  # CLI and config errors: SystemExit(2), printed once
     try:
-        train(cfg, Path(args.run_dir), args.resume)
-    except ValueError as e:  # user errors found after config time (checkpoints, data files, grid)
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return run_entry(lambda: train(cfg, Path(args.run_dir), args.resume, overwrite=args.overwrite) and 0)
     finally:
         destroy_distributed()
-    return 0
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from moe_gspo.ablate import (
-    Arm, SubprocessArmRunner, arm_state, build_command, expand_arms, format_override, load_spec,
+    Arm, SubprocessArmRunner, arm_state, build_command, dry_run, expand_arms, format_override, load_spec,
     main, parse_spec, run_ablation,
 )
 
@@ -66,7 +66,7 @@ def test_build_command(tmp_path):
     spec = parse_spec(_spec_dict(tmp_path))
     arm = expand_arms(spec)[-1]
     cmd = build_command(spec, arm, resume=False)
-    assert cmd[:7] == [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    assert cmd[:7] == [sys.executable, "-m", "moe_gspo.launch", "--standalone",
                        "--nproc-per-node", "2", "-m"]
     assert cmd[7] == "moe_gspo.train"
     i = cmd.index("--algo")
@@ -232,3 +232,56 @@ def test_commands_parse_with_the_train_cli():
         assert (cfg.algo.name, cfg.algo.routing_replay, cfg.train.seed) == (arm.algo, arm.routing_replay,
                                                                             arm.seed)
         assert cfg.train.steps == 200 and args.resume and args.run_dir == str(arm.run_dir)
+
+
+def test_variants_axis_names_runs_and_orders_overrides(tmp_path):
+    spec = parse_spec(_spec_dict(tmp_path, algos=["grpo"], routing_replay=["none"], seeds=[0],
+                                 variants={"none": {}, "tis": {"algo.rollout_is": "token", "train.steps": 5}},
+                                 exclude=[{"variant": "none", "seed": 1}]))
+    arms = expand_arms(spec)
+    assert [(a.name, a.group) for a in arms] == [("grpo-none-none-s0", "grpo-none-none"),
+                                                 ("grpo-none-tis-s0", "grpo-none-tis")]
+    assert arms[1].run_dir == tmp_path / "abl" / "grpo-none-tis-s0"
+    cmd = build_command(spec, arms[1], resume=False)
+    # the variant's overrides come after the spec's, so its train.steps=5 wins over train.steps=4
+    assert cmd[-5:] == ["train.seed=0", "train.steps=4", "rollout.record_probs=false", "algo.rollout_is=token",
+                        "train.steps=5"]
+    assert build_command(spec, arms[0], resume=False)[-1] == "rollout.record_probs=false"
+
+
+@pytest.mark.parametrize("variants,match", [
+    ({"a-b": {}}, "variant name"),
+    ({"x": {"algo.name": "gspo"}}, "axis of the matrix"),
+    ({"x": {"train.seed": 3}}, "list seeds"),
+    ({"x": ["algo.rollout_is=token"]}, "must map dotted keys"),
+    ([], "must be a mapping"),
+])
+def test_bad_variants_are_rejected(tmp_path, variants, match):
+    with pytest.raises(ValueError, match=match):
+        parse_spec(_spec_dict(tmp_path, variants=variants))
+
+
+def test_dry_run_reports_invalid_arm_configs(tmp_path, capsys):
+    spec_path = _write_spec(tmp_path, variants={"ok": {}, "bad": {"algo.rollout_rs": "geometric"}})
+    assert main([str(spec_path), "--dry-run"]) == 2
+    out = capsys.readouterr().out
+    assert "invalid config" in out and "algo.rollout_rs=geometric needs algo.rollout_rs_threshold" in out
+    assert "12 arms, 6 to run, 6 with an invalid config" in out
+
+
+def test_shipped_rollout_correction_ablation_validates(capsys):
+    root = Path(__file__).resolve().parents[1]
+    spec = load_spec(root / "configs" / "ablation_rollout_corr.yaml")
+    spec.base_config = root / spec.base_config
+    arms = expand_arms(spec)
+    assert {a.algo for a in arms} == {"grpo"} and len(spec.variants) == 5
+    assert {a.variant for a in arms} == {"none", "tis_token", "tis_seq", "mis_token", "mis_geo"}
+    rows = dry_run(spec)
+    assert all(action == "run" or action.startswith("skip") or action == "resume" for _, action, _ in rows)
+    cli = pytest.importorskip("moe_gspo.run.cli")
+    for arm in arms:
+        cmd = build_command(spec, arm, resume=False)
+        _, cfg = cli.parse_train_args(cmd[cmd.index("moe_gspo.train") + 1:])
+        assert cfg.algo.name == "grpo"
+        assert (cfg.algo.rollout_is != "none") == arm.variant.startswith("tis")
+        assert (cfg.algo.rollout_rs != "none") == arm.variant.startswith("mis")

@@ -36,7 +36,21 @@ def test_overrides_typed():
     (["algo.routing_replay=r3", "rollout.record_routes=false"], "algo.routing_replay=r3"),
     (["algo.aggregation=token_mean"], "token_mean applies to grpo only"),
     (["task.name=jsonl"], "task.path"),
-    (["rollout.prompts_per_step=3", "rollout.samples_per_prompt=1"], "not divisible by train.num_minibatches"),
+    (["algo.rollout_is=tis"], "algo.rollout_is='tis' is not one of"),
+    (["algo.rollout_rs=geometric"], "algo.rollout_rs=geometric needs algo.rollout_rs_threshold"),
+    (["algo.rollout_rs=token", "algo.rollout_rs_threshold=0.9"], "algo.rollout_rs_threshold=0.9 must be > 1"),
+    (["algo.rollout_rs=token", "algo.rollout_rs_threshold=2", "algo.rollout_rs_threshold_lower=1.5"],
+     "algo.rollout_rs_threshold_lower=1.5 must be in"),
+    (["algo.rollout_rs_threshold=2"], "algo.rollout_rs_threshold=2.0 has no effect with algo.rollout_rs=none"),
+    (["algo.rollout_is_threshold=3"], "algo.rollout_is_threshold=3.0 has no effect with algo.rollout_is=none"),
+    (["algo.rollout_is=token", "algo.rollout_is_threshold=0"], "algo.rollout_is_threshold=0.0 must be > 0"),
+    (["logging.update_drift_every=-1"], "logging.update_drift_every=-1 must be >= 0"),
+    (["rollout.prompts_per_step=3", "rollout.samples_per_prompt=3"], "not divisible by train.num_minibatches"),
+    # issue 12, defect 6: accepted silently before
+    (["rollout.samples_per_prompt=1", "rollout.prompts_per_step=4"], "rollout.samples_per_prompt=1: group-relative"),
+    (["train.lr=.nan"], "train.lr=nan must be a finite number"),
+    (["train.grad_clip=inf"], "train.grad_clip=inf must be a finite number"),
+    (["parallel.collective_timeout_s=0"], "parallel.collective_timeout_s=0.0 must be > 0"),
 ])
 def test_bad_values_name_the_field(overrides, msg):
     with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace("[", r"\[")):
@@ -62,6 +76,19 @@ def test_gspo_with_token_level_clip_warns_and_grpo_with_sequence_clip_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_config(None, ["algo.name=grpo"])  # paper defaults: no warning
+
+
+def test_rollout_corrections_accepted_on_every_algo():
+    for algo in ("gspo", "gspo_token", "grpo"):
+        cfg = load_config(None, [f"algo.name={algo}", "algo.rollout_is=sequence", "algo.rollout_is_threshold=5",
+                                 "algo.rollout_rs=geometric", "algo.rollout_rs_threshold=1.001"])
+        assert (cfg.algo.rollout_is, cfg.algo.rollout_rs, cfg.algo.rollout_rs_threshold) == ("sequence", "geometric", 1.001)
+
+
+def test_tempered_sampling_warns_naming_the_fields():
+    for override in ("rollout.temperature=0.7", "rollout.top_p=0.9"):
+        with pytest.warns(UserWarning, match=r"rollout.temperature=.*rollout.top_p=.*biased"):
+            load_config(None, [override])
 
 
 def test_every_field_has_a_docstring():
@@ -90,3 +117,30 @@ def test_shipped_configs_load():
 def test_parse_override_yaml_values():
     assert parse_override("model.tiny={num_experts: 16}") == ("model", "tiny", {"num_experts": 16})
     assert parse_override("train.export_hf=false")[2] is False
+
+
+def test_duplicate_yaml_key_is_rejected_naming_key_and_line(tmp_path):
+    """Issue 12, defect 6: a second `train:` section used to replace the first silently."""
+    f = tmp_path / "dup.yaml"
+    f.write_text("train:\n  steps: 3\nrollout:\n  dtype: float32\ntrain:\n  lr: 0.1\n")
+    with pytest.raises(ValueError, match=r"dup.yaml' line 5: duplicate key 'train' \(first given on line 1\)"):
+        load_config(f)
+    f.write_text("train:\n  steps: 3\n  steps: 4\n")
+    with pytest.raises(ValueError, match=r"line 3: duplicate key 'steps' \(first given on line 2\)"):
+        load_config(f)
+
+
+@pytest.mark.parametrize("body", ["train:\n  - steps\n", "train: [1, 2]\n", "train: 3\n"])
+def test_section_of_the_wrong_type_is_one_clear_error(tmp_path, body):
+    """Issue 12, defect 7: a section given as a list was a TypeError / an unrelated ValueError."""
+    f = tmp_path / "c.yaml"
+    f.write_text(body)
+    with pytest.raises(ValueError, match="config section 'train' must be a mapping"):
+        load_config(f)
+
+
+def test_non_utf8_config_names_file_and_line(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_bytes(b"train:\n  steps: 3\n# caf\xe9\n")
+    with pytest.raises(ValueError, match=r"c.yaml' line 3: not valid UTF-8"):
+        load_config(f)

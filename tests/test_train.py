@@ -1,8 +1,11 @@
 """The training entry point: a short smoke run of every algo x replay arm, CLI errors, and
-kill + resume reproducing an uninterrupted EP=2 run exactly."""
+kill + resume (past a truncated rank file in the latest checkpoint) reproducing an uninterrupted EP=2
+run exactly. Faults and bad input: tests/test_train_faults.py."""
 
 import json
+import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from _procs import alive, worker_pids
 from moe_gspo import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,14 +40,66 @@ def test_smoke_every_arm(tmp_path, algo, replay):
         assert r["num_sequences"] == 16
         assert 0.0 <= r["reward/mean"] <= 1.0
         assert len(r["routing/layer_disagree"]) == 2 and len(r["update/layer_change"]) == 2
-        for k in ("loss/policy", "clip/token_frac", "ratio/token_var", "ratio/seq_var", "mismatch/k3_kl",
-                  "routing/any_layer_flip", "grad/norm", "perf/tokens_per_s"):
+        for k in ("loss/policy", "clip/token_frac", "clip/out_of_range_frac", "ratio/token_var", "ratio/seq_var",
+                  "mismatch/k3_kl", "routing/any_layer_flip", "routing_prompt/any_layer_flip",
+                  "update/expert_change_frac", "update_all_minibatches/expert_change_frac", "grad/norm",
+                  "perf/tokens_per_s"):
             assert k in r and r[k] is not None, k
+        assert r["clip/token_frac"] <= r["clip/out_of_range_frac"]
+        assert r["routing/num_tokens"] == r["mismatch/num_tokens"]  # routing rows = response log-prob rows
+        # R3: the replayed pass (the loss's pi_old) is compared with the rollout engine too
+        replayed = [k for k in r if k.startswith("mismatch_replayed/")]
+        if replay == "r3":
+            assert {k.split("/")[1] for k in replayed} == {k.split("/")[1] for k in r if k.startswith("mismatch/")}
+            assert all(r[k] is not None and math.isfinite(r[k]) for k in replayed)
+        else:
+            assert replayed == []
+        assert not any(k.startswith("rollout_corr/") for k in r)
     done = json.loads((run_dir / "done.json").read_text())
     assert done["step"] == 2
     assert (run_dir / "traces" / "step_000001_rollout.npz").is_file()
     cfg = (run_dir / "config.yaml").read_text()
     assert f"name: {algo}" in cfg and f"routing_replay: {replay}" in cfg
+
+
+def test_corrected_grpo_with_kl_reference(tmp_path):
+    """GRPO + R3 with TIS, geometric MIS and a KL penalty to the frozen initial policy; one mini-batch
+    per step, so step 0's update starts exactly at the reference; update drift every 2nd step."""
+    run_dir = tmp_path / "run"
+    rc = train.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--algo", "grpo", "--routing-replay", "r3",
+                     "--run-dir", str(run_dir), "train.steps=3", *SMALL, "train.num_minibatches=1",
+                     "algo.kl_coef=0.1", "algo.rollout_is=token", "algo.rollout_rs=geometric",
+                     "algo.rollout_rs_threshold=1.001", "logging.update_drift_every=2"])
+    assert rc == 0
+    rows = _metrics(run_dir)
+    # the reference replays the rollout routes like the update: KL(pi_theta || pi_ref) = 0 before
+    # the first update that moves the weights (a step whose advantages are all 0 has no gradient),
+    # > 0 after it
+    assert abs(rows[0]["loss/kl"]) < 1e-6
+    moved = [i for i, r in enumerate(rows) if r["grad/norm"] > 0]
+    assert moved and moved[0] < len(rows) - 1
+    for i, r in enumerate(rows):
+        assert (r["loss/kl"] > 1e-6) == (i > moved[0]), (i, r["loss/kl"])
+    for r in rows:
+        for k in ("is_raw_mean", "is_raw_max", "is_weight_mean", "is_truncated_frac", "is_ess",
+                  "rs_masked_token_frac", "rs_masked_seq_frac", "rs_frac_high", "rs_frac_low"):
+            assert math.isfinite(r[f"rollout_corr/{k}"]), k
+        assert 0 < r["rollout_corr/is_ess"] <= 1 and 0 <= r["rollout_corr/rs_masked_seq_frac"] <= 1
+        assert math.isfinite(r["mismatch_replayed/k3_kl"])
+    assert ["update/any_layer_change" in r for r in rows] == [True, False, True]
+    assert rows[0]["update/expert_change_frac"] == rows[0]["update_all_minibatches/expert_change_frac"]
+    # every logged key is documented in the README's metrics table (by name, or as `prefix/*`)
+    readme = (ROOT / "README.md").read_text()
+    documented = set(re.findall(r"`([a-z_0-9]+(?:/[a-z_0-9*]+)?)`", readme.split("## What a step logs")[1]
+                                .split("### Train")[0]))
+    undocumented = [k for r in rows for k in r if k != "step" and k not in documented
+                    and k.split("/")[0] + "/*" not in documented]
+    assert undocumented == []
+    traces = run_dir / "traces"
+    assert (traces / "step_000000_updated.npz").is_file() and not (traces / "step_000001_updated.npz").exists()
+    import numpy as np
+    with np.load(traces / "step_000001_logprobs.npz") as z:
+        assert z["learner_replayed_logp"].shape == z["learner_logp"].shape
 
 
 @pytest.mark.parametrize("args,msg", [
@@ -96,11 +152,26 @@ def test_ep2_kill_and_resume_reproduces_uninterrupted_run(tmp_path):
             break
         time.sleep(0.05)
     assert p.poll() is None, "run finished before it could be killed"
-    os.killpg(p.pid, signal.SIGKILL)  # the whole torchrun process group, mid-step
+    workers = worker_pids(p.pid)
+    assert sorted(workers) == [0, 1], workers
+    os.killpg(p.pid, signal.SIGKILL)  # torchrun's process group, mid-step (its workers run in their own sessions)
     p.wait()
+    # Issue 12: the workers used to survive their launcher and keep writing into the run directory,
+    # racing the resumed run; now the kernel kills them with it (PR_SET_PDEATHSIG).
+    deadline = time.time() + 30
+    while any(alive(pid) for pid in workers.values()) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(pid) for pid in workers.values()), "workers outlived a killed torchrun"
     assert not (cut_dir / "done.json").exists()
+    # Issue 12, defect 3: a truncated rank file in the latest checkpoint (here rank 1's only) made
+    # both ranks die with tracebacks; now both agree to fall back to the previous checkpoint.
+    latest_dir = cut_dir / "checkpoints" / latest.read_text().strip()
+    rank1 = latest_dir / "rank_00001.pt"
+    os.truncate(rank1, rank1.stat().st_size // 2)
     out = _finish(_torchrun(cut_dir, "--resume"))
     assert "resuming at step" in out
+    warnings = [l for l in out.splitlines() if l.startswith("warning:")]
+    assert len(warnings) == 1 and f"{latest_dir.name} is unusable: rank_00001.pt is truncated" in warnings[0], out
     ref, cut = _metrics(ref_dir), _metrics(cut_dir)
     assert [r["step"] for r in cut] == list(range(5))
     for a, b in zip(ref, cut):

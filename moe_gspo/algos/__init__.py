@@ -1,10 +1,12 @@
 """Policy-optimisation math: group advantages, GSPO / GSPO-token / GRPO losses, importance-ratio
-statistics and train-inference mismatch metrics. Pure functions on torch tensors."""
+statistics, train-inference mismatch metrics and rollout corrections (TIS / MIS). Pure functions on
+torch tensors."""
 
 from moe_gspo.algos.advantages import group_advantages
 from moe_gspo.algos.mismatch import MISMATCH_KEYS, mismatch_metrics
 from moe_gspo.algos.policy_loss import AGGREGATIONS, ALGOS, policy_loss
 from moe_gspo.algos.ratios import RATIO_KEYS, ratio_stats
+from moe_gspo.algos.rollout_correction import rollout_correction, rollout_is_weights, rollout_rs_mask
 
 __all__ = [
     "AGGREGATIONS",
@@ -15,4 +17,7 @@ __all__ = [
     "mismatch_metrics",
     "policy_loss",
     "ratio_stats",
+    "rollout_correction",
+    "rollout_is_weights",
+    "rollout_rs_mask",
 ]

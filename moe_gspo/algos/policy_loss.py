@@ -32,17 +32,29 @@ What was simplified or chosen here:
 - `old_logp_BT`, `advantages` and `ref_logp_BT` are treated as constants (detached).
 - Computation is in float32, or float64 when `logp_BT` is float64.
 
+Train-inference corrections (`moe_gspo.algos.rollout_correction`): `is_weights_BT` (detached
+truncated importance weights pi_learner_old / pi_rollout) multiply the policy-gradient term of each
+token: grpo and gspo_token multiply their per-token clipped terms; gspo, which has one term per
+sequence, multiplies it by the mean weight of the sequence's valid tokens (for sequence-level weights,
+constant within a sequence, GSPO and GSPO-token stay identical in value and gradient; for token-level
+weights the values agree but GSPO-token gives token t's gradient its own weight while GSPO spreads
+the mean weight). The KL term is not weighted. Rejection masks are and-ed into `mask_BT` by the caller.
+
 Metrics (detached 0-dim float64 tensors on the input's device; `float(v)` to log):
 - `loss/policy` (the negative clipped objective), `loss/kl` (the k3 KL, present whenever
   `ref_logp_BT` is given), `loss/total` (= policy + kl_coef * kl).
-- Clipping units are sequences for gspo and tokens for gspo_token and grpo.
-  `clip/frac_low` / `clip/frac_high`: fraction of units whose ratio lies below 1 - clip_low /
-  above 1 + clip_high, whatever the sign of the advantage. `clip/frac_binding`: fraction of units
-  where the clip actually binds (ratio > 1 + clip_high with A > 0, or ratio < 1 - clip_low with
-  A < 0: the unit gets no gradient). `clip/token_frac`: fraction of valid tokens whose ratio is
-  outside the range (for gspo every token of an out-of-range sequence counts, which is how the
-  GSPO paper counts its clipped tokens). `clip/seq_frac`: fraction of valid sequences with at
-  least one out-of-range unit.
+- Clipping units are sequences for gspo and tokens for gspo_token and grpo. A unit's clip *binds*
+  when its ratio is above 1 + clip_high with A > 0, or below 1 - clip_low with A < 0: the min() then
+  takes the clipped term and the unit gets no gradient. A unit outside the range with the other
+  sign of A is not clipped (the unclipped term is smaller, its gradient flows).
+  `clip/token_frac`: fraction of valid tokens whose clip binds (for gspo every token of a binding
+  sequence, as the GSPO paper counts clipped tokens; verl's `pg_clipfrac`, the fraction of tokens
+  where the clipped loss exceeds the unclipped one, is the same quantity);
+  `clip/token_frac_low` / `_high`: its two sides (they sum to `clip/token_frac`);
+  `clip/seq_frac`: fraction of valid sequences with at least one binding unit.
+  `clip/out_of_range_frac` (`_low` / `_high`): fraction of valid tokens whose ratio lies outside
+  [1 - clip_low, 1 + clip_high] whatever the sign of the advantage (an upper bound of the binding
+  fraction; about twice it on mixed-sign advantages).
 - The `ratio/...` statistics of `ratios.ratio_stats` on (logp_BT, old_logp_BT, mask_BT).
 """
 
@@ -116,6 +128,7 @@ def policy_loss(
     kl_coef: float = 0.0,
     aggregation: str = "seq_mean",
     max_log_ratio: float = 20.0,
+    is_weights_BT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped policy loss of `algo` (negative objective, 0-dim) and its metrics.
 
@@ -131,11 +144,14 @@ def policy_loss(
         aggregation: "seq_mean" (per-sequence token mean, then mean over sequences) or
             "token_mean" (mean over all valid tokens of the batch; grpo only).
         max_log_ratio: clamp of per-token log ratios before exp.
+        is_weights_BT: [B, T] rollout-correction weights (treated as constants) multiplying the
+            policy-gradient term of each token (see the module docstring); None = all 1.
 
     Returns:
         (loss, metrics): see the module docstring for the metric keys.
     """
-    check_token_tensors(mask_BT, logp_BT=logp_BT, old_logp_BT=old_logp_BT, ref_logp_BT=ref_logp_BT)
+    check_token_tensors(mask_BT, logp_BT=logp_BT, old_logp_BT=old_logp_BT, ref_logp_BT=ref_logp_BT,
+                        is_weights_BT=is_weights_BT)
     check_max_log_ratio(max_log_ratio)
     _validate(algo, advantages, mask_BT, clip_low, clip_high, kl_coef, ref_logp_BT, aggregation)
     limit = float(max_log_ratio)
@@ -164,6 +180,9 @@ def policy_loss(
         adv_B = None
         adv_BT = torch.where(mask, adv, 0.0)
 
+    # Rollout-correction weights: 1 where absent, 0 at masked positions.
+    is_w_BT = None if is_weights_BT is None else torch.where(mask, is_weights_BT.detach().to(dtype), 0.0)
+
     def aggregate(values_BT: torch.Tensor) -> torch.Tensor:
         """Mean of per-token values (0 at masked positions) as the objective is averaged."""
         if aggregation == "token_mean":
@@ -174,6 +193,8 @@ def policy_loss(
     if algo == "gspo":
         s_B = torch.exp(lr.sum(-1) * inv_len_B)
         objective_B = torch.minimum(s_B * adv_B, s_B.clamp(ratio_lo, ratio_hi) * adv_B)
+        if is_w_BT is not None:  # one term per sequence: the mean weight of its tokens
+            objective_B = objective_B * (is_w_BT.sum(-1) * inv_len_B)
         objective = objective_B.sum() / num_seqs.clamp(min=1).to(dtype)
         unit_ratio, unit_adv, unit_valid = s_B.detach(), adv_B, seq_valid_B
         token_ratio_BT = s_B.detach()[:, None].expand_as(lr)
@@ -188,6 +209,8 @@ def policy_loss(
         else:
             ratio_BT = torch.exp(lr)
         objective_BT = torch.minimum(ratio_BT * adv_BT, ratio_BT.clamp(ratio_lo, ratio_hi) * adv_BT)
+        if is_w_BT is not None:
+            objective_BT = objective_BT * is_w_BT
         objective = aggregate(objective_BT)
         unit_ratio, unit_adv, unit_valid = ratio_BT.detach(), adv_BT, mask
         token_ratio_BT = ratio_BT.detach()
@@ -204,24 +227,24 @@ def policy_loss(
             loss = loss_policy + float(kl_coef) * kl
 
     with torch.no_grad():
-        num_units = unit_valid.sum()
-        low = (unit_ratio < ratio_lo) & unit_valid
-        high = (unit_ratio > ratio_hi) & unit_valid
-        binding = (high & (unit_adv > 0)) | (low & (unit_adv < 0))
-        out_BT = ((token_ratio_BT < ratio_lo) | (token_ratio_BT > ratio_hi)) & mask
+        bind_low = (unit_ratio < ratio_lo) & (unit_adv < 0) & unit_valid
+        bind_high = (unit_ratio > ratio_hi) & (unit_adv > 0) & unit_valid
+        if algo == "gspo":  # every token of a binding sequence counts
+            bind_low, bind_high = bind_low[:, None] & mask, bind_high[:, None] & mask
+        out_low = (token_ratio_BT < ratio_lo) & mask
+        out_high = (token_ratio_BT > ratio_hi) & mask
         metrics = {
             "loss/policy": loss_policy.detach().double(),
             "loss/total": loss.detach().double(),
         }
         if kl is not None:
             metrics["loss/kl"] = kl.detach().double()
-        ones_units = torch.ones_like(unit_ratio, dtype=torch.float64)
-        metrics["clip/frac_low"] = masked_mean(ones_units, low, num_units)
-        metrics["clip/frac_high"] = masked_mean(ones_units, high, num_units)
-        metrics["clip/frac_binding"] = masked_mean(ones_units, binding, num_units)
         ones_BT = torch.ones_like(lr, dtype=torch.float64)
-        metrics["clip/token_frac"] = masked_mean(ones_BT, out_BT, num_tokens)
+        for key, sel in (("clip/token_frac", bind_low | bind_high), ("clip/token_frac_low", bind_low),
+                         ("clip/token_frac_high", bind_high), ("clip/out_of_range_frac", out_low | out_high),
+                         ("clip/out_of_range_frac_low", out_low), ("clip/out_of_range_frac_high", out_high)):
+            metrics[key] = masked_mean(ones_BT, sel, num_tokens)
         ones_B = torch.ones_like(inv_len_B, dtype=torch.float64)
-        metrics["clip/seq_frac"] = masked_mean(ones_B, out_BT.any(-1), num_seqs)
+        metrics["clip/seq_frac"] = masked_mean(ones_B, (bind_low | bind_high).any(-1), num_seqs)
     metrics.update(ratio_stats(logp_BT, old_logp_BT, mask_BT, max_log_ratio=limit))
     return loss, metrics

@@ -16,7 +16,10 @@ global gradient norm, a NaN/Inf guard agreed on by all ranks (a non-finite loss 
 that optimizer step everywhere, counted in `train/skipped_steps`), clipping, the optimizer step.
 The logged `loss/*`, `clip/*`, `ratio/*` metrics are recomputed without gradient on the gathered global
 mini-batch, so rank 0 logs exact global values; mini-batch values are averaged over the steps that
-were not skipped.
+were not skipped. Rollout corrections (`moe_gspo.algos.rollout_correction`) enter as per-token weights
+on the policy-gradient term and a rejection mask and-ed into the response mask (also in the
+normalisation counts); a caller's `after_optimizer_step` hook runs after each optimizer step (the
+routing-drift probe of `moe_gspo.run.learner_passes` measures the routing after the first one).
 
 Routing Replay (`replay.py`): R2 records the top-k of the old-policy pass (`compute_logprobs`) and
 replays it in the update; R3 replays the rollout engine's routes (`batch.rollout_routes`) in both the
@@ -29,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -38,7 +42,8 @@ from moe_gspo.algos import policy_loss
 from moe_gspo.config import AlgoConfig, TrainConfig
 from moe_gspo.learner.batch import PackedBatch, ShardPlan, plan_shards
 from moe_gspo.learner.logprobs import token_logprobs
-from moe_gspo.learner.optim import LearnerOptimizer, any_rank
+from moe_gspo.learner.offload import LearnerOffload
+from moe_gspo.learner.optim import LearnerOptimizer, any_rank, resolve_optimizer_options
 from moe_gspo.learner.replay import ReplayMode, RoutingReplayDriver
 from moe_gspo.learner.router_hooks import MegatronRouterRecorder
 from moe_gspo.mcore.model import forward_logits, moe_layer_ids, moe_routers, unwrap
@@ -83,15 +88,23 @@ class Learner:
         self.vocab_size = int(hf_config.vocab_size)
         if train is None:
             self.ddp, self.optimizer = self.model, None
-        elif isinstance(model, DistributedDataParallel):
-            self.ddp = model
         else:
-            ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                       use_distributed_optimizer=False)
-            self.ddp = DistributedDataParallel(config=self.model.config, ddp_config=ddp_config, module=self.model)
-        if train is not None:
+            # Megatron's memory options (distributed optimizer, CPU offload, ...), see learner/optim.py.
+            opts = resolve_optimizer_options(train, on_cuda=self.device.type == "cuda")
+            if isinstance(model, DistributedDataParallel):
+                self.ddp = model
+            else:
+                ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=opts.grad_reduce_in_fp32,
+                                                           overlap_grad_reduce=False,
+                                                           use_distributed_optimizer=opts.distributed_optimizer)
+                self.ddp = DistributedDataParallel(config=self.model.config, ddp_config=ddp_config, module=self.model)
             self.optimizer = LearnerOptimizer(self.ddp, lr=train.lr, weight_decay=train.weight_decay,
-                                              betas=(train.adam_beta1, train.adam_beta2), grad_clip=train.grad_clip)
+                                              betas=(train.adam_beta1, train.adam_beta2), grad_clip=train.grad_clip,
+                                              options=opts)
+            self.offload = LearnerOffload(self.ddp, self.optimizer.opt if self.optimizer.use_megatron else None,
+                                          mode=opts.offload_during_rollout,
+                                          move_optimizer=not opts.precision_aware_optimizer)
+            self.offload.release_grads()  # train.offload_during_rollout: no gradient memory until the first update
         self.recorder = MegatronRouterRecorder(self.model, record_probs=True, enabled=False)
         routers = moe_routers(self.model)
         self.replay_driver = (RoutingReplayDriver(self.model, recompute=self.recompute)
@@ -234,13 +247,22 @@ class Learner:
 
     # ------------------------------------------------------------------ update
     def train_step(self, batch: PackedBatch, old_logp_BS: torch.Tensor, *, replay_routes=None,
-                   ref_logp_BS: torch.Tensor | None = None) -> dict[str, float]:
+                   ref_logp_BS: torch.Tensor | None = None, is_weights_BS: torch.Tensor | None = None,
+                   rs_keep_BS: torch.Tensor | None = None,
+                   after_optimizer_step: Callable[[int, bool], None] | None = None) -> dict[str, float]:
         """One RL update on the global `batch`: `train.num_minibatches` optimizer steps.
 
         `old_logp_BS`: [B, S] token-aligned log-probs of the policy that sampled the batch (e.g.
         `compute_logprobs(batch).logp_BS`). Replay per `self.replay` (R2: the routes recorded by the
         last `compute_logprobs` of this batch; R3: `batch.rollout_routes`) unless `replay_routes`
         gives them explicitly. `ref_logp_BS` is needed when `algo.kl_coef > 0`.
+        Rollout corrections (`moe_gspo.algos.rollout_correction`, computed once for the whole batch):
+        `is_weights_BS` [B, S] multiply each token's policy-gradient term; `rs_keep_BS` [B, S] bool
+        removes the rejected response tokens from the loss (and from every logged `loss/`, `clip/`,
+        `ratio/` metric) and from the mini-batch normalisation.
+        `after_optimizer_step(minibatch_index, applied)` is called on every rank after each mini-batch's
+        optimizer step (`applied` False when the NaN guard skipped it), e.g. to measure how the routing
+        moved after the first update; it may run no-grad passes of this learner.
         Returns metrics averaged over the mini-batches (see the module docstring).
         """
         if self.optimizer is None:
@@ -249,36 +271,45 @@ class Learner:
         old = torch.as_tensor(old_logp_BS)
         if tuple(old.shape) != (B, S):
             raise ValueError(f"old_logp_BS has shape {tuple(old.shape)}, expected the batch's [B, S] = {(B, S)}")
-        if ref_logp_BS is not None and tuple(ref_logp_BS.shape) != (B, S):
-            raise ValueError(f"ref_logp_BS has shape {tuple(ref_logp_BS.shape)}, expected {(B, S)}")
+        for name, t in (("ref_logp_BS", ref_logp_BS), ("is_weights_BS", is_weights_BS), ("rs_keep_BS", rs_keep_BS)):
+            if t is not None and tuple(t.shape) != (B, S):
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {(B, S)}")
         if not 1 <= self.train.num_minibatches <= B:
             raise ValueError(f"train.num_minibatches={self.train.num_minibatches} must be in [1, B={B}]")
         routes = self._resolve_routes(batch, replay_routes, update=True)
+        self.offload.restore_grads()  # train.offload_during_rollout: gradient buffers back for the update
         batch = batch.to(self.device)
         old = old.to(self.device, torch.float32)
         ref = None if ref_logp_BS is None else ref_logp_BS.to(self.device, torch.float32)
+        is_w = None if is_weights_BS is None else is_weights_BS.to(self.device, torch.float32)
+        keep = None if rs_keep_BS is None else rs_keep_BS.to(self.device, torch.bool)
         results = []
-        for idx in np.array_split(np.arange(B), self.train.num_minibatches):
+        for i, idx in enumerate(np.array_split(np.arange(B), self.train.num_minibatches)):
             t_idx = torch.as_tensor(idx, device=self.device)
-            mini_routes = None if routes is None else [routes[int(i)] for i in idx]
-            results.append(self._train_minibatch(batch.select(idx), old[t_idx],
-                                                 None if ref is None else ref[t_idx], mini_routes))
+            mini_routes = None if routes is None else [routes[int(j)] for j in idx]
+            rows = [None if t is None else t[t_idx] for t in (ref, is_w, keep)]
+            results.append(self._train_minibatch(batch.select(idx), old[t_idx], *rows, mini_routes))
+            if after_optimizer_step is not None:
+                after_optimizer_step(i, not results[-1][1])
+        self.offload.release_grads()
         kept = [m for m, skipped in results if not skipped] or [m for m, _ in results]
         metrics = {k: float(np.mean([m[k] for m in kept])) for k in kept[0]}
         metrics["train/skipped_steps"] = float(self.skipped_steps)
         metrics["train/lr"] = float(self.optimizer.lr)
         return metrics
 
-    def _train_minibatch(self, mini: PackedBatch, old_BS, ref_BS, routes) -> tuple[dict[str, float], bool]:
+    def _train_minibatch(self, mini: PackedBatch, old_BS, ref_BS, is_w_BS, keep_BS,
+                         routes) -> tuple[dict[str, float], bool]:
         algo, dp = self.algo, self.parallel.dp_size
         clip_low, clip_high = algo.clip_range()
         loss_kw = dict(clip_low=clip_low, clip_high=clip_high, kl_coef=algo.kl_coef, aggregation=algo.aggregation)
         token_mean = algo.aggregation == "token_mean"
-        mask_all = mini.response_mask_BS
+        mask_all = mini.response_mask_BS if keep_BS is None else mini.response_mask_BS & keep_BS
         denom = max(int(mask_all.sum() if token_mean else mask_all.any(-1).sum()), 1)
         plan = plan_shards(mini.seq_lens_B.tolist(), dp_rank=self.parallel.dp_rank, dp_size=dp,
                            micro_batch_size=self.train.micro_batch_size)
-        local, local_routes, (old_l, ref_l) = self._local(mini, plan, routes, old_BS, ref_BS)
+        local, local_routes, (old_l, ref_l, w_l, keep_l) = self._local(mini, plan, routes, old_BS, ref_BS,
+                                                                        is_w_BS, keep_BS)
         logp_local = torch.zeros_like(old_l)
         self.ddp.train()
         self.optimizer.zero_grad()
@@ -286,11 +317,14 @@ class Learner:
         for mb in plan.micro_batches:
             rows, S_i = slice(mb.start, mb.stop), mb.seq_len
             ids, mask = local.input_ids_BS[rows, :S_i], local.response_mask_BS[rows, :S_i]
+            if keep_l is not None:
+                mask = mask & keep_l[rows, :S_i]
             mb_routes = None if local_routes is None else local_routes[rows]
             with self._replay_ctx(mb_routes, local.seq_lens_B[rows].tolist(), S_i) as handle:
                 logp, _ = token_logprobs(self._forward(ids), ids)
                 loss, _ = policy_loss(algo.name, logp, old_l[rows, :S_i], local.advantages_B[rows], mask,
-                                      ref_logp_BT=None if ref_l is None else ref_l[rows, :S_i], **loss_kw)
+                                      ref_logp_BT=None if ref_l is None else ref_l[rows, :S_i],
+                                      is_weights_BT=None if w_l is None else w_l[rows, :S_i], **loss_kw)
                 count = int(mask.sum() if token_mean else mask.any(-1).sum())
                 scaled = loss * (count * dp / denom)
                 if handle is not None:
@@ -312,16 +346,36 @@ class Learner:
         logp_all = self._gather_rows(logp_local, mini.num_seqs)
         with torch.no_grad():
             _, m = policy_loss(algo.name, logp_all, old_BS, mini.advantages_B, mask_all, ref_logp_BT=ref_BS,
-                               **loss_kw)
+                               is_weights_BT=is_w_BS, **loss_kw)
         out = {k: float(v) for k, v in m.items()}
         out["grad/norm"] = norm
         return out, skip
 
+    # ------------------------------------------------------------------ memory during the rollout
+    def offload_for_rollout(self) -> None:
+        """Free this learner's GPU memory for the rollout engine per `train.offload_during_rollout`
+        (see `moe_gspo.learner.offload`); `reload_after_rollout()` before the next learner pass."""
+        if self.optimizer is not None:
+            self.offload.offload_for_rollout()
+
+    def reload_after_rollout(self) -> None:
+        if self.optimizer is not None:
+            self.offload.reload_after_rollout()
+
     # ------------------------------------------------------------------ weights and checkpoints
+    def hf_weight_stream(self):
+        """The weights as a stream of HF-named tensors, one layer at a time, for the rollout engine's
+        weight sync (`engine.update_weights(learner.hf_weight_stream())`): experts are all-gathered over
+        the EP group per layer, never the whole model at once. Collective: every rank must consume the
+        stream to its end, in the same order (see `moe_gspo.mcore.weight_stream`)."""
+        from moe_gspo.mcore.weight_stream import HFWeightStream
+
+        return HFWeightStream(self.model, self.hf_config, layout="per_expert")
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full HF state dict (on-disk per-expert names) on every rank, for the rollout engine's weight
-        sync; per-expert avoids restacking every expert each step. Collective over the EP group: every
-        rank must call it. Tensors alias the weights (clone for a snapshot)."""
+        """Full HF state dict (on-disk per-expert names) on every rank, for export and checkpoints (the
+        rollout sync uses `hf_weight_stream`, which never holds the whole model). Collective over the
+        EP group: every rank must call it. Tensors alias the weights (clone for a snapshot)."""
         from moe_gspo.mcore.weights import gather_hf_state_dict
 
         return gather_hf_state_dict(self.model, self.hf_config, layout="per_expert")

@@ -8,18 +8,85 @@ clipping, and a NaN/Inf guard that skips a step on every rank at once.
   reading each parameter's DDP gradient buffer (`p.grad = p.main_grad` for the step only). Weight decay
   applies to matrices only (norm weights excluded), as Megatron's default parameter groups do.
 
-Gradient norm: after DDP's gradient sync, dense gradients are identical on every rank (all-reduced
-over data parallelism) while expert gradients are sharded over expert parallelism, so
+Memory options (`OptimizerOptions`, resolved once from `TrainConfig` and the device by
+`resolve_optimizer_options`), all Megatron-core's own, CUDA only:
+- `distributed_optimizer`: Megatron's `DistributedOptimizer` (and `use_distributed_optimizer` in the
+  DDP config): main params and Adam state sharded over the data-parallel group for dense parameters and
+  over the expert-data-parallel group (world / EP) for experts;
+- `precision_aware_optimizer`: `use_precision_aware_optimizer` (no fp32 main-param copy held by
+  Megatron; Adam moments in `optimizer_state_dtype` with Transformer Engine's FusedAdam); megatron-core
+  0.16 needs Transformer Engine for it, with or without CPU offload;
+- `optimizer_cpu_offload` with `optimizer_offload_fraction` and `overlap_cpu_optimizer_d2h_h2d`:
+  Megatron's `HybridDeviceOptimizer` (CPU AdamW over that fraction of the shard);
+- `grad_reduce_in_fp32`: the DDP gradient buffers' dtype.
+
+Gradient norm. CPU path: after DDP's gradient sync, dense gradients are identical on every rank
+(all-reduced over data parallelism) while expert gradients are sharded over expert parallelism, so
 `norm^2 = |dense|^2 + sum over the EP group of |local experts|^2`; every rank gets the same number.
 Megatron marks expert-parallel parameters with `allreduce=False`; DDP keeps them in separate buffers.
+Megatron path: Megatron's own `prepare_grads()` (DDP buffers -> main grads, sharded under the
+distributed optimizer) and `get_grad_norm()`, then Megatron's `clip_grad_by_total_norm_fp32` on the
+main grads and `step_with_ready_grads()` — `ChainedOptimizer.step()` split in two so that the NaN/Inf
+guard agreed by all ranks sits between the norm and the update.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerOptions:
+    """The learner's optimizer memory options, resolved for a device (see the module docstring)."""
+
+    distributed_optimizer: bool = False
+    precision_aware_optimizer: bool = False
+    optimizer_state_dtype: str = "float32"
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
+    overlap_cpu_optimizer_d2h_h2d: bool = True
+    grad_reduce_in_fp32: bool = True
+    offload_during_rollout: str = "none"
+
+
+def resolve_optimizer_options(train, *, on_cuda: bool, have_te: bool | None = None) -> OptimizerOptions:
+    """`OptimizerOptions` of a `TrainConfig` on this device; raises ValueError (naming the field and the
+    fix) for options the device cannot run. Called at start-up, before any weight is loaded."""
+    if not on_cuda:
+        needs_cuda = [f"train.{name}=true" for name in ("distributed_optimizer", "precision_aware_optimizer",
+                                                        "optimizer_cpu_offload") if getattr(train, name)]
+        if train.offload_during_rollout == "all":
+            needs_cuda.append("train.offload_during_rollout=all")
+        if needs_cuda:
+            raise ValueError(f"{', '.join(needs_cuda)} needs CUDA: Megatron's optimizer allocates on the GPU and the "
+                             "CPU path uses a torch AdamW; on CPU set train.distributed_optimizer=null, "
+                             "train.precision_aware_optimizer=false, train.optimizer_cpu_offload=false, "
+                             "train.offload_during_rollout=none or grads")
+        return OptimizerOptions(distributed_optimizer=False, grad_reduce_in_fp32=bool(train.grad_reduce_in_fp32),
+                                offload_during_rollout=train.offload_during_rollout)
+    distributed = True if train.distributed_optimizer is None else bool(train.distributed_optimizer)
+    if train.precision_aware_optimizer:
+        if have_te is None:
+            from moe_gspo.mcore.shims import have_transformer_engine
+
+            have_te = have_transformer_engine()
+        if not have_te:
+            # megatron-core 0.16's OptimizerConfig reads TE's version for the precision-aware optimizer
+            # (a TypeError without TE), and without CPU offload it steps with TE's FusedAdam.
+            raise ValueError("train.precision_aware_optimizer=true needs Transformer Engine (megatron-core 0.16 "
+                             "requires it for the precision-aware optimizer, also with CPU offload), which is not "
+                             "importable: install transformer-engine, or set train.precision_aware_optimizer=false "
+                             "and train.optimizer_cpu_offload=false")
+    return OptimizerOptions(
+        distributed_optimizer=distributed, precision_aware_optimizer=bool(train.precision_aware_optimizer),
+        optimizer_state_dtype=train.optimizer_state_dtype, optimizer_cpu_offload=bool(train.optimizer_cpu_offload),
+        optimizer_offload_fraction=float(train.optimizer_offload_fraction),
+        overlap_cpu_optimizer_d2h_h2d=bool(train.overlap_cpu_optimizer_d2h_h2d),
+        grad_reduce_in_fp32=bool(train.grad_reduce_in_fp32), offload_during_rollout=train.offload_during_rollout)
 
 
 def _grad_sq_sum(buffers) -> torch.Tensor:
@@ -53,6 +120,17 @@ def any_rank(flag: bool, device) -> bool:
     return bool(t.item() > 0)
 
 
+def params_finite(params, device) -> bool:
+    """True when every element of every tensor in `params` is finite on every rank (collective).
+    One fused max-abs reduction per tensor (NaN propagates through it), no full-size temporaries."""
+    params = [p.detach() for p in params if p.numel()]
+    bad = False
+    if params:
+        maxabs = torch.stack([n.float() for n in torch._foreach_norm(params, float("inf"))])
+        bad = not bool(torch.isfinite(maxabs).all())
+    return not any_rank(bad, device)
+
+
 def clip_coefficient(norm: float, max_norm: float) -> float:
     """Factor that scales gradients of norm `norm` down to at most `max_norm` (1.0 when off or within)."""
     if max_norm <= 0 or not math.isfinite(norm):
@@ -64,7 +142,8 @@ class LearnerOptimizer:
     """Adam(W) over a Megatron DDP model with global-norm clipping; see the module docstring."""
 
     def __init__(self, ddp_model, *, lr: float, weight_decay: float, betas: tuple[float, float],
-                 grad_clip: float, eps: float = 1e-8, use_megatron: bool | None = None):
+                 grad_clip: float, eps: float = 1e-8, use_megatron: bool | None = None,
+                 options: OptimizerOptions | None = None):
         self.ddp = ddp_model
         self.lr = float(lr)
         self.grad_clip = float(grad_clip)
@@ -72,14 +151,29 @@ class LearnerOptimizer:
         if use_megatron is None:
             use_megatron = params[0].is_cuda
         self.use_megatron = bool(use_megatron)
+        self.options = options or OptimizerOptions(distributed_optimizer=False)
+        if self.options.distributed_optimizer and not self.use_megatron:
+            raise ValueError("train.distributed_optimizer=true needs CUDA (Megatron's optimizer); on CPU set it to null")
+        ddp_distributed = bool(getattr(getattr(ddp_model, "ddp_config", None), "use_distributed_optimizer", False))
+        if ddp_distributed != self.options.distributed_optimizer:
+            raise ValueError(f"the DDP model was wrapped with use_distributed_optimizer={ddp_distributed} but "
+                             f"train.distributed_optimizer resolves to {self.options.distributed_optimizer}; pass the "
+                             "bare GPTModel to Learner (it wraps it), or make them agree")
         if self.use_megatron:
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
             dtype = params[0].dtype
+            o = self.options
+            state_dtype = getattr(torch, o.optimizer_state_dtype)
             cfg = OptimizerConfig(optimizer="adam", lr=self.lr, min_lr=self.lr, weight_decay=weight_decay,
                                   adam_beta1=betas[0], adam_beta2=betas[1], adam_eps=eps, clip_grad=0.0,
                                   bf16=dtype == torch.bfloat16, fp16=False, params_dtype=dtype,
-                                  use_distributed_optimizer=False)
+                                  use_distributed_optimizer=o.distributed_optimizer,
+                                  use_precision_aware_optimizer=o.precision_aware_optimizer,
+                                  exp_avg_dtype=state_dtype, exp_avg_sq_dtype=state_dtype,
+                                  optimizer_cpu_offload=o.optimizer_cpu_offload,
+                                  optimizer_offload_fraction=o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0,
+                                  overlap_cpu_optimizer_d2h_h2d=o.overlap_cpu_optimizer_d2h_h2d and o.optimizer_cpu_offload)
             self.opt = get_megatron_optimizer(cfg, [ddp_model])
         else:
             decay = [p for p in params if p.dim() >= 2]
@@ -90,19 +184,33 @@ class LearnerOptimizer:
         self._params = params
 
     def grad_norm(self) -> float:
+        """Global gradient norm after DDP's gradient sync (Megatron path: also prepares its main grads)."""
+        if self.use_megatron:
+            self.opt.prepare_grads()  # DDP buffers -> main grads (this rank's shard under the distributed optimizer)
+            return float(self.opt.get_grad_norm())
         return global_grad_norm(self.ddp)
 
     def clip(self, norm: float) -> float:
         """Scale the gradients so that their global norm is at most `grad_clip`; returns the factor."""
         coef = clip_coefficient(norm, self.grad_clip)
         if coef < 1.0:
-            self.ddp.scale_gradients(coef)
+            if self.use_megatron:
+                from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+                for opt in getattr(self.opt, "chained_optimizers", [self.opt]):
+                    params = opt.get_parameters()
+                    if params:
+                        clip_grad_by_total_norm_fp32(
+                            params, max_norm=self.grad_clip, total_norm=norm,
+                            use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+            else:
+                self.ddp.scale_gradients(coef)
         return coef
 
     def step(self) -> None:
-        """One Adam(W) step from the (synced, clipped) DDP gradient buffers."""
+        """One Adam(W) step from the (synced, clipped) gradients; call `grad_norm()` first."""
         if self.use_megatron:
-            self.opt.step()
+            self.opt.step_with_ready_grads()
             return
         for p in self._params:
             p.grad = p.main_grad
@@ -118,8 +226,46 @@ class LearnerOptimizer:
         if self.use_megatron:
             self.opt.zero_grad()
 
+    def _distributed_optimizers(self) -> list:
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        return [o for o in getattr(self.opt, "chained_optimizers", [self.opt])
+                if isinstance(o, DistributedOptimizer) and not o.is_stub_optimizer]
+
     def state_dict(self) -> dict:
-        return self.opt.state_dict()
+        """This rank's optimizer state. Under the distributed optimizer Megatron's `state_dict()` holds no
+        parameter state, so this rank's shard of main params and Adam moments is added in Megatron's
+        per-rank "dp_reshardable" form (no gather)."""
+        if not (self.use_megatron and self.options.distributed_optimizer):
+            return self.opt.state_dict()
+        param_state = []
+        for o in self._distributed_optimizers():
+            if len(o.optimizer.state) == 0:  # no step taken yet: main params equal the model's
+                param_state.append(None)
+                continue
+            state = o.get_parameter_state_dp_reshardable()
+            for key, per_dtype in state.items():
+                if isinstance(key, int):
+                    for buckets in per_dtype.values():
+                        for bucket in buckets:
+                            for tensors in bucket:
+                                tensors.setdefault("padding", False)
+            param_state.append(state)
+        return {"megatron_distributed_optimizer": True, "common": self.opt.state_dict(), "param_state": param_state}
 
     def load_state_dict(self, state: dict) -> None:
-        self.opt.load_state_dict(state)
+        """Inverse of `state_dict`; load the model weights first (main params follow them when a shard
+        has no saved state)."""
+        distributed = isinstance(state, dict) and state.get("megatron_distributed_optimizer", False)
+        if distributed != bool(self.use_megatron and self.options.distributed_optimizer):
+            raise ValueError("checkpoint optimizer state was saved with train.distributed_optimizer="
+                             f"{str(distributed).lower()}; resume with the same setting")
+        if not distributed:
+            self.opt.load_state_dict(state)
+            return
+        self.opt.load_state_dict(state["common"])
+        for o, shard in zip(self._distributed_optimizers(), state["param_state"], strict=True):
+            if shard is None:
+                o.reload_model_params()
+            else:
+                o.load_parameter_state_from_dp_reshardable(shard)

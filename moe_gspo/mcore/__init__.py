@@ -12,7 +12,8 @@ Supported scope:
   tied or untied embeddings, optional vocabulary padding.
 
 Modules: `shims` (CPU / no-TE compatibility), `parallel` (process grid), `model` (config mapping,
-`GPTModel` construction, forward), `weights` (HF <-> Megatron tensors, gather for rollout sync),
+`GPTModel` construction, forward), `weights` (HF <-> Megatron tensors, full gather for export),
+`weight_stream` (the per-layer HF-named weight stream for the rollout engines' sync),
 `checkpoint` (safetensors directories in and out). Nothing here is imported eagerly, so
 `import moe_gspo.mcore` does not import Megatron.
 """

@@ -15,6 +15,7 @@ torch.distributed is running, rank 0 writes and every rank waits at a barrier.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -38,34 +39,57 @@ _PER_EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_
 _FUSED_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
-def _ckpt_dir(ckpt_dir) -> Path:
+def _ckpt_dir(ckpt_dir, field: str = "model.path") -> Path:
     path = Path(ckpt_dir)
     if not path.is_dir():
-        raise ValueError(f"model.checkpoint={str(path)!r} is not a directory; point it at a Hugging Face "
+        raise ValueError(f"{field}={str(path)!r} is not a directory; point it at a Hugging Face "
                          "checkpoint directory (config.json + *.safetensors)")
     return path
 
 
-def load_hf_config(ckpt_dir):
-    """The transformers config of a Qwen3-MoE checkpoint directory (checked by `check_supported`)."""
+def load_hf_config(ckpt_dir, *, field: str = "model.path"):
+    """The transformers config of a Qwen3-MoE checkpoint directory (checked by `check_supported`).
+    `field` is how the user gave the directory (`model.path`, `--model`), named in errors."""
     from transformers import AutoConfig
 
-    path = _ckpt_dir(ckpt_dir)
+    path = _ckpt_dir(ckpt_dir, field)
     if not (path / "config.json").is_file():
-        raise ValueError(f"model.checkpoint={str(path)!r} has no config.json; it is not a Hugging Face "
+        raise ValueError(f"{field}={str(path)!r} has no config.json; it is not a Hugging Face "
                          "checkpoint directory")
-    config = AutoConfig.from_pretrained(str(path))
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError) as e:  # transformers reports a corrupt config.json as OSError/ValueError
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{field}={str(path)!r}: config.json cannot be read ({first[:200]}); re-copy or re-save "
+                         "the checkpoint") from None
     check_supported(config)
     return config
 
 
-def _weight_files(path: Path) -> dict[str, list[str]]:
+@contextlib.contextmanager
+def _reading(fpath: Path):
+    """A truncated or corrupt safetensors file: one ValueError naming it."""
+    try:
+        yield
+    except ValueError:
+        raise
+    except Exception as e:  # SafetensorError, OSError
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"checkpoint file {str(fpath)!r} cannot be read ({first[:200]}): it is truncated or "
+                         "corrupt; re-copy or re-save the checkpoint") from None
+
+
+def _weight_files(path: Path, field: str = "model.path") -> dict[str, list[str]]:
     """file name -> tensor names it should hold, from the index or the single safetensors file."""
     from safetensors import safe_open
 
     if (path / SAFE_INDEX).is_file():
-        with open(path / SAFE_INDEX) as f:
-            weight_map = json.load(f).get("weight_map")
+        try:
+            with open(path / SAFE_INDEX, encoding="utf-8") as f:
+                weight_map = json.load(f).get("weight_map")
+        except (ValueError, AttributeError) as e:
+            raise ValueError(f"{path / SAFE_INDEX} is not a valid index ({type(e).__name__}); re-save the "
+                             "checkpoint") from None
         if not isinstance(weight_map, dict):
             raise ValueError(f"{path / SAFE_INDEX} has no 'weight_map'; re-save the checkpoint")
         files: dict[str, list[str]] = {}
@@ -73,34 +97,42 @@ def _weight_files(path: Path) -> dict[str, list[str]]:
             files.setdefault(fname, []).append(name)
         return files
     if (path / SAFE_SINGLE).is_file():
-        with safe_open(str(path / SAFE_SINGLE), framework="pt") as f:
+        with _reading(path / SAFE_SINGLE), safe_open(str(path / SAFE_SINGLE), framework="pt") as f:
             return {SAFE_SINGLE: list(f.keys())}
-    raise ValueError(f"model.checkpoint={str(path)!r} has neither {SAFE_SINGLE} nor {SAFE_INDEX}; only "
+    raise ValueError(f"{field}={str(path)!r} has neither {SAFE_SINGLE} nor {SAFE_INDEX}; only "
                      "safetensors checkpoints are supported (convert .bin weights with save_pretrained)")
 
 
-def read_hf_weights(ckpt_dir, hf_config, *, ep_rank: int = 0, ep_size: int = 1) -> dict[str, torch.Tensor]:
+def _finite(t: torch.Tensor, name: str, fpath: Path) -> torch.Tensor:
+    if t.is_floating_point() and t.numel() and not bool(torch.isfinite(torch.linalg.vector_norm(t, float("inf")))):
+        raise ValueError(f"checkpoint file {str(fpath)!r}: tensor {name!r} holds NaN/Inf values (bit rot or a "
+                         "diverged run); re-copy the checkpoint or use an earlier one")
+    return t
+
+
+def read_hf_weights(ckpt_dir, hf_config, *, ep_rank: int = 0, ep_size: int = 1,
+                    field: str = "model.path") -> dict[str, torch.Tensor]:
     """The HF tensors EP rank `ep_rank` needs: all non-expert weights and its own experts only.
 
     Per-expert names of other ranks are skipped without reading; a fused on-disk expert tensor is
     sliced to this rank's experts and returned under per-expert names. Raises `ValueError` naming
-    the file for a shard listed in the index but missing, or a tensor the index promises but the
-    shard lacks.
+    the file for a shard listed in the index but missing, a tensor the index promises but the
+    shard lacks, a truncated or corrupt file, or a tensor holding NaN/Inf.
     """
     from safetensors import safe_open
 
-    path = _ckpt_dir(ckpt_dir)
+    path = _ckpt_dir(ckpt_dir, field)
     wanted_experts = expert_keys_for_rank(hf_config, ep_rank=ep_rank, ep_size=ep_size)
     num_local = hf_config.num_experts // ep_size
     lo, hi = ep_rank * num_local, (ep_rank + 1) * num_local
     I = hf_config.moe_intermediate_size
     out: dict[str, torch.Tensor] = {}
-    for fname, names in _weight_files(path).items():
+    for fname, names in _weight_files(path, field).items():
         fpath = path / fname
         if not fpath.is_file():
             raise ValueError(f"checkpoint shard {str(fpath)!r} is listed in {SAFE_INDEX} but missing; "
                              "copy the complete checkpoint (every model-*.safetensors file)")
-        with safe_open(str(fpath), framework="pt") as f:
+        with _reading(fpath), safe_open(str(fpath), framework="pt") as f:
             present = set(f.keys())
             for name in names:
                 if _PER_EXPERT_RE.match(name) and name not in wanted_experts:
@@ -110,10 +142,10 @@ def read_hf_weights(ckpt_dir, hf_config, *, ep_rank: int = 0, ep_size: int = 1) 
                                      "file lacks it; the checkpoint is corrupt or incomplete, re-save it")
                 fused = _FUSED_RE.match(name)
                 if fused is None:
-                    out[name] = f.get_tensor(name)
+                    out[name] = _finite(f.get_tensor(name), name, fpath)
                     continue
                 layer, proj = fused.groups()
-                rows = f.get_slice(name)[lo:hi]
+                rows = _finite(f.get_slice(name)[lo:hi], name, fpath)
                 for j, e in enumerate(range(lo, hi)):
                     p = f"model.layers.{layer}.mlp.experts.{e}."
                     if proj == "down_proj":
@@ -126,7 +158,7 @@ def read_hf_weights(ckpt_dir, hf_config, *, ep_rank: int = 0, ep_size: int = 1) 
 
 def load_megatron_from_hf_dir(ckpt_dir, *, ep_size: int = 1, params_dtype: torch.dtype = torch.float32,
                               enable_routing_replay: bool = False, token_dispatcher: str = "allgather",
-                              vocab_pad_multiple: int = 1, **build_kwargs):
+                              vocab_pad_multiple: int = 1, field: str = "model.path", **build_kwargs):
     """`(model, hf_config)`: a Megatron `GPTModel` holding the checkpoint's weights (this rank's experts).
 
     Needs `moe_gspo.mcore.parallel.init_distributed(ep_size=...)` to have run in this process.
@@ -143,9 +175,9 @@ def load_megatron_from_hf_dir(ckpt_dir, *, ep_size: int = 1, params_dtype: torch
     if ps.get_expert_model_parallel_world_size() != ep_size:
         raise ValueError(f"load_megatron_from_hf_dir: ep_size={ep_size} but the parallel state was "
                          f"initialised with EP={ps.get_expert_model_parallel_world_size()}")
-    hf_config = load_hf_config(ckpt_dir)
+    hf_config = load_hf_config(ckpt_dir, field=field)
     ep_rank = ps.get_expert_model_parallel_rank()
-    hf_sd = read_hf_weights(ckpt_dir, hf_config, ep_rank=ep_rank, ep_size=ep_size)
+    hf_sd = read_hf_weights(ckpt_dir, hf_config, ep_rank=ep_rank, ep_size=ep_size, field=field)
     model = build_gpt_model(hf_config, ep_size=ep_size, params_dtype=params_dtype,
                             enable_routing_replay=enable_routing_replay, token_dispatcher=token_dispatcher,
                             vocab_pad_multiple=vocab_pad_multiple, **build_kwargs)
@@ -274,17 +306,29 @@ def save_hf_checkpoint(model_or_hf_sd, hf_config, out_dir, *, tokenizer_dir=None
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     out = Path(out_dir)
     if not distributed:
-        _write_atomically(out, hf_sd, hf_config, tokenizer_dir, max_shard_size)
+        _write_hf_dir(out, hf_sd, hf_config, tokenizer_dir, max_shard_size)
         return out
-    error: list[str | None] = [None]
+    error: list = [None]
     if dist.get_rank() == 0:
         try:
-            _write_atomically(out, hf_sd, hf_config, tokenizer_dir, max_shard_size)
+            _write_hf_dir(out, hf_sd, hf_config, tokenizer_dir, max_shard_size)
         except Exception as exc:  # tell the other ranks instead of leaving them at a barrier
-            error[0] = f"{type(exc).__name__}: {exc}"
+            error[0] = (isinstance(exc, ValueError), str(exc) if isinstance(exc, ValueError) else
+                        f"{type(exc).__name__}: {exc}")
             dist.broadcast_object_list(error, src=0)
             raise
     dist.broadcast_object_list(error, src=0)  # doubles as the barrier: rank 0 sends once written
     if error[0] is not None:
-        raise RuntimeError(f"save_hf_checkpoint failed on rank 0: {error[0]}")
+        user_error, message = error[0]
+        if user_error:  # the same one-line user error on every rank (printed once)
+            raise ValueError(message)
+        raise RuntimeError(f"save_hf_checkpoint failed on rank 0: {message}")
     return out
+
+
+def _write_hf_dir(out: Path, hf_sd, hf_config, tokenizer_dir, max_shard_size) -> None:
+    """`_write_atomically`, with a full disk reported as one ValueError naming `out`."""
+    from moe_gspo.run.errors import writing
+
+    with writing(out, "the Hugging Face export"):
+        _write_atomically(out, hf_sd, hf_config, tokenizer_dir, max_shard_size)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,8 @@ class ParallelInfo:
     dp_rank: int
     device: torch.device
     backend: str
+    timeout_s: float = 300.0
+    """Collective timeout of every process group (see `default_timeout_s`)."""
 
     @property
     def is_main(self) -> bool:
@@ -52,9 +55,18 @@ def validate_parallel_sizes(*, world_size: int, ep_size: int, num_experts: int) 
         )
 
 
+def default_timeout_s(use_cuda: bool) -> float:
+    """Collective timeout when none is configured: 5 minutes on CPU (gloo), 30 on CUDA (NCCL: first
+    steps may include long compiles and checkpoint loads between collectives)."""
+    return 1800.0 if use_cuda else 300.0
+
+
 def init_distributed(*, ep_size: int, num_experts: int, seed: int = 0,
-                     device: str | None = None) -> ParallelInfo:
-    """Initialise torch.distributed and Megatron's parallel state (idempotent within a process)."""
+                     device: str | None = None, timeout_s: float | None = None) -> ParallelInfo:
+    """Initialise torch.distributed and Megatron's parallel state (idempotent within a process).
+
+    `timeout_s` bounds every collective (torch.distributed's default group and Megatron's groups):
+    a rank that waits longer for another raises instead of hanging; None = `default_timeout_s`."""
     from megatron.core import parallel_state as ps
 
     from moe_gspo.mcore.shims import apply_shims, seed_model_parallel_rng
@@ -64,6 +76,7 @@ def init_distributed(*, ep_size: int, num_experts: int, seed: int = 0,
     validate_parallel_sizes(world_size=world_size, ep_size=ep_size, num_experts=num_experts)
     apply_shims()
     backend = "nccl" if use_cuda else "gloo"
+    timeout_s = float(timeout_s) if timeout_s is not None else default_timeout_s(use_cuda)
     if not dist.is_initialized():
         rank = int(os.environ.get("RANK", "0"))
         if "MASTER_ADDR" in os.environ:
@@ -77,12 +90,13 @@ def init_distributed(*, ep_size: int, num_experts: int, seed: int = 0,
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, init_method=init_method,
-                                world_size=world_size, rank=rank)
+                                world_size=world_size, rank=rank, timeout=timedelta(seconds=timeout_s))
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
             tensor_model_parallel_size=1,
             pipeline_model_parallel_size=1,
             expert_model_parallel_size=ep_size,
+            distributed_timeout_minutes=timeout_s / 60,  # Megatron builds timedelta(minutes=...): floats work
         )
     elif ps.get_expert_model_parallel_world_size() != ep_size:
         raise ValueError(
@@ -101,6 +115,7 @@ def init_distributed(*, ep_size: int, num_experts: int, seed: int = 0,
         dp_rank=ps.get_data_parallel_rank(),
         device=torch.device(f"cuda:{local_rank}" if use_cuda else "cpu"),
         backend=backend,
+        timeout_s=timeout_s,
     )
 
 

@@ -54,7 +54,8 @@ class RolloutSample:
     routes_TLK: np.ndarray | None = None
     """uint8/uint16 [T, L, K] top-k expert ids per token and MoE layer, or None if not recorded."""
     router_probs_TLK: np.ndarray | None = None
-    """float16 [T, L, K] router probabilities of those experts, or None."""
+    """float16 [T, L, K] full-softmax router probabilities of those experts (softmax over all experts,
+    before the top-k renormalisation; see `moe_gspo.routing.trace`), or None."""
     extra: dict = field(default_factory=dict)
 
 
@@ -67,10 +68,21 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load new policy weights, named as in transformers' in-memory `Qwen3MoeForCausalLM`
-        state dict (fused `experts.gate_up_proj` / `experts.down_proj`)."""
+        """Load new policy weights, named as in transformers' `Qwen3MoeForCausalLM` (fused in-memory
+        `experts.gate_up_proj` / `experts.down_proj`, or the per-expert checkpoint names).
+
+        `named_tensors` may be a stream (`moe_gspo.mcore.weight_stream.HFWeightStream`): tensors are
+        consumed one by one, valid only until the next is read, and the stream must be iterated to its
+        end even on error (it runs collectives); its `specs` let the engine check names up front."""
 
     @property
     @abc.abstractmethod
     def records_routes(self) -> bool:
         """True when `generate` fills `routes_TLK` (required for R3 routing replay)."""
+
+    def sleep(self) -> None:
+        """Release accelerator memory while the learner runs (engines that can); the next
+        `update_weights` or `generate` wakes the engine. Default: nothing to release."""
+
+    def close(self) -> None:
+        """Release the engine's resources; it must not be used afterwards. Default: nothing to do."""

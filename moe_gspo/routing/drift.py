@@ -23,8 +23,8 @@ Metric keys (`routing_drift`):
   (rows sum to 1); ``routing/expert_load_diff`` = b − a.
 - ``routing/prob_kl`` (only with full router distributions ``probs_*_NLE``): mean over tokens and
   layers of KL(a‖b) = Σ_e a_e (log a_e − log b_e), probabilities clipped below at 1e-12.
-- ``routing/topk_prob_l1`` (only with top-k probabilities ``topk_probs_*_NLK``, as traces store them):
-  see `topk_prob_l1`.
+- ``routing/topk_prob_l1`` (only with top-k probabilities ``topk_probs_*_NLK``, as traces store them:
+  full-softmax probabilities of the listed experts, not renormalised gate weights): see `topk_prob_l1`.
 - ``num_tokens``: tokens compared (after the mask).
 Empty inputs give 0 for every metric (never NaN).
 
@@ -105,12 +105,15 @@ def expert_load(topk_NLK: Any, num_experts: int) -> np.ndarray:
 
 
 def topk_prob_l1(topk_a_NLK: Any, probs_a_NLK: Any, topk_b_NLK: Any, probs_b_NLK: Any) -> float:
-    """Mean over tokens and layers of the L1 distance between the two top-k weight vectors.
+    """Mean over tokens and layers of the L1 distance between the two sides' top-k probability vectors.
 
     Each side's K probabilities are placed on their experts in an E-vector that is zero elsewhere;
-    the result is Σ_e |w_a(e) − w_b(e)| averaged over (token, layer) rows. With renormalised top-k
-    weights (``norm_topk_prob``) it lies in [0, 2]: 0 for identical routing and weights, 2 for
-    disjoint expert sets. It is computed from the K slots only (no E-sized arrays), 0 when empty.
+    the result is Σ_e |p_a(e) − p_b(e)| averaged over (token, layer) rows. Traces store full-softmax
+    probabilities of the listed experts (not renormalised over the top k), so a side's K values sum
+    to its top-k mass m ≤ 1 and the distance lies in [0, m_a + m_b] ⊂ [0, 2]: 0 for identical routing
+    and probabilities, m_a + m_b for disjoint expert sets. Renormalised gate weights (``p / p.sum``)
+    may be passed instead; then disjoint sets give exactly 2. It is computed from the K slots only
+    (no E-sized arrays), 0 when empty.
     """
     a, b = _check_pair(topk_a_NLK, topk_b_NLK)
     pa, pb = _np(probs_a_NLK), _np(probs_b_NLK)

@@ -12,8 +12,16 @@ key                dtype / shape               meaning
 ``format_version``  int64 scalar               format version (currently 1); newer files are refused
 ``topk_ids``        uint8 [sum_T, L, K]        top-k expert ids per token row, MoE layer and slot;
                     (uint16 if E > 256)        uint8 when ``num_experts <= 256``, else uint16
-``router_probs``    float16 [sum_T, L, K]      optional (key absent when not recorded): router
-                                               probability (gate weight) of each listed expert
+``router_probs``    float16 [sum_T, L, K]      optional (key absent when not recorded): full-softmax
+                                               router probability of each listed expert, i.e.
+                                               softmax over all E experts of the router logits
+                                               (fp32), read at the chosen experts, *before* the
+                                               top-k renormalisation: the K values of a row sum to
+                                               the top-k mass (<= 1). The gate weights that mix the
+                                               experts are ``p / p.sum(-1)`` when the model has
+                                               ``norm_topk_prob`` (Qwen3-MoE), else ``p``. Both
+                                               recorders (transformers engine, Megatron learner)
+                                               store this quantity; vLLM records no probabilities
 ``seq_offsets``     int64 [N+1]                sequence i owns rows ``seq_offsets[i]:seq_offsets[i+1]``;
                                                ``seq_offsets[0] == 0``, ``seq_offsets[-1] == sum_T``
 ``prompt_lens``     int32 [N]                  prompt length P_i in tokens
@@ -105,7 +113,8 @@ class RoutingTrace:
     layer_ids: np.ndarray
     """int32 [L] model layer index of each stored MoE layer."""
     router_probs: np.ndarray | None = None
-    """float16 [sum_T, L, K] router probabilities of the listed experts, or None."""
+    """float16 [sum_T, L, K] full-softmax router probabilities of the listed experts (not the
+    renormalised gate weights; see the module docstring), or None."""
     meta: dict = field(default_factory=dict)
     """JSON-serialisable metadata (source, step, dtype, ...)."""
 

@@ -1,26 +1,55 @@
 """Resumable training checkpoints: model + optimizer (per rank), RNG states, data position, step.
 
 Layout: `RUN_DIR/checkpoints/step_000020/rank_00000.pt` (one file per rank: each EP rank holds
-different experts) plus `meta.json`; `RUN_DIR/checkpoints/latest` names the newest complete one.
-A checkpoint is written into `step_XXXXXX.tmp/` and renamed only after every rank has written its
-file, then `latest` is replaced atomically: a process killed mid-save leaves the previous
-checkpoint intact, so at most the step in flight is lost.
+different experts) plus `meta.json` (train state, world size, every rank file's size, and the run's
+fingerprint: algorithm, routing replay, process grid, model geometry); `RUN_DIR/checkpoints/latest`
+names the newest complete one.
+
+Saving: every rank writes its file into `step_XXXXXX.tmp/` (through a `.part` file, fsynced, renamed);
+the ranks agree that all files were written (a full disk or any failure on one rank stops every rank
+with one message, and the temporary directory is removed: no half-written files are left); rank 0
+writes `meta.json`, renames the directory into place, then replaces `latest` (written last,
+atomically). A process killed mid-save leaves the previous checkpoint intact. Rotation keeps the
+`keep` newest checkpoints up to the step just written and never touches the one just written (nor
+stale higher-numbered ones, which a fallback may have skipped).
+
+Resuming (`resume`): candidates are the checkpoint `latest` names, then older ones, newest first.
+Every rank checks a candidate (meta present and readable, its own rank file complete and loadable,
+weights finite) and the ranks agree; an unusable candidate is skipped with a one-line warning naming
+the reason, and an incompatible run (another algorithm, routing replay, world size, EP size or model
+geometry) stops with an error naming both values. Only once a checkpoint has loaded does the caller
+drop later metrics rows. No intact checkpoint: an error, never a silent restart from step 0.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
+import re
 import shutil
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from moe_gspo.run.errors import RankFailure, user_message, writing
 from moe_gspo.run.sinks import atomic_write_text
+
+META = "meta.json"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+# Qwen3-MoE config fields that fix the shapes of the weights a checkpoint holds.
+GEOMETRY_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok",
+                 "decoder_sparse_step", "mlp_only_layers", "tie_word_embeddings")
+# Fingerprint entries that must match to resume, with how to restore them.
+_MUST_MATCH = {"algo.name": "--algo", "algo.routing_replay": "--routing-replay",
+               "world_size": "torchrun --nproc-per-node", "parallel.expert_parallel_size": "parallel.expert_parallel_size"}
 
 
 @dataclass(kw_only=True)
@@ -33,11 +62,11 @@ class TrainState:
     """Position in the task's prompt stream."""
     skipped_steps: int = 0
     """Optimizer steps skipped for NaN/Inf so far."""
-
-
-def _barrier():
-    if dist.is_initialized():
-        dist.barrier()
+    wall_s: float = 0.0
+    """Wall time spent training up to `step`, summed over resumed segments (time of steps lost to a
+    kill and recomputed after the resume is not counted)."""
+    segments: int = 0
+    """Number of runs (the first one and each resume) that contributed to this state."""
 
 
 def rng_state() -> dict:
@@ -53,50 +82,249 @@ def set_rng_state(s: dict) -> None:
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
-def save_checkpoint(run_dir: Path, state: TrainState, learner_state: dict, *, rank: int, keep: int) -> Path:
-    ckpt_root = run_dir / "checkpoints"
-    name = f"step_{state.step:06d}"
-    final, tmp = ckpt_root / name, ckpt_root / f"{name}.tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
-    payload = {"learner": learner_state, "rng": rng_state(), "train_state": asdict(state)}
-    part = tmp / f".rank_{rank:05d}.pt.part"
-    torch.save(payload, part)
-    os.replace(part, tmp / f"rank_{rank:05d}.pt")
-    _barrier()
-    if rank == 0:
-        atomic_write_text(tmp / "meta.json", json.dumps({"train_state": asdict(state),
-                                                          "world_size": dist.get_world_size() if dist.is_initialized() else 1}))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        atomic_write_text(ckpt_root / "latest", name + "\n")
-        done = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-        for old in done[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    _barrier()
-    return final
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _gather(obj: Any) -> list[Any]:
+    rank, world = _world()
+    if world == 1:
+        return [obj]
+    out: list = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def agree(local: BaseException | None, what: str) -> None:
+    """Every rank learns whether any rank failed `what`; then all raise the same error (the failing
+    rank its own exception, the others a ValueError / RankFailure with the same message), so no rank
+    is left waiting in a later collective."""
+    known = None if local is None else (user_message(local) or (1, f"{type(local).__name__}: {local}"))
+    failures = [(r, m) for r, m in enumerate(_gather(known)) if m is not None]
+    if not failures:
+        return
+    if local is not None:
+        raise local
+    r, (code, text) = failures[0]
+    if code == 2:
+        raise ValueError(text)
+    raise RankFailure(f"rank {r} failed while {what}: {text}")
+
+
+def run_fingerprint(cfg, hf_config, world_size: int) -> dict:
+    """What must stay the same for a checkpoint to resume this run (stored in meta.json)."""
+    def plain(v):
+        return list(v) if isinstance(v, (list, tuple)) else v
+
+    return {"algo.name": cfg.algo.name, "algo.routing_replay": cfg.algo.routing_replay, "world_size": world_size,
+            "parallel.expert_parallel_size": cfg.parallel.expert_parallel_size,
+            "model": {k: plain(getattr(hf_config, k, None)) for k in GEOMETRY_KEYS}}
+
+
+def step_dirs(run_dir: Path) -> dict[int, Path]:
+    """step -> directory of every renamed-into-place checkpoint (complete or not)."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return {}
+    out = {}
+    for p in root.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir():
+            out[int(m.group(1))] = p
+    return out
+
+
+def _latest_name(run_dir: Path) -> str | None:
+    try:
+        return (run_dir / "checkpoints" / "latest").read_text().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def checkpoint_candidates(run_dir: Path) -> list[Path]:
+    """Checkpoints to try when resuming: the one `latest` names, then older ones, newest first.
+    Checkpoints newer than `latest` are leftovers of an abandoned attempt and are not tried."""
+    dirs = step_dirs(run_dir)
+    name = _latest_name(run_dir)
+    m = _STEP_RE.match(name or "")
+    if m:
+        top = int(m.group(1))
+        head = [dirs[top]] if top in dirs else []
+        return head + [dirs[s] for s in sorted(dirs, reverse=True) if s < top]
+    return [dirs[s] for s in sorted(dirs, reverse=True)]
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    pointer = run_dir / "checkpoints" / "latest"
-    if not pointer.is_file():
-        return None
-    path = run_dir / "checkpoints" / pointer.read_text().strip()
-    return path if (path / "meta.json").is_file() else None
+    """The checkpoint `latest` names, if it exists and has its meta.json (no validation of rank files)."""
+    cands = checkpoint_candidates(run_dir)
+    return cands[0] if cands and (cands[0] / META).is_file() else None
 
 
-def load_checkpoint(path: Path, *, rank: int, world_size: int) -> tuple[TrainState, dict, dict]:
-    """Returns (train_state, learner_state, rng) for this rank; clear errors for a mismatch."""
-    meta = json.loads((path / "meta.json").read_text())
-    if meta["world_size"] != world_size:
-        raise ValueError(
-            f"checkpoint {path} was written by {meta['world_size']} processes, this run has {world_size}; "
-            f"resume with the same torchrun --nproc-per-node"
-        )
+def _rotate(root: Path, current_step: int, keep: int) -> None:
+    steps = sorted(s for s in step_dirs(root.parent) if s <= current_step)
+    for s in steps[:-keep]:
+        if s != current_step:
+            shutil.rmtree(root / f"step_{s:06d}", ignore_errors=True)
+
+
+def _write_rank_file(path: Path, payload: dict) -> int:
+    part = path.with_name(f".{path.name}.part")
+    try:
+        with writing(path, "checkpoint file"):
+            with open(part, "wb") as f:  # a file object: a full disk raises OSError(ENOSPC), not a C++ enforce
+                torch.save(payload, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(part, path)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+    return path.stat().st_size
+
+
+def save_checkpoint(run_dir: Path, state: TrainState, learner_state: dict, *, rank: int, keep: int,
+                    fingerprint: dict | None = None) -> Path:
+    """Write checkpoint `step_{state.step}` (every rank calls this; see the module docstring)."""
+    ckpt_root = run_dir / "checkpoints"
+    name = f"step_{state.step:06d}"
+    final, tmp = ckpt_root / name, ckpt_root / f"{name}.tmp"
+    _, world = _world()
+    err = None
+    if rank == 0:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            with writing(tmp, "checkpoint directory"):
+                tmp.mkdir(parents=True)
+        except Exception as e:
+            err = e
+    agree(err, f"creating {tmp}")
+    err, size = None, None
+    payload = {"learner": learner_state, "rng": rng_state(), "train_state": asdict(state)}
+    try:
+        size = _write_rank_file(tmp / f"rank_{rank:05d}.pt", payload)
+    except Exception as e:
+        err = e
+    sizes = _gather(size)
+    try:
+        agree(err, f"writing checkpoint {name}")
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    err = None
+    if rank == 0:
+        try:
+            meta = {"train_state": asdict(state), "world_size": world,
+                    "rank_files": {f"rank_{r:05d}.pt": s for r, s in enumerate(sizes)}, "fingerprint": fingerprint}
+            with writing(tmp / META, "checkpoint meta"):
+                atomic_write_text(tmp / META, json.dumps(meta, indent=1))
+            if final.exists():  # the same step saved again: swap, never leave `latest` dangling
+                trash = Path(tempfile.mkdtemp(prefix=f".{name}.old-", dir=ckpt_root))
+                os.replace(final, trash / name)
+                os.replace(tmp, final)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+            with writing(ckpt_root / "latest", "checkpoint pointer"):
+                atomic_write_text(ckpt_root / "latest", name + "\n")
+            _rotate(ckpt_root, state.step, keep)
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            err = e
+    agree(err, f"finishing checkpoint {name}")
+    return final
+
+
+# --------------------------------------------------------------------------- resume
+
+def _incompatibility(path: Path, saved: dict | None, current: dict) -> str | None:
+    """A message when the checkpoint's fingerprint differs from this run's in a way that cannot resume."""
+    if not saved:
+        return None  # written before fingerprints: the weight shapes are checked on load
+    for key, how in _MUST_MATCH.items():
+        if key in saved and saved[key] != current[key]:
+            return (f"--resume: checkpoint {str(path)!r} was written with {key}={saved[key]}, this run has "
+                    f"{key}={current[key]}; resume with the same value ({how}) or start a new --run-dir")
+    old, new = saved.get("model") or {}, current["model"]
+    diff = [f"{k} {old[k]} -> {new[k]}" for k in GEOMETRY_KEYS if k in old and old[k] != new[k]]
+    if diff:
+        return (f"--resume: checkpoint {str(path)!r} holds another model geometry ({', '.join(diff)}); resume "
+                f"with the model it was trained from (model.path / model.tiny) or start a new --run-dir")
+    return None
+
+
+def _read_candidate(path: Path, rank: int) -> tuple[str | None, dict | None, dict | None]:
+    """(problem, meta, payload) for this rank's part of checkpoint `path`; problem None when usable."""
+    try:
+        meta = json.loads((path / META).read_text())
+        assert isinstance(meta, dict) and "train_state" in meta
+    except FileNotFoundError:
+        return f"{META} is missing (the save did not finish)", None, None
+    except (OSError, ValueError, AssertionError) as e:
+        return f"{META} is unreadable ({type(e).__name__})", None, None
     f = path / f"rank_{rank:05d}.pt"
     if not f.is_file():
-        raise ValueError(f"checkpoint {path} lacks {f.name}; it is incomplete — delete it or resume from an older one")
-    payload = torch.load(f, map_location="cpu", weights_only=False)
-    return TrainState(**payload["train_state"]), payload["learner"], payload["rng"]
+        return f"{f.name} is missing", meta, None
+    expected = (meta.get("rank_files") or {}).get(f.name)
+    if expected is not None and f.stat().st_size != expected:
+        return f"{f.name} is truncated ({f.stat().st_size} of {expected} bytes)", meta, None
+    try:
+        payload = torch.load(f, map_location="cpu", weights_only=False)
+        assert isinstance(payload, dict) and {"learner", "rng", "train_state"} <= set(payload)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return f"{f.name} is unreadable, truncated or corrupt ({first[:120]})", meta, None
+    return None, meta, payload
+
+
+def resume(run_dir: Path, *, learner, fingerprint: dict, params_finite: Callable[[], bool],
+           warn: Callable[[str], None]) -> TrainState | None:
+    """Load the newest intact checkpoint of `run_dir` into `learner` and the RNGs (every rank).
+
+    Returns its `TrainState`, or None when the run directory has no checkpoint at all. Raises
+    ValueError for an incompatible run or when no candidate is intact (see the module docstring).
+    `params_finite()` (collective) checks the loaded weights; `warn` prints one line on rank 0.
+    """
+    rank, world = _world()
+    candidates = checkpoint_candidates(run_dir)
+    if not candidates:
+        dirs = step_dirs(run_dir)
+        if not dirs:
+            return None
+        raise ValueError(f"--resume: {str(run_dir / 'checkpoints' / 'latest')!r} names {_latest_name(run_dir)}, which "
+                         f"does not exist, and the other checkpoints ({', '.join(p.name for p in dirs.values())}) are "
+                         f"newer than it: leftovers of an earlier run. Move them away, or start afresh with --overwrite")
+    rejected = []
+    for i, path in enumerate(candidates):
+        problem, meta, payload = _read_candidate(path, rank)
+        if meta is not None:
+            if meta.get("world_size", world) != world:
+                raise ValueError(f"--resume: checkpoint {str(path)!r} was written by {meta['world_size']} processes, "
+                                 f"this run has {world}; resume with torchrun --nproc-per-node {meta['world_size']}")
+            incompatible = _incompatibility(path, meta.get("fingerprint"), fingerprint)
+            if incompatible:
+                raise ValueError(incompatible)
+        if problem is None:
+            try:
+                learner.load_state_dict(payload["learner"])
+            except (RuntimeError, KeyError, ValueError) as e:
+                first = str(e).strip().splitlines()
+                problem = (f"rank_{rank:05d}.pt does not fit this model ({' '.join(first[:2])[:200]}); it was "
+                           f"written for another model geometry or code version")
+        problems = [(r, p) for r, p in enumerate(_gather(problem)) if p is not None]
+        if not problems and not params_finite():
+            problems = [(None, "its weights contain NaN/Inf (bit rot or a diverged run)")]
+        if not problems:
+            set_rng_state(payload["rng"])
+            fields = {f.name for f in dataclasses.fields(TrainState)}
+            state = TrainState(**{k: v for k, v in payload["train_state"].items() if k in fields})
+            if rejected:
+                warn(f"resuming from {path.name} (step {state.step}) instead: {'; '.join(rejected)}")
+            return state
+        r, why = problems[0]
+        rejected.append(f"{path.name} is unusable: {why}" + ("" if r is None or world == 1 else f" (rank {r})"))
+        payload = None
+    raise ValueError(f"--resume: no intact checkpoint in {str(run_dir / 'checkpoints')!r}: {'; '.join(rejected)}. "
+                     f"Start afresh with --overwrite (the old run directory is moved aside) or another --run-dir")

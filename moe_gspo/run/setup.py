@@ -1,13 +1,16 @@
 """Building a run: distributed grid, policy (Megatron learner + rollout engine), tokenizer, task.
 
-The rollout engine is data-parallel: every rank owns an engine that samples for its own share of the
-prompts; after each update it receives the full HF-named weights (experts all-gathered over EP).
+The rollout engine is data-parallel: every rank owns an engine (a vLLM engine may span
+`rollout.tensor_parallel_size` consecutive ranks) that samples for its own share of the prompts; after
+each update it receives the learner's weights as a stream, one layer at a time (experts all-gathered
+over EP per layer, `Learner.hf_weight_stream`).
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -66,7 +69,19 @@ def _hf_config_and_tokenizer(cfg: Config):
         tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    check_tokenizer_fits(tok, hf_config, tokenizer_dir=cfg.model.tokenizer or cfg.model.path or "the shipped tiny tokenizer",
+                         model=cfg.model.path or f"the tiny model (model.tiny={cfg.model.tiny})")
     return hf_config, tok
+
+
+def check_tokenizer_fits(tok, hf_config, *, tokenizer_dir: str, model: str) -> None:
+    """A ValueError naming both when the tokenizer has ids the model's embedding cannot hold."""
+    num_tokens = len(tok)
+    if num_tokens > hf_config.vocab_size:
+        raise ValueError(
+            f"tokenizer {tokenizer_dir!r} has {num_tokens} tokens but model {model!r} has vocab_size="
+            f"{hf_config.vocab_size}: its ids would index past the embedding. Use the model's own tokenizer "
+            f"(model.tokenizer=null) or a model trained with this tokenizer")
 
 
 def init_run(cfg: Config) -> ParallelInfo:
@@ -79,7 +94,7 @@ def init_run(cfg: Config) -> ParallelInfo:
 
         num_experts = load_hf_config(cfg.model.path).num_experts  # config only; weights load later
     info = init_distributed(ep_size=cfg.parallel.expert_parallel_size, num_experts=num_experts,
-                            seed=cfg.train.seed)
+                            seed=cfg.train.seed, timeout_s=cfg.parallel.collective_timeout_s)
     groups = cfg.rollout.prompts_per_step
     if groups % info.dp_size:
         raise ValueError(
@@ -89,18 +104,29 @@ def init_run(cfg: Config) -> ParallelInfo:
     return info
 
 
-def build_engine(cfg: Config, hf_model_or_dir, tokenizer):
-    if cfg.rollout.engine == "vllm":
+def build_engine(cfg: Config, hf_model_or_dir, tokenizer, *, load_weights: bool = True):
+    """The rollout engine of `cfg.rollout` on a checkpoint directory or an in-memory HF model.
+
+    vLLM: a directory is loaded by vLLM itself, unless `load_weights=False` (random weights: the
+    caller syncs the learner's weights before sampling, as `moe_gspo.train` does); an in-memory model
+    (the tiny default) always starts from random weights in a temporary directory holding its config.
+    """
+    r = cfg.rollout
+    if r.engine == "vllm":
         from moe_gspo.rollout.vllm_engine import VLLMEngine
 
-        if not isinstance(hf_model_or_dir, str):
-            raise ValueError("rollout.engine=vllm needs model.path (a checkpoint directory vLLM can load)")
-        return VLLMEngine(hf_model_or_dir, dtype=cfg.rollout.dtype, seed=cfg.train.seed,
-                          gpu_memory_utilization=cfg.rollout.gpu_memory_utilization)
+        kw = dict(eos_token_ids=tokenizer.eos_token_id, dtype=r.dtype, seed=cfg.train.seed,
+                  record_routes=r.record_routes, tensor_parallel_size=r.tensor_parallel_size,
+                  max_model_len=r.max_model_len,
+                  kv_cache_bytes=None if r.kv_cache_gib is None else int(r.kv_cache_gib * 2**30),
+                  gpu_memory_utilization=r.gpu_memory_utilization, sleep_level=r.sleep_level)
+        if isinstance(hf_model_or_dir, (str, Path)):
+            return VLLMEngine(hf_model_or_dir, load_weights=load_weights, **kw)
+        return VLLMEngine.from_hf_config(hf_model_or_dir.config, **kw)
     from moe_gspo.rollout.hf_engine import HFEngine
 
-    return HFEngine(hf_model_or_dir, dtype=cfg.rollout.dtype, record_routes=cfg.rollout.record_routes,
-                    record_probs=cfg.rollout.record_probs, pad_token_id=tokenizer.pad_token_id,
+    return HFEngine(hf_model_or_dir, dtype=r.dtype, record_routes=r.record_routes,
+                    record_probs=r.record_probs, pad_token_id=tokenizer.pad_token_id,
                     eos_token_id=tokenizer.eos_token_id)
 
 
@@ -131,6 +157,6 @@ def build_policy(cfg: Config, info: ParallelInfo) -> Policy:
         engine_src = cfg.model.path
     learner = Learner(model, hf_config, parallel=info, algo=cfg.algo, train=cfg.train,
                       replay=ReplayMode(cfg.algo.routing_replay), recompute=cfg.model.recompute)
-    engine = build_engine(cfg, engine_src, tok)
+    engine = build_engine(cfg, engine_src, tok, load_weights=False)  # moe_gspo.train syncs before step 0
     return Policy(hf_config=hf_config, tokenizer=tok, learner=learner, engine=engine,
                   num_experts=hf_config.num_experts, layer_ids=moe_layer_ids(hf_config))

@@ -25,10 +25,19 @@ def _jsonable(v: Any) -> Any:
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write through a temporary sibling and rename; on any failure (a full disk: a ValueError
+    naming `path`) the temporary file is removed and `path` is unchanged."""
+    from moe_gspo.run.errors import writing
+
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        with writing(path, "file"):
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def truncate_metrics(path: Path, keep_before_step: int) -> None:
@@ -57,7 +66,7 @@ class MetricsSink:
         if not enabled:
             return
         truncate_metrics(self.path, start_step)
-        self._file = self.path.open("a", encoding="utf-8")
+        self.path.touch()
         if wandb_mode != "disabled":
             os.environ.setdefault("WANDB_SILENT", "true")
             import wandb
@@ -68,10 +77,25 @@ class MetricsSink:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        from moe_gspo.run.errors import writing
+
         rec = {"step": step, **{k: _jsonable(v) for k, v in sorted(metrics.items())}}
-        self._file.write(json.dumps(rec) + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        data = memoryview((json.dumps(rec) + "\n").encode())
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)  # no descriptor held between steps
+        end = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            with writing(self.path, "metrics"):
+                while data:
+                    data = data[os.write(fd, data):]
+                os.fsync(fd)
+        except BaseException:  # no torn line left behind (a full disk, an interrupt)
+            try:
+                os.ftruncate(fd, end)
+            except OSError:
+                pass
+            raise
+        finally:
+            os.close(fd)
         if self._wandb is not None:
             scalars = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step"}
             for k, v in rec.items():  # per-layer lists become layer-indexed scalars
@@ -82,6 +106,5 @@ class MetricsSink:
     def close(self) -> None:
         if not self.enabled:
             return
-        self._file.close()
         if self._wandb is not None:
             self._wandb.finish()

@@ -12,6 +12,7 @@ from moe_gspo.algos import group_advantages
 from moe_gspo.config import Config
 from moe_gspo.mcore.parallel import ParallelInfo
 from moe_gspo.rollout.base import RolloutSample, SamplingParams
+from moe_gspo.run.errors import writing
 from moe_gspo.run.setup import Policy, derive_seed
 from moe_gspo.tasks import Prompt, Task
 
@@ -21,17 +22,39 @@ def step_prompts(task: Task, cfg: Config, consumed: int) -> list[Prompt]:
     return task.prompts(consumed, cfg.rollout.prompts_per_step, cfg.train.seed)
 
 
+def rollout_share(info: ParallelInfo, tensor_parallel_size: int = 1) -> tuple[int, int]:
+    """(index, count) of this rank's rollout engine: each engine samples `1/count` of the prompts.
+
+    Every data-parallel rank has its own engine, except that a tensor-parallel vLLM engine spans
+    `tensor_parallel_size` consecutive ranks, which must sample the same prompts with the same seed.
+    """
+    tp = max(1, int(tensor_parallel_size))
+    if tp == 1:
+        return info.dp_rank, info.dp_size
+    assert info.world_size == info.dp_size and info.world_size % tp == 0, (info, tp)
+    return info.rank // tp, info.world_size // tp
+
+
 def rollout(policy: Policy, prompts: list[Prompt], cfg: Config, info: ParallelInfo, step: int) -> list[RolloutSample]:
-    """Data-parallel sampling: each rank generates whole groups for its share of `prompts`, then every
+    """Data-parallel sampling: each engine generates whole groups for its share of `prompts`, then every
     rank receives the global batch (the learner takes the same global batch on every rank)."""
-    per_rank = len(prompts) // info.dp_size
-    mine = prompts[info.dp_rank * per_rank:(info.dp_rank + 1) * per_rank]
+    r = cfg.rollout
+    share, num_shares = rollout_share(info, r.tensor_parallel_size if r.engine == "vllm" else 1)
+    per_rank = len(prompts) // num_shares
+    mine = prompts[share * per_rank:(share + 1) * per_rank]
     tok = policy.tokenizer
     ids = [tok(p.text, add_special_tokens=False)["input_ids"] for p in mine]
-    r = cfg.rollout
     sampling = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
-                              max_new_tokens=r.max_new_tokens, seed=derive_seed(cfg.train.seed, step, info.dp_rank))
-    return gather_samples(policy.engine.generate(ids, sampling), info, prompt_offset=info.dp_rank * per_rank)
+                              max_new_tokens=r.max_new_tokens, seed=derive_seed(cfg.train.seed, step, share))
+    try:
+        local = policy.engine.generate(ids, sampling)
+    except RuntimeError as e:
+        if "probability tensor contains" not in str(e):
+            raise
+        raise ValueError(f"step {step}: the rollout engine's next-token probabilities are NaN/Inf: the policy "
+                         f"weights overflow in rollout.dtype={r.dtype}. Lower train.lr (now {cfg.train.lr:g}) or set "
+                         f"train.grad_clip > 0, then --resume from an earlier checkpoint") from None
+    return gather_samples(local, info, prompt_offset=share * per_rank)
 
 
 def gather_samples(samples: list[RolloutSample], info: ParallelInfo, *, prompt_offset: int) -> list[RolloutSample]:
@@ -79,8 +102,10 @@ def sample_metrics(rewards: torch.Tensor, samples: list[RolloutSample]) -> dict:
 
 
 def save_step_traces(run_dir: Path, step: int, policy: Policy, samples, batch, old, new,
-                     rewards: torch.Tensor) -> None:
-    """Routing traces (rollout / learner / updated learner) and log-probs of the step's global batch."""
+                     rewards: torch.Tensor, *, replayed_logp_BS: torch.Tensor | None = None) -> None:
+    """Routing traces (rollout / learner natural routing / updated learner, when measured) and
+    log-probs of the step's global batch; under R3 also `learner_replayed_logp` (the pass replaying
+    the rollout routes, the loss's pi_old)."""
     from moe_gspo.routing.trace import RoutingTrace, save_trace
 
     out = run_dir / "traces"
@@ -94,10 +119,17 @@ def save_step_traces(run_dir: Path, step: int, policy: Policy, samples, batch, o
             continue
         trace = RoutingTrace.from_samples(routes, plens, rlens, num_experts=policy.num_experts,
                                           layer_ids=policy.layer_ids, meta={"source": name, "step": step})
-        save_trace(out / f"step_{step:06d}_{name}.npz", trace)
+        with writing(out / f"step_{step:06d}_{name}.npz", "routing trace"):
+            save_trace(out / f"step_{step:06d}_{name}.npz", trace)
     mask = batch.response_mask_BS.bool()
     tmp = out / f".step_{step:06d}_logprobs.tmp.npz"
-    np.savez(tmp, rollout_logp=batch.rollout_logp_BS[mask].float().numpy(),
-             learner_logp=old.logp_BS[mask].float().cpu().numpy(),
-             response_lens=np.asarray(rlens, np.int32), rewards=rewards.numpy().astype(np.float32))
-    tmp.replace(out / f"step_{step:06d}_logprobs.npz")
+    extra = {} if replayed_logp_BS is None else {"learner_replayed_logp": replayed_logp_BS[mask].float().cpu().numpy()}
+    try:
+        with writing(out / f"step_{step:06d}_logprobs.npz", "log-probs trace"):
+            np.savez(tmp, rollout_logp=batch.rollout_logp_BS[mask].float().numpy(),
+                     learner_logp=old.logp_BS[mask].float().cpu().numpy(),
+                     response_lens=np.asarray(rlens, np.int32), rewards=rewards.numpy().astype(np.float32), **extra)
+            tmp.replace(out / f"step_{step:06d}_logprobs.npz")
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -15,20 +15,31 @@ from moe_gspo.tasks.base import Prompt, Task
 from moe_gspo.tasks.math_answer import math_reward
 
 
+def iter_text_lines(p: Path):
+    """(line number, text) for each line of a UTF-8 file; a line that is not valid UTF-8 raises one
+    ValueError naming the file, line and byte."""
+    with p.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{p}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                                 "save the file as UTF-8") from None
+
+
 def iter_prompt_objects(p: Path):
     """(line number, object) for each non-blank line of a JSONL file; every object has a string
     `prompt`. A malformed line raises one ValueError naming the file and line."""
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                raise ValueError(f"{p}:{lineno}: needs a string field 'prompt'")
-            yield lineno, obj
+    for lineno, line in iter_text_lines(p):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+            raise ValueError(f"{p}:{lineno}: needs a string field 'prompt'")
+        yield lineno, obj
 
 
 def read_prompt_file(path: str | Path) -> list[Prompt]:

@@ -47,17 +47,13 @@ def test_gspo_hand_values(algo):
     assert m["loss/policy"].item() == pytest.approx(-2.6 / 3)
     assert m["loss/total"].item() == pytest.approx(-2.6 / 3)
     assert "loss/kl" not in m
-    # clipped tokens: seq 0 (2 tokens) and seq 1 (2 tokens) of 5; sequences 2 of 3
+    # binding clips: seq 0 (2 tokens, high, A > 0) and seq 1 (2 tokens, low, A < 0) of 5 tokens;
+    # sequences 2 of 3; here every out-of-range sequence binds
     assert m["clip/token_frac"].item() == pytest.approx(4 / 5)
     assert m["clip/seq_frac"].item() == pytest.approx(2 / 3)
-    if algo == "gspo":  # units = sequences: 1 low (seq 1), 1 high (seq 0), both binding
-        assert m["clip/frac_low"].item() == pytest.approx(1 / 3)
-        assert m["clip/frac_high"].item() == pytest.approx(1 / 3)
-        assert m["clip/frac_binding"].item() == pytest.approx(2 / 3)
-    else:  # units = tokens: seq 1's 2 tokens low, seq 0's 2 tokens high, of 5
-        assert m["clip/frac_low"].item() == pytest.approx(2 / 5)
-        assert m["clip/frac_high"].item() == pytest.approx(2 / 5)
-        assert m["clip/frac_binding"].item() == pytest.approx(4 / 5)
+    assert m["clip/token_frac_low"].item() == pytest.approx(2 / 5)
+    assert m["clip/token_frac_high"].item() == pytest.approx(2 / 5)
+    assert m["clip/out_of_range_frac"].item() == pytest.approx(4 / 5)
 
 
 def test_grpo_hand_values_seq_mean():
@@ -72,11 +68,47 @@ def test_grpo_hand_values_seq_mean():
     expected = torch.zeros(3, 3, dtype=torch.float64)
     expected[1, 0], expected[2, 0] = 1 / 6, -2.2 / 3
     torch.testing.assert_close(_grad(loss, logp), expected)
-    assert m["clip/frac_low"].item() == pytest.approx(1 / 5)  # 0.25
-    assert m["clip/frac_high"].item() == pytest.approx(2 / 5)  # 1.5, 1.5
-    assert m["clip/frac_binding"].item() == pytest.approx(3 / 5)
+    assert m["clip/token_frac_low"].item() == pytest.approx(1 / 5)  # 0.25 with A < 0
+    assert m["clip/token_frac_high"].item() == pytest.approx(2 / 5)  # 1.5, 1.5 with A > 0
     assert m["clip/token_frac"].item() == pytest.approx(3 / 5)
+    assert m["clip/out_of_range_frac"].item() == pytest.approx(3 / 5)
     assert m["clip/seq_frac"].item() == pytest.approx(2 / 3)
+
+
+def _mixed_sign_batch():
+    """Four sequences of 2 tokens, clip range [0.8, 1.2], every ratio out of range on a chosen side:
+    seq 0: lr [ln1.5, ln1.5]   A = +1  (ratio high, A > 0: binds)
+    seq 1: lr [ln1.5, ln1.5]   A = -1  (ratio high, A < 0: not clipped, the gradient flows)
+    seq 2: lr [ln0.5, ln0.5]   A = +1  (ratio low, A > 0: not clipped)
+    seq 3: lr [ln0.25, 0]      A = -1  (GSPO s = 0.5, low with A < 0: binds; GRPO: only token 0 binds)"""
+    old = torch.full((4, 2), -1.0, dtype=torch.float64)
+    lr = torch.tensor([[LN(1.5), LN(1.5)], [LN(1.5), LN(1.5)], [LN(0.5), LN(0.5)], [LN(0.25), 0.0]],
+                      dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
+    return (old + lr).requires_grad_(True), old, adv, torch.ones(4, 2, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_binding_clip_fraction_on_mixed_signs(algo):
+    logp, old, adv, mask = _mixed_sign_batch()
+    loss, m = policy_loss(algo, logp, old, adv, mask, **CLIP)
+    if algo == "grpo":
+        # token ratios [1.5 1.5 | 1.5 1.5 | .5 .5 | .25 1]: binding (0,0) (0,1) high, (3,0) low
+        expected = dict(token_frac=3 / 8, token_frac_low=1 / 8, token_frac_high=2 / 8, seq_frac=2 / 4,
+                        out_of_range_frac=7 / 8, out_of_range_frac_low=3 / 8, out_of_range_frac_high=4 / 8)
+        # seq terms: [1.2, -1.5, 0.5, (-0.8 + -1)/2]: objective (1.2 - 1.5 + 0.5 - 0.9) / 4
+        assert loss.item() == pytest.approx(0.7 / 4)
+    else:
+        # sequence ratios [1.5, 1.5, 0.5, 0.5]: seqs 0 and 3 bind (4 tokens), all 8 tokens out of range
+        expected = dict(token_frac=4 / 8, token_frac_low=2 / 8, token_frac_high=2 / 8, seq_frac=2 / 4,
+                        out_of_range_frac=1.0, out_of_range_frac_low=4 / 8, out_of_range_frac_high=4 / 8)
+        # terms min(sA, clip(s)A): [1.2, -1.5, 0.5, -0.8] -> objective -0.6 / 4
+        assert loss.item() == pytest.approx(0.6 / 4)
+    for key, value in expected.items():
+        assert m[f"clip/{key}"].item() == pytest.approx(value), key
+    # the non-binding out-of-range sequences (1, 2) are exactly the ones with gradient
+    grad = _grad(loss, logp)
+    assert (grad[0] == 0).all() and (grad[1] != 0).all() and (grad[2] != 0).all()
 
 
 def test_grpo_hand_values_token_mean():
@@ -151,11 +183,46 @@ def test_gspo_token_equals_gspo_in_value_and_gradient(max_log_ratio, per_token_a
     tok_adv = adv[:, None].expand_as(logp).clone() if per_token_adv else adv
     loss_tok, m_tok = policy_loss("gspo_token", logp, old, tok_adv, mask, **kwargs)
     # clipping binds on some sequences and not on others, so both branches are exercised
-    assert 0.0 < m_seq["clip/frac_binding"].item() < 1.0
+    assert 0.0 < m_seq["clip/seq_frac"].item() < 1.0
     torch.testing.assert_close(loss_tok, loss_seq, rtol=0, atol=1e-12)
     torch.testing.assert_close(_grad(loss_tok, logp), _grad(loss_seq, logp), rtol=0, atol=1e-12)
     assert m_tok["clip/seq_frac"].item() == m_seq["clip/seq_frac"].item()
     assert m_tok["clip/token_frac"].item() == m_seq["clip/token_frac"].item()
+
+
+def test_is_weights_hand_values():
+    """Rollout-correction weights multiply each token's clipped term (gspo: its sequence term by the
+    mean weight of its tokens). Hand batch terms: grpo [1.2, 1.2 | -1, -0.8 | 2.2], gspo [1.2 | -0.8 | 2.2]."""
+    logp, old, adv, mask = _hand_batch()
+    w = torch.tensor([[2.0, 0.5, NAN], [1.0, 3.0, INF], [0.5, NAN, NAN]], dtype=torch.float64)
+    loss, m = policy_loss("grpo", logp, old, adv, mask, is_weights_BT=w, **CLIP)
+    # seq means [(2.4 + 0.6)/2, (-1 - 2.4)/2, 1.1] = [1.5, -1.7, 1.1] -> objective 0.9/3
+    assert loss.item() == pytest.approx(-0.9 / 3)
+    expected = torch.zeros(3, 3, dtype=torch.float64)
+    expected[1, 0], expected[2, 0] = 1 / 6, -(1 / 3) * 0.5 * 2 * 1.1  # token (1,0) weight 1; (2,0) weight 0.5
+    torch.testing.assert_close(_grad(loss, logp), expected)
+    assert m["clip/token_frac"].item() == pytest.approx(3 / 5)  # the weights do not change clipping
+    for algo in ("gspo", "gspo_token"):
+        loss, _ = policy_loss(algo, logp, old, adv, mask, is_weights_BT=w, **CLIP)
+        # [1.2 * mean(2, 0.5), -0.8 * mean(1, 3), 2.2 * 0.5] = [1.5, -1.6, 1.1] -> 1.0 / 3
+        assert loss.item() == pytest.approx(-1.0 / 3), algo
+
+
+def test_gspo_token_equals_gspo_with_sequence_weights_only():
+    logp, old, adv, mask = _random_batch(8, num_seqs=6, num_cols=5, noise=0.3)
+    kwargs = dict(clip_low=0.05, clip_high=0.08)
+    gen = torch.Generator().manual_seed(0)
+    seq_w = (0.5 + torch.rand(6, 1, generator=gen, dtype=torch.float64)).expand(6, 5)
+    tok_w = 0.5 + torch.rand(6, 5, generator=gen, dtype=torch.float64)
+    l_seq, _ = policy_loss("gspo", logp, old, adv, mask, is_weights_BT=seq_w, **kwargs)
+    l_tok, _ = policy_loss("gspo_token", logp, old, adv, mask, is_weights_BT=seq_w, **kwargs)
+    torch.testing.assert_close(l_tok, l_seq, rtol=0, atol=1e-12)
+    torch.testing.assert_close(_grad(l_tok, logp), _grad(l_seq, logp), rtol=0, atol=1e-12)
+    # token-level weights: same value, but GSPO-token gives token t's gradient its own weight
+    l_seq, _ = policy_loss("gspo", logp, old, adv, mask, is_weights_BT=tok_w, **kwargs)
+    l_tok, _ = policy_loss("gspo_token", logp, old, adv, mask, is_weights_BT=tok_w, **kwargs)
+    torch.testing.assert_close(l_tok, l_seq, rtol=0, atol=1e-12)
+    assert not torch.allclose(_grad(l_tok, logp), _grad(l_seq, logp))
 
 
 def _ppo_clip_reference(logp, old, adv, mask, clip_low, clip_high, token_mean):
@@ -180,7 +247,7 @@ def _ppo_clip_reference(logp, old, adv, mask, clip_low, clip_high, token_mean):
 def test_grpo_equals_per_token_ppo_clip(aggregation):
     logp, old, adv, mask = _random_batch(3, noise=0.4)
     loss, m = policy_loss("grpo", logp, old, adv, mask, clip_low=0.1, clip_high=0.15, aggregation=aggregation)
-    assert 0.0 < m["clip/frac_binding"].item() < 1.0
+    assert 0.0 < m["clip/token_frac"].item() < 1.0
     ref = _ppo_clip_reference(logp, old, adv, mask, 0.1, 0.15, aggregation == "token_mean")
     torch.testing.assert_close(loss, ref)
     torch.testing.assert_close(_grad(loss, logp), torch.nan_to_num(_grad(ref, logp)))

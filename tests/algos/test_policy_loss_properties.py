@@ -71,16 +71,20 @@ def test_clipping_never_raises_the_objective(batch, algo, narrow, widen):
         unclipped = torch.where(mask, torch.exp(lr), 0.0).sum(-1) / lengths * adv
     expected_free = -unclipped[valid].mean().item() if valid.any() else 0.0
     assert loss_free.item() == pytest.approx(expected_free, abs=1e-9)
-    # the clip metrics are consistent with the ratios
-    if algo == "gspo":
-        units = torch.exp(lr.sum(-1) / lengths)[valid]
-    else:
-        units = torch.exp(lr)[mask] if algo == "grpo" else torch.exp(lr.sum(-1) / lengths)[:, None].expand_as(lr)[mask]
+    # the clip metrics are consistent with the ratios: per valid token (for gspo / gspo_token the
+    # sequence ratio of its sequence), binding = outside the range on the side where A pushes
+    tok_ratio = torch.exp(lr) if algo == "grpo" else torch.exp(lr.sum(-1) / lengths)[:, None].expand_as(lr)
+    tok_adv = adv[:, None].expand_as(lr)
+    units, adv_t = tok_ratio[mask], tok_adv[mask]
     count = max(units.numel(), 1)
-    assert m["clip/frac_low"].item() == pytest.approx((units < 1 - low).sum().item() / count)
-    assert m["clip/frac_high"].item() == pytest.approx((units > 1 + high).sum().item() / count)
-    assert m["clip/frac_binding"].item() <= m["clip/frac_low"].item() + m["clip/frac_high"].item() + 1e-12
-    assert 0.0 <= m["clip/token_frac"].item() <= 1.0
+    below, above = units < 1 - low, units > 1 + high
+    assert m["clip/out_of_range_frac_low"].item() == pytest.approx(below.sum().item() / count)
+    assert m["clip/out_of_range_frac_high"].item() == pytest.approx(above.sum().item() / count)
+    assert m["clip/token_frac_low"].item() == pytest.approx((below & (adv_t < 0)).sum().item() / count)
+    assert m["clip/token_frac_high"].item() == pytest.approx((above & (adv_t > 0)).sum().item() / count)
+    assert m["clip/token_frac"].item() <= m["clip/out_of_range_frac"].item() + 1e-12
+    assert m["clip/token_frac"].item() == pytest.approx(m["clip/token_frac_low"].item()
+                                                        + m["clip/token_frac_high"].item())
     assert (m["clip/token_frac"].item() == 0.0) == (m["clip/seq_frac"].item() == 0.0)
 
 

@@ -53,7 +53,8 @@ def test_comparison_report(tmp_path):
     for p in paths.figures:
         assert_real_png(p)
     md = paths.markdown.read_text()
-    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in md.splitlines()
+    arms_table = md.split("## Train-inference mismatch")[0]
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in arms_table.splitlines()
             if line.startswith("| gspo-none") or line.startswith("| grpo-r2")}
     assert rows["gspo-none"][1] == "2/2" and rows["grpo-r2"][1] == "2/3"
     finals = [_final_reward(tmp_path / f"gspo-none-s{s}") for s in (0, 1)]
@@ -72,5 +73,26 @@ def test_comparison_of_degenerate_runs(tmp_path):
                 ArmRun("a", 1, write_degenerate_run(tmp_path / "a-s1", None))]
     paths = build_comparison(arm_runs, tmp_path / "comparison")
     assert len(paths.figures) == len(COMPARE_FIGURES) and paths.skipped == []
-    row = [l for l in paths.markdown.read_text().splitlines() if l.startswith("| a |")][0]
+    row = [l for l in paths.markdown.read_text().splitlines() if l.startswith("| a |")][0]  # arms table first
     assert "0 ± 0" in row  # the null seed has no finite reward; the zero seed gives 0
+
+
+def test_mismatch_table_shows_natural_and_replayed_side_by_side(tmp_path):
+    arm_runs = []
+    for arm, replayed in (("grpo-none", None), ("grpo-r3", 2e-4)):
+        d = tmp_path / f"{arm}-s0"
+        d.mkdir()
+        with open(d / "metrics.jsonl", "w") as f:
+            for step in range(4):
+                rec = {"step": step, "reward/mean": 0.5, "mismatch/k3_kl": 1e-3 * (step + 1)}
+                if replayed is not None:
+                    rec["mismatch_replayed/k3_kl"] = replayed if step != 2 else None  # a null step
+                f.write(json.dumps(rec) + "\n")
+        arm_runs.append(ArmRun(arm, 0, d))
+    paths = build_comparison(arm_runs, tmp_path / "comparison")
+    md = paths.markdown.read_text()
+    rows = {line.split(" | ")[0].strip("| "): [c.strip(" |") for c in line.split(" | ")]
+            for line in md.split("## Train-inference mismatch")[1].splitlines() if line.startswith("| grpo-")}
+    assert rows["grpo-none"][1:3] == ["0.0025", "n/a"]
+    assert rows["grpo-r3"][1:3] == ["0.0025", "0.0002"]
+    assert "cmp_mismatch" in {p.stem for p in paths.figures}

@@ -123,3 +123,17 @@ def test_load_run_with_traces_only(tmp_path):
     (run_dir / "metrics.jsonl").unlink()
     run = load_run(run_dir)
     assert run.records == [] and len(run.traces) == len(TRACE_STEPS)
+
+
+def test_null_steps_are_left_out_of_means_not_counted_as_zero(tmp_path):
+    """A variance share of an empty subset is NaN, written as null: the headline mean skips it."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shares = [0.5, None, 0.7, float("nan")]
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        for step, v in enumerate(shares):
+            f.write(json.dumps({"step": step, "reward/mean": 0.1,
+                                "mismatch_ratio/token_var_share_flipped": v}).replace("NaN", "null") + "\n")
+    h = headline_numbers(load_run(run_dir).records)
+    assert h["flipped_var_share_mean"] == pytest.approx(0.6)
+    assert math.isnan(h["k3_kl_replayed_mean"])  # never logged

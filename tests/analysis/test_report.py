@@ -115,7 +115,7 @@ def test_truncated_last_line_still_builds(tmp_path, capsys):
 
 def test_missing_traces_and_metric_are_listed_as_skipped(tmp_path):
     run_dir = write_synthetic_run(tmp_path / "run", with_traces=False)
-    dropped = ("mismatch_ratio/token_var_flipped", "mismatch_ratio/token_var_agreed",
+    dropped = ("mismatch_ratio/token_var_share_flipped", "mismatch_ratio/flipped_token_frac",
                "mismatch_ratio/token_var")
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     (run_dir / "metrics.jsonl").write_text(

@@ -44,8 +44,9 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(dist):
             m = learner.train_step(batch, batch.rollout_logp_BS)
             after.append((learner.compute_logprobs(batch).logp_BS, m))
         # Adam's first step is ~lr * sign(grad), so weights can differ by up to ~lr where a gradient
-        # is ~0; the log-probs after the step are the meaningful comparison.
-        assert (after[0][0] - after[1][0]).abs().max() <= 1e-5
+        # is ~0; the log-probs after the step are the meaningful comparison (1.07e-5 measured with
+        # the head_dim-32 tiny geometry).
+        assert (after[0][0] - after[1][0]).abs().max() <= 3e-5
         assert after[0][1]["grad/norm"] == pytest.approx(after[1][1]["grad/norm"], rel=1e-5)
         assert after[0][1]["loss/total"] == pytest.approx(after[1][1]["loss/total"], rel=1e-5)
 
@@ -97,7 +98,7 @@ def test_gspo_steps_improve_the_objective(dist):
     assert all(b > a for a, b in zip(objectives, objectives[1:])), objectives
     assert objectives[-1] > objectives[0] + 0.3, objectives
     assert learner.num_updates == 6
-    for key in ("loss/policy", "loss/total", "clip/frac_low", "clip/token_frac", "ratio/seq_var", "train/lr"):
+    for key in ("loss/policy", "loss/total", "clip/token_frac_low", "clip/out_of_range_frac", "clip/token_frac", "ratio/seq_var", "train/lr"):
         assert key in metrics
 
 

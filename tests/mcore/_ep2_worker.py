@@ -89,6 +89,18 @@ def run_checks(out_dir: Path) -> dict:
             disk[name] = f.get_tensor(name)
     res["gather_per_expert_exact"] = set(per_expert) == set(disk) and all(
         torch.equal(per_expert[k], disk[k]) for k in disk)
+    # the rollout weight stream: per layer, experts gathered over EP, same tensors as the full gather
+    from moe_gspo.mcore.weight_stream import HFWeightStream
+
+    for layout, want in (("fused", sd), ("per_expert", disk)):
+        stream = HFWeightStream(model, layout=layout)
+        got = [(n, t.clone()) for n, t in stream]
+        res[f"stream_{layout}_exact"] = [n for n, _ in got] == [s.name for s in stream.specs] and \
+            set(want) == {n for n, _ in got} and all(torch.equal(t, want[n]) for n, t in got)
+        res[f"stream_{layout}_peak_bytes"] = stream.stats.peak_bucket_bytes
+        res[f"stream_{layout}_bytes"] = stream.stats.bytes_yielded
+    res["layer_expert_bytes"] = cfg.num_experts * 3 * cfg.moe_intermediate_size * cfg.hidden_size * 4
+    res["qkv_bytes"] = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim * cfg.hidden_size * 4
     all_sds = [None] * info.world_size
     dist.all_gather_object(all_sds, {k: v.detach().clone() for k, v in model.state_dict().items()
                                      if not k.endswith("_extra_state")})

@@ -57,3 +57,14 @@ def test_ep2_weights_gather_merge_and_save_are_exact(ep2_results):
         assert r["gather_fused_exact"] and r["gather_per_expert_exact"] and r["merge_per_rank_exact"]
         assert r["saved_missing_or_unexpected"] == []
         assert r["saved_logits_equal"]
+
+
+@pytest.mark.slow
+def test_ep2_weight_stream_gathers_one_layer_at_a_time(ep2_results):
+    for r in ep2_results:
+        assert r["stream_fused_exact"] and r["stream_per_expert_exact"]
+        for layout in ("fused", "per_expert"):
+            # peak of one bucket = this rank's half of a layer's experts staged + the gathered layer + q/k/v
+            want = r["layer_expert_bytes"] * 3 // 2 + r["qkv_bytes"]
+            assert r[f"stream_{layout}_peak_bytes"] == want
+            assert r[f"stream_{layout}_bytes"] > 2 * r["layer_expert_bytes"]  # the model: 2 MoE layers and more

@@ -56,8 +56,9 @@ def test_layout_of_each_megatron_tensor(hf_pair):
     k = fused["model.layers.0.self_attn.k_proj.weight"]
     v = fused["model.layers.0.self_attn.v_proj.weight"]
     qkv = mc["decoder.layers.0.self_attention.linear_qkv.weight"]
-    # 4 query heads in 2 groups: rows = [q0, q1, k0, v0, q2, q3, k1, v1], 16 rows each
-    expected = torch.cat([q[0:32], k[0:16], v[0:16], q[32:64], k[16:32], v[16:32]])
+    # 4 query heads in 2 groups: rows = [q0, q1, k0, v0, q2, q3, k1, v1], head_dim rows each
+    d = cfg.head_dim
+    expected = torch.cat([q[0:2 * d], k[0:d], v[0:d], q[2 * d:4 * d], k[d:2 * d], v[d:2 * d]])
     assert torch.equal(qkv, expected)
     gu = fused["model.layers.1.mlp.experts.gate_up_proj"][5]
     fc1 = mc["decoder.layers.1.mlp.experts.local_experts.5.linear_fc1.weight"]

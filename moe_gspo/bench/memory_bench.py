@@ -1,0 +1,240 @@
+"""Benchmark: measured GPU memory per phase of an RL step versus the memory plan (`moe_gspo.plan`).
+
+`python -m moe_gspo.bench.memory_bench [--variants dist,dist_offload] [--tolerance 0.15] [--json OUT]`
+builds a random Qwen3-MoE of ~2 B parameters (default geometry below) on the one GPU of this process
+(world size 1, EP=1, bf16, alltoall dispatcher, full recompute), a Megatron learner with the variant's
+optimizer options and the transformers rollout engine, then runs `--steps` RL steps on a synthetic batch
+of full-length sequences (rollout on the first step only; it is slow with the transformers engine) and
+records `torch.cuda.max_memory_allocated` for each phase:
+`rollout` (generate), `logprobs` (old-policy pass), `update` (`train_step`: forward, backward and
+optimizer step), `weight_sync` (learner -> engine).
+It prints, per variant and phase, the plan's counted memory (the phase total without the CUDA-runtime
+and fragmentation allowances, which `max_memory_allocated` does not see) next to the measurement, and
+exits 1 when a checked phase (`logprobs`, `update`) differs by more than `--tolerance`.
+`weight_sync` is reported, not checked: until issue 10's streamed sync lands, `Learner.hf_state_dict()`
+gathers the whole model, more than the plan's one-bucket transient.
+
+Variants: `dist` (distributed optimizer), `dist_offload` (+ precision-aware optimizer, CPU offload of
+the whole shard, overlapped D2H/H2D), `dist_offload_all` (+ `train.offload_during_rollout=all`),
+`nodist` (Megatron's non-distributed mixed-precision optimizer). Without CUDA the bench runs the tiny
+model on CPU (fp32, torch AdamW) to exercise the code path and prints the plan only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+
+import numpy as np
+
+VARIANTS = {
+    "dist": ["train.distributed_optimizer=true"],
+    "dist_offload": ["train.distributed_optimizer=true", "train.precision_aware_optimizer=true",
+                     "train.optimizer_cpu_offload=true", "train.optimizer_offload_fraction=1.0",
+                     "train.overlap_cpu_optimizer_d2h_h2d=true"],
+    "dist_offload_all": ["train.distributed_optimizer=true", "train.precision_aware_optimizer=true",
+                         "train.optimizer_cpu_offload=true", "train.optimizer_offload_fraction=1.0",
+                         "train.offload_during_rollout=all"],
+    "nodist": ["train.distributed_optimizer=false"],
+    "cpu": [],
+}
+CHECKED = ("logprobs", "update")
+
+
+def geometry_from_args(args) -> dict:
+    if args.tiny:
+        from moe_gspo.tiny import TINY_DEFAULTS
+
+        return dict(TINY_DEFAULTS)
+    return dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+                moe_intermediate_size=args.moe_intermediate, num_hidden_layers=args.layers,
+                num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=128,
+                num_experts=args.experts, num_experts_per_tok=args.top_k, norm_topk_prob=True,
+                decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=max(4096, args.seq_len),
+                rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+
+
+def run_config(args, variant: str, cuda: bool):
+    from moe_gspo.config import config_from_dict
+
+    prompt_len = max(2, args.seq_len // 4)
+    data = {
+        "model": {"params_dtype": "bfloat16" if cuda else "float32", "recompute": not args.no_recompute},
+        "parallel": {"expert_parallel_size": 1, "token_dispatcher": "alltoall" if cuda else "allgather"},
+        "rollout": {"engine": "hf", "dtype": "bfloat16" if cuda else "float32",
+                    "prompts_per_step": args.seqs // args.group, "samples_per_prompt": args.group,
+                    "max_new_tokens": args.seq_len - prompt_len, "max_model_len": args.seq_len},
+        "train": {"micro_batch_size": args.micro_batch, "num_minibatches": args.minibatches, "lr": 1e-5,
+                  "memory_check": "skip"},
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return config_from_dict(data, VARIANTS[variant]), prompt_len
+
+
+def synthetic_batch(args, vocab: int, prompt_len: int, seed: int):
+    from moe_gspo.learner.batch import PackedBatch
+    from moe_gspo.rollout.base import RolloutSample
+
+    rng = np.random.default_rng(seed)
+    samples = [RolloutSample(prompt_index=i // args.group, prompt_ids=rng.integers(3, vocab, prompt_len),
+                             response_ids=rng.integers(3, vocab, args.seq_len - prompt_len),
+                             response_logprobs=np.full(args.seq_len - prompt_len, -2.0, np.float32),
+                             finish_reason="length") for i in range(args.seqs)]
+    return PackedBatch.from_samples(samples, rng.standard_normal(args.seqs).astype(np.float32), pad_id=0)
+
+
+class PhaseMeter:
+    """Peak `torch.cuda.max_memory_allocated` per phase (max over repeats), in GiB; no-op on CPU."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.peaks = cuda, {}
+
+    def __call__(self, name: str, fn):
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        out = fn()
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peaks[name] = max(self.peaks.get(name, 0.0), torch.cuda.max_memory_allocated() / float(1 << 30))
+        return out
+
+
+def run_variant(args, variant: str, cuda: bool) -> dict:
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from moe_gspo.learner.learner import Learner
+    from moe_gspo.mcore.model import build_gpt_model
+    from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
+    from moe_gspo.plan import plan_for_config
+    from moe_gspo.plan.from_config import default_attention
+    from moe_gspo.rollout.base import SamplingParams
+    from moe_gspo.rollout.hf_engine import HFEngine
+
+    cfg, prompt_len = run_config(args, variant, cuda)
+    hf_config = Qwen3MoeConfig(**geometry_from_args(args))
+    gpu_mem = torch.cuda.get_device_properties(0).total_memory / float(1 << 30) if cuda else 80.0
+    plan = plan_for_config(cfg, num_gpus=1, gpu_mem_gib=gpu_mem, hf_config=hf_config, model_source="bench",
+                           attention=default_attention())
+    info = init_distributed(ep_size=1, num_experts=hf_config.num_experts, seed=0)
+    meter = PhaseMeter(cuda)
+    try:
+        dtype = torch.bfloat16 if cuda else torch.float32
+        model = build_gpt_model(hf_config, params_dtype=dtype, token_dispatcher=cfg.parallel.token_dispatcher,
+                                recompute=cfg.model.recompute)
+        learner = Learner(model, hf_config, parallel=info, algo=cfg.algo, train=cfg.train,
+                          recompute=cfg.model.recompute)
+        device = torch.device("cuda" if cuda else "cpu")
+        with torch.device(device):
+            src = Qwen3MoeForCausalLM(hf_config).to(dtype)
+        engine = HFEngine(src, dtype=cfg.rollout.dtype, device=device, record_routes=True, record_probs=False)
+        del src
+        engine.update_weights(learner.hf_state_dict().items())
+        if cuda:
+            torch.cuda.empty_cache()
+        batch = synthetic_batch(args, hf_config.vocab_size, prompt_len, seed=0)
+        prompts = [list(map(int, batch.input_ids_BS[i, :prompt_len])) for i in range(0, args.seqs, args.group)]
+        for step in range(args.steps):
+            learner.offload_for_rollout()
+            if step == 0:
+                meter("rollout", lambda: engine.generate(prompts, SamplingParams(
+                    n=args.group, max_new_tokens=args.seq_len - prompt_len, seed=step)))
+            learner.reload_after_rollout()
+            old = meter("logprobs", lambda: learner.compute_logprobs(batch))
+            meter("update", lambda: learner.train_step(batch, old.logp_BS))
+            meter("weight_sync", lambda: engine.update_weights(learner.hf_state_dict().items()))
+    finally:
+        destroy_distributed()
+    rows = {}
+    for phase in plan.phases:
+        counted = phase.total_gib - phase.parts_gib.get("fragmentation", 0) - phase.parts_gib.get("cuda_runtime", 0)
+        rows[phase.name] = {"planned_gib": round(counted, 3)}
+    rows["update"]["planned_gib"] = round(max(rows["update"]["planned_gib"], rows["optimizer_step"]["planned_gib"]), 3)
+    rows.pop("optimizer_step")
+    for name, measured in meter.peaks.items():
+        rows[name]["measured_gib"] = round(measured, 3)
+        rows[name]["rel_diff"] = round(rows[name]["planned_gib"] / measured - 1, 4) if measured else None
+    return {"variant": variant, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+            "params": plan.params["total"], "phases": rows}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variants", default="dist,dist_offload", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--tiny", action="store_true", help="the tiny CPU geometry (default without CUDA)")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--moe-intermediate", type=int, default=768)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq-len", type=int, default=1024, help="prompt + response tokens of every sequence")
+    p.add_argument("--seqs", type=int, default=16, help="sequences per step")
+    p.add_argument("--group", type=int, default=4, help="samples per prompt")
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--minibatches", type=int, default=2)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--no-recompute", action="store_true")
+    p.add_argument("--tolerance", type=float, default=0.15, help="allowed |planned/measured - 1| on checked phases")
+    p.add_argument("--json", default=None, help="also write the results to this file")
+    return p
+
+
+def main(argv=None) -> int:
+    import torch
+
+    from moe_gspo.run.setup import quiet_known_warnings
+
+    quiet_known_warnings()
+    args = build_parser().parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        args.tiny = True
+        variants = ["cpu"]
+        print("no CUDA: running the tiny model on CPU (code path only; no memory is measured)", file=sys.stderr)
+    else:
+        variants = [v for v in args.variants.split(",") if v]
+        unknown = [v for v in variants if v not in VARIANTS or v == "cpu"]
+        if unknown:
+            print(f"error: unknown --variants {unknown}; choose from {', '.join(v for v in VARIANTS if v != 'cpu')}",
+                  file=sys.stderr)
+            return 2
+    if args.seqs % args.group or args.seqs % args.minibatches:
+        print("error: --seqs must be a multiple of --group and of --minibatches", file=sys.stderr)
+        return 2
+    results = []
+    for v in variants:
+        try:
+            results.append(run_variant(args, v, cuda))
+        except ValueError as e:  # e.g. the precision-aware optimizer without Transformer Engine
+            print(f"variant {v} skipped: {e}", file=sys.stderr)
+    if not results:
+        return 2
+    failed = False
+    print(f"{'variant':<18}{'phase':<13}{'planned GiB':>12}{'measured GiB':>14}{'diff':>9}")
+    for res in results:
+        for phase, row in res["phases"].items():
+            meas = row.get("measured_gib")
+            diff = row.get("rel_diff")
+            bad = phase in CHECKED and diff is not None and abs(diff) > args.tolerance
+            failed |= bad
+            print(f"{res['variant']:<18}{phase:<13}{row['planned_gib']:>12.2f}"
+                  f"{(f'{meas:.2f}' if meas is not None else 'n/a'):>14}"
+                  f"{(f'{diff:+.1%}' if diff is not None else ''):>9}{'  <- over tolerance' if bad else ''}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,312 @@
+"""Per-rank GPU memory of every phase of an RL step, from a run config: the memory plan.
+
+Counted, not measured: every figure is derived from the model's config and the run config with the
+formulas of `params.py` (parameters), `activations.py` (activations) and the byte counts below; the
+allowances (`Allowances`) stand in for what cannot be counted (CUDA context, NCCL, allocator
+fragmentation, vLLM's own working memory).
+
+**Learner state on one rank** (TP = PP = 1, world = EP x DP, expert-data-parallel size EDP = world / EP;
+`local` = dense + experts / EP parameters; under the distributed optimizer this rank's optimizer shard
+is `dense / DP + (experts / EP) / EDP`):
+- parameters: `local x 2` (bf16) or `x 4` (fp32);
+- gradient buffers (Megatron DDP): `local x 4` with `train.grad_reduce_in_fp32`, else the param dtype;
+- optimizer state on the GPU, Adam (Megatron-core 0.16):
+  - no distributed optimizer: fp32 main params + two moments for every local parameter,
+    `local x 12` (bf16 params; `x 8` in fp32, no main copy);
+  - distributed optimizer: the same per element, on the shard only: `shard x 12`;
+  - precision-aware (TE FusedAdam): `shard x (2 + 2 m)` with the main params kept as 16-bit remainders
+    next to the bf16 params (TE >= 2.1) and `m` = 4 or 2 bytes per moment (`train.optimizer_state_dtype`);
+  - precision-aware + CPU offload (HybridDeviceOptimizer), fraction `f` on the host: `shard x (1-f) x 12`
+    on the GPU, `shard x f x 16` in pinned host memory (fp32 main param, two moments, a grad copy);
+- optimizer-step transient: an fp32 copy of the gradients the optimizer reads when the gradient buffer is
+  bf16 and the optimizer is not precision-aware (`x 4` of the local params, or of the shard).
+**Reference policy** (`algo.kl_coef > 0`): an inference-only copy of the parameters sharded like the
+policy, `local x param bytes`, no gradients or optimizer state.
+**Rollout (vLLM)**: engines of `rollout.tensor_parallel_size` consecutive ranks; per GPU the weights
+at that TP (`params.rollout_params_per_rank`), the KV cache (`rollout.kv_cache_gib` per GPU, as
+vLLM's `kv_cache_memory_bytes`; null = what `gpu_memory_utilization x GPU memory` leaves after weights
+and vLLM's runtime), and vLLM's runtime allowance. Sleep (`rollout.sleep_level` 1/2) frees weights and
+KV during the learner's passes; a sleeping engine keeps `vllm_asleep_gib`. vLLM also refuses to start
+unless `gpu_memory_utilization x GPU memory` is free when it starts (after the learner is built).
+**Rollout (transformers engine)**: a full copy of the weights per rank (resident in every phase), no TP,
+no sleep, and while it generates the KV of all of the rank's sequences (prompts x samples, full length).
+**Offload during the rollout** (`train.offload_during_rollout`): `grads` frees the gradient buffers
+except around the update (rollout, log-prob and weight-sync phases have none); `all` also moves the
+parameters and the optimizer's GPU state (not precision-aware) to pinned host memory for the rollout.
+**Weight sync**: streamed one bucket at a time (issue 10's design: a decoder layer with all its experts
+gathered over EP, or the embedding / LM head), so the transient is the largest bucket in the rollout
+dtype; the engine's weights must be awake (a sleeping engine wakes its weights first, syncs, then
+allocates its KV cache: the plan assumes that order).
+
+**Phases** (each = learner state + reference + the phase's own memory + runtime + fragmentation):
+`rollout` (engine awake), `logprobs` (old-policy / reference no-grad passes), `update` (forward +
+backward of a micro-batch), `optimizer_step`, `weight_sync`. The peak is the largest phase; the plan
+fits when the peak is at most the GPU memory and vLLM can start.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from moe_gspo.plan.activations import activation_estimate, MicroBatch
+from moe_gspo.plan.params import (Geometry, kv_bytes_per_token, largest_sync_bucket_params, megatron_counts,
+                                  rollout_params_per_rank)
+
+GIB = float(1 << 30)
+JSONL_PROMPT_TOKENS = 1024  # assumed prompt length when a JSONL task gives no rollout.max_model_len
+SYNTHETIC_PROMPT_EXTRA = 3  # marker and special tokens around a synthetic task's symbols
+
+
+@dataclass(frozen=True, kw_only=True)
+class Allowances:
+    """What the plan cannot count, as explicit allowances (GiB per rank unless said otherwise)."""
+
+    cuda_runtime_gib: float = 2.0
+    """CUDA context, cuBLAS/cuDNN workspaces and NCCL communicators of one process."""
+    fragmentation: float = 0.05
+    """PyTorch caching-allocator fragmentation, as a fraction of what a phase allocates."""
+    vllm_runtime_gib: float = 3.0
+    """An awake vLLM engine besides weights and KV: profile-run activations, sampler, CUDA graphs."""
+    vllm_asleep_gib: float = 0.5
+    """What a sleeping vLLM engine keeps on the GPU."""
+    moe_imbalance: float = 1.5
+    """The busiest EP rank receives this multiple of its balanced share of (token, expert) pairs."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LearnerSetup:
+    """The resolved learner options the plan counts with (GPU target)."""
+
+    num_gpus: int
+    ep: int
+    param_bytes: int
+    grad_bytes: int
+    distributed_optimizer: bool
+    precision_aware: bool
+    cpu_offload: bool
+    offload_fraction: float
+    state_bytes: int
+    recompute: bool
+    attention: str
+    dispatcher: str
+    train_mb: MicroBatch
+    infer_mb: MicroBatch
+    reference: bool
+    vocab_pad_multiple: int
+    offload_during_rollout: str = "none"
+
+    @property
+    def dp(self) -> int:
+        return self.num_gpus
+
+    @property
+    def edp(self) -> int:
+        return self.num_gpus // self.ep
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutSetup:
+    engine: str
+    tp: int
+    sleep_level: int
+    kv_cache_gib: float | None
+    gpu_memory_utilization: float
+    dtype_bytes: int
+    max_model_len: int
+    seqs_per_rank: int
+    """Sequences one rank's share of a step holds (transformers engine: all at once)."""
+
+
+@dataclass(kw_only=True)
+class Phase:
+    name: str
+    parts_gib: dict[str, float]
+
+    @property
+    def total_gib(self) -> float:
+        return sum(self.parts_gib.values())
+
+
+@dataclass(kw_only=True)
+class PlanResult:
+    """A counted memory plan; `to_json()` gives the CLI's JSON."""
+
+    fits: bool
+    gpu_mem_gib: float
+    num_gpus: int
+    phases: list[Phase]
+    components_gib: dict[str, float]
+    problems: list[str]
+    notes: list[str]
+    assumptions: list[str]
+    params: dict[str, float]
+    host_per_node_gib: float
+    knobs: list[str] = field(default_factory=list)
+
+    @property
+    def peak_phase(self) -> Phase:
+        return max(self.phases, key=lambda p: p.total_gib)
+
+    @property
+    def per_rank_gib(self) -> float:
+        return self.peak_phase.total_gib
+
+    def to_json(self) -> dict:
+        c = self.components_gib
+        return {
+            "fits": self.fits, "per_rank_gib": round(self.per_rank_gib, 3), "peak_phase": self.peak_phase.name,
+            "gpu_mem_gib": self.gpu_mem_gib, "gpus": self.num_gpus,
+            **{k: round(v, 3) for k, v in c.items()},
+            "host_per_node_gib": round(self.host_per_node_gib, 3),
+            "phases": {p.name: {**{k: round(v, 3) for k, v in p.parts_gib.items()}, "total": round(p.total_gib, 3)}
+                       for p in self.phases},
+            "params": self.params, "problems": self.problems, "knobs": self.knobs, "notes": self.notes,
+            "assumptions": self.assumptions, "status": "counted, not measured",
+        }
+
+
+def _optimizer_bytes(s: LearnerSetup, local: float, shard: float) -> tuple[float, float, float]:
+    """(optimizer state on the GPU, optimizer state on the host, optimizer-step GPU transient) in bytes."""
+    bf16 = s.param_bytes == 2
+    main = 4 if bf16 else 0
+    grad_copy = 4 if s.grad_bytes == 2 else 0
+    if not s.distributed_optimizer:
+        return local * (main + 8), 0.0, local * grad_copy
+    if not s.precision_aware:
+        return shard * (main + 8), 0.0, shard * grad_copy
+    if not s.cpu_offload:
+        return shard * ((2 if bf16 else 0) + 2 * s.state_bytes), 0.0, 0.0
+    f = s.offload_fraction
+    return shard * (1 - f) * 12, shard * f * 16, shard * (1 - f) * grad_copy
+
+
+def count_plan(geom: Geometry, learner: LearnerSetup, rollout: RolloutSetup, *, gpu_mem_gib: float,
+               gpus_per_node: int = 8, host_mem_gib: float | None = None,
+               allowances: Allowances = Allowances()) -> PlanResult:
+    """The plan for a resolved setup (pure arithmetic; see the module docstring)."""
+    s, r, al = learner, rollout, allowances
+    problems: list[str] = []
+    notes: list[str] = []
+    counts = megatron_counts(geom, vocab_pad_multiple=s.vocab_pad_multiple)
+    if s.num_gpus % s.ep or geom.num_experts % s.ep:
+        problems.append(f"parallel.expert_parallel_size={s.ep} must divide the {s.num_gpus} GPUs and the "
+                        f"{geom.num_experts} experts")
+    local = counts.dense + counts.expert / s.ep
+    shard = counts.dense / s.dp + counts.expert / s.ep / max(s.edp, 1)
+    opt_gpu, opt_host, step_transient = _optimizer_bytes(s, local, shard)
+    v_pad = int(math.ceil(geom.vocab_size / s.vocab_pad_multiple) * s.vocab_pad_multiple)
+    act = activation_estimate(geom, s.train_mb, act_bytes=s.param_bytes, attention=s.attention,
+                              recompute=s.recompute, vocab_padded=v_pad, ep_size=s.ep,
+                              imbalance=al.moe_imbalance, dispatcher=s.dispatcher, infer_mb=s.infer_mb)
+    params_b, grads_b = local * s.param_bytes, local * s.grad_bytes
+    ref_b = local * s.param_bytes if s.reference else 0.0
+
+    # Rollout.
+    rt = al.vllm_runtime_gib * GIB
+    asleep = 0.0
+    if r.engine == "vllm":
+        if s.num_gpus % r.tp or (r.tp > 1 and (geom.num_heads % r.tp or
+                                                (geom.num_kv_heads % r.tp and r.tp % geom.num_kv_heads))):
+            problems.append(f"rollout.tensor_parallel_size={r.tp} must divide the {s.num_gpus} GPUs, the "
+                            f"{geom.num_heads} query heads and divide or be a multiple of the {geom.num_kv_heads} KV heads")
+        if r.tp > gpus_per_node:
+            notes.append(f"rollout.tensor_parallel_size={r.tp} spans more than one node ({gpus_per_node} GPUs each)")
+        weights = rollout_params_per_rank(geom, r.tp) * r.dtype_bytes
+        if r.kv_cache_gib is not None:
+            kv = r.kv_cache_gib * GIB
+        else:
+            kv = r.gpu_memory_utilization * gpu_mem_gib * GIB - weights - rt
+            if kv <= 0:
+                problems.append(f"vLLM's budget rollout.gpu_memory_utilization={r.gpu_memory_utilization} x "
+                                f"{gpu_mem_gib:g} GiB leaves no room for a KV cache after its weights "
+                                f"({weights / GIB:.1f} GiB); raise it or set rollout.kv_cache_gib")
+                kv = 0.0
+        per_token = kv_bytes_per_token(geom, tp=r.tp, dtype_bytes=r.dtype_bytes)
+        kv_tokens = int(kv // per_token)
+        if kv_tokens < r.max_model_len and kv > 0:
+            problems.append(f"the KV cache ({kv / GIB:.2f} GiB per GPU) holds {kv_tokens} tokens, fewer than "
+                            f"one sequence of rollout.max_model_len={r.max_model_len}: vLLM will not start; "
+                            "raise rollout.kv_cache_gib")
+        elif kv > 0:
+            notes.append(f"KV cache: {kv_tokens:,} tokens per engine = {kv_tokens // r.max_model_len} sequences of "
+                         f"{r.max_model_len} tokens in flight")
+        sleeping = r.sleep_level > 0
+        asleep = al.vllm_asleep_gib * GIB if sleeping else weights + kv + rt
+        awake = weights + kv + rt
+        sync_engine = weights + (al.vllm_asleep_gib * GIB if sleeping else kv + rt)
+        host_rollout = weights if r.sleep_level == 1 else 0.0
+    else:
+        weights = counts.total * r.dtype_bytes  # transformers engine: a full copy on every rank
+        kv = r.seqs_per_rank * r.max_model_len * kv_bytes_per_token(geom, tp=1, dtype_bytes=r.dtype_bytes)
+        rt = r.seqs_per_rank * geom.vocab_size * 4 + 0.5 * GIB  # fp32 logits of one decode step + workspace
+        awake = weights + kv + rt
+        asleep = sync_engine = weights  # the KV cache lives only inside generate()
+        host_rollout = 0.0
+        if r.tp > 1 or r.sleep_level:
+            notes.append("rollout.tensor_parallel_size and rollout.sleep_level apply to vLLM only (engine=hf)")
+    bucket = largest_sync_bucket_params(geom, vocab_pad_multiple=s.vocab_pad_multiple) * r.dtype_bytes
+
+    state = {"learner_params": params_b, "learner_grads": grads_b, "optimizer_gpu": opt_gpu}
+    if ref_b:
+        state["reference"] = ref_b
+    runtime = al.cuda_runtime_gib * GIB
+    # train.offload_during_rollout: gradient buffers exist only around the update; "all" also moves the
+    # parameters and (not precision-aware) the optimizer's GPU state to the host during the rollout.
+    no_grads = ("learner_grads",) if s.offload_during_rollout in ("grads", "all") else ()
+    moved = ("learner_params",) + (() if s.precision_aware else ("optimizer_gpu",))
+    rollout_absent = no_grads + (moved if s.offload_during_rollout == "all" else ())
+    host_learner = sum(state[k] for k in moved) if s.offload_during_rollout == "all" else 0.0
+
+    def phase(name: str, extra: dict[str, float], absent: tuple[str, ...] = ()) -> Phase:
+        parts = {**{k: v for k, v in state.items() if k not in absent}, **{k: v for k, v in extra.items() if v}}
+        parts["fragmentation"] = al.fragmentation * sum(parts.values())
+        parts["cuda_runtime"] = runtime
+        return Phase(name=name, parts_gib={k: v / GIB for k, v in parts.items()})
+
+    phases = [
+        phase("rollout", {"rollout_weights": weights, "rollout_kv": kv, "rollout_runtime": rt}
+              if r.engine == "vllm" else {"rollout_engine": awake}, rollout_absent),
+        phase("logprobs", {"activations": act.inference_peak_bytes, "rollout_resident": asleep}, no_grads),
+        phase("update", {"activations": act.peak_bytes, "rollout_resident": asleep}),
+        phase("optimizer_step", {"step_transient": step_transient, "rollout_resident": asleep}),
+        phase("weight_sync", {"rollout_resident": sync_engine, "sync_bucket": bucket}, no_grads),
+    ]
+    if r.engine == "vllm":
+        # vLLM is built after the learner (gradient buffers already released when offloading them).
+        resident = sum(v for k, v in state.items() if k not in no_grads) + runtime
+        free = gpu_mem_gib * GIB - resident
+        need = r.gpu_memory_utilization * gpu_mem_gib * GIB
+        if need > free:
+            fix = (f"set rollout.gpu_memory_utilization <= {math.floor(free / gpu_mem_gib / GIB * 100) / 100:.2f}"
+                   if free >= 0.05 * gpu_mem_gib * GIB else "shrink the learner's resident memory first")
+            problems.append(f"vLLM starts only with rollout.gpu_memory_utilization x GPU memory free: "
+                            f"{r.gpu_memory_utilization} x {gpu_mem_gib:g} = {need / GIB:.1f} GiB, but the learner "
+                            f"already holds {resident / GIB:.1f} GiB; {fix}")
+
+    host_per_rank = opt_host + host_rollout + host_learner
+    host_node = host_per_rank * min(gpus_per_node, s.num_gpus) / GIB
+    if host_mem_gib is not None and host_node > host_mem_gib:
+        problems.append(f"host memory per node: {host_node:.0f} GiB needed (offloaded optimizer state, sleeping "
+                        f"engines' weights, offloaded learner) > {host_mem_gib:g} GiB")
+    result = PlanResult(
+        fits=False, gpu_mem_gib=gpu_mem_gib, num_gpus=s.num_gpus, phases=phases, problems=problems, notes=notes,
+        assumptions=[], host_per_node_gib=host_node,
+        components_gib={
+            "learner_params_gib": params_b / GIB, "learner_grads_gib": grads_b / GIB,
+            "optimizer_gpu_gib": opt_gpu / GIB, "optimizer_host_gib": opt_host / GIB,
+            "optimizer_step_transient_gib": step_transient / GIB,
+            "activations_gib": act.peak_bytes / GIB, "logprob_activations_gib": act.inference_peak_bytes / GIB,
+            "reference_gib": ref_b / GIB, "rollout_weights_gib": weights / GIB, "rollout_kv_gib": kv / GIB,
+            "rollout_runtime_gib": rt / GIB, "weight_sync_transient_gib": bucket / GIB,
+            "cuda_runtime_gib": runtime / GIB},
+        params={"total": counts.total, "dense": counts.dense, "expert": counts.expert,
+                "per_rank": counts.per_rank(s.ep), "optimizer_shard": shard if s.distributed_optimizer else local,
+                "rollout_per_gpu": rollout_params_per_rank(geom, r.tp) if r.engine == "vllm" else counts.total,
+                "sync_bucket": largest_sync_bucket_params(geom, vocab_pad_multiple=s.vocab_pad_multiple)})
+    over = result.per_rank_gib - gpu_mem_gib
+    if over > 0:
+        problems.append(f"phase '{result.peak_phase.name}' needs {result.per_rank_gib:.1f} GiB per GPU, "
+                        f"{over:.1f} GiB more than the {gpu_mem_gib:g} GiB available")
+    result.fits = not problems
+    return result

@@ -1,0 +1,102 @@
+"""Human-readable rendering of a memory plan (a table of GiB per GPU, phases as columns)."""
+
+from __future__ import annotations
+
+from moe_gspo.plan.memory import PlanResult
+
+ROW_ORDER = ("learner_params", "learner_grads", "optimizer_gpu", "reference", "activations", "step_transient",
+             "rollout_weights", "rollout_kv", "rollout_runtime", "rollout_engine", "rollout_resident", "sync_bucket",
+             "fragmentation", "cuda_runtime")
+
+
+def _b(n: float) -> str:
+    """A parameter count: 30.53 B, 204.80 K."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f}"
+
+
+def _gib(v: float) -> str:
+    return f"{v:.2f}" if v >= 0.01 or v == 0 else f"{v:.1e}"
+
+
+def describe_setup(result: PlanResult, cfg) -> list[str]:
+    """Two lines on what is planned: the learner's options and the rollout engine's."""
+    from moe_gspo.learner.optim import resolve_optimizer_options
+
+    p = result.params
+    o = resolve_optimizer_options(cfg.train, on_cuda=True, have_te=True)
+    ep = cfg.parallel.expert_parallel_size
+    opt = ["distributed optimizer (shard " + _b(p["optimizer_shard"]) + ")" if o.distributed_optimizer
+           else "no distributed optimizer"]
+    if o.precision_aware_optimizer:
+        opt.append("precision-aware" + (f", Adam moments {o.optimizer_state_dtype}"
+                                        if o.optimizer_state_dtype != "float32" else ""))
+    if o.optimizer_cpu_offload:
+        opt.append(f"CPU offload {o.optimizer_offload_fraction:.0%}"
+                   + (" (overlapped D2H/H2D)" if o.overlap_cpu_optimizer_d2h_h2d else ""))
+    opt.append("grads fp32" if o.grad_reduce_in_fp32 else "grads in param dtype")
+    opt.append("full recompute" if cfg.model.recompute else "no recompute")
+    if o.offload_during_rollout != "none":
+        opt.append(f"offload during rollout: {o.offload_during_rollout}")
+    if cfg.algo.kl_coef > 0:
+        opt.append("reference policy (algo.kl_coef > 0)")
+    r = cfg.rollout
+    n = result.num_gpus
+    learner = (f"learner: {'fp32' if cfg.model.params_dtype == 'float32' else 'bf16'}, EP={ep} DP={n} "
+               f"EDP={n // ep if ep and n % ep == 0 else '?'}, {_b(p['per_rank'])} params per rank; " + ", ".join(opt))
+    if r.engine == "vllm":
+        kv = f"KV {r.kv_cache_gib:g} GiB/GPU" if r.kv_cache_gib is not None else \
+            f"KV from gpu_memory_utilization={r.gpu_memory_utilization:g}"
+        engines = n // max(r.tensor_parallel_size, 1)
+        rollout = (f"rollout: vLLM {r.dtype}, TP={r.tensor_parallel_size} ({engines} engine{'s' if engines != 1 else ''}, "
+                   f"{_b(p['rollout_per_gpu'])} params per GPU), sleep level {r.sleep_level}, {kv}")
+    else:
+        rollout = f"rollout: transformers engine {r.dtype}, a full copy per rank"
+    return [learner, rollout]
+
+
+def render(result: PlanResult, cfg, *, config_name: str) -> str:
+    p = result.params
+    lines = [f"Memory plan (counted, not measured on a GPU): {config_name} on {result.num_gpus} x "
+             f"{result.gpu_mem_gib:g} GiB GPUs",
+             f"model: {_b(p['total'])} parameters = {_b(p['dense'])} dense + {_b(p['expert'])} expert"]
+    lines += describe_setup(result, cfg)
+    rows = [k for k in ROW_ORDER if any(k in ph.parts_gib for ph in result.phases)]
+    names = [ph.name for ph in result.phases]
+    w0 = max(len(r) for r in rows + ["GiB per GPU"]) + 2
+    widths = [max(len(n), 7) + 2 for n in names]
+    lines.append("")
+    lines.append("GiB per GPU".ljust(w0) + "".join(n.rjust(w) for n, w in zip(names, widths)))
+    for row in rows:
+        cells = [_gib(ph.parts_gib[row]) if row in ph.parts_gib else "-" for ph in result.phases]
+        lines.append(row.ljust(w0) + "".join(c.rjust(w) for c, w in zip(cells, widths)))
+    lines.append("total".ljust(w0) + "".join(f"{ph.total_gib:.2f}".rjust(w) for ph, w in zip(result.phases, widths)))
+    peak = result.peak_phase
+    spare = result.gpu_mem_gib - peak.total_gib
+    lines.append("")
+    lines.append(f"peak: {peak.name} {peak.total_gib:.1f} GiB of {result.gpu_mem_gib:g} GiB -> "
+                 + ("FITS" if result.fits else "DOES NOT FIT")
+                 + (f" ({spare:.1f} GiB to spare)" if spare >= 0 else ""))
+    lines.append(f"host memory per node (offloaded optimizer state, sleeping engines' weights): "
+                 f"{result.host_per_node_gib:.0f} GiB")
+    for title, items in (("problems", result.problems), ("knob to turn", result.knobs), ("notes", result.notes),
+                         ("assumptions", result.assumptions)):
+        if items:
+            lines.append(f"{title}:")
+            lines += [f"  - {x}" for x in items]
+    return "\n".join(lines)
+
+
+def one_line(result: PlanResult) -> str:
+    """The plan's verdict in one line (the start-up check's message)."""
+    peak = result.peak_phase
+    head = (f"memory plan: peak {peak.total_gib:.1f} GiB per GPU in phase '{peak.name}' of "
+            f"{result.gpu_mem_gib:g} GiB")
+    if result.fits:
+        return head + " - fits"
+    msg = head + " - does not fit: " + "; ".join(result.problems)
+    if result.knobs:
+        msg += ". Knob to turn: " + result.knobs[0]
+    return msg + ". Details: python -m moe_gspo.plan CONFIG --gpus N --gpu-mem-gib G"

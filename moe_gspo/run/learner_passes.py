@@ -1,0 +1,175 @@
+"""The learner passes of one RL step around the update, besides the old-policy pass: rollout
+corrections, the frozen reference policy of the KL penalty, and the old->new routing-drift probes.
+
+Used by `moe_gspo.train` (one call each per step); every function is collective over the learner's
+ranks where it runs a learner pass (all ranks call it with the same global batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moe_gspo.algos.rollout_correction import rollout_correction
+from moe_gspo.config import AlgoConfig, Config
+from moe_gspo.learner.batch import PackedBatch
+from moe_gspo.run.compare import policy_update_drift, replayed_mismatch, rollout_vs_learner
+
+UPDATE_PREFIX = "update/"
+"""Old->new learner routing after the FIRST optimizer step of an RL step (the GSPO paper's figure)."""
+UPDATE_ALL_PREFIX = "update_all_minibatches/"
+"""Old->new learner routing after ALL `train.num_minibatches` optimizer steps of an RL step."""
+
+
+def step_correction(algo: AlgoConfig, batch: PackedBatch, old_logp_BS: torch.Tensor
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, float]]:
+    """Rollout corrections of `algo` for the whole batch: (is_weights_BS or None, rs_keep_BS or None,
+    `rollout_corr/*` metrics); nothing when both are off. `old_logp_BS` must be the log-probs the
+    loss uses as pi_old (under R3, the pass that replays the rollout routes)."""
+    if algo.rollout_is == "none" and algo.rollout_rs == "none":
+        return None, None, {}
+    (weights, keep), m = rollout_correction(
+        old_logp_BS.detach().cpu(), batch.rollout_logp_BS.cpu(), batch.response_mask_BS.cpu(),
+        rollout_is=algo.rollout_is, rollout_is_threshold=algo.rollout_is_threshold, rollout_rs=algo.rollout_rs,
+        rollout_rs_threshold=algo.rollout_rs_threshold, rollout_rs_threshold_lower=algo.rollout_rs_threshold_lower)
+    return weights, keep, {k: float(v) for k, v in m.items()}
+
+
+class ReferencePolicy:
+    """A frozen copy of the initial policy for the k3 KL penalty (`algo.kl_coef > 0`).
+
+    An inference-only `Learner(train=None)` over a second Megatron model built on the same ranks with
+    the same expert-parallel sharding as the policy; its weights are copied from the policy's model
+    when built (call it before any update and before loading a resume checkpoint, i.e. right after
+    `build_policy`), so it is the initial policy also on resume. Memory: one more copy of the
+    parameters in the learner's params dtype (bf16 on CUDA, fp32 on CPU), sharded like the policy
+    (each rank holds the dense weights and its 1/EP of the experts), with no gradient buffers and no
+    optimizer state; activations of one no-grad forward per micro-batch.
+
+    Routing of the reference pass: the routing the update replays, so that the KL compares weights
+    under the same expert choice (and is exactly 0 before the first update): natural routing without
+    replay, the old-policy pass's routes under R2, the rollout engine's routes under R3. Upstream
+    `RouterReplay` instances live in a class-level list that `set_global_router_replay_action` /
+    `set_replay_data` drive; the reference model's instances are taken out of that list, so only this
+    object's own per-instance driver (`RoutingReplayDriver`) can make it replay.
+    """
+
+    def __init__(self, cfg: Config, info, policy_learner):
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        from moe_gspo.learner.learner import Learner
+        from moe_gspo.mcore.model import build_gpt_model, moe_routers
+        from moe_gspo.run.setup import learner_dtype
+
+        self.replay = cfg.algo.routing_replay
+        model = build_gpt_model(
+            policy_learner.hf_config, ep_size=info.ep_size, params_dtype=learner_dtype(cfg),
+            enable_routing_replay=self.replay != "none", token_dispatcher=cfg.parallel.token_dispatcher,
+            vocab_pad_multiple=cfg.model.vocab_pad_multiple, recompute=False)
+        own = {id(r.router_replay) for r in moe_routers(model) if r.router_replay is not None}
+        RouterReplay.global_router_replay_instances[:] = [
+            r for r in RouterReplay.global_router_replay_instances if id(r) not in own]
+        model.load_state_dict(policy_learner.model.state_dict(), strict=True)
+        model.requires_grad_(False)
+        self.learner = Learner(model, policy_learner.hf_config, parallel=info, algo=cfg.algo, train=None,
+                               replay="none")
+        self.micro_batch_size = cfg.train.micro_batch_size
+
+    def logprobs(self, batch: PackedBatch, *, old_routes: list | None) -> torch.Tensor:
+        """[B, S] reference log-probs of the batch; `old_routes` = the old-policy pass's routes (R2)."""
+        routes = {"none": None, "r2": old_routes, "r3": batch.rollout_routes}[self.replay]
+        if self.replay == "r2" and routes is None:
+            raise ValueError("the R2 reference pass needs the old-policy routes (record_routes=True)")
+        return self.learner.compute_logprobs(batch, replay_routes=routes,
+                                             micro_batch_size=self.micro_batch_size).logp_BS
+
+
+class UpdateDriftProbe:
+    """Measures the learner's routing change on the step's batch after the first optimizer step
+    (`update/*`) and after all mini-batches (`update_all_minibatches/*`), natural routing, on the rows
+    that produce response log-probs; pass `after_optimizer_step` to `Learner.train_step`."""
+
+    def __init__(self, learner, batch: PackedBatch, old_routes: list, num_experts: int):
+        self.learner, self.batch, self.old_routes, self.num_experts = learner, batch, old_routes, num_experts
+        self.first: Any = None
+        self.last: Any = None
+        self._last_index = learner.train.num_minibatches - 1
+
+    def _pass(self):
+        return self.learner.compute_logprobs(self.batch, record_routes=True, no_replay=True)
+
+    def after_optimizer_step(self, index: int, applied: bool) -> None:
+        if self.first is None and applied:
+            self.first = self._pass()
+            if index == self._last_index:
+                self.last = self.first
+
+    def finish(self):
+        """The pass after all mini-batches (reused when the first update was also the last); returns it."""
+        if self.last is None:
+            self.last = self._pass()
+        return self.last
+
+    def metrics(self) -> dict:
+        out = {}
+        mask = self.batch.response_mask_BS
+        if self.first is not None:
+            out.update(policy_update_drift(self.old_routes, self.first.routes, mask, num_experts=self.num_experts,
+                                           prefix=UPDATE_PREFIX))
+        if self.last is not None:
+            out.update(policy_update_drift(self.old_routes, self.last.routes, mask, num_experts=self.num_experts,
+                                           prefix=UPDATE_ALL_PREFIX))
+        return out
+
+
+@dataclass
+class StepPasses:
+    """What `learner_update` produced: metrics and the passes the traces need."""
+
+    metrics: dict
+    old: Any
+    """The old-policy pass, natural routing, with routes (`LogprobResult`)."""
+    new: Any
+    """The pass after all mini-batches, with routes, or None when drift was not measured this step."""
+    replayed_logp_BS: torch.Tensor | None
+    """Under R3, the old-policy log-probs under the rollout routes (the loss's pi_old); else None."""
+
+
+def learner_update(cfg: Config, policy, batch: PackedBatch, samples, step: int, *,
+                   reference: ReferencePolicy | None = None) -> StepPasses:
+    """The learner side of one RL step, in order:
+
+    1. old-policy pass with natural routing and routes (R2 records them for its replay) → the
+       rollout-vs-learner metrics (`mismatch/*`, `mismatch_ratio/*`, `routing/*`, `routing_prompt/*`);
+    2. under R3, the old-policy pass under the rollout routes → pi_old of the loss and
+       `mismatch_replayed/*`;
+    3. rollout corrections (`rollout_corr/*`) from pi_old vs pi_rollout, reference log-probs when
+       `algo.kl_coef > 0`;
+    4. the update (`Learner.train_step`), with the drift probe every `logging.update_drift_every`
+       steps (`update/*` after the first optimizer step, `update_all_minibatches/*` after all).
+    """
+    learner, drift_every = policy.learner, cfg.logging.update_drift_every
+    old = learner.compute_logprobs(batch, record_routes=True, no_replay=True)
+    metrics = rollout_vs_learner(rollout_logp_BS=batch.rollout_logp_BS, learner_logp_BS=old.logp_BS,
+                                 response_mask_BS=batch.response_mask_BS, rollout_routes=batch.rollout_routes,
+                                 learner_routes=old.routes, num_experts=policy.num_experts,
+                                 group_ids=[s.prompt_index for s in samples])
+    old_logp, replayed = old.logp_BS, None
+    if cfg.algo.routing_replay == "r3":
+        old_logp = replayed = learner.compute_logprobs(batch).logp_BS
+        metrics.update(replayed_mismatch(rollout_logp_BS=batch.rollout_logp_BS, replayed_logp_BS=replayed,
+                                         response_mask_BS=batch.response_mask_BS))
+    is_weights, rs_keep, corr_metrics = step_correction(cfg.algo, batch, old_logp)
+    metrics.update(corr_metrics)
+    ref_logp = reference.logprobs(batch, old_routes=old.routes) if reference is not None else None
+    probe = (UpdateDriftProbe(learner, batch, old.routes, policy.num_experts)
+             if drift_every and step % drift_every == 0 else None)
+    metrics.update(learner.train_step(batch, old_logp, ref_logp_BS=ref_logp, is_weights_BS=is_weights,
+                                      rs_keep_BS=rs_keep,
+                                      after_optimizer_step=probe.after_optimizer_step if probe else None))
+    new = probe.finish() if probe is not None else None
+    if probe is not None:
+        metrics.update(probe.metrics())
+    return StepPasses(metrics=metrics, old=old, new=new, replayed_logp_BS=replayed)

@@ -1,0 +1,114 @@
+"""Output paths, checked before any compute: a run's data is never overwritten without a flag.
+
+A run directory "holds a run" when it contains any output `moe_gspo.train` writes (`RUN_OUTPUTS`);
+other files (an ablation's `train.log`, notes) do not count and are never touched. For train:
+- absent, empty, or holding no run output: a fresh run starts at step 0;
+- holding a run, without `--resume` or `--overwrite`: refused, naming both flags; nothing changes;
+- `--resume`: continue from the newest intact checkpoint (`moe_gspo.run.checkpoint.resume`); a
+  directory that holds a run but no checkpoint at all is refused (nothing to continue from);
+- `--overwrite`: the whole directory is first moved aside to `RUN_DIR.prev<k>` (nothing is deleted),
+  then a fresh run starts.
+Every rank makes the same decision from the same files before `torch.distributed` starts; rank 0 then
+moves the directory aside (`apply`) while the others wait at a barrier.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+RUN_OUTPUTS = ("metrics.jsonl", "done.json", "config.yaml", "checkpoints", "hf_export", "traces", "wandb")
+
+
+def _ancestors_ok(path: Path, flag: str) -> None:
+    """Every existing ancestor of `path` is a directory and the nearest one is writable."""
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{flag}={str(path)!r}: {str(parent)!r} is a file, not a directory; "
+                                 "choose another path")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise ValueError(f"{flag}={str(path)!r}: cannot create it, {str(parent)!r} is not writable; "
+                                 "choose another path")
+            return
+
+
+def check_output_dir(path: str | os.PathLike, flag: str) -> Path:
+    """`path` is a writable directory or can be created; raises ValueError naming `flag`."""
+    p = Path(path)
+    if p.exists():
+        if not p.is_dir():
+            raise ValueError(f"{flag}={str(p)!r} is a file, not a directory; choose another path")
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise ValueError(f"{flag}={str(p)!r} is not writable; choose another path or fix its permissions")
+        return p
+    _ancestors_ok(p, flag)
+    return p
+
+
+def check_output_file(path: str | os.PathLike, flag: str) -> Path:
+    """`path` can be written as a file (its directory exists or can be created; it is not a
+    directory); raises ValueError naming `flag`."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{flag}={str(p)!r} is a directory; give a file path such as {str(p / 'drift.json')!r}")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise ValueError(f"{flag}={str(p)!r} is not writable; choose another path or fix its permissions")
+    if p.parent.exists():
+        check_output_dir(p.parent, flag)
+    else:
+        _ancestors_ok(p, flag)
+    return p
+
+
+def run_outputs(run_dir: Path) -> list[str]:
+    """The names of `RUN_OUTPUTS` present in `run_dir`."""
+    return [n for n in RUN_OUTPUTS if (run_dir / n).exists()]
+
+
+def has_checkpoint_dirs(run_dir: Path) -> bool:
+    root = run_dir / "checkpoints"
+    return root.is_dir() and any(p.is_dir() and p.name.startswith("step_") and not p.name.endswith(".tmp")
+                                 for p in root.iterdir())
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunDirPlan:
+    path: Path
+    mode: Literal["fresh", "resume", "overwrite"]
+    """fresh: nothing to keep; resume: continue from a checkpoint; overwrite: move aside, then fresh."""
+
+
+def plan_run_dir(run_dir: str | os.PathLike, *, resume: bool, overwrite: bool) -> RunDirPlan:
+    """Decide what to do with `run_dir` (see the module docstring); raises ValueError. Touches nothing."""
+    p = check_output_dir(run_dir, "--run-dir")
+    if resume and overwrite:
+        raise ValueError("--resume continues the run in --run-dir and --overwrite moves it aside to start "
+                         "afresh; give one of them")
+    outputs = run_outputs(p) if p.is_dir() else []
+    if not outputs:
+        return RunDirPlan(path=p, mode="fresh")
+    if overwrite:
+        return RunDirPlan(path=p, mode="overwrite")
+    if resume:
+        if not has_checkpoint_dirs(p):
+            raise ValueError(f"--resume: {str(p)!r} holds a run ({', '.join(outputs)}) but no checkpoint to "
+                             f"continue from; rerun with --overwrite to start afresh (the old directory is moved "
+                             f"to {p.name}.prev<k>) or choose another --run-dir")
+        return RunDirPlan(path=p, mode="resume")
+    finished = " finished" if (p / "done.json").is_file() else ""
+    raise ValueError(f"--run-dir {str(p)!r} already holds a{finished} run ({', '.join(outputs)}); pass --resume "
+                     f"to continue it, --overwrite to start afresh (the old directory is moved to "
+                     f"{p.name}.prev<k>, nothing is deleted), or choose another --run-dir")
+
+
+def move_aside(path: Path) -> Path:
+    """Rename `path` to the first free `path.prev<k>` (k = 1, 2, ...); returns the new path."""
+    k = 1
+    while path.with_name(f"{path.name}.prev{k}").exists():
+        k += 1
+    target = path.with_name(f"{path.name}.prev{k}")
+    os.replace(path, target)
+    return target

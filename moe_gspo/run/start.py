@@ -1,0 +1,134 @@
+"""Starting, resuming and finishing a training run (used by `moe_gspo.train`).
+
+`start_run` prepares RUN_DIR per the plan `moe_gspo.run.rundir.plan_run_dir` made before any compute
+(move a previous run aside for `--overwrite`; resume from the newest intact checkpoint for
+`--resume`), writes `config.yaml`, and prints the header. `check_updated_policy` is the NaN/Inf guard
+on the weights after an update.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from moe_gspo.config import Config
+from moe_gspo.run.checkpoint import TrainState, agree, latest_checkpoint, resume, run_fingerprint
+from moe_gspo.run.errors import warn_once
+from moe_gspo.run.rundir import RunDirPlan, move_aside
+from moe_gspo.run.sinks import atomic_write_text
+
+# Settings a resumed run may change freely (anything else that differs is listed in a note).
+_QUIET_CHANGES = ("train.steps", "logging.progress")
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and not prefix:
+            out.update(_flat(v, f"{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def _previous_config(run_dir: Path) -> dict:
+    try:
+        data = yaml.safe_load((run_dir / "config.yaml").read_text())
+        return _flat(data) if isinstance(data, dict) else {}
+    except (OSError, yaml.YAMLError):
+        return {}
+
+
+def _check_same_algorithm(prev: dict, cfg: Config) -> None:
+    for key, flag in (("algo.name", "--algo"), ("algo.routing_replay", "--routing-replay")):
+        now = _flat(cfg.to_dict())[key]
+        if key in prev and prev[key] != now:
+            raise ValueError(f"--resume: this run was trained with {key}={prev[key]} (config.yaml), this command "
+                             f"has {key}={now}; resume with {flag} {prev[key]}, or start a new --run-dir")
+
+
+def fingerprint(cfg: Config, policy, info) -> dict:
+    return run_fingerprint(cfg, policy.hf_config, info.world_size)
+
+
+def start_run(cfg: Config, plan: RunDirPlan, info, policy, *, resume_asked: bool) -> TrainState | None:
+    """The state to continue from, or None when a resumed run has nothing left to do."""
+    from moe_gspo.learner.optim import params_finite
+
+    run_dir = plan.path
+    err, moved = None, None
+    if info.is_main:
+        try:
+            if plan.mode == "overwrite":
+                moved = move_aside(run_dir)
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except Exception as e:
+            err = e
+    agree(err, f"preparing {run_dir}")
+    _barrier()
+    if moved is not None:
+        print(f"--overwrite: moved the previous run to {moved}", flush=True)
+    state = TrainState()
+    if plan.mode == "resume":
+        prev = _previous_config(run_dir)
+        _check_same_algorithm(prev, cfg)
+        learner = policy.learner
+        loaded = resume(run_dir, learner=learner, fingerprint=fingerprint(cfg, policy, info),
+                        params_finite=lambda: params_finite(learner.model.parameters(), info.device),
+                        warn=lambda m: warn_once(m, is_main=info.is_main))
+        state = loaded if loaded is not None else state
+        if state.step > cfg.train.steps:
+            raise ValueError(f"--resume: the checkpoint is at step {state.step}, past train.steps={cfg.train.steps}; "
+                             f"set train.steps={state.step} or more")
+        done = run_dir / "done.json"
+        if state.step == cfg.train.steps and done.is_file():
+            if info.is_main:
+                print(f"{run_dir} already finished at step {state.step}; nothing to do "
+                      f"(raise train.steps to continue it)", flush=True)
+            return None
+        changed = [f"{k} {prev[k]!r} -> {v!r}" for k, v in _flat(cfg.to_dict()).items()
+                   if k in prev and prev[k] != v and k not in _QUIET_CHANGES]
+        if info.is_main:
+            if changed:
+                print(f"note: resuming with changed settings: {', '.join(changed)}", flush=True)
+            if done.is_file():  # continuing a finished run past its end: it is no longer finished
+                done.unlink()
+    elif resume_asked and info.is_main:
+        print(f"--resume: {run_dir} holds no run yet; starting at step 0", flush=True)
+    state.segments += 1
+    if info.is_main:
+        atomic_write_text(run_dir / "config.yaml", cfg.to_yaml())
+        print(cfg.to_yaml() if state.step == 0 else f"resuming at step {state.step} from {run_dir}", flush=True)
+    return state
+
+
+def check_updated_policy(learner, new_logp_BS: torch.Tensor | None, response_mask_BS: torch.Tensor, *, cfg: Config,
+                         step: int, run_dir: Path, device) -> None:
+    """Stop (ValueError) when an update left the policy non-finite: NaN/Inf weights on any rank, or
+    NaN/Inf log-probs of the updated policy on the step's response tokens (finite but overflowing
+    weights; only on steps with the post-update pass, see `logging.update_drift_every`). Called before the weight sync and any checkpoint, so such weights never reach the
+    rollout engine or disk. A stop, not a restore: snapshotting weights and Adam state before every
+    optimizer step would double the learner's memory (about 67 GiB a rank for Qwen3-30B-A3B at EP=8)."""
+    from moe_gspo.learner.optim import params_finite
+
+    weights_ok = params_finite(learner.model.parameters(), device)
+    logp = new_logp_BS[response_mask_BS.bool()] if new_logp_BS is not None else torch.zeros(0)
+    num_bad = int((~torch.isfinite(logp)).sum())
+    if weights_ok and num_bad == 0:
+        return
+    what = ("its weights hold NaN/Inf" if not weights_ok else
+            f"its log-probs are NaN/Inf on {num_bad} of {logp.numel()} response tokens: the weights overflow")
+    last = latest_checkpoint(run_dir)
+    hint = (f"then --resume continues from {last.name}" if last is not None else
+            "no checkpoint was written yet: rerun with --overwrite")
+    raise ValueError(f"step {step}: the update made the policy non-finite ({what}); stopped before the rollout "
+                     f"engine or a checkpoint received it. Lower train.lr (now {cfg.train.lr:g}) or set "
+                     f"train.grad_clip > 0 (now {cfg.train.grad_clip:g}), {hint}")

@@ -1,0 +1,85 @@
+"""moe_gspo.run.errors / rundir / activity: exit-code classification, output-path checks, run-dir plans."""
+
+from __future__ import annotations
+
+import errno
+import json
+
+import pytest
+
+from moe_gspo.run.activity import Activity, comm_failure_kind
+from moe_gspo.run.errors import RankFailure, is_disk_full, run_entry, user_message
+from moe_gspo.run.rundir import check_output_dir, check_output_file, plan_run_dir
+
+
+def test_user_errors_rank_failures_and_bugs_are_told_apart():
+    assert user_message(ValueError("train.lr='abc' must be a number")) == (2, "train.lr='abc' must be a number")
+    assert user_message(RankFailure("rank 1 stopped")) == (3, "rank 1 stopped")
+    gloo = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation")
+    assert comm_failure_kind(gloo) == "timeout" and user_message(gloo)[0] == 3
+    lost = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:46252")
+    assert comm_failure_kind(lost) == "peer_lost"
+    assert user_message(KeyError("x")) is None and user_message(RuntimeError("shape mismatch")) is None
+    full = OSError(errno.ENOSPC, "No space left on device")
+    assert is_disk_full(full) and user_message(full)[0] == 2
+    wrapped = RuntimeError("enforce fail at inline_container.cc:672")
+    wrapped.__context__ = full
+    assert is_disk_full(wrapped)
+    assert is_disk_full(Exception("Error while serializing: I/O error: No space left on device (os error 28)"))
+
+
+def test_run_entry_prints_one_line_and_returns_the_code(capsys):
+    def bad():
+        raise ValueError("task.path='x' does not exist")
+
+    assert run_entry(bad) == 2
+    assert capsys.readouterr().err == "error: task.path='x' does not exist\n"
+    with pytest.raises(KeyError):  # a bug keeps its traceback
+        run_entry(lambda: {}["missing"])
+
+
+def test_torchelastic_error_file_gets_the_line(tmp_path, monkeypatch, capsys):
+    f = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(f))
+    assert run_entry(lambda: (_ for _ in ()).throw(ValueError("bad"))) == 2
+    assert json.loads(f.read_text())["message"]["message"] == "error: bad"
+
+
+def test_a_stopped_peer_is_named_from_its_published_activity():
+    act = Activity(rank=0, world_size=1, timeout_s=20)
+    act("learner passes, step 3")
+    with pytest.raises(RankFailure, match=r"rank 0 waited 20 s \(parallel.collective_timeout_s\) for the other ranks "
+                                          r"in 'learner passes, step 3'"):
+        with act.watch():
+            raise RuntimeError("Timed out waiting 20000ms for recv operation to complete")
+    with pytest.raises(RuntimeError, match="unrelated"):
+        with act.watch():
+            raise RuntimeError("unrelated")
+
+
+def test_output_paths_are_checked_without_creating_anything(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match=r"--out=.*afile' is a file, not a directory"):
+        check_output_file(tmp_path / "afile" / "sub" / "drift.json", "--out")
+    with pytest.raises(ValueError, match="is a directory"):
+        check_output_file(tmp_path, "--out")
+    with pytest.raises(ValueError, match="out_dir=.* is a file"):
+        check_output_dir(tmp_path / "afile", "out_dir")
+    check_output_file(tmp_path / "new" / "deeper" / "drift.json", "--out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_run_dir_plans(tmp_path):
+    d = tmp_path / "run"
+    assert plan_run_dir(d, resume=False, overwrite=False).mode == "fresh"
+    d.mkdir()
+    (d / "train.log").write_text("an ablation's log is not a run\n")
+    assert plan_run_dir(d, resume=False, overwrite=False).mode == "fresh"
+    (d / "metrics.jsonl").write_text('{"step": 0}\n')
+    with pytest.raises(ValueError, match="already holds a run \\(metrics.jsonl\\); pass --resume .* --overwrite"):
+        plan_run_dir(d, resume=False, overwrite=False)
+    with pytest.raises(ValueError, match="no checkpoint to continue from"):
+        plan_run_dir(d, resume=True, overwrite=False)
+    assert plan_run_dir(d, resume=False, overwrite=True).mode == "overwrite"
+    (d / "checkpoints" / "step_000001").mkdir(parents=True)
+    assert plan_run_dir(d, resume=True, overwrite=False).mode == "resume"

@@ -474,8 +474,7 @@ def main(argv: list[str] | None = None, arm_runner: ArmRunner | None = None) -> 
     if args.dry_run:  # every arm listed, an invalid one with its reason under it
         rows = dry_run(spec)
         for p in problems:
-            if not p.startswith("arm "):  # the spec's own problems (arm ones are listed above)
-                print(f"error: {p}", file=sys.stderr)
+            print(f"error: {p}", file=sys.stderr)
         return 2 if problems or any(action == "invalid config" for _, action, _ in rows) else 0
     if problems:
         for p in problems:

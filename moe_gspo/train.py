@@ -52,6 +52,7 @@ def loop(cfg: Config, run_dir: Path, info, policy, task, state, act, reference) 
     from moe_gspo.run.learner_passes import learner_update
     from moe_gspo.run.sinks import MetricsSink
     from moe_gspo.run.start import check_updated_policy, fingerprint
+    from moe_gspo.run.timing import PhaseTimer
 
     learner, engine = policy.learner, policy.engine
     act("initial weight sync")
@@ -62,39 +63,47 @@ def loop(cfg: Config, run_dir: Path, info, policy, task, state, act, reference) 
     bar = tqdm(range(state.step, cfg.train.steps), initial=state.step, total=cfg.train.steps,
                disable=not (info.is_main and cfg.logging.progress), dynamic_ncols=True)
     t_start, wall_before = time.time(), state.wall_s
+    timer = PhaseTimer()  # perf/<phase>_s: where a step's time goes (moe_gspo.bench.step_profile)
     for step in bar:
         t0 = time.time()
         act(f"rollout, step {step}")
-        prompts = steps.step_prompts(task, cfg, state.prompts_consumed)
-        learner.offload_for_rollout()  # train.offload_during_rollout (no-op by default)
-        samples = steps.rollout(policy, prompts, cfg, info, step)
-        engine.sleep()  # frees the engine's GPU memory for the learner (vLLM, rollout.sleep_level > 0)
-        learner.reload_after_rollout()
-        rewards = steps.score(policy, task, prompts, samples)
-        batch = PackedBatch.from_samples(samples, steps.advantages(rewards, cfg), policy.tokenizer.pad_token_id)
+        with timer("rollout"):
+            prompts = steps.step_prompts(task, cfg, state.prompts_consumed)
+            learner.offload_for_rollout()  # train.offload_during_rollout (no-op by default)
+            samples = steps.rollout(policy, prompts, cfg, info, step)
+            engine.sleep()  # frees the engine's GPU memory for the learner (vLLM, rollout.sleep_level > 0)
+            learner.reload_after_rollout()
+        with timer("score"):
+            rewards = steps.score(policy, task, prompts, samples)
+            batch = PackedBatch.from_samples(samples, steps.advantages(rewards, cfg), policy.tokenizer.pad_token_id)
         t_rollout = time.time() - t0
         act(f"learner passes, step {step}")
-        passes = learner_update(cfg, policy, batch, samples, step, reference=reference)  # old pass, update, drift
+        passes = learner_update(cfg, policy, batch, samples, step, reference=reference, timer=timer)
         metrics = passes.metrics
-        check_updated_policy(learner, passes.new.logp_BS if passes.new is not None else None, batch.response_mask_BS,
-                             cfg=cfg, step=step, run_dir=run_dir, device=info.device)  # NaN/Inf never reach the engine
+        with timer("guard"):  # NaN/Inf weights never reach the engine or a checkpoint
+            check_updated_policy(learner, passes.new.logp_BS if passes.new is not None else None,
+                                 batch.response_mask_BS, cfg=cfg, step=step, run_dir=run_dir, device=info.device)
         act(f"weight sync, step {step}")
-        engine.update_weights(learner.hf_weight_stream())  # wakes a sleeping vLLM engine
-        metrics.update(steps.sample_metrics(rewards, samples))
-        state.step, state.prompts_consumed = step + 1, state.prompts_consumed + cfg.rollout.prompts_per_step
-        state.wall_s = wall_before + time.time() - t_start
-        dt = time.time() - t0
-        num_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        metrics.update({"perf/step_time_s": dt, "perf/rollout_s": t_rollout, "perf/learner_s": dt - t_rollout,
-                        "perf/tokens_per_s": num_tokens / dt})
+        with timer("sync"):
+            engine.update_weights(learner.hf_weight_stream())  # wakes a sleeping vLLM engine
+        with timer("traces"):
+            if info.is_main and cfg.logging.trace_every and step % cfg.logging.trace_every == 0:
+                steps.save_step_traces(run_dir, step, policy, samples, batch, passes.old, passes.new, rewards,
+                                       replayed_logp_BS=passes.replayed_logp_BS)
+        with timer("metrics"):
+            metrics.update(steps.sample_metrics(rewards, samples))
+            state.step, state.prompts_consumed = step + 1, state.prompts_consumed + cfg.rollout.prompts_per_step
+            state.wall_s = wall_before + time.time() - t_start
+            dt = time.time() - t0
+            num_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+            metrics.update({"perf/step_time_s": dt, "perf/learner_s": dt - t_rollout, "perf/tokens_per_s": num_tokens / dt})
+        metrics.update(timer.take())
         sink.log(step, metrics)
-        if info.is_main and cfg.logging.trace_every and step % cfg.logging.trace_every == 0:
-            steps.save_step_traces(run_dir, step, policy, samples, batch, passes.old, passes.new, rewards,
-                                   replayed_logp_BS=passes.replayed_logp_BS)
         if cfg.train.checkpoint_every and state.step % cfg.train.checkpoint_every == 0:
             act(f"checkpoint, step {state.step}")
-            save_checkpoint(run_dir, state, learner.state_dict(), rank=info.rank, keep=cfg.train.keep_checkpoints,
-                            fingerprint=fingerprint(cfg, policy, info))
+            with timer("checkpoint"):  # logged in the next step's row
+                save_checkpoint(run_dir, state, learner.state_dict(), rank=info.rank,
+                                keep=cfg.train.keep_checkpoints, fingerprint=fingerprint(cfg, policy, info))
         bar.set_postfix({"reward": f"{metrics['reward/mean']:.3f}", "flip": f"{metrics.get('routing/any_layer_flip', 0):.3f}",
                          "clip": f"{metrics.get('clip/token_frac', 0):.3f}"})
     sink.close()

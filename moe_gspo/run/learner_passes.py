@@ -7,6 +7,7 @@ ranks where it runs a learner pass (all ranks call it with the same global batch
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,7 @@ from moe_gspo.algos.rollout_correction import rollout_correction
 from moe_gspo.config import AlgoConfig, Config
 from moe_gspo.learner.batch import PackedBatch
 from moe_gspo.run.compare import policy_update_drift, replayed_mismatch, rollout_vs_learner
+from moe_gspo.run.timing import PhaseTimer
 
 UPDATE_PREFIX = "update/"
 """Old->new learner routing after the FIRST optimizer step of an RL step (the GSPO paper's figure)."""
@@ -96,9 +98,14 @@ class UpdateDriftProbe:
         self.first: Any = None
         self.last: Any = None
         self._last_index = learner.train.num_minibatches - 1
+        self.seconds = 0.0
+        """Wall time of the probe's passes so far (the first runs inside `Learner.train_step`)."""
 
     def _pass(self):
-        return self.learner.compute_logprobs(self.batch, record_routes=True, no_replay=True)
+        t0 = time.perf_counter()
+        out = self.learner.compute_logprobs(self.batch, record_routes=True, no_replay=True)
+        self.seconds += time.perf_counter() - t0
+        return out
 
     def after_optimizer_step(self, index: int, applied: bool) -> None:
         if self.first is None and applied:
@@ -138,7 +145,7 @@ class StepPasses:
 
 
 def learner_update(cfg: Config, policy, batch: PackedBatch, samples, step: int, *,
-                   reference: ReferencePolicy | None = None) -> StepPasses:
+                   reference: ReferencePolicy | None = None, timer: PhaseTimer | None = None) -> StepPasses:
     """The learner side of one RL step, in order:
 
     1. old-policy pass with natural routing and routes (R2 records them for its replay) → the
@@ -149,27 +156,42 @@ def learner_update(cfg: Config, policy, batch: PackedBatch, samples, step: int, 
        `algo.kl_coef > 0`;
     4. the update (`Learner.train_step`), with the drift probe every `logging.update_drift_every`
        steps (`update/*` after the first optimizer step, `update_all_minibatches/*` after all).
+
+    `timer` gets the phases old_logp, replayed_logp, reference, update and drift (the probe's passes,
+    also the one inside the update, are charged to drift).
     """
     learner, drift_every = policy.learner, cfg.logging.update_drift_every
-    old = learner.compute_logprobs(batch, record_routes=True, no_replay=True)
-    metrics = rollout_vs_learner(rollout_logp_BS=batch.rollout_logp_BS, learner_logp_BS=old.logp_BS,
-                                 response_mask_BS=batch.response_mask_BS, rollout_routes=batch.rollout_routes,
-                                 learner_routes=old.routes, num_experts=policy.num_experts,
-                                 group_ids=[s.prompt_index for s in samples])
+    timer = timer if timer is not None else PhaseTimer()
+    with timer("old_logp"):
+        old = learner.compute_logprobs(batch, record_routes=True, no_replay=True)
+        metrics = rollout_vs_learner(rollout_logp_BS=batch.rollout_logp_BS, learner_logp_BS=old.logp_BS,
+                                     response_mask_BS=batch.response_mask_BS, rollout_routes=batch.rollout_routes,
+                                     learner_routes=old.routes, num_experts=policy.num_experts,
+                                     group_ids=[s.prompt_index for s in samples])
     old_logp, replayed = old.logp_BS, None
     if cfg.algo.routing_replay == "r3":
-        old_logp = replayed = learner.compute_logprobs(batch).logp_BS
-        metrics.update(replayed_mismatch(rollout_logp_BS=batch.rollout_logp_BS, replayed_logp_BS=replayed,
-                                         response_mask_BS=batch.response_mask_BS))
+        with timer("replayed_logp"):
+            old_logp = replayed = learner.compute_logprobs(batch).logp_BS
+            metrics.update(replayed_mismatch(rollout_logp_BS=batch.rollout_logp_BS, replayed_logp_BS=replayed,
+                                             response_mask_BS=batch.response_mask_BS))
     is_weights, rs_keep, corr_metrics = step_correction(cfg.algo, batch, old_logp)
     metrics.update(corr_metrics)
-    ref_logp = reference.logprobs(batch, old_routes=old.routes) if reference is not None else None
+    ref_logp = None
+    if reference is not None:
+        with timer("reference"):
+            ref_logp = reference.logprobs(batch, old_routes=old.routes)
     probe = (UpdateDriftProbe(learner, batch, old.routes, policy.num_experts)
              if drift_every and step % drift_every == 0 else None)
+    t0 = time.perf_counter()
     metrics.update(learner.train_step(batch, old_logp, ref_logp_BS=ref_logp, is_weights_BS=is_weights,
                                       rs_keep_BS=rs_keep,
                                       after_optimizer_step=probe.after_optimizer_step if probe else None))
-    new = probe.finish() if probe is not None else None
+    inside = probe.seconds if probe is not None else 0.0
+    timer.add("update", time.perf_counter() - t0 - inside)
+    new = None
     if probe is not None:
-        metrics.update(probe.metrics())
+        timer.add("drift", inside)
+        with timer("drift"):
+            new = probe.finish()
+            metrics.update(probe.metrics())
     return StepPasses(metrics=metrics, old=old, new=new, replayed_logp_BS=replayed)

@@ -1,0 +1,94 @@
+"""Per-step cost profile of the main job: where an RL step's wall time goes.
+
+`python -m moe_gspo.bench.step_profile [--config CONFIG ...] [--steps 40] [--skip 5] [--nproc 2] [overrides]`
+
+Runs `torchrun --standalone --nproc-per-node N -m moe_gspo.train` on each config (default: the
+default `configs/tiny_cpu.yaml` and the 2-token `configs/tiny_cpu_copy_first.yaml` of the TRL peer
+comparison) for `--steps` RL steps in a temporary run directory, then prints the mean seconds per step
+of each phase the train loop times (`perf/<phase>_s`, see `moe_gspo/run/timing.py`) and its share,
+averaged over the steps after the first `--skip` (warm-up). Phases that run every k steps (drift
+probe, traces, checkpoints) are averaged over all steps, so the split is the amortised cost. "loop,
+untimed" is the step time not inside any phase (bookkeeping, the progress bar, the metrics file).
+Timings on a shared machine are contended: compare figures taken back to back on a quiet box.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from moe_gspo.run.timing import PHASES
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_CONFIGS = ("configs/tiny_cpu.yaml", "configs/tiny_cpu_copy_first.yaml")
+
+
+def run_job(config: str, *, steps: int, nproc: int, run_dir: Path, overrides: list[str]) -> list[dict]:
+    """The metrics rows of a fresh `moe_gspo.train` run (RuntimeError with the log tail if it fails)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "moe_gspo.train", "--config", config, "--run-dir", str(run_dir), f"train.steps={steps}",
+           "logging.wandb_mode=disabled", "logging.progress=false", "train.export_hf=false", *overrides]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def profile(rows: list[dict], *, skip: int) -> dict:
+    """Mean seconds per step of each phase over `rows[skip:]` (a phase absent from a row counts 0)."""
+    rows = rows[skip:]
+    if not rows:
+        raise ValueError(f"no steps left after --skip {skip}; raise --steps")
+    n = len(rows)
+    out = {p: sum(r.get(f"perf/{p}_s", 0.0) for r in rows) / n for p in PHASES}
+    step = sum(r["perf/step_time_s"] for r in rows) / n
+    out["loop, untimed"] = step - sum(v for p, v in out.items() if p != "checkpoint")
+    out["total"] = step + out["checkpoint"]
+    out["num_steps"] = n
+    return out
+
+
+def format_profile(name: str, prof: dict) -> str:
+    total = prof["total"]
+    lines = [f"{name}: {total:.3f} s per RL step (mean of {prof['num_steps']} steps)",
+             f"  {'phase':<16} {'s/step':>8} {'share':>7}"]
+    for p in (*PHASES, "loop, untimed"):
+        if prof[p] > 0 or p in ("rollout", "old_logp", "update", "sync"):
+            lines.append(f"  {p:<16} {prof[p]:8.4f} {100 * prof[p] / total:6.1f}%")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--config", action="append", default=None,
+                   help=f"run config (repeatable; default: {', '.join(DEFAULT_CONFIGS)})")
+    p.add_argument("--steps", type=int, default=40, help="RL steps per run (default 40)")
+    p.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the means (default 5)")
+    p.add_argument("--nproc", type=int, default=2, help="torchrun processes (default 2)")
+    p.add_argument("--json", default=None, help="also write the profiles to this JSON file")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides for every run")
+    args = p.parse_args(argv)
+    if args.steps <= args.skip:
+        p.error(f"--steps {args.steps} must exceed --skip {args.skip}")
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="step_profile_") as tmp:
+        for i, config in enumerate(args.config or DEFAULT_CONFIGS):
+            print(f"running {config} for {args.steps} steps on {args.nproc} processes ...", flush=True)
+            rows = run_job(config, steps=args.steps, nproc=args.nproc, run_dir=Path(tmp) / f"run{i}",
+                           overrides=args.overrides)
+            results[config] = profile(rows, skip=args.skip)
+            print(format_profile(config, results[config]), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""Wall time per phase of one RL step, logged as `perf/<phase>_s` (see README, "Metrics").
+
+`moe_gspo.bench.step_profile` reads these columns to print where a step's time goes. On CUDA a phase
+ends with `torch.cuda.synchronize()`, so that asynchronous kernels are charged to the phase that
+launched them (a few synchronisations per step; no effect on CPU).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+
+PHASES = ("rollout", "score", "old_logp", "replayed_logp", "reference", "update", "drift", "guard", "sync",
+          "metrics", "traces", "checkpoint")
+"""The phases `moe_gspo.train` times, in step order (`checkpoint`: the checkpoint written after the
+previous step's row, which is logged in this row)."""
+
+
+class PhaseTimer:
+    """Accumulates seconds per phase: `with timer("update"): ...`; `take()` returns and clears them."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        assert phase in PHASES, phase
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+            self.add(phase, time.perf_counter() - t0)
+
+    def add(self, phase: str, seconds: float) -> None:
+        self._seconds[phase] = self._seconds.get(phase, 0.0) + seconds
+
+    def take(self) -> dict[str, float]:
+        """`{"perf/<phase>_s": seconds}` of the phases timed since the last call; clears them."""
+        out = {f"perf/{k}_s": v for k, v in self._seconds.items()}
+        self._seconds = {}
+        return out

@@ -31,7 +31,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 @pytest.mark.parametrize("replay", ["none", "r2", "r3"])
 def test_smoke_every_arm(tmp_path, algo, replay):
     run_dir = tmp_path / "run"
-    rc = train.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--algo", algo, "--routing-replay", replay,
+    rc = train.main(["--config", str(ROOT / "configs/tiny_cpu_copy_first.yaml"), "--algo", algo, "--routing-replay", replay,
                      "--run-dir", str(run_dir), "train.steps=2", *SMALL])
     assert rc == 0
     rows = _metrics(run_dir)
@@ -66,7 +66,7 @@ def test_corrected_grpo_with_kl_reference(tmp_path):
     """GRPO + R3 with TIS, geometric MIS and a KL penalty to the frozen initial policy; one mini-batch
     per step, so step 0's update starts exactly at the reference; update drift every 2nd step."""
     run_dir = tmp_path / "run"
-    rc = train.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--algo", "grpo", "--routing-replay", "r3",
+    rc = train.main(["--config", str(ROOT / "configs/tiny_cpu_copy_first.yaml"), "--algo", "grpo", "--routing-replay", "r3",
                      "--run-dir", str(run_dir), "train.steps=3", *SMALL, "train.num_minibatches=1",
                      "algo.kl_coef=0.1", "algo.rollout_is=token", "algo.rollout_rs=geometric",
                      "algo.rollout_rs_threshold=1.001", "logging.update_drift_every=2"])

@@ -452,7 +452,7 @@ def validate(cfg: Config) -> Config:
         r.record_probs = False
     from moe_gspo.rollout.vllm_support import check_rollout_config
 
-    check_rollout_config(r)  # vLLM-only fields, installed vLLM version, what vLLM cannot do on CPU
+    check_rollout_config(r)  # vLLM-only fields (this machine's vLLM: vllm_support.check_rollout_machine at start)
     num_samples = r.prompts_per_step * r.samples_per_prompt
     if num_samples % tr.num_minibatches:
         raise ValueError(

@@ -38,7 +38,9 @@ def test_probe_bf16_vllm_shows_drift_from_the_fp32_learner(ckpt, tmp_path):
     res = json.loads(out.read_text())
     assert res["engine"] == "vllm" and res["num_sequences"] == 8 and res["world_size"] == 1
     assert res["num_routed_tokens"] > 8 * 30  # prompt positions included
-    assert res["mismatch/logp_abs_diff_mean"] > 1e-4 and res["routing/any_layer_flip"] > 0
+    assert res["mismatch/logp_abs_diff_mean"] > 1e-4
+    # 32 response rows rarely flip; the prompt rows (routing_prompt/*, ~8 x 30) show the bf16 drift
+    assert res["routing_prompt/any_layer_flip"] > 0
 
 
 @pytest.mark.slow

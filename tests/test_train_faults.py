@@ -21,7 +21,7 @@ from _procs import alive, worker_pids
 from moe_gspo import ablate, probe, train
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "parallel.expert_parallel_size=1",
+TINY = ["--config", str(ROOT / "configs/tiny_cpu_copy_first.yaml"), "parallel.expert_parallel_size=1",
         "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=2",
         "train.num_minibatches=2", "logging.wandb_mode=disabled", "logging.progress=false",
         "logging.trace_every=0", "train.export_hf=false", "train.checkpoint_every=1"]
@@ -318,14 +318,14 @@ def test_overrides_may_follow_flags_for_train_probe_and_ablate(tmp_path):
     pargs = probe.build_parser().parse_intermixed_args(["--model", "m", "--out", "o.json", "--prompts", "p"])
     assert (pargs.model, pargs.out, pargs.prompts) == ("m", "o.json", "p")
     spec = tmp_path / "abl.yaml"
-    spec.write_text(f"base_config: {ROOT / 'configs/tiny_cpu.yaml'}\nalgos: [gspo]\nrouting_replay: [none]\n"
+    spec.write_text(f"base_config: {ROOT / 'configs/tiny_cpu_copy_first.yaml'}\nalgos: [gspo]\nrouting_replay: [none]\n"
                     f"seeds: [0]\nout_dir: {tmp_path / 'abl'}\n")
     assert ablate.main([str(spec), "--dry-run", "train.steps=7", "--out", str(tmp_path / "o")]) == 0
 
 
 def test_ablate_dry_run_validates_every_arm(tmp_path, capsys):
     spec = tmp_path / "abl.yaml"
-    spec.write_text(f"base_config: {ROOT / 'configs/tiny_cpu.yaml'}\nalgos: [gspo, grpo]\nrouting_replay: [none]\n"
+    spec.write_text(f"base_config: {ROOT / 'configs/tiny_cpu_copy_first.yaml'}\nalgos: [gspo, grpo]\nrouting_replay: [none]\n"
                     f"seeds: [0]\nout_dir: {tmp_path / 'abl'}\noverrides: {{train.lr: abc}}\n")
     assert ablate.main([str(spec), "--dry-run"]) == 2
     err = capsys.readouterr().err

@@ -29,13 +29,13 @@ def test_torchrun_ep2_grpo_r3_on_vllm_fp32_has_no_drift_at_any_step(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "moe_gspo.train", "--algo", "grpo", "--routing-replay", "r3", "--run-dir", str(run_dir),
-           "rollout.engine=vllm", "rollout.dtype=float32", "train.steps=4", *QUIET]
+           "rollout.engine=vllm", "rollout.dtype=float32", "train.steps=4", "rollout.prompts_per_step=4", *QUIET]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     for r in rows:
-        assert r["num_sequences"] == 64  # 8 prompts x 8 samples, sampled by the two ranks' engines
+        assert r["num_sequences"] == 32  # 4 prompts x 8 samples (default config), sampled by the two ranks' engines
         assert r["routing/layer_disagree"] == [0.0, 0.0] and r["routing/any_layer_flip"] == 0.0
         assert r["mismatch/logp_abs_diff_max"] <= 1e-4
         assert np.isfinite(r["loss/policy"]) and np.isfinite(r["grad/norm"])

@@ -66,7 +66,7 @@ def run_config(args, variant: str, cuda: bool):
         "parallel": {"expert_parallel_size": 1, "token_dispatcher": "alltoall" if cuda else "allgather"},
         "rollout": {"engine": "hf", "dtype": "bfloat16" if cuda else "float32",
                     "prompts_per_step": args.seqs // args.group, "samples_per_prompt": args.group,
-                    "max_new_tokens": args.seq_len - prompt_len, "max_model_len": args.seq_len},
+                    "max_new_tokens": args.seq_len - prompt_len},
         "train": {"micro_batch_size": args.micro_batch, "num_minibatches": args.minibatches, "lr": 1e-5,
                   "memory_check": "skip"},
     }
@@ -136,7 +136,7 @@ def run_variant(args, variant: str, cuda: bool) -> dict:
             src = Qwen3MoeForCausalLM(hf_config).to(dtype)
         engine = HFEngine(src, dtype=cfg.rollout.dtype, device=device, record_routes=True, record_probs=False)
         del src
-        engine.update_weights(learner.hf_state_dict().items())
+        engine.update_weights(learner.hf_weight_stream())
         if cuda:
             torch.cuda.empty_cache()
         batch = synthetic_batch(args, hf_config.vocab_size, prompt_len, seed=0)
@@ -149,7 +149,7 @@ def run_variant(args, variant: str, cuda: bool) -> dict:
             learner.reload_after_rollout()
             old = meter("logprobs", lambda: learner.compute_logprobs(batch))
             meter("update", lambda: learner.train_step(batch, old.logp_BS))
-            meter("weight_sync", lambda: engine.update_weights(learner.hf_state_dict().items()))
+            meter("weight_sync", lambda: engine.update_weights(learner.hf_weight_stream()))
     finally:
         destroy_distributed()
     rows = {}

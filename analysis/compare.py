@@ -225,8 +225,8 @@ def fig_layer_change(arms: Arms) -> Figure:
     if num_layers == 0:
         raise SkipFigure(f"per-layer metrics {', '.join(k for k, _ in _LAYER_KEYS)} missing from all runs")
     labels = _arm_layer_labels(arms, num_layers)
-    fig = Figure(figsize=(min(20.0, max(5.0, 0.25 * num_layers * len(arms.runs) + 2.5) * 1.6), 3.8), dpi=100,
-                 layout="constrained")
+    width = min(20.0, 1.6 * max(5.0, 0.25 * num_layers * len(arms.runs) + 2.5))
+    fig = Figure(figsize=(width, 3.8), dpi=100, layout="constrained")
     axes = fig.subplots(1, 2)
     colors, width = _palette(arms), 0.8 / max(len(arms.runs), 1)
     for ax, (key, title) in zip(axes, _LAYER_KEYS):

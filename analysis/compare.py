@@ -8,11 +8,16 @@ and writes `report.html`, `report.md` and the PNGs into OUT_DIR. Figures: reward
 seeds with a min/max band across seeds), binding and out-of-range clip fractions, token and sequence
 ratio variances, routing drift (rollout-vs-learner any-layer flip, old→new expert change after the
 first optimizer step), train-inference mismatch with natural routing (`mismatch/*`) next to the
-pass that replays the rollout routes (`mismatch_replayed/*`, R3 arms only). Tables per arm: final
-reward (per seed the mean of reward/mean over its last 10% of steps, then mean ± std over seeds, std
-with ddof=0) and per-seed means over steps of the drift / clip / variance metrics, averaged over
-seeds; and mismatch vs mismatch_replayed side by side. Steps where a metric is null/NaN (e.g. a
-variance share of an empty subset) are left out of its means.
+pass that replays the rollout routes (`mismatch_replayed/*`, R3 arms only); from the logprob traces
+(`traces/step_*_logprobs.npz`), learner/rollout token- and length-normalised sequence-ratio variance
+against response length per arm (seeds pooled, the same length bins for every arm); and routing
+change per MoE layer (`update/layer_change`, `routing/layer_disagree`) per arm as grouped bars.
+Tables per arm: steps logged, final reward (per seed the mean of reward/mean over its last 10% of
+steps, then mean ± std over seeds, std with ddof=0, and the min–max across seeds) and per-seed means
+over steps of the drift / clip / variance metrics, averaged over seeds; mismatch vs mismatch_replayed
+side by side; the per-layer routing change. Steps where a metric is null/NaN (e.g. a variance share
+of an empty subset) are left out of its means. A figure whose inputs no run has is listed under
+"Skipped" with the reason.
 """
 
 from __future__ import annotations
@@ -30,7 +35,11 @@ import seaborn as sns
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from analysis.figures import FigureSpec, SkipFigure, positive_or_nan, render_figures
+from analysis.arm_stats import arm_length_variance, layer_means
+from analysis.figures import (
+    FigureSpec, SkipFigure, layer_axis_label, layer_labels, logprob_trace_paths, positive_or_nan,
+    read_logprob_sets, render_figures,
+)
 from analysis.load import (
     ReportInputError, RunData, RunDataWarning, finite_mean, headline_numbers, load_run, series,
 )
@@ -138,6 +147,107 @@ def _panels(arms: Arms, panels: list[tuple[str, str, bool]], title: str) -> Figu
     return fig
 
 
+
+def _palette(arms: Arms) -> dict[str, tuple]:
+    return dict(zip(arms.runs, sns.color_palette("tab10", n_colors=max(len(arms.runs), 1))))
+
+
+def fig_ratio_variance_length(arms: Arms) -> Figure:
+    """Per arm, learner/rollout token-ratio and length-normalised sequence-ratio variance per
+    response-length bin (bins shared by all arms), from the seeds' logprob traces pooled."""
+    arm_sets = {}
+    for arm, runs in arms.runs.items():
+        per_seed = []
+        for seed, run in runs:
+            num_warnings = len(run.warnings)
+            sets = read_logprob_sets(run)
+            arms.notes += [f"{arm} seed {seed}: {w}" for w in run.warnings[num_warnings:]]
+            if sets:
+                per_seed.append(sets)
+        if per_seed:
+            arm_sets[arm] = per_seed
+    if not arm_sets:
+        what = ("every step_*_logprobs.npz file was unreadable"
+                if any(logprob_trace_paths(run) for runs in arms.runs.values() for _, run in runs)
+                else "no run has traces/step_*_logprobs.npz files (logging.trace_every 0 or traces missing)")
+        raise SkipFigure(what)
+    try:
+        edges, per_arm = arm_length_variance(arm_sets)
+    except ValueError as e:
+        raise SkipFigure(str(e)) from e
+    if not any(np.isfinite(v.pooled["token_var"]).any() for v in per_arm.values()):
+        raise SkipFigure("fewer than 2 responses per length bin in every arm's logprob traces")
+    fig = Figure(figsize=(10.4, 3.8), dpi=100, layout="constrained")
+    axes = fig.subplots(1, 2)
+    colors = _palette(arms)
+    panels = (("token_var", "token ratio exp(d_t)"),
+              ("seq_norm_var", "length-normalised sequence ratio exp(mean_t d_t)"))
+    for ax, (key, title) in zip(axes, panels):
+        for arm, v in per_arm.items():
+            ok = np.isfinite(v.pooled[key])
+            x = v.pooled["len_mid"][ok]
+            ax.plot(x, positive_or_nan(v.pooled[key][ok]), marker="o", markersize=3, color=colors[arm],
+                    label=f"{arm} (n={v.num_seeds})")
+            if v.num_seeds > 1:
+                ax.fill_between(x, positive_or_nan(v.seed_min[key][ok]), positive_or_nan(v.seed_max[key][ok]),
+                                color=colors[arm], alpha=0.2, linewidth=0)
+        if any(np.nanmax(v.pooled[key], initial=0) > 0 for v in per_arm.values()):
+            ax.set_yscale("log")
+        ax.legend(fontsize="x-small")
+        ax.set(title=title, xlabel="response length (tokens, arm's bin mean)", ylabel="variance (unitless)")
+    bins = ", ".join(f"[{edges[i]:g}, {edges[i + 1]:g}{']' if i == edges.size - 2 else ')'}"
+                     for i in range(edges.size - 1))
+    fig.suptitle(f"Learner/rollout ratio variance vs response length; bins {bins}", fontsize="medium")
+    return fig
+
+
+_LAYER_KEYS = (("update/layer_change", "old→new policy change (update/layer_change)"),
+               ("routing/layer_disagree", "rollout vs learner (routing/layer_disagree)"))
+
+
+def _arm_layer_labels(arms: Arms, num_layers: int) -> list[str]:
+    for runs in arms.runs.values():
+        for _, run in runs:
+            if run.traces:
+                return layer_labels(run, num_layers)
+    return [str(i) for i in range(num_layers)]
+
+
+def _all_layer_means(arms: Arms) -> tuple[dict[str, dict], int]:
+    means = {key: {arm: layer_means(runs, key) for arm, runs in arms.runs.items()} for key, _ in _LAYER_KEYS}
+    num_layers = max((m.mean_L.size for per_arm in means.values() for m in per_arm.values() if m), default=0)
+    return means, num_layers
+
+
+def fig_layer_change(arms: Arms) -> Figure:
+    """Grouped bars: per MoE layer and arm, the mean over steps then seeds (error bar: seed min/max)."""
+    means, num_layers = _all_layer_means(arms)
+    if num_layers == 0:
+        raise SkipFigure(f"per-layer metrics {', '.join(k for k, _ in _LAYER_KEYS)} missing from all runs")
+    labels = _arm_layer_labels(arms, num_layers)
+    width = min(20.0, 1.6 * max(5.0, 0.25 * num_layers * len(arms.runs) + 2.5))
+    fig = Figure(figsize=(width, 3.8), dpi=100, layout="constrained")
+    axes = fig.subplots(1, 2)
+    colors, width = _palette(arms), 0.8 / max(len(arms.runs), 1)
+    for ax, (key, title) in zip(axes, _LAYER_KEYS):
+        drawn = False
+        for i, (arm, m) in enumerate(means[key].items()):
+            if m is None:
+                continue
+            x = np.arange(m.mean_L.size) - 0.4 + width * (i + 0.5)
+            err = (np.stack([m.mean_L - m.min_L, m.max_L - m.mean_L]) if m.num_seeds > 1 else None)
+            ax.bar(x, m.mean_L, width, yerr=err, capsize=2, color=colors[arm], label=f"{arm} (n={m.num_seeds})")
+            drawn = True
+        if drawn:
+            ax.legend(fontsize="x-small")
+        else:
+            ax.text(0.5, 0.5, f"'{key}' not logged", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xticks(np.arange(num_layers), labels)
+        ax.set(title=title, xlabel=layer_axis_label(labels), ylabel="fraction of tokens")
+    fig.suptitle("Routing change per MoE layer (mean over steps, then seeds; bars: seed min/max)")
+    return fig
+
+
 COMPARE_FIGURES: list[FigureSpec] = [
     FigureSpec("cmp_reward", "Reward per arm",
                "reward/mean: line = mean over seeds, band = min/max across seeds.",
@@ -169,9 +279,23 @@ COMPARE_FIGURES: list[FigureSpec] = [
                                      ("mismatch/extreme_frac_ln2", "tokens, natural", False),
                                      ("mismatch_replayed/extreme_frac_ln2", "tokens, replayed", False)],
                                  "Mismatch: natural vs replayed routing")),
+    FigureSpec("cmp_ratio_var_length", "Ratio variance vs response length per arm",
+               "Learner/rollout log-ratio d_t from the traced steps' logprob traces, each arm's seeds "
+               "pooled: variance of the token ratios exp(d_t) and of the length-normalised sequence ratio "
+               "exp(mean_t d_t) per response-length bin (quantile bins of all arms' responses, the same "
+               "for every arm; x = the arm's mean length in the bin), log scale. Band: min/max of the "
+               "per-seed values. GSPO's claim: the sequence ratio's variance stays far below the token "
+               "ratio's and does not grow with length.", fig_ratio_variance_length),
+    FigureSpec("cmp_layer_change", "Routing change per layer per arm",
+               "Per MoE layer, over the token rows that produce response log-probs: share whose learner "
+               "top-k set changes over the first optimizer step (update/layer_change) and whose "
+               "rollout-engine and learner (natural routing) top-k sets differ (routing/layer_disagree); "
+               "per seed the mean over steps, bar = mean over seeds, error bar = seed min/max.",
+               fig_layer_change),
 ]
 
-TABLE_COLUMNS = ["arm", "seeds", "final reward (mean ± std)", "any-layer flip", "update expert change",
+TABLE_COLUMNS = ["arm", "seeds", "steps", "final reward (mean ± std)", "final reward seed range (min–max)",
+                 "any-layer flip", "update expert change",
                  "clip token frac (binding)", "clip out-of-range frac", "ratio/token_var", "ratio/seq_var"]
 MISMATCH_COLUMNS = ["arm", "k3 KL natural", "k3 KL replayed", "|Δ log p| > ln 2 natural",
                     "|Δ log p| > ln 2 replayed", "mean |Δ log p| natural", "mean |Δ log p| replayed"]
@@ -189,6 +313,7 @@ def arm_summary(runs: list[tuple[int, RunData]]) -> dict[str, float]:
         h = headline_numbers(run.records)
         row = {
             "final_reward": h["reward_last10_mean"],
+            "num_steps": h["num_steps"],
             "any_layer_flip": h["any_layer_flip_mean"],
             "update_expert_change": h["update_expert_change_mean"],
             "clip_token_frac": h["clip_token_frac_mean"],
@@ -202,7 +327,21 @@ def arm_summary(runs: list[tuple[int, RunData]]) -> dict[str, float]:
     finals = np.asarray([s["final_reward"] for s in per_seed], np.float64)
     finals = finals[np.isfinite(finals)]
     out["final_reward_std"] = float(finals.std()) if finals.size else math.nan
+    out["final_reward_min"] = float(finals.min()) if finals.size else math.nan
+    out["final_reward_max"] = float(finals.max()) if finals.size else math.nan
+    steps = [s["num_steps"] for s in per_seed]
+    out["num_steps_min"] = min(steps, default=math.nan)
+    out["num_steps_max"] = max(steps, default=math.nan)
     return out
+
+
+def _range(lo: float, hi: float, integer: bool = False) -> str:
+    """'lo–hi', or one number when they are equal; 'n/a' when unknown."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return "n/a"
+    if lo == hi and integer:
+        return fmt_number(lo, integer)
+    return f"{fmt_number(lo, integer)}–{fmt_number(hi, integer)}"
 
 
 def comparison_tables(arms: Arms) -> list[Table]:
@@ -211,13 +350,52 @@ def comparison_tables(arms: Arms) -> list[Table]:
         s = arm_summary(runs)
         reward = ("n/a" if not math.isfinite(s["final_reward"])
                   else f"{fmt_number(s['final_reward'])} ± {fmt_number(s['final_reward_std'])}")
-        rows.append([arm, f"{len(runs)}/{arms.expected[arm]}", reward]
+        rows.append([arm, f"{len(runs)}/{arms.expected[arm]}",
+                     _range(s["num_steps_min"], s["num_steps_max"], integer=True), reward,
+                     _range(s["final_reward_min"], s["final_reward_max"])]
                     + [fmt_number(s[k]) for k in ("any_layer_flip", "update_expert_change", "clip_token_frac",
                                                   "clip_out_of_range_frac", "token_var", "seq_var")])
         mismatch_rows.append([arm] + [fmt_number(s[k]) for k in _MISMATCH_KEYS])
     return [Table("Arms (means over steps, then over seeds)", TABLE_COLUMNS, rows),
             Table("Train-inference mismatch: learner with natural routing vs replaying the rollout routes "
-                  "(R3 arms; n/a elsewhere)", MISMATCH_COLUMNS, mismatch_rows)]
+                  "(R3 arms; n/a elsewhere)", MISMATCH_COLUMNS, mismatch_rows)] + layer_table(arms)
+
+
+MAX_TABLE_LAYERS = 12
+"""Up to this many MoE layers the per-layer table has one column per layer and metric; beyond it,
+the mean over layers and the most-changed layer (the figure shows every layer)."""
+
+
+def layer_table(arms: Arms) -> list[Table]:
+    """Per arm, `update/layer_change` and `routing/layer_disagree` per MoE layer (mean over steps,
+    then over seeds); no table when neither metric was logged."""
+    means, num_layers = _all_layer_means(arms)
+    if num_layers == 0:
+        return []
+    labels = _arm_layer_labels(arms, num_layers)
+    names = {"update/layer_change": "update change", "routing/layer_disagree": "rollout/learner disagree"}
+    per_layer = num_layers <= MAX_TABLE_LAYERS
+    columns = ["arm"]
+    for key, name in names.items():
+        columns += ([f"{name} L{lab}" for lab in labels] if per_layer
+                    else [f"{name}, mean over layers", f"{name}, max layer"])
+    rows = []
+    for arm in arms.runs:
+        row = [arm]
+        for key in names:
+            m = means[key][arm]
+            vals = np.full(num_layers, np.nan) if m is None else np.pad(
+                m.mean_L, (0, num_layers - m.mean_L.size), constant_values=np.nan)
+            if per_layer:
+                row += [fmt_number(v) for v in vals]
+            elif np.isfinite(vals).any():
+                top = int(np.nanargmax(vals))
+                row += [fmt_number(finite_mean(vals)), f"L{labels[top]}: {fmt_number(vals[top])}"]
+            else:
+                row += ["n/a", "n/a"]
+        rows.append(row)
+    return [Table("Routing change per MoE layer (fraction of tokens; mean over steps, then over seeds)",
+                  columns, rows)]
 
 
 def build_comparison(arm_runs: list[ArmRun], out_dir: str | Path,

@@ -107,7 +107,7 @@ def _heat_height(num_layers: int, extra: float = 1.4) -> float:
     return float(np.clip(0.3 * num_layers + extra, 2.4, 6.5))
 
 
-def _layer_labels(run: RunData | None, num_layers: int, probe: dict | None = None) -> list[str]:
+def layer_labels(run: RunData | None, num_layers: int, probe: dict | None = None) -> list[str]:
     ids = None
     if probe is not None and isinstance(probe.get("layer_ids"), list):
         ids = probe["layer_ids"]
@@ -118,7 +118,7 @@ def _layer_labels(run: RunData | None, num_layers: int, probe: dict | None = Non
     return [str(i) for i in ids]
 
 
-def _layer_axis_label(labels: list[str]) -> str:
+def layer_axis_label(labels: list[str]) -> str:
     return "MoE layer (model layer id)" if labels != [str(i) for i in range(len(labels))] \
         else "MoE layer (index)"
 
@@ -144,7 +144,7 @@ def _load_heatmaps(rollout_LE: np.ndarray, learner_LE: np.ndarray, labels: list[
     for ax, (data, name, kw, unit) in zip(axes, panels):
         sns.heatmap(pd.DataFrame(data, index=labels), ax=ax, xticklabels="auto",
                     yticklabels="auto", cbar_kws={"label": unit}, **kw)
-        ax.set(title=name, xlabel="expert id", ylabel=_layer_axis_label(labels) if ax is axes[0] else "")
+        ax.set(title=name, xlabel="expert id", ylabel=layer_axis_label(labels) if ax is axes[0] else "")
     fig.suptitle(f"Expert load per layer ({source})")
     return fig
 
@@ -156,13 +156,13 @@ def fig_routing_disagree_heatmap(run: RunData) -> Figure:
     steps, vals_SL = matrix_series(run.records, "routing/layer_disagree")
     if steps.size == 0:
         raise SkipFigure("'routing/layer_disagree' has no list values")
-    labels = _layer_labels(run, vals_SL.shape[1])
+    labels = layer_labels(run, vals_SL.shape[1])
     fig, (ax,) = _fig(height=_heat_height(len(labels)))
     df = pd.DataFrame(vals_SL.T, index=labels, columns=steps)
     sns.heatmap(df, ax=ax, cmap="magma", vmin=0, xticklabels="auto", yticklabels="auto",
                 cbar_kws={"label": "fraction of tokens"})
     ax.set(title="Routing disagreement, rollout engine vs learner",
-           xlabel="training step", ylabel=_layer_axis_label(labels))
+           xlabel="training step", ylabel=layer_axis_label(labels))
     return fig
 
 
@@ -171,11 +171,11 @@ def fig_routing_disagree_last(run: RunData) -> Figure:
     steps, vals_SL = matrix_series(run.records, "routing/layer_disagree")
     if steps.size == 0:
         raise SkipFigure("'routing/layer_disagree' has no list values")
-    labels = _layer_labels(run, vals_SL.shape[1])
+    labels = layer_labels(run, vals_SL.shape[1])
     fig, (ax,) = _fig(width=max(4.0, 0.3 * len(labels) + 2.5))
     sns.barplot(x=labels, y=vals_SL[-1], ax=ax, color="C0")
     ax.set(title=f"Per-layer routing disagreement at step {int(steps[-1])}",
-           xlabel=_layer_axis_label(labels), ylabel="fraction of tokens")
+           xlabel=layer_axis_label(labels), ylabel="fraction of tokens")
     return fig
 
 
@@ -188,7 +188,7 @@ def fig_expert_load(run: RunData) -> Figure:
             except (TypeError, ValueError):
                 continue
             if ro.ndim == 2 and ro.shape == le.shape:
-                return _load_heatmaps(ro, le, _layer_labels(run, ro.shape[0]),
+                return _load_heatmaps(ro, le, layer_labels(run, ro.shape[0]),
                                       f"metrics, step {rec['step']}")
     for step in sorted(run.traces, reverse=True):
         kinds = run.traces[step]
@@ -209,12 +209,12 @@ def fig_update_change(run: RunData) -> Figure:
     fig, axes = _fig(2 if steps.size else 1, width=5.5,
                      height=_heat_height(vals_SL.shape[1]) if steps.size else 3.4)
     if steps.size:
-        labels = _layer_labels(run, vals_SL.shape[1])
+        labels = layer_labels(run, vals_SL.shape[1])
         df = pd.DataFrame(vals_SL.T, index=labels, columns=steps)
         sns.heatmap(df, ax=axes[0], cmap="magma", vmin=0, xticklabels="auto", yticklabels="auto",
                     cbar_kws={"label": "fraction of tokens"})
         axes[0].set(title="per layer, after the first optimizer step", xlabel="training step",
-                    ylabel=_layer_axis_label(labels))
+                    ylabel=layer_axis_label(labels))
     ax = axes[-1]
     if not _lines(ax, run, [("update/expert_change_frac", "experts, after the first optimizer step"),
                             ("update/any_layer_change", "tokens (≥1 layer), after the first step"),
@@ -240,16 +240,27 @@ def fig_ratio_variance_steps(run: RunData) -> Figure:
     return fig
 
 
-def fig_ratio_variance_length(run: RunData) -> Figure:
-    paths = [p for _, kinds in sorted(run.traces.items()) for p in kinds.get("logprobs", [])]
-    if not paths:
-        raise SkipFigure("no traces/step_*_logprobs.npz files (traces off or missing)")
+def logprob_trace_paths(run: RunData) -> list:
+    """The run's traces/step_*_logprobs[_rank*].npz files, by step."""
+    return [p for _, kinds in sorted(run.traces.items()) for p in kinds.get("logprobs", [])]
+
+
+def read_logprob_sets(run: RunData) -> list[dict[str, np.ndarray]]:
+    """Every readable logprob trace of the run (`load_logprobs`); an unreadable file is noted in
+    `run.warnings` and left out."""
     sets = []
-    for p in paths:
+    for p in logprob_trace_paths(run):
         try:
             sets.append(load_logprobs(p))
         except (OSError, ValueError, KeyError) as e:
             run.warnings.append(f"skipped {p.name}: {e}")
+    return sets
+
+
+def fig_ratio_variance_length(run: RunData) -> Figure:
+    if not logprob_trace_paths(run):
+        raise SkipFigure("no traces/step_*_logprobs.npz files (traces off or missing)")
+    sets = read_logprob_sets(run)
     if not sets:
         raise SkipFigure("every step_*_logprobs.npz file was unreadable")
     stats = ratio_variance_by_length(sets)
@@ -399,11 +410,11 @@ def _probe_list(probe: dict, key: str) -> np.ndarray:
 
 def fig_probe_layer_disagree(probe: dict) -> Figure:
     vals_L = _probe_list(probe, "routing/layer_disagree")
-    labels = _layer_labels(None, vals_L.size, probe)
+    labels = layer_labels(None, vals_L.size, probe)
     fig, (ax,) = _fig(width=max(4.0, 0.3 * len(labels) + 2.5))
     sns.barplot(x=labels, y=vals_L, ax=ax, color="C0")
     ax.set(title="Per-layer routing disagreement, rollout engine vs learner",
-           xlabel=_layer_axis_label(labels), ylabel="fraction of tokens")
+           xlabel=layer_axis_label(labels), ylabel="fraction of tokens")
     return fig
 
 
@@ -412,7 +423,7 @@ def fig_probe_expert_load(probe: dict) -> Figure:
     le = _probe_list(probe, "routing/expert_load_learner")
     if ro.ndim != 2 or ro.shape != le.shape:
         raise SkipFigure(f"expert load shapes {ro.shape} / {le.shape} are not equal [L, E]")
-    return _load_heatmaps(ro, le, _layer_labels(None, ro.shape[0], probe), "probe")
+    return _load_heatmaps(ro, le, layer_labels(None, ro.shape[0], probe), "probe")
 
 
 def fig_probe_variance(probe: dict) -> Figure:

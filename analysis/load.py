@@ -276,40 +276,57 @@ def trace_layer_ids(run: RunData) -> list[int] | None:
     return None
 
 
-def ratio_variance_by_length(logprob_sets: list[dict[str, np.ndarray]], num_bins: int = 6
-                             ) -> dict[str, np.ndarray]:
-    """The GSPO variance argument, measured on learner/rollout log-ratios d_t = learner − rollout.
-
-    Sequences (pooled over the given trace steps) are grouped into up to `num_bins` bins of
-    response length (quantile edges). Per bin: `token_var` = variance of the token ratios exp(d_t);
-    `seq_norm_var` = variance over sequences of the length-normalised ratio exp(mean_t d_t);
-    `seq_logprod_var` = variance over sequences of the unnormalised log product Σ_t d_t.
-    Bins with fewer than 2 sequences get NaN. Returns those arrays plus `len_mid` (mean length
-    per bin) and `num_seqs` per bin.
-    """
-    lens, sums, means, tok_groups = [], [], [], []
+def _sequence_log_ratios(logprob_sets: list[dict[str, np.ndarray]]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(response lengths [N], per-sequence d_t = learner − rollout log-prob arrays) of the non-empty
+    responses, pooled over the given trace steps."""
+    lens, groups = [], []
     for lp in logprob_sets:
         d = lp["learner_logp"].astype(np.float64) - lp["rollout_logp"].astype(np.float64)
         offsets = np.concatenate([[0], np.cumsum(lp["response_lens"].astype(np.int64))])
         for i, n in enumerate(lp["response_lens"].astype(np.int64)):
-            if n <= 0:
-                continue
-            d_i = d[offsets[i]:offsets[i + 1]]
-            lens.append(int(n))
-            sums.append(d_i.sum())
-            means.append(d_i.mean())
-            tok_groups.append(d_i)
-    if not lens:
+            if n > 0:
+                lens.append(int(n))
+                groups.append(d[offsets[i]:offsets[i + 1]])
+    return np.asarray(lens, np.int64), groups
+
+
+def length_bin_edges(logprob_sets: list[dict[str, np.ndarray]], num_bins: int = 6) -> np.ndarray:
+    """Edges of up to `num_bins` response-length bins (quantiles of the non-empty responses' lengths,
+    duplicates merged). Pass the result as `edges` to bin several sets of traces alike."""
+    lens, _ = _sequence_log_ratios(logprob_sets)
+    if lens.size == 0:
         raise ValueError("no non-empty responses in the logprob traces")
-    lens_a = np.asarray(lens)
-    edges = np.unique(np.quantile(lens_a, np.linspace(0, 1, num_bins + 1)))
+    edges = np.unique(np.quantile(lens, np.linspace(0, 1, num_bins + 1)))
     if edges.size < 2:
-        edges = np.asarray([lens_a.min(), lens_a.max() + 1])
+        edges = np.asarray([lens.min(), lens.max() + 1], np.float64)
+    return edges
+
+
+def ratio_variance_by_length(logprob_sets: list[dict[str, np.ndarray]], num_bins: int = 6,
+                             edges: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The GSPO variance argument, measured on learner/rollout log-ratios d_t = learner − rollout.
+
+    Sequences (pooled over the given trace steps) are grouped into bins of response length: the
+    given `edges` (bin b holds lengths in [edges[b], edges[b+1]), the last bin also its right edge;
+    lengths outside the edges go to the first / last bin), or up to `num_bins` quantile bins of these
+    sets (`length_bin_edges`). Per bin: `token_var` = variance of the token ratios exp(d_t);
+    `seq_norm_var` = variance over sequences of the length-normalised ratio exp(mean_t d_t);
+    `seq_logprod_var` = variance over sequences of the unnormalised log product Σ_t d_t.
+    Bins with fewer than 2 sequences get NaN. Returns those arrays plus `len_mid` (mean length
+    per bin, NaN when empty), `num_seqs` per bin and the `edges`.
+    """
+    lens_a, tok_groups = _sequence_log_ratios(logprob_sets)
+    if lens_a.size == 0:
+        raise ValueError("no non-empty responses in the logprob traces")
+    edges = length_bin_edges(logprob_sets, num_bins) if edges is None else np.asarray(edges, np.float64)
+    assert edges.ndim == 1 and edges.size >= 2, edges
     bin_idx = np.clip(np.searchsorted(edges, lens_a, side="right") - 1, 0, edges.size - 2)
     nb = edges.size - 1
     out = {k: np.full(nb, np.nan) for k in ("len_mid", "token_var", "seq_norm_var", "seq_logprod_var")}
     out["num_seqs"] = np.zeros(nb, np.int64)
-    sums_a, means_a = np.asarray(sums), np.asarray(means)
+    out["edges"] = edges
+    sums_a = np.asarray([g.sum() for g in tok_groups])
+    means_a = np.asarray([g.mean() for g in tok_groups])
     for b in range(nb):
         sel = np.flatnonzero(bin_idx == b)
         out["num_seqs"][b] = sel.size

@@ -285,3 +285,24 @@ def test_shipped_rollout_correction_ablation_validates(capsys):
         assert cfg.algo.name == "grpo"
         assert (cfg.algo.rollout_is != "none") == arm.variant.startswith("tis")
         assert (cfg.algo.rollout_rs != "none") == arm.variant.startswith("mis")
+
+
+def test_shipped_paper_claims_ablation_validates(capsys):
+    root = Path(__file__).resolve().parents[1]
+    spec = load_spec(root / "configs" / "ablation_paper_claims.yaml")
+    spec.base_config = root / spec.base_config
+    arms = expand_arms(spec)
+    assert len(arms) == 24 and spec.seeds == [0, 1, 2]
+    assert {a.group for a in arms} == {f"{g}-{v}" for g in ("gspo-none", "grpo-none", "grpo-r2", "grpo-r3")
+                                       for v in ("base", "lr_high")}
+    rows = dry_run(spec)
+    assert all(action == "run" or action.startswith("skip") or action == "resume" for _, action, _ in rows)
+    assert "24 arms" in capsys.readouterr().out
+    cli = pytest.importorskip("moe_gspo.run.cli")
+    base_lr = yaml.safe_load(spec.base_config.read_text())["train"]["lr"]
+    for arm in arms:
+        cmd = build_command(spec, arm, resume=False)
+        _, cfg = cli.parse_train_args(cmd[cmd.index("moe_gspo.train") + 1:])
+        assert (cfg.algo.name, cfg.algo.routing_replay) == (arm.algo, arm.routing_replay)
+        assert cfg.train.steps == 150 and cfg.logging.trace_every == 10 and cfg.task.name == "copy"
+        assert cfg.train.lr == (2.0e-3 if arm.variant == "lr_high" else base_lr)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from analysis.compare import (
-    COMPARE_FIGURES, ArmRun, arm_runs_from_dirs, build_comparison, seed_band,
+    COMPARE_FIGURES, MAX_TABLE_LAYERS, ArmRun, arm_runs_from_dirs, build_comparison, seed_band,
 )
 from analysis.load import ReportInputError, RunData
-from synth_run import assert_real_png, write_degenerate_run, write_synthetic_run
+from synth_run import NUM_STEPS, assert_real_png, write_degenerate_run, write_synthetic_run
 
 
 def _run(points: list[tuple[int, float]]) -> RunData:
@@ -42,6 +42,8 @@ def _final_reward(run_dir: Path) -> float:
 
 
 def test_comparison_report(tmp_path):
+    """Runs without traces: every figure but the length one (skipped, with its reason); the arms table
+    has the steps, final reward mean ± std and its min–max across seeds."""
     arm_runs = []
     for i, arm in enumerate(("gspo-none", "grpo-r2")):
         for seed in (0, 1):
@@ -49,7 +51,10 @@ def test_comparison_report(tmp_path):
             arm_runs.append(ArmRun(arm, seed, d))
     arm_runs.append(ArmRun("grpo-r2", 2, tmp_path / "grpo-r2-s2"))  # never ran
     paths = build_comparison(arm_runs, tmp_path / "comparison")
-    assert {p.stem for p in paths.figures} == {s.name for s in COMPARE_FIGURES}
+    assert {p.stem for p in paths.figures} == {s.name for s in COMPARE_FIGURES} - {"cmp_ratio_var_length"}
+    assert [(s.name, s.reason) for s in paths.skipped] == [
+        ("cmp_ratio_var_length", "no run has traces/step_*_logprobs.npz files (logging.trace_every 0 or "
+                                 "traces missing)")]
     for p in paths.figures:
         assert_real_png(p)
     md = paths.markdown.read_text()
@@ -59,7 +64,9 @@ def test_comparison_report(tmp_path):
     assert rows["gspo-none"][1] == "2/2" and rows["grpo-r2"][1] == "2/3"
     finals = [_final_reward(tmp_path / f"gspo-none-s{s}") for s in (0, 1)]
     mean, std = np.mean(finals), np.std(finals)
-    assert rows["gspo-none"][2] == f"{mean:.4g} ± {std:.4g}"
+    assert rows["gspo-none"][2] == str(NUM_STEPS) and rows["grpo-r2"][2] == str(NUM_STEPS)
+    assert rows["gspo-none"][3] == f"{mean:.4g} ± {std:.4g}"
+    assert rows["gspo-none"][4] == f"{min(finals):.4g}–{max(finals):.4g}"
     assert "grpo-r2 seed 2: left out" in md
 
 
@@ -72,7 +79,8 @@ def test_comparison_of_degenerate_runs(tmp_path):
     arm_runs = [ArmRun("a", 0, write_degenerate_run(tmp_path / "a-s0", 0.0)),
                 ArmRun("a", 1, write_degenerate_run(tmp_path / "a-s1", None))]
     paths = build_comparison(arm_runs, tmp_path / "comparison")
-    assert len(paths.figures) == len(COMPARE_FIGURES) and paths.skipped == []
+    assert len(paths.figures) == len(COMPARE_FIGURES) - 1
+    assert [s.name for s in paths.skipped] == ["cmp_ratio_var_length"]  # no traces
     row = [l for l in paths.markdown.read_text().splitlines() if l.startswith("| a |")][0]  # arms table first
     assert "0 ± 0" in row  # the null seed has no finite reward; the zero seed gives 0
 
@@ -96,3 +104,100 @@ def test_mismatch_table_shows_natural_and_replayed_side_by_side(tmp_path):
     assert rows["grpo-none"][1:3] == ["0.0025", "n/a"]
     assert rows["grpo-r3"][1:3] == ["0.0025", "0.0002"]
     assert "cmp_mismatch" in {p.stem for p in paths.figures}
+
+
+def _write_run(run_dir: Path, records: list[dict], logprobs: list[dict] | None = None) -> Path:
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if logprobs is not None:
+        (run_dir / "traces").mkdir()
+        for i, lp in enumerate(logprobs):
+            np.savez(run_dir / "traces" / f"step_{10 * (i + 1):06d}_logprobs.npz", **lp)
+    return run_dir
+
+
+def _table_rows(md: str, title_start: str) -> dict[str, list[str]]:
+    section = md.split(f"## {title_start}")[1].split("\n## ")[0]
+    lines = [l for l in section.splitlines() if l.startswith("| ")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    return {"header": header} | {c[0]: c for c in ([x.strip() for x in l.strip("|").split("|")]
+                                                    for l in lines[1:])}
+
+
+def test_layer_table_and_figure_hand_values(tmp_path):
+    """Per layer: per seed the mean over steps (null steps left out), then the mean over seeds."""
+    change = {0: [[0.1, 0.2], [0.3, None]], 1: [[0.5, 0.4]]}  # arm means [0.35, 0.3]
+    arm_runs = []
+    for seed, rows in change.items():
+        recs = [{"step": i, "reward/mean": 0.5, "update/layer_change": r} for i, r in enumerate(rows)]
+        arm_runs.append(ArmRun("grpo-none", seed, _write_run(tmp_path / f"grpo-none-s{seed}", recs)))
+    recs = [{"step": 0, "reward/mean": 0.5, "routing/layer_disagree": [0.02, 0.04]},
+            {"step": 1, "reward/mean": 0.5, "routing/layer_disagree": [0.04, 0.08]}]
+    arm_runs.append(ArmRun("gspo-none", 0, _write_run(tmp_path / "gspo-none-s0", recs)))
+    paths = build_comparison(arm_runs, tmp_path / "comparison")
+    rows = _table_rows(paths.markdown.read_text(), "Routing change per MoE layer")
+    assert rows["header"] == ["arm", "update change L0", "update change L1", "rollout/learner disagree L0",
+                              "rollout/learner disagree L1"]
+    assert rows["grpo-none"][1:] == ["0.35", "0.3", "n/a", "n/a"]
+    assert rows["gspo-none"][1:] == ["n/a", "n/a", "0.03", "0.06"]
+    assert "cmp_layer_change" in {p.stem for p in paths.figures}
+    assert_real_png(tmp_path / "comparison" / "cmp_layer_change.png")
+
+
+def test_layer_table_of_a_deep_model_is_compact(tmp_path):
+    num_layers = MAX_TABLE_LAYERS + 1
+    vals = [0.01 * i for i in range(num_layers)]  # mean over layers 0.06, largest on the last layer
+    recs = [{"step": 0, "reward/mean": 0.5, "update/layer_change": vals}]
+    paths = build_comparison([ArmRun("a", 0, _write_run(tmp_path / "a-s0", recs))], tmp_path / "out")
+    rows = _table_rows(paths.markdown.read_text(), "Routing change per MoE layer")
+    assert rows["header"][1:3] == ["update change, mean over layers", "update change, max layer"]
+    assert rows["a"][1:] == ["0.06", f"L{num_layers - 1}: 0.12", "n/a", "n/a"]
+
+
+def test_no_per_layer_metrics_no_layer_table_and_a_skip_reason(tmp_path):
+    d = _write_run(tmp_path / "a-s0", [{"step": 0, "reward/mean": 0.5}])
+    paths = build_comparison([ArmRun("a", 0, d)], tmp_path / "out")
+    assert "Routing change per MoE layer" not in paths.markdown.read_text()
+    reasons = {s.name: s.reason for s in paths.skipped}
+    assert reasons["cmp_layer_change"] == ("per-layer metrics update/layer_change, routing/layer_disagree "
+                                           "missing from all runs")
+
+
+def _lp(d_per_seq: list[list[float]]) -> dict[str, np.ndarray]:
+    d = np.concatenate([np.asarray(x, np.float64) for x in d_per_seq])
+    return {"rollout_logp": np.zeros(d.size, np.float32), "learner_logp": d.astype(np.float32),
+            "response_lens": np.asarray([len(x) for x in d_per_seq], np.int32)}
+
+
+def test_ratio_variance_length_figure_from_traces(tmp_path):
+    arm_runs = [ArmRun(arm, seed, write_synthetic_run(tmp_path / f"{arm}-s{seed}", seed=10 * i + seed))
+                for i, arm in enumerate(("gspo-none", "grpo-none")) for seed in (0, 1)]
+    arm_runs.append(ArmRun("grpo-r3", 0, write_synthetic_run(tmp_path / "grpo-r3-s0", with_traces=False)))
+    paths = build_comparison(arm_runs, tmp_path / "comparison")
+    assert paths.skipped == []
+    assert_real_png(tmp_path / "comparison" / "cmp_ratio_var_length.png")
+    # the layer table is labelled with the traces' model layer ids (1, 2) and recomputes from the JSONL
+    rows = _table_rows(paths.markdown.read_text(), "Routing change per MoE layer")
+    assert rows["header"][1:3] == ["update change L1", "update change L2"]
+    per_seed = [np.mean([json.loads(l)["update/layer_change"]
+                         for l in (tmp_path / f"gspo-none-s{s}" / "metrics.jsonl").read_text().splitlines()], 0)
+                for s in (0, 1)]
+    assert rows["gspo-none"][1:3] == [f"{v:.4g}" for v in np.mean(per_seed, 0)]
+
+
+@pytest.mark.parametrize("traces,reason", [
+    ("corrupt", "every step_*_logprobs.npz file was unreadable"),
+    ("one_per_bin", "fewer than 2 responses per length bin in every arm's logprob traces"),
+    ("empty", "no non-empty responses in the logprob traces"),
+])
+def test_ratio_variance_length_skip_reasons(tmp_path, traces, reason):
+    lps = {"one_per_bin": [_lp([[0.1]])],
+           "empty": [{"rollout_logp": np.zeros(0, np.float32), "learner_logp": np.zeros(0, np.float32),
+                      "response_lens": np.zeros(2, np.int32)}]}.get(traces, [])
+    d = _write_run(tmp_path / "a-s0", [{"step": 0, "reward/mean": 0.5}], lps)
+    if traces == "corrupt":
+        (d / "traces" / "step_000010_logprobs.npz").write_bytes(b"not an npz")
+    paths = build_comparison([ArmRun("a", 0, d)], tmp_path / "out")
+    assert {s.name: s.reason for s in paths.skipped}["cmp_ratio_var_length"] == reason
+    if traces == "corrupt":  # the unreadable file is named in the report's input notes
+        assert "a seed 0: skipped step_000010_logprobs.npz" in paths.markdown.read_text()

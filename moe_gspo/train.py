@@ -98,7 +98,8 @@ def loop(cfg: Config, run_dir: Path, info, policy, task, state, act, reference) 
             num_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
             metrics.update({"perf/step_time_s": dt, "perf/learner_s": dt - t_rollout, "perf/tokens_per_s": num_tokens / dt})
         metrics.update(timer.take())
-        sink.log(step, metrics)
+        with timer("log"):  # logged in the next step's row, like the checkpoint
+            sink.log(step, metrics)
         if cfg.train.checkpoint_every and state.step % cfg.train.checkpoint_every == 0:
             act(f"checkpoint, step {state.step}")
             with timer("checkpoint"):  # logged in the next step's row

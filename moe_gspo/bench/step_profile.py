@@ -48,8 +48,9 @@ def profile(rows: list[dict], *, skip: int) -> dict:
     n = len(rows)
     out = {p: sum(r.get(f"perf/{p}_s", 0.0) for r in rows) / n for p in PHASES}
     step = sum(r["perf/step_time_s"] for r in rows) / n
-    out["loop, untimed"] = step - sum(v for p, v in out.items() if p != "checkpoint")
-    out["total"] = step + out["checkpoint"]
+    after_row = ("log", "checkpoint")  # timed after the row was assembled: not in perf/step_time_s
+    out["loop, untimed"] = step - sum(v for p, v in out.items() if p not in after_row)
+    out["total"] = step + sum(out[p] for p in after_row)
     out["num_steps"] = n
     return out
 

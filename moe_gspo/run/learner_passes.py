@@ -157,13 +157,15 @@ def learner_update(cfg: Config, policy, batch: PackedBatch, samples, step: int, 
     4. the update (`Learner.train_step`), with the drift probe every `logging.update_drift_every`
        steps (`update/*` after the first optimizer step, `update_all_minibatches/*` after all).
 
-    `timer` gets the phases old_logp, replayed_logp, reference, update and drift (the probe's passes,
-    also the one inside the update, are charged to drift).
+    `timer` gets the phases old_logp, compare (the rollout-vs-learner metrics), replayed_logp,
+    reference, update and drift (the probe's passes, also the one inside the update, are charged to
+    drift).
     """
     learner, drift_every = policy.learner, cfg.logging.update_drift_every
     timer = timer if timer is not None else PhaseTimer()
     with timer("old_logp"):
         old = learner.compute_logprobs(batch, record_routes=True, no_replay=True)
+    with timer("compare"):
         metrics = rollout_vs_learner(rollout_logp_BS=batch.rollout_logp_BS, learner_logp_BS=old.logp_BS,
                                      response_mask_BS=batch.response_mask_BS, rollout_routes=batch.rollout_routes,
                                      learner_routes=old.routes, num_experts=policy.num_experts,

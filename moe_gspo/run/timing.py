@@ -12,10 +12,11 @@ from contextlib import contextmanager
 
 import torch
 
-PHASES = ("rollout", "score", "old_logp", "replayed_logp", "reference", "update", "drift", "guard", "sync",
-          "metrics", "traces", "checkpoint")
-"""The phases `moe_gspo.train` times, in step order (`checkpoint`: the checkpoint written after the
-previous step's row, which is logged in this row)."""
+PHASES = ("rollout", "score", "old_logp", "compare", "replayed_logp", "reference", "update", "drift", "guard", "sync",
+          "metrics", "traces", "log", "checkpoint")
+"""The phases `moe_gspo.train` times, in step order. `log` (writing the metrics row: metrics.jsonl,
+wandb) and `checkpoint` happen after a step's row is assembled, so each row carries those of the
+PREVIOUS step."""
 
 
 class PhaseTimer:

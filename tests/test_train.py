@@ -20,7 +20,7 @@ from moe_gspo import train
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["parallel.expert_parallel_size=1", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
          "rollout.max_new_tokens=3", "logging.wandb_mode=disabled", "logging.progress=false",
-         "train.export_hf=false", "logging.trace_every=1", "train.checkpoint_every=0"]
+         "train.export_hf=false", "logging.trace_every=1", "train.checkpoint_every=0", "logging.update_drift_every=1"]
 
 
 def _metrics(run_dir: Path) -> list[dict]:

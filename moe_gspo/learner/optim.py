@@ -179,8 +179,10 @@ class LearnerOptimizer:
             decay = [p for p in params if p.dim() >= 2]
             no_decay = [p for p in params if p.dim() < 2]
             groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            # foreach: one multi-tensor kernel per group instead of a Python loop over parameters
+            # (torch defaults to it on CUDA only); same maths
             self.opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.lr, betas=tuple(betas),
-                                         eps=eps)
+                                         eps=eps, foreach=True)
         self._params = params
 
     def grad_norm(self) -> float:

@@ -129,7 +129,7 @@ def _torchrun(run_dir: Path, *extra: str) -> subprocess.Popen:
            "-m", "moe_gspo.train", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--run-dir", str(run_dir),
            "train.steps=5", "train.checkpoint_every=1", "rollout.prompts_per_step=4",
            "rollout.samples_per_prompt=4", "logging.wandb_mode=disabled", "logging.progress=false",
-           "train.export_hf=false", *extra]
+           "train.export_hf=false", "parallel.expert_parallel_size=2", *extra]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 

@@ -29,7 +29,7 @@ def test_torchrun_ep2_grpo_r3_on_vllm_fp32_has_no_drift_at_any_step(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "moe_gspo.train", "--algo", "grpo", "--routing-replay", "r3", "--run-dir", str(run_dir),
-           "rollout.engine=vllm", "rollout.dtype=float32", "train.steps=4", "rollout.prompts_per_step=4", *QUIET]
+           "rollout.engine=vllm", "rollout.dtype=float32", "train.steps=4", "rollout.prompts_per_step=4", "parallel.expert_parallel_size=2", *QUIET]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = _metrics(run_dir)

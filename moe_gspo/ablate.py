@@ -60,6 +60,7 @@ from typing import Any, Callable
 from tqdm import tqdm
 
 from moe_gspo.config import ALGOS, REPLAYS
+from moe_gspo.run.rundir import move_aside
 
 _SPEC_KEYS = {"base_config", "algos", "routing_replay", "seeds", "overrides", "nproc", "out_dir",
               "exclude", "extra_args", "arm_timeout_s", "variants"}
@@ -345,15 +346,6 @@ class SubprocessArmRunner:
                 continue
 
 
-def _move_aside(run_dir: Path) -> Path:
-    k = 1
-    while run_dir.with_name(f"{run_dir.name}.prev{k}").exists():
-        k += 1
-    target = run_dir.with_name(f"{run_dir.name}.prev{k}")
-    os.replace(run_dir, target)
-    return target
-
-
 def run_arm(spec: AblationSpec, arm: Arm, arm_runner: ArmRunner) -> ArmResult:
     """Run (or skip, or resume) one arm; never raises for a failing arm."""
     log_path = arm.run_dir / "train.log"
@@ -362,7 +354,7 @@ def run_arm(spec: AblationSpec, arm: Arm, arm_runner: ArmRunner) -> ArmResult:
         return ArmResult(arm, "skipped", log_path, "done.json exists")
     note = ""
     if state == "fresh" and arm.run_dir.exists() and any(arm.run_dir.iterdir()):
-        note = f"previous partial run moved to {_move_aside(arm.run_dir)}; "
+        note = f"previous partial run moved to {move_aside(arm.run_dir)}; "
     arm.run_dir.mkdir(parents=True, exist_ok=True)
     command = build_command(spec, arm, resume=(state == "resume"))
     try:

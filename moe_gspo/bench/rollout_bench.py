@@ -18,7 +18,7 @@ from moe_gspo.rollout.hf_engine import HFEngine
 from moe_gspo.tiny import build_tiny_model
 
 
-def _time_interleaved(engines: dict, prompts, sampling: SamplingParams, repeats: int):
+def time_interleaved(engines: dict, prompts, sampling: SamplingParams, repeats: int):
     """Best wall time per engine over `repeats` rounds (after one warm-up each).
 
     The engines run alternately within each round, so that load from other processes on a shared
@@ -50,7 +50,7 @@ def run(num_prompts: int = 16, n: int = 8, max_new_tokens: int = 16, prompt_len:
     for dtype in ("float32", "bfloat16"):
         engines = {capture: HFEngine(model, dtype=dtype, device=device, record_routes=capture)
                    for capture in (False, True)}
-        best = _time_interleaved(engines, prompts, sampling, repeats)
+        best = time_interleaved(engines, prompts, sampling, repeats)
         for capture, (seconds, num_tokens) in best.items():
             rows.append(dict(dtype=dtype, capture=capture, seconds=seconds, tokens=num_tokens,
                              tokens_per_s=num_tokens / seconds))

@@ -34,6 +34,7 @@ import time
 import numpy as np
 import torch
 
+from moe_gspo.bench.rollout_bench import time_interleaved
 from moe_gspo.rollout.base import SamplingParams
 
 GIB = 2**30
@@ -96,20 +97,6 @@ def _prompts(vocab: int, num: int, length: int, seed: int) -> list[list[int]]:
     return [[2] + g.integers(3, vocab, length - 1).tolist() for _ in range(num)]
 
 
-def _best_interleaved(engines: dict, prompts, sampling: SamplingParams, repeats: int) -> dict:
-    for e in engines.values():
-        e.generate(prompts, sampling)
-    best = {k: (float("inf"), 0) for k in engines}
-    for _ in range(repeats):
-        for k, e in engines.items():
-            t = time.perf_counter()
-            samples = e.generate(prompts, sampling)
-            dt = time.perf_counter() - t
-            if dt < best[k][0]:
-                best[k] = (dt, sum(len(s.response_ids) for s in samples))
-    return best
-
-
 def run(args) -> dict:
     import os
 
@@ -144,7 +131,7 @@ def run(args) -> dict:
     try:
         for e in engines.values():
             e.update_weights(learner.hf_weight_stream())
-        best = _best_interleaved(engines, prompts, sampling, args.repeats)
+        best = time_interleaved(engines, prompts, sampling, args.repeats)
         for routes, (sec, toks) in best.items():
             out[f"rollout_routes_{routes}"] = dict(seconds=sec, tokens=toks, tokens_per_s=toks / sec,
                                                    ms_per_token=1e3 * sec / toks)

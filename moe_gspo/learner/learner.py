@@ -63,6 +63,19 @@ class LogprobResult:
     """B arrays [seq_len_b, L, K] float32 full-softmax router probabilities of those experts."""
 
 
+@dataclass
+class _FusedPass:
+    """An old-policy pass kept with its graph (`compute_logprobs(keep_graph=True)`)."""
+
+    batch: PackedBatch
+    """The caller's batch object (identity identifies the train_step that may use it)."""
+    plan: ShardPlan
+    logp_local: torch.Tensor
+    """[rows, S_0] this rank's token log-probs with their graph (one micro-batch)."""
+    logp_BS: torch.Tensor
+    """[B, S] the global log-probs of the pass (detached, host)."""
+
+
 class Learner:
     """Megatron `GPTModel` + DDP + optimizer + routing replay for GSPO / GRPO updates."""
 
@@ -117,7 +130,10 @@ class Learner:
         self.layer_ids = moe_layer_ids(hf_config)
         self.skipped_steps = 0
         self.num_updates = 0
+        self.num_train_steps = 0
+        """`train_step` calls so far (seeds the mini-batch shuffle; saved with the optimizer state)."""
         self._recorded: tuple[torch.Tensor, list[np.ndarray]] | None = None
+        self._fused: _FusedPass | None = None
 
     # ------------------------------------------------------------------ helpers
     def _forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
@@ -180,9 +196,9 @@ class Learner:
         return None
 
     # ------------------------------------------------------------------ old-policy pass
-    @torch.no_grad()
     def compute_logprobs(self, batch: PackedBatch, *, record_routes: bool = False, replay_routes=None,
-                         micro_batch_size: int = 0, no_replay: bool = False) -> LogprobResult:
+                         micro_batch_size: int = 0, no_replay: bool = False,
+                         keep_graph: bool = False) -> LogprobResult:
         """Token log-probs of the global `batch` under the current weights (no gradient, eval mode).
 
         `record_routes`: also return every sequence's learner routing (top-k ids and probabilities).
@@ -191,22 +207,53 @@ class Learner:
         `batch.rollout_routes` by default). `micro_batch_size` 0 = `train.micro_batch_size`.
         `no_replay=True`: the learner's natural routing even under R3 (for drift measurement); R2 still
         records.
+        `keep_graph=True` (the old-policy pass of `train.fuse_old_logp_pass`): the pass runs with
+        autograd in train mode (the same numbers: the model has no dropout and no auxiliary router
+        loss) and keeps its graph, so that the next `train_step` on this same batch object back-propagates
+        its first mini-batch through it instead of running that forward again. Needs the natural (or R2)
+        routing and one micro-batch per rank; the graph holds this rank's whole shard's activations
+        until that `train_step`.
         """
         if no_replay and replay_routes is not None:
             raise ValueError("compute_logprobs: pass either replay_routes or no_replay=True, not both")
+        self._fused = None  # a kept graph is only ever used by the train_step right after its pass
         routes_in = None if no_replay else self._resolve_routes(batch, replay_routes, update=False)
         record = record_routes or self.replay is ReplayMode.R2
         mbs = micro_batch_size or (self.train.micro_batch_size if self.train is not None else 0)
         plan = plan_shards(batch.seq_lens_B.tolist(), dp_rank=self.parallel.dp_rank,
                            dp_size=self.parallel.dp_size, micro_batch_size=mbs)
+        if keep_graph:
+            self._check_fusable(routes_in, plan)
+        with torch.set_grad_enabled(keep_graph):
+            result, graph_logp = self._logprob_pass(batch, plan, routes_in, record, record_routes, keep_graph)
+        if keep_graph:
+            self._fused = _FusedPass(batch=batch, plan=plan, logp_local=graph_logp, logp_BS=result.logp_BS)
+        return result
+
+    def _check_fusable(self, routes_in, plan: ShardPlan) -> None:
+        if self.optimizer is None:
+            raise ValueError("compute_logprobs(keep_graph=True) needs a training Learner (train=...)")
+        if routes_in is not None or self.replay is ReplayMode.R3:
+            raise ValueError("compute_logprobs(keep_graph=True): the fused pass must route naturally (replay none "
+                             "or r2, no replay_routes); R3's update replays the rollout routes, which this pass "
+                             "does not")
+        if self.recompute:
+            raise ValueError("compute_logprobs(keep_graph=True) with activation recompute: not supported")
+        if len(plan.micro_batches) != 1:
+            raise ValueError(f"compute_logprobs(keep_graph=True) needs one micro-batch per rank, got "
+                             f"{len(plan.micro_batches)}: set train.micro_batch_size=0 (or fuse_old_logp_pass=false)")
+
+    def _logprob_pass(self, batch: PackedBatch, plan: ShardPlan, routes_in, record: bool, record_routes: bool,
+                      keep_graph: bool) -> tuple[LogprobResult, torch.Tensor | None]:
         local, local_routes, _ = self._local(batch.to(self.device), plan, routes_in)
         S = batch.seq_len_padded
         L, K = len(self.layer_ids), self.top_k
         logp_local = torch.zeros((plan.num_rows, S), dtype=torch.float32, device=self.device)
         ids_local = torch.zeros((plan.num_rows, S, L, K), dtype=torch.int32, device=self.device) if record else None
         probs_local = torch.zeros((plan.num_rows, S, L, K), dtype=torch.float32, device=self.device) if record else None
-        if self.ddp.training:  # switching walks every module (~2 ms on the tiny model)
-            self.ddp.eval()
+        graph_logp = None
+        if self.ddp.training != keep_graph:  # switching walks every module (~2 ms on the tiny model)
+            self.ddp.train(keep_graph)
         self.recorder.clear()
         self.recorder.enabled = record
         try:
@@ -217,7 +264,11 @@ class Learner:
                 mb_routes = None if local_routes is None else local_routes[rows]
                 with self._replay_ctx(mb_routes, seq_lens, S_i):
                     logits = self._forward(ids)
-                logp_local[rows, :S_i] = token_logprobs(logits, ids)[0]
+                logp = token_logprobs(logits, ids)[0]
+                if keep_graph:
+                    graph_logp = logp
+                    logp = logp.detach()
+                logp_local[rows, :S_i] = logp
                 if record:
                     assert self.recorder.num_calls() == 1, self.recorder.num_calls()
                     B_i = mb.stop - mb.start
@@ -244,7 +295,7 @@ class Learner:
                 self._recorded = (batch.input_ids_BS.cpu().clone(), routes)
             if record_routes:
                 result.routes, result.probs = routes, probs
-        return result
+        return result, graph_logp
 
     # ------------------------------------------------------------------ update
     def train_step(self, batch: PackedBatch, old_logp_BS: torch.Tensor, *, replay_routes=None,
@@ -278,6 +329,13 @@ class Learner:
         if not 1 <= self.train.num_minibatches <= B:
             raise ValueError(f"train.num_minibatches={self.train.num_minibatches} must be in [1, B={B}]")
         routes = self._resolve_routes(batch, replay_routes, update=True)
+        # A pass kept by compute_logprobs(keep_graph=True) on this very batch object serves as the first
+        # mini-batch's forward: the weights have not changed since (any other pass clears it).
+        fused = self._fused if self._fused is not None and self._fused.batch is batch else None
+        self._fused = None
+        if fused is not None and replay_routes is not None:
+            raise ValueError("train_step: replay_routes with a fused old-policy pass (compute_logprobs(keep_graph="
+                             "True)), which routed naturally; run that pass without keep_graph")
         self.offload.restore_grads()  # train.offload_during_rollout: gradient buffers back for the update
         batch = batch.to(self.device)
         old = old.to(self.device, torch.float32)
@@ -285,11 +343,17 @@ class Learner:
         is_w = None if is_weights_BS is None else is_weights_BS.to(self.device, torch.float32)
         keep = None if rs_keep_BS is None else rs_keep_BS.to(self.device, torch.bool)
         results = []
-        for i, idx in enumerate(np.array_split(np.arange(B), self.train.num_minibatches)):
+        order = np.arange(B)
+        if self.train.shuffle_minibatches and self.train.num_minibatches > 1:
+            order = np.random.default_rng([self.train.seed, self.num_train_steps]).permutation(B)
+        self.num_train_steps += 1
+        for i, idx in enumerate(np.array_split(order, self.train.num_minibatches)):
             t_idx = torch.as_tensor(idx, device=self.device)
             mini_routes = None if routes is None else [routes[int(j)] for j in idx]
             rows = [None if t is None else t[t_idx] for t in (ref, is_w, keep)]
-            results.append(self._train_minibatch(batch.select(idx), old[t_idx], *rows, mini_routes))
+            results.append(self._train_minibatch(batch.select(idx), old[t_idx], *rows, mini_routes,
+                                                 fused=fused if i == 0 else None, idx=idx))
+            fused = None  # the kept graph is freed after its backward
             if after_optimizer_step is not None:
                 after_optimizer_step(i, not results[-1][1])
         self.offload.release_grads()
@@ -299,42 +363,32 @@ class Learner:
         metrics["train/lr"] = float(self.optimizer.lr)
         return metrics
 
-    def _train_minibatch(self, mini: PackedBatch, old_BS, ref_BS, is_w_BS, keep_BS,
-                         routes) -> tuple[dict[str, float], bool]:
+    def _train_minibatch(self, mini: PackedBatch, old_BS, ref_BS, is_w_BS, keep_BS, routes, *,
+                         fused: _FusedPass | None = None, idx: np.ndarray | None = None) -> tuple[dict[str, float], bool]:
+        """One optimizer step on `mini` (rows `idx` of the step's batch); `fused`: back-propagate through
+        the kept old-policy pass instead of a new forward (first mini-batch of a fused step)."""
         algo, dp = self.algo, self.parallel.dp_size
         clip_low, clip_high = algo.clip_range()
         loss_kw = dict(clip_low=clip_low, clip_high=clip_high, kl_coef=algo.kl_coef, aggregation=algo.aggregation)
         token_mean = algo.aggregation == "token_mean"
         mask_all = mini.response_mask_BS if keep_BS is None else mini.response_mask_BS & keep_BS
         denom = max(int(mask_all.sum() if token_mean else mask_all.any(-1).sum()), 1)
-        plan = plan_shards(mini.seq_lens_B.tolist(), dp_rank=self.parallel.dp_rank, dp_size=dp,
-                           micro_batch_size=self.train.micro_batch_size)
-        local, local_routes, (old_l, ref_l, w_l, keep_l) = self._local(mini, plan, routes, old_BS, ref_BS,
-                                                                        is_w_BS, keep_BS)
-        logp_local = torch.zeros_like(old_l)
+
+        def loss_on(logp, rows, S_i, mask):
+            """The loss of mini-batch `rows` (indices into `mini`) from their log-probs `logp` [n, S_i]."""
+            loss, m = policy_loss(algo.name, logp, old_BS[rows, :S_i], mini.advantages_B[rows], mask,
+                                  ref_logp_BT=None if ref_BS is None else ref_BS[rows, :S_i],
+                                  is_weights_BT=None if is_w_BS is None else is_w_BS[rows, :S_i], **loss_kw)
+            count = int(mask.sum() if token_mean else mask.any(-1).sum())
+            return loss, loss * (count * dp / denom), m
+
         if not self.ddp.training:
             self.ddp.train()
         self.optimizer.zero_grad()
-        finite = True
-        for mb in plan.micro_batches:
-            rows, S_i = slice(mb.start, mb.stop), mb.seq_len
-            ids, mask = local.input_ids_BS[rows, :S_i], local.response_mask_BS[rows, :S_i]
-            if keep_l is not None:
-                mask = mask & keep_l[rows, :S_i]
-            mb_routes = None if local_routes is None else local_routes[rows]
-            with self._replay_ctx(mb_routes, local.seq_lens_B[rows].tolist(), S_i) as handle:
-                logp, _ = token_logprobs(self._forward(ids), ids)
-                loss, _ = policy_loss(algo.name, logp, old_l[rows, :S_i], local.advantages_B[rows], mask,
-                                      ref_logp_BT=None if ref_l is None else ref_l[rows, :S_i],
-                                      is_weights_BT=None if w_l is None else w_l[rows, :S_i], **loss_kw)
-                count = int(mask.sum() if token_mean else mask.any(-1).sum())
-                scaled = loss * (count * dp / denom)
-                if handle is not None:
-                    handle.backward(scaled)
-                else:
-                    scaled.backward()
-            finite = finite and bool(torch.isfinite(loss.detach()))
-            logp_local[rows, :S_i] = logp.detach()
+        if fused is not None:
+            finite, logp_all, m_all = self._backward_fused(fused, idx, mask_all, loss_on)
+        else:
+            finite, logp_all, m_all = self._backward_minibatch(mini, routes, mask_all, loss_on)
         self.ddp.finish_grad_sync()
         norm = self.optimizer.grad_norm()
         skip = any_rank(not (finite and math.isfinite(norm)), self.device)
@@ -345,13 +399,66 @@ class Learner:
             self.optimizer.step()
             self.num_updates += 1
         self.optimizer.zero_grad()
-        logp_all = self._gather_rows(logp_local, mini.num_seqs)
-        with torch.no_grad():
-            _, m = policy_loss(algo.name, logp_all, old_BS, mini.advantages_B, mask_all, ref_logp_BT=ref_BS,
-                               is_weights_BT=is_w_BS, **loss_kw)
-        out = {k: float(v) for k, v in m.items()}
+        if m_all is None:  # the loss was computed in pieces (ranks, micro-batches): recompute on the whole
+            with torch.no_grad():
+                _, m_all = policy_loss(algo.name, logp_all, old_BS, mini.advantages_B, mask_all, ref_logp_BT=ref_BS,
+                                       is_weights_BT=is_w_BS, **loss_kw)
+        out = {k: float(v) for k, v in m_all.items()}
         out["grad/norm"] = norm
         return out, skip
+
+    def _backward_minibatch(self, mini: PackedBatch, routes, mask_all, loss_on):
+        """Forward + backward of this rank's shard of `mini`, micro-batch by micro-batch.
+        Returns (finite, the global log-probs [B_mini, S], the loss metrics when one piece covered all)."""
+        plan = plan_shards(mini.seq_lens_B.tolist(), dp_rank=self.parallel.dp_rank, dp_size=self.parallel.dp_size,
+                           micro_batch_size=self.train.micro_batch_size)
+        local, local_routes, (keep_l,) = self._local(mini, plan, routes, mask_all)
+        logp_local = torch.zeros(keep_l.shape, dtype=torch.float32, device=self.device)
+        finite, m_all = True, None
+        whole = self.parallel.dp_size == 1 and len(plan.micro_batches) == 1
+        for mb in plan.micro_batches:
+            rows, S_i = slice(mb.start, mb.stop), mb.seq_len
+            ids = local.input_ids_BS[rows, :S_i]
+            mb_routes = None if local_routes is None else local_routes[rows]
+            # `rows` index `mini` too: a shard's real rows come first, in `plan.indices` order
+            global_rows = torch.as_tensor(plan.indices[rows], dtype=torch.long, device=self.device)
+            n_real = global_rows.numel()
+            with self._replay_ctx(mb_routes, local.seq_lens_B[rows].tolist(), S_i) as handle:
+                logp, _ = token_logprobs(self._forward(ids), ids)
+                if n_real:
+                    loss, scaled, m = loss_on(logp[:n_real], global_rows, S_i, keep_l[rows, :S_i][:n_real])
+                else:  # a padding-only micro-batch: no loss, but every rank runs the backward (EP collectives)
+                    loss = scaled = logp.sum() * 0.0
+                    m = None
+                if handle is not None:
+                    handle.backward(scaled)
+                else:
+                    scaled.backward()
+            finite = finite and bool(torch.isfinite(loss.detach()))
+            logp_local[rows, :S_i] = logp.detach()
+            if whole:
+                m_all = m
+        return finite, self._gather_rows(logp_local, mini.num_seqs), m_all
+
+    def _backward_fused(self, fused: _FusedPass, idx: np.ndarray, mask_all, loss_on):
+        """Backward of the first mini-batch (global rows `idx`) through the kept old-policy pass: this
+        rank's rows of its shard that belong to the mini-batch (possibly none: a zero loss, still
+        back-propagated, as expert parallelism's backward is collective)."""
+        pos = {int(g): j for j, g in enumerate(fused.plan.indices)}
+        sel = [(k, pos[int(g)]) for k, g in enumerate(idx) if int(g) in pos]
+        S0 = fused.logp_local.shape[1]
+        m_all = None
+        if sel:
+            k_rows = torch.as_tensor([k for k, _ in sel], dtype=torch.long, device=self.device)
+            j_rows = torch.as_tensor([j for _, j in sel], dtype=torch.long, device=self.device)
+            loss, scaled, m = loss_on(fused.logp_local[j_rows], k_rows, S0, mask_all[k_rows, :S0])
+            if self.parallel.dp_size == 1:
+                m_all = m
+        else:
+            loss = scaled = fused.logp_local.sum() * 0.0
+        scaled.backward()
+        logp_all = fused.logp_BS[torch.as_tensor(idx, dtype=torch.long)].to(self.device)
+        return bool(torch.isfinite(loss.detach())), logp_all, m_all
 
     # ------------------------------------------------------------------ memory during the rollout
     def offload_for_rollout(self) -> None:
@@ -387,10 +494,13 @@ class Learner:
         if self.optimizer is None:
             raise ValueError("an inference-only Learner (train=None) has no training state to save")
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "skipped_steps": self.skipped_steps, "num_updates": self.num_updates}
+                "skipped_steps": self.skipped_steps, "num_updates": self.num_updates,
+                "num_train_steps": self.num_train_steps}
 
     def load_state_dict(self, state: dict) -> None:
+        self._fused = None
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.num_updates = int(state.get("num_updates", 0))
+        self.num_train_steps = int(state.get("num_train_steps", self.num_updates // self.train.num_minibatches))

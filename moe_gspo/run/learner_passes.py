@@ -163,8 +163,9 @@ def learner_update(cfg: Config, policy, batch: PackedBatch, samples, step: int, 
     """
     learner, drift_every = policy.learner, cfg.logging.update_drift_every
     timer = timer if timer is not None else PhaseTimer()
-    with timer("old_logp"):
-        old = learner.compute_logprobs(batch, record_routes=True, no_replay=True)
+    with timer("old_logp"):  # train.fuse_old_logp_pass: its graph also serves the first mini-batch's update
+        old = learner.compute_logprobs(batch, record_routes=True, no_replay=True,
+                                       keep_graph=cfg.train.fuse_old_logp_pass)
     with timer("compare"):
         metrics = rollout_vs_learner(rollout_logp_BS=batch.rollout_logp_BS, learner_logp_BS=old.logp_BS,
                                      response_mask_BS=batch.response_mask_BS, rollout_routes=batch.rollout_routes,

@@ -28,6 +28,7 @@ from moe_gspo.rollout.hf_router_hooks import HFRouterRecorder
 EP2_BATCH = dict(num=7, seed=11)
 EP2_TRAIN = dict(lr=1e-2, num_minibatches=2, micro_batch_size=2)
 EP2_ALGO = dict(name="gspo", clip_low=0.2, clip_high=0.2)  # wide clip: the 2 steps move the policy
+EP2_FUSED_TRAIN = dict(lr=1e-2, num_minibatches=2, micro_batch_size=0, shuffle_minibatches=True, seed=3)
 
 
 def _seen_in_update(rec, mini_seq_lens: list[list[int]], info, mbs: int) -> dict[int, np.ndarray]:
@@ -107,6 +108,15 @@ def run(info) -> dict:
     out["r2_update_seqs_seen"] = sorted(seen)
     out["r2_update_flip_vs_old"] = flip_fraction([seen[i] for i in sorted(seen)], [old.routes[i] for i in sorted(seen)])
     out["r2_update_flip_vs_new"] = flip_fraction([seen[i] for i in sorted(seen)], [new.routes[i] for i in sorted(seen)])
+
+    # 6. fused old-policy pass + shuffled mini-batches (whole shards per pass): 2 steps, then the log-probs
+    cfg, _, model3 = tiny_pair(ep_size=2)
+    fused = make_learner(model3, cfg, info, algo=AlgoConfig(**EP2_ALGO), **EP2_FUSED_TRAIN)
+    out["fused_metrics"] = []
+    for _ in range(2):
+        old3 = fused.compute_logprobs(batch, record_routes=True, keep_graph=True)
+        out["fused_metrics"].append(fused.train_step(batch, old3.logp_BS))
+    out["fused_logp_after_2_steps"] = fused.compute_logprobs(batch).logp_BS.tolist()
     return out
 
 

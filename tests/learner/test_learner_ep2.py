@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from _learner_common import make_batch, make_learner, tiny_pair
-from _learner_ep2_worker import EP2_ALGO, EP2_BATCH, EP2_TRAIN
+from _learner_ep2_worker import EP2_ALGO, EP2_BATCH, EP2_FUSED_TRAIN, EP2_TRAIN
 from moe_gspo.config import AlgoConfig
 
 WORKER = Path(__file__).resolve().parent / "_learner_ep2_worker.py"
@@ -73,3 +73,22 @@ def test_ep2_training_matches_ep1_on_the_full_batch(ranks, dist):
             for key in ("loss/total", "grad/norm", "ratio/seq_mean", "clip/seq_frac", "ratio/num_seqs"):
                 assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
     assert ranks[0]["metrics"] == ranks[1]["metrics"]  # global values on every rank
+
+
+def test_ep2_fused_old_pass_with_shuffled_minibatches_matches_ep1_unfused(ranks, dist):
+    """EP=2/DP=2 with the first mini-batch back-propagated through the kept old-policy pass (each rank
+    holds only some of that mini-batch's rows, or none) and shuffled mini-batches vs EP=1 running the
+    plain passes with the same shuffle: same policy after 2 steps, same metrics."""
+    batch = make_batch(**EP2_BATCH, with_routes=True)
+    cfg, _, model = tiny_pair()
+    learner = make_learner(model, cfg, dist, algo=AlgoConfig(**EP2_ALGO), **EP2_FUSED_TRAIN)
+    metrics = []
+    for _ in range(2):
+        old = learner.compute_logprobs(batch).logp_BS
+        metrics.append(learner.train_step(batch, old))
+    after = learner.compute_logprobs(batch).logp_BS
+    for r in ranks:
+        assert np.abs(np.array(r["fused_logp_after_2_steps"]) - after.numpy()).max() <= 3e-4
+        for got, want in zip(r["fused_metrics"], metrics):
+            for key in ("loss/total", "grad/norm", "ratio/seq_mean", "clip/seq_frac", "ratio/num_seqs"):
+                assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key

@@ -203,8 +203,9 @@ class TrainConfig:
     """Run the old-policy log-prob pass with autograd and back-propagate the first mini-batch through
     it, instead of a second forward on the same weights: one forward pass less per RL step (~10% of a
     tiny-model step on CPU), at the cost of holding the whole batch's activations (not one mini-batch's)
-    until the first optimizer step. Same maths (tests/learner: equal weights after the step). Needs
-    train.micro_batch_size=0 and algo.routing_replay none or r2 (R3's update replays rollout routes)."""
+    until the first optimizer step. Same maths (tests/learner: the same update). Applies where it can:
+    with train.micro_batch_size=0, model.recompute=false and algo.routing_replay none or r2; under R3
+    (whose update replays the rollout routes, not the old pass's) or micro-batches the passes stay separate."""
     checkpoint_every: int = 0
     """Save a resumable checkpoint every N steps (0 = only at the end)."""
     keep_checkpoints: int = 2
@@ -454,13 +455,6 @@ def validate(cfg: Config) -> Config:
         raise ValueError(
             "algo.routing_replay=r3 replays the rollout engine's routes, but rollout.record_routes=false; "
             "set rollout.record_routes=true or choose algo.routing_replay=r2/none"
-        )
-    if tr.fuse_old_logp_pass and (a.routing_replay == "r3" or tr.micro_batch_size or m.recompute):
-        raise ValueError(
-            "train.fuse_old_logp_pass=true needs train.micro_batch_size=0, model.recompute=false and "
-            f"algo.routing_replay none or r2 (got micro_batch_size={tr.micro_batch_size}, recompute="
-            f"{str(m.recompute).lower()}, routing_replay={a.routing_replay}): the first mini-batch reuses the "
-            "old-policy pass, which runs in one piece with natural routing; set train.fuse_old_logp_pass=false"
         )
     if a.aggregation == "token_mean" and a.name != "grpo":
         raise ValueError(

@@ -78,8 +78,8 @@ def summarize(curve: Curve, target: float, window: int) -> dict:
     n = len(curve.rewards) if hit is None else hit + 1
     t = curve.times_s[n - 1] if n else float("nan")
     return {"name": curve.name, "reached": hit is not None, "step": hit, "time_s": t if hit is not None else None,
-            "steps_run": len(curve.rewards), "s_per_step": t / n if n else float("nan"),
-            "setup_s": curve.setup_s, "note": curve.note}
+            "steps_run": len(curve.rewards), "time_run_s": curve.times_s[-1] if curve.times_s else float("nan"),
+            "s_per_step": t / n if n else float("nan"), "setup_s": curve.setup_s, "note": curve.note}
 
 
 # ---------------------------------------------------------------------------------------------- TRL
@@ -222,8 +222,32 @@ def _fmt(s: dict, target: float, window: int) -> str:
     if s["reached"]:
         head = f"{s['time_s']:7.1f} s to a {window}-step moving-average reward of {target} (RL step {s['step']})"
     else:
-        head = f"   not reached in {s['steps_run']} RL steps"
+        head = f"   not reached in {s['steps_run']} RL steps ({s['time_run_s']:.1f} s)"
     return f"{s['name']:<36} {head}; {s['s_per_step']:.3f} s/RL step; setup {s['setup_s']:.1f} s"
+
+
+def _time_or_bound(s: dict) -> float:
+    """Time to target; a side that did not reach it counts with the time it ran (a lower bound)."""
+    return s["time_s"] if s["reached"] else s["time_run_s"]
+
+
+def compare_seeds(per_seed: list[dict]) -> dict:
+    """Median over seeds of each side's time to target (a miss counts as its run time, a lower bound:
+    then the median is a lower bound too) and the ratio ours / peer of those medians."""
+    import statistics
+
+    out = {}
+    for side in ("trl", "ours"):
+        rows = [r[side] for r in per_seed if side in r]
+        if rows:
+            out[side] = {"median_time_s": statistics.median(_time_or_bound(x) for x in rows),
+                         "all_reached": all(x["reached"] for x in rows),
+                         "median_steps": statistics.median((x["step"] + 1) if x["reached"] else x["steps_run"]
+                                                           for x in rows),
+                         "median_s_per_step": statistics.median(x["s_per_step"] for x in rows)}
+    if "trl" in out and "ours" in out:
+        out["ratio_median_time"] = out["ours"]["median_time_s"] / out["trl"]["median_time_s"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,7 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", type=float, default=0.5, help="moving-average reward to reach (default 0.5)")
     p.add_argument("--window", type=int, default=50, help="moving-average window in RL steps (default 50)")
     p.add_argument("--max-steps", type=int, default=600, help="give up after this many RL steps (default 600)")
-    p.add_argument("--nproc", type=int, default=2, help="processes of our torchrun job (default 2)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                   help="train.seed of each pair of runs (default 0 1 2; the time to target varies ~2x between seeds)")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="processes of our torchrun job (default 1: at this model size a second rank costs more than "
+                        "it saves)")
     p.add_argument("--only", choices=["trl", "ours"], help="run one side only")
     p.add_argument("--out", default=None, help="keep logs and run directories here (default: a temp dir)")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
@@ -251,10 +279,13 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_known_warnings()
     config = str(Path(args.config) if Path(args.config).is_absolute() else ROOT / args.config)
+    if any(o.startswith("train.seed=") for o in args.overrides):
+        p.error("set the seeds with --seeds, not train.seed=")
     try:
-        cfg = load_config(config, args.overrides)
+        cfgs = {seed: load_config(config, [*args.overrides, f"train.seed={seed}"]) for seed in args.seeds}
     except ValueError as e:
         p.error(str(e))
+    cfg = cfgs[args.seeds[0]]
     if cfg.algo.routing_replay != "none" or cfg.algo.name not in ("gspo", "grpo"):
         p.error(f"algo.name={cfg.algo.name}, algo.routing_replay={cfg.algo.routing_replay}: TRL has gspo "
                 "(importance_sampling_level=sequence) and grpo, without routing replay")
@@ -268,33 +299,45 @@ def main(argv: list[str] | None = None) -> int:
     print(f"work: {cfg.task.name} ({cfg.task.num_symbols} symbols), {cfg.rollout.prompts_per_step} prompts x "
           f"{cfg.rollout.samples_per_prompt} samples, {cfg.rollout.max_new_tokens} new tokens, lr {cfg.train.lr}, "
           f"{cfg.algo.name} clip {cfg.algo.clip_range()}, {cfg.train.num_minibatches} optimizer steps per RL step; "
-          f"TRL {trl.__version__}", flush=True)
-    results = {}
+          f"TRL {trl.__version__}; seeds {args.seeds}, each pair back to back", flush=True)
+    per_seed = []
     try:
-        if args.only in (None, "trl"):
-            print("running TRL ...", flush=True)
-            curve = run_trl(cfg, max_steps=args.max_steps, target=args.target, window=args.window, out_dir=out / "trl")
-            results["trl"] = summarize(curve, args.target, args.window)
-            print(_fmt(results["trl"], args.target, args.window), flush=True)
-        if args.only in (None, "ours"):
-            print("running moe-gspo ...", flush=True)
-            curve = run_ours(config, nproc=args.nproc, max_steps=args.max_steps, target=args.target,
-                             window=args.window, out_dir=out, overrides=args.overrides)
-            results["ours"] = summarize(curve, args.target, args.window)
-            print(_fmt(results["ours"], args.target, args.window), flush=True)
+        for seed in args.seeds:
+            res, seed_out = {"seed": seed}, out / f"seed{seed}"
+            seed_out.mkdir(parents=True, exist_ok=True)
+            if args.only in (None, "trl"):
+                print(f"seed {seed}: running TRL ...", flush=True)
+                curve = run_trl(cfgs[seed], max_steps=args.max_steps, target=args.target, window=args.window,
+                                out_dir=seed_out / "trl")
+                res["trl"] = summarize(curve, args.target, args.window)
+                print("  " + _fmt(res["trl"], args.target, args.window), flush=True)
+            if args.only in (None, "ours"):
+                print(f"seed {seed}: running moe-gspo ...", flush=True)
+                curve = run_ours(config, nproc=args.nproc, max_steps=args.max_steps, target=args.target,
+                                 window=args.window, out_dir=seed_out,
+                                 overrides=[*args.overrides, f"train.seed={seed}"])
+                res["ours"] = summarize(curve, args.target, args.window)
+                print("  " + _fmt(res["ours"], args.target, args.window), flush=True)
+            if "trl" in res and "ours" in res:
+                res["ratio_time"] = _time_or_bound(res["ours"]) / _time_or_bound(res["trl"])
+                exact = res["ours"]["reached"] and res["trl"]["reached"]
+                print(f"  seed {seed} ratio ours/peer, time to target: {res['ratio_time']:.2f}x"
+                      + ("" if exact else " (a side missed the target: its run time stands in)"), flush=True)
+            per_seed.append(res)
     finally:
         if tmp is not None:
             tmp.cleanup()
-    if "trl" in results and "ours" in results:
-        a, b = results["ours"], results["trl"]
-        if a["reached"] and b["reached"]:
-            results["ratio_time"] = a["time_s"] / b["time_s"]
-            print(f"ratio ours/peer: time to target {results['ratio_time']:.2f}x; "
-                  f"s/RL step {a['s_per_step'] / b['s_per_step']:.2f}x; RL steps {(a['step'] + 1) / (b['step'] + 1):.2f}x")
-        else:
-            print("ratio ours/peer: undefined (a side did not reach the target; raise --max-steps)")
+    summary = compare_seeds(per_seed)
+    for side in ("trl", "ours"):
+        if side in summary:
+            x = summary[side]
+            bound = "" if x["all_reached"] else " (a seed missed: a lower bound)"
+            print(f"median over seeds, {side:<4}: {x['median_time_s']:.1f} s to target{bound}, "
+                  f"{x['median_steps']:.0f} RL steps, {x['median_s_per_step']:.3f} s/RL step")
+    if "ratio_median_time" in summary:
+        print(f"ratio ours/peer of the median times to target: {summary['ratio_median_time']:.2f}x")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        Path(args.json).write_text(json.dumps({"per_seed": per_seed, "summary": summary}, indent=1))
     return 0
 
 

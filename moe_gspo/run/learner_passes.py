@@ -144,6 +144,13 @@ class StepPasses:
     """Under R3, the old-policy log-probs under the rollout routes (the loss's pi_old); else None."""
 
 
+def fuse_old_pass(cfg: Config) -> bool:
+    """Whether train.fuse_old_logp_pass applies: the old-policy pass routes naturally and runs in one piece
+    only without R3, micro-batches and activation recompute."""
+    return (cfg.train.fuse_old_logp_pass and cfg.algo.routing_replay != "r3" and not cfg.train.micro_batch_size
+            and not cfg.model.recompute)
+
+
 def learner_update(cfg: Config, policy, batch: PackedBatch, samples, step: int, *,
                    reference: ReferencePolicy | None = None, timer: PhaseTimer | None = None) -> StepPasses:
     """The learner side of one RL step, in order:
@@ -164,8 +171,7 @@ def learner_update(cfg: Config, policy, batch: PackedBatch, samples, step: int, 
     learner, drift_every = policy.learner, cfg.logging.update_drift_every
     timer = timer if timer is not None else PhaseTimer()
     with timer("old_logp"):  # train.fuse_old_logp_pass: its graph also serves the first mini-batch's update
-        old = learner.compute_logprobs(batch, record_routes=True, no_replay=True,
-                                       keep_graph=cfg.train.fuse_old_logp_pass)
+        old = learner.compute_logprobs(batch, record_routes=True, no_replay=True, keep_graph=fuse_old_pass(cfg))
     with timer("compare"):
         metrics = rollout_vs_learner(rollout_logp_BS=batch.rollout_logp_BS, learner_logp_BS=old.logp_BS,
                                      response_mask_BS=batch.response_mask_BS, rollout_routes=batch.rollout_routes,

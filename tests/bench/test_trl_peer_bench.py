@@ -23,7 +23,29 @@ def test_summarize_time_and_seconds_per_step():
     s = bench.summarize(c, target=0.7, window=2)
     assert s["reached"] and s["step"] == 2 and s["time_s"] == 6.0 and s["s_per_step"] == 2.0
     s = bench.summarize(c, target=0.95, window=2)
-    assert not s["reached"] and s["time_s"] is None and s["s_per_step"] == 2.0
+    assert not s["reached"] and s["time_s"] is None and s["s_per_step"] == 2.0 and s["time_run_s"] == 8.0
+
+
+def test_median_over_seeds_counts_a_miss_as_a_lower_bound():
+    def side(reached, t, step, run_t, steps_run=300):
+        return {"reached": reached, "time_s": t if reached else None, "step": step, "time_run_s": run_t,
+                "steps_run": steps_run, "s_per_step": 0.1}
+
+    per_seed = [{"trl": side(True, 40.0, 199, 50.0), "ours": side(True, 30.0, 149, 31.0)},
+                {"trl": side(False, None, None, 60.0), "ours": side(True, 50.0, 249, 51.0)},
+                {"trl": side(True, 20.0, 99, 30.0), "ours": side(True, 25.0, 124, 26.0)}]
+    out = bench.compare_seeds(per_seed)
+    assert out["trl"]["median_time_s"] == 40.0 and not out["trl"]["all_reached"]  # median of 40, 60 (miss), 20
+    assert out["ours"]["median_time_s"] == 30.0 and out["ours"]["all_reached"]
+    assert out["ours"]["median_steps"] == 150 and out["trl"]["median_steps"] == 200  # 200, 300 (ran), 100
+    assert out["ratio_median_time"] == pytest.approx(0.75)
+
+
+def test_seeds_come_from_the_seeds_flag(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())  # as if TRL were installed
+    monkeypatch.setitem(__import__("sys").modules, "trl", type("trl", (), {"__version__": "x"}))
+    with pytest.raises(SystemExit):
+        bench.main(["train.seed=3"])
 
 
 def test_without_trl_it_says_so_and_exits_0(monkeypatch, capsys):

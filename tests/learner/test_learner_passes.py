@@ -11,7 +11,8 @@ import torch
 
 from _learner_common import make_batch, make_learner, tiny_pair
 from moe_gspo.config import AlgoConfig, Config
-from moe_gspo.run.learner_passes import ReferencePolicy, UpdateDriftProbe
+from moe_gspo.config import load_config
+from moe_gspo.run.learner_passes import ReferencePolicy, UpdateDriftProbe, fuse_old_pass
 
 pytestmark = pytest.mark.usefixtures("dist")
 
@@ -112,3 +113,15 @@ def test_update_drift_probe_after_the_first_and_after_all_minibatches(dist):
     assert m["update/expert_change_frac"] == expected["update/expert_change_frac"] > 0
     assert m["update/expert_change_frac"] != m["update_all_minibatches/expert_change_frac"]
     assert np.isfinite(m["update/any_layer_change"])
+
+
+@pytest.mark.parametrize("overrides,fused", [
+    (["train.fuse_old_logp_pass=true"], True),
+    (["train.fuse_old_logp_pass=true", "algo.routing_replay=r2"], True),
+    (["train.fuse_old_logp_pass=false"], False),
+    (["train.fuse_old_logp_pass=true", "algo.routing_replay=r3"], False),  # the update replays rollout routes
+    (["train.fuse_old_logp_pass=true", "train.micro_batch_size=2"], False),  # the old pass runs in pieces
+    (["train.fuse_old_logp_pass=true", "model.recompute=true"], False),
+])
+def test_fused_old_pass_applies_only_where_the_maths_allows(overrides, fused):
+    assert fuse_old_pass(load_config(None, overrides)) is fused

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import signal
 import subprocess
@@ -232,21 +233,26 @@ def _time_or_bound(s: dict) -> float:
 
 
 def compare_seeds(per_seed: list[dict]) -> dict:
-    """Median over seeds of each side's time to target (a miss counts as its run time, a lower bound:
-    then the median is a lower bound too) and the ratio ours / peer of those medians."""
+    """Median over seeds of each side's time to target and the ratio ours / peer of those medians.
+    A miss counts as its run time, a lower bound of its time; the median is then `median_exact` when
+    it does not depend on the misses (the same with them at +inf), else a lower bound."""
     import statistics
 
     out = {}
     for side in ("trl", "ours"):
         rows = [r[side] for r in per_seed if side in r]
         if rows:
-            out[side] = {"median_time_s": statistics.median(_time_or_bound(x) for x in rows),
+            median = statistics.median(_time_or_bound(x) for x in rows)
+            out[side] = {"median_time_s": median,
+                         "median_exact": statistics.median(x["time_s"] if x["reached"] else math.inf
+                                                           for x in rows) == median,
                          "all_reached": all(x["reached"] for x in rows),
                          "median_steps": statistics.median((x["step"] + 1) if x["reached"] else x["steps_run"]
                                                            for x in rows),
                          "median_s_per_step": statistics.median(x["s_per_step"] for x in rows)}
     if "trl" in out and "ours" in out:
         out["ratio_median_time"] = out["ours"]["median_time_s"] / out["trl"]["median_time_s"]
+        out["ratio_exact"] = out["ours"]["median_exact"] and out["trl"]["median_exact"]
     return out
 
 
@@ -331,11 +337,13 @@ def main(argv: list[str] | None = None) -> int:
     for side in ("trl", "ours"):
         if side in summary:
             x = summary[side]
-            bound = "" if x["all_reached"] else " (a seed missed: a lower bound)"
+            bound = ("" if x["all_reached"] else " (a seed missed; the median does not depend on it)"
+                     if x["median_exact"] else " (a seed missed: a lower bound)")
             print(f"median over seeds, {side:<4}: {x['median_time_s']:.1f} s to target{bound}, "
                   f"{x['median_steps']:.0f} RL steps, {x['median_s_per_step']:.3f} s/RL step")
     if "ratio_median_time" in summary:
-        print(f"ratio ours/peer of the median times to target: {summary['ratio_median_time']:.2f}x")
+        print(f"ratio ours/peer of the median times to target: {summary['ratio_median_time']:.2f}x"
+              + ("" if summary["ratio_exact"] else " (a median is a bound: raise --max-steps)"))
     if args.json:
         Path(args.json).write_text(json.dumps({"per_seed": per_seed, "summary": summary}, indent=1))
     return 0

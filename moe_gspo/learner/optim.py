@@ -179,10 +179,11 @@ class LearnerOptimizer:
             decay = [p for p in params if p.dim() >= 2]
             no_decay = [p for p in params if p.dim() < 2]
             groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-            # foreach: one multi-tensor kernel per group instead of a Python loop over parameters
-            # (torch defaults to it on CUDA only); same maths
+            # fused: one kernel per group instead of a Python loop over parameters (torch defaults to
+            # foreach on CUDA only, to the loop on CPU); same maths. Tiny model, CPU: 0.43 ms per step
+            # fused, 1.47 ms foreach, 2.08 ms the loop (README, "Per-step cost").
             self.opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.lr, betas=tuple(betas),
-                                         eps=eps, foreach=True)
+                                         eps=eps, fused=True)
         self._params = params
 
     def grad_norm(self) -> float:

@@ -36,9 +36,13 @@ def test_median_over_seeds_counts_a_miss_as_a_lower_bound():
                 {"trl": side(True, 20.0, 99, 30.0), "ours": side(True, 25.0, 124, 26.0)}]
     out = bench.compare_seeds(per_seed)
     assert out["trl"]["median_time_s"] == 40.0 and not out["trl"]["all_reached"]  # median of 40, 60 (miss), 20
-    assert out["ours"]["median_time_s"] == 30.0 and out["ours"]["all_reached"]
+    assert out["trl"]["median_exact"]  # the miss (>= 60 s) is above the median whatever its true time
+    assert out["ours"]["median_time_s"] == 30.0 and out["ours"]["all_reached"] and out["ours"]["median_exact"]
     assert out["ours"]["median_steps"] == 150 and out["trl"]["median_steps"] == 200  # 200, 300 (ran), 100
-    assert out["ratio_median_time"] == pytest.approx(0.75)
+    assert out["ratio_median_time"] == pytest.approx(0.75) and out["ratio_exact"]
+    per_seed[2]["trl"] = side(False, None, None, 30.0)  # two misses of three: the median is only a bound
+    out = bench.compare_seeds(per_seed)
+    assert out["trl"]["median_time_s"] == 40.0 and not out["trl"]["median_exact"] and not out["ratio_exact"]
 
 
 def test_seeds_come_from_the_seeds_flag(monkeypatch):

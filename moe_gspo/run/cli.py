@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import os
 import typing
+import warnings
 
 from moe_gspo.config import ALGOS, REPLAYS, Config, field_docs, load_config, parse_override
 
@@ -115,7 +116,10 @@ def parse_train_args(argv: list[str] | None = None) -> tuple[argparse.Namespace,
     parser = build_parser(TRAIN_PROG, TRAIN_DESCRIPTION)
     args = parse_mixed(parser, argv)
     try:
-        cfg = config_from_args(args)
+        with warnings.catch_warnings():
+            if int(os.environ.get("RANK", "0")) != 0:  # every rank loads the same config: warn once, on rank 0
+                warnings.simplefilter("ignore", UserWarning)
+            cfg = config_from_args(args)
     except ValueError as e:
         fail(str(e))
     return args, cfg

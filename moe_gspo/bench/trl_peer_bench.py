@@ -1,11 +1,12 @@
 """Peer benchmark: TRL's `GRPOTrainer` in GSPO mode vs this project's main job, on the same work.
 
-`python -m moe_gspo.bench.trl_peer_bench [--config configs/tiny_cpu_copy_first.yaml] [--target 0.5]`
+`python -m moe_gspo.bench.trl_peer_bench [--config configs/tiny_cpu_copy_first.yaml] [--seeds 0 1 2] [--target 0.5]`
 
 Runs only when TRL is installed (`pip install "trl==1.16.*"`; TRL is not a dependency of moe-gspo):
 without it the script says so and exits 0. Both sides start from the same tiny random Qwen3-MoE
 (`moe_gspo.tiny.build_tiny_model`, same init seed and router scale), see the same prompt stream
-(`moe_gspo.tasks`, in order) and are scored by the same reward function; back to back:
+(`moe_gspo.tasks`, in order) and are scored by the same reward function; for each seed (`train.seed`:
+prompts, sampling, TRL's seed), back to back:
 
 1. **TRL** (one process, CPU, fp32): `GRPOTrainer` with `importance_sampling_level="sequence"`,
    `loss_type="grpo"` (per-sequence mean, as in TRL's documented GSPO recipe), clip epsilon
@@ -15,7 +16,8 @@ without it the script says so and exits 0. Both sides start from the same tiny r
    constant learning rate, Adam betas / grad clip / temperature / top-p from the config, no router
    auxiliary loss (the Megatron learner has none).
 2. **moe-gspo**: `torchrun --standalone --nproc-per-node N -m moe_gspo.train --config CONFIG` in a
-   subprocess (the main job exactly as a user runs it, checkpoints and traces included).
+   subprocess (the main job exactly as a user runs it, checkpoints and traces included; N = `--nproc`,
+   default 1: on this model a second data-parallel rank costs more than it saves).
 
 Units: an **RL step** is one generation batch (prompts_per_step x samples_per_prompt completions)
 and the optimizer steps it feeds — for TRL `steps_per_generation` of its `global_step`s. Reward per
@@ -23,7 +25,8 @@ RL step is the mean reward of its completions. The figure of merit is the wall t
 of the training loop (TRL: `on_train_begin`; ours: the end of step 0 minus its step time) to the end
 of the first RL step at which the moving average of the last `--window` RL steps' rewards reaches
 `--target` (a full window is required). s/step is the mean wall time per RL step up to that point.
-Each side stops once it reaches the target or after `--max-steps` RL steps.
+Each side stops once it reaches the target or after `--max-steps` RL steps. The summary is the median
+over seeds of each side's time and the ratio of the medians (the steps needed vary ~2x between seeds).
 Timings on a shared machine are contended: compare only figures taken back to back on a quiet box.
 """
 

@@ -2,6 +2,7 @@
 
     python -m moe_gspo.bench.model_bench            # Megatron EP=1 in this process
     python -m moe_gspo.bench.model_bench --ep 2     # Megatron EP=2: relaunches itself under torchrun
+    python -m moe_gspo.bench.model_bench --compile  # also Megatron's decoder under torch.compile (EP=1)
 
 Loss: mean logsumexp of the logits (a stand-in with a full backward through every layer). fp32.
 With `--ep 2` the two ranks split the batch (each runs B/2 rows, the allgather dispatcher sends
@@ -54,7 +55,7 @@ def bench_transformers(args) -> float:
     return _time_fwd_bwd(step, args.iters, args.warmup)
 
 
-def bench_megatron(args, *, ep_size: int) -> float:
+def bench_megatron(args, *, ep_size: int, compile_decoder: bool = False) -> float:
     import torch.distributed as dist
 
     from moe_gspo.mcore.model import build_gpt_model, forward_logits
@@ -75,6 +76,11 @@ def bench_megatron(args, *, ep_size: int) -> float:
         model.zero_grad(set_to_none=True)
         forward_logits(model, ids).logsumexp(-1).mean().backward()
 
+    if compile_decoder:  # the transformer layers compiled; the first call's compile time is printed
+        model.decoder = torch.compile(model.decoder)
+        t0 = time.perf_counter()
+        step()
+        print(f"  torch.compile: first forward+backward {time.perf_counter() - t0:.1f} s (compiling)")
     ms = _time_fwd_bwd(step, args.iters, args.warmup)
     if info.world_size > 1:
         t = torch.tensor([ms])
@@ -106,9 +112,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--compile", action="store_true",
+                        help="also time Megatron EP=1 with its decoder under torch.compile")
     parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
+    if args.compile and args.ep != 1:
+        parser.error("--compile times EP=1 only")
     if args.batch % args.ep != 0:
         parser.error(f"--batch={args.batch} must be divisible by --ep={args.ep}")
 
@@ -125,6 +135,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  transformers           {hf_ms:8.1f} ms/iter")
     print(f"  megatron-core EP={args.ep}      {mc_ms:8.1f} ms/iter")
     print(f"  ratio megatron/transformers  {mc_ms / hf_ms:.2f}")
+    if args.compile:
+        ms = bench_megatron(args, ep_size=1, compile_decoder=True)
+        print(f"  megatron-core EP=1, decoder under torch.compile {ms:8.1f} ms/iter")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,11 @@ class ModelConfig:
     """Pad the Megatron vocabulary to a multiple of this (logits are sliced back)."""
     recompute: bool = False
     """Full activation recomputation in the learner (R2/R3 replay also covers the recompute pass)."""
+    batched_experts: bool = False
+    """Learner MoE layers compute their local experts with two batched matmuls instead of a loop over
+    experts (`moe_gspo/mcore/batched_experts.py`; same parameters and maths). For small models on CPU,
+    where the per-expert overhead dominates (tiny model: forward+backward 20.8 -> 17-18 ms); it copies
+    the stacked expert weights every forward, so leave it off for real checkpoints."""
 
 
 @dataclass(kw_only=True)

@@ -168,10 +168,14 @@ def build_gpt_model(
     token_dispatcher: str = "allgather",
     vocab_pad_multiple: int = 1,
     recompute: bool = False,
+    batched_experts: bool = False,
     device: torch.device | str | None = None,
     **config_overrides: Any,
 ):
     """Build the Megatron `GPTModel` for `hf_config` (random init; load weights with `moe_gspo.mcore.weights`).
+
+    `batched_experts`: the MoE layers' local experts as `moe_gspo.mcore.batched_experts.BatchedSequentialMLP`
+    (same parameters; local spec only).
 
     Requires `moe_gspo.mcore.parallel.init_distributed` to have run in this process. The model's
     `vocab_size` attribute is the padded size; `model.hf_vocab_size` the true one.
@@ -190,6 +194,13 @@ def build_gpt_model(
     )
     use_te = have_transformer_engine()
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+    if batched_experts and config.num_moe_experts:
+        from moe_gspo.mcore.batched_experts import with_batched_experts
+
+        spec, found = with_batched_experts(spec)
+        if not found:
+            raise ValueError("model.batched_experts=true needs the local (SequentialMLP) expert spec; with "
+                             "Transformer Engine installed the experts are TE's grouped GEMM already: set it false")
     # Upstream keeps RouterReplay instances in a class-level list; a rebuilt model must start empty.
     RouterReplay.clear_global_router_replay_instances()
     model = GPTModel(

@@ -69,7 +69,8 @@ class ReferencePolicy:
         model = build_gpt_model(
             policy_learner.hf_config, ep_size=info.ep_size, params_dtype=learner_dtype(cfg),
             enable_routing_replay=self.replay != "none", token_dispatcher=cfg.parallel.token_dispatcher,
-            vocab_pad_multiple=cfg.model.vocab_pad_multiple, recompute=False)
+            vocab_pad_multiple=cfg.model.vocab_pad_multiple, recompute=False,
+            batched_experts=cfg.model.batched_experts)
         own = {id(r.router_replay) for r in moe_routers(model) if r.router_replay is not None}
         RouterReplay.global_router_replay_instances[:] = [
             r for r in RouterReplay.global_router_replay_instances if id(r) not in own]

@@ -109,8 +109,9 @@ def run(info) -> dict:
     out["r2_update_flip_vs_old"] = flip_fraction([seen[i] for i in sorted(seen)], [old.routes[i] for i in sorted(seen)])
     out["r2_update_flip_vs_new"] = flip_fraction([seen[i] for i in sorted(seen)], [new.routes[i] for i in sorted(seen)])
 
-    # 6. fused old-policy pass + shuffled mini-batches (whole shards per pass): 2 steps, then the log-probs
-    cfg, _, model3 = tiny_pair(ep_size=2)
+    # 6. fused old-policy pass + shuffled mini-batches (whole shards per pass) + batched experts (4 local
+    # experts per rank): 2 steps, then the log-probs
+    cfg, _, model3 = tiny_pair(ep_size=2, batched_experts=True)
     fused = make_learner(model3, cfg, info, algo=AlgoConfig(**EP2_ALGO), **EP2_FUSED_TRAIN)
     out["fused_metrics"] = []
     for _ in range(2):

@@ -77,8 +77,9 @@ def test_ep2_training_matches_ep1_on_the_full_batch(ranks, dist):
 
 def test_ep2_fused_old_pass_with_shuffled_minibatches_matches_ep1_unfused(ranks, dist):
     """EP=2/DP=2 with the first mini-batch back-propagated through the kept old-policy pass (each rank
-    holds only some of that mini-batch's rows, or none) and shuffled mini-batches vs EP=1 running the
-    plain passes with the same shuffle: same policy after 2 steps, same metrics."""
+    holds only some of that mini-batch's rows, or none), shuffled mini-batches and batched experts vs
+    EP=1 running the plain passes and Megatron's expert loop with the same shuffle: same policy after
+    2 steps, same metrics."""
     batch = make_batch(**EP2_BATCH, with_routes=True)
     cfg, _, model = tiny_pair()
     learner = make_learner(model, cfg, dist, algo=AlgoConfig(**EP2_ALGO), **EP2_FUSED_TRAIN)

@@ -1,0 +1,67 @@
+"""`model.batched_experts`: the MoE layers' local experts as two batched matmuls
+(`moe_gspo.mcore.batched_experts`), same parameters and maths as Megatron's SequentialMLP loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+from moe_gspo.mcore.batched_experts import BatchedSequentialMLP
+from moe_gspo.mcore.model import build_gpt_model, forward_logits, moe_layer_ids
+from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
+from moe_gspo.mcore.weights import load_hf_model_into_megatron
+from moe_gspo.tiny import build_tiny_model, tiny_qwen3_moe_config
+
+
+@pytest.fixture(scope="module", autouse=True)
+def dist_ep1():
+    info = init_distributed(ep_size=1, num_experts=8, seed=0)
+    yield info
+    destroy_distributed()
+
+
+def _pair(**tiny):
+    cfg = tiny_qwen3_moe_config(**tiny)
+    hf = build_tiny_model(cfg, seed=0)
+    plain, batched = build_gpt_model(cfg), build_gpt_model(cfg, batched_experts=True)
+    for m in (plain, batched):
+        load_hf_model_into_megatron(m, hf)
+        m.train()
+    return cfg, plain, batched
+
+
+@pytest.mark.parametrize("tiny", [{}, {"norm_topk_prob": False}])
+def test_same_parameters_logits_and_gradients(tiny):
+    cfg, plain, batched = _pair(**tiny)
+    kinds = [type(m) for m in batched.modules() if isinstance(m, SequentialMLP)]
+    assert kinds == [BatchedSequentialMLP] * len(moe_layer_ids(cfg))
+    assert not any(type(m) is BatchedSequentialMLP for m in plain.modules())
+    assert plain.state_dict().keys() == batched.state_dict().keys()
+    ids = torch.randint(3, cfg.vocab_size, (5, 13), generator=torch.Generator().manual_seed(1))
+    out = []
+    for m in (plain, batched):
+        logits = forward_logits(m, ids)
+        logits.logsumexp(-1).mean().backward()
+        out.append((logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
+    (l0, g0), (l1, g1) = out
+    assert (l0 - l1).abs().max() <= 1e-5
+    assert max(float((g0[n] - g1[n]).abs().max()) for n in g0) <= 1e-5
+    assert max(float(g.abs().max()) for n, g in g1.items() if "local_experts" in n) > 1e-4  # experts got gradient
+
+
+def test_experts_without_tokens_and_uneven_counts():
+    cfg, plain, batched = _pair()
+    experts = next(m for m in batched.modules() if isinstance(m, BatchedSequentialMLP))
+    gen = torch.Generator().manual_seed(2)
+    counts = torch.tensor([3, 0, 5, 1, 0, 0, 7, 2])
+    x = torch.randn(int(counts.sum()), cfg.hidden_size, generator=gen, requires_grad=True)
+    probs = torch.rand(int(counts.sum()), generator=gen)
+    got, _ = experts(x, counts, probs)
+    want, _ = SequentialMLP.forward(experts, x, counts, probs)  # Megatron's loop on the same weights
+    assert got.shape == want.shape and (got - want).abs().max() <= 1e-6
+    gx_got, = torch.autograd.grad(got.square().sum(), x)
+    gx_want, = torch.autograd.grad(want.square().sum(), x)
+    assert (gx_got - gx_want).abs().max() <= 1e-5
+    empty, _ = experts(x[:0], torch.zeros(8, dtype=torch.long), probs[:0])  # a rank with no tokens
+    assert empty.shape == (0, cfg.hidden_size)

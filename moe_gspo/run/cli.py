@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import time
 import typing
 import warnings
 
@@ -35,10 +36,15 @@ class OnceArgumentParser(argparse.ArgumentParser):
 
 
 def fail(message: str) -> None:
-    """Print `error: message` once (rank 0; also into torchrun's error file) and exit with status 2."""
+    """Print `error: message` once (rank 0; also into torchrun's error file) and exit with status 2.
+
+    Every rank parses the same command line and fails together; the other ranks wait a moment before
+    exiting, so that torchrun does not tear rank 0 down before its line is out (seen 1 time in 3)."""
     from moe_gspo.run.errors import EXIT_USER_ERROR, report
 
     report(message)
+    if int(os.environ.get("RANK", "0")) != 0:
+        time.sleep(2.0)
     raise SystemExit(EXIT_USER_ERROR)
 
 

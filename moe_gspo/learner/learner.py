@@ -199,7 +199,8 @@ class Learner:
     def compute_logprobs(self, batch: PackedBatch, *, record_routes: bool = False, replay_routes=None,
                          micro_batch_size: int = 0, no_replay: bool = False,
                          keep_graph: bool = False) -> LogprobResult:
-        """Token log-probs of the global `batch` under the current weights (no gradient, eval mode).
+        """Token log-probs of the global `batch` under the current weights (no gradient, eval mode,
+        unless `keep_graph`).
 
         `record_routes`: also return every sequence's learner routing (top-k ids and probabilities).
         Under R2 the routes are always recorded and kept for the next `train_step` on this batch.
@@ -420,7 +421,7 @@ class Learner:
             rows, S_i = slice(mb.start, mb.stop), mb.seq_len
             ids = local.input_ids_BS[rows, :S_i]
             mb_routes = None if local_routes is None else local_routes[rows]
-            # `rows` index `mini` too: a shard's real rows come first, in `plan.indices` order
+            # the micro-batch's real rows (before any padding rows) are rows plan.indices[rows] of `mini`
             global_rows = torch.as_tensor(plan.indices[rows], dtype=torch.long, device=self.device)
             n_real = global_rows.numel()
             with self._replay_ctx(mb_routes, local.seq_lens_B[rows].tolist(), S_i) as handle:

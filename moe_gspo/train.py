@@ -91,7 +91,7 @@ def loop(cfg: Config, run_dir: Path, info, policy, task, state, act, reference) 
                 steps.save_step_traces(run_dir, step, policy, samples, batch, passes.old, passes.new, rewards,
                                        replayed_logp_BS=passes.replayed_logp_BS)
         with timer("metrics"):
-            metrics.update(steps.sample_metrics(rewards, samples))
+            metrics.update(steps.sample_metrics(rewards, samples, batch.advantages_B, cfg.rollout.samples_per_prompt))
             state.step, state.prompts_consumed = step + 1, state.prompts_consumed + cfg.rollout.prompts_per_step
             state.wall_s = wall_before + time.time() - t_start
             dt = time.time() - t0
@@ -105,8 +105,8 @@ def loop(cfg: Config, run_dir: Path, info, policy, task, state, act, reference) 
             with timer("checkpoint"):  # logged in the next step's row
                 save_checkpoint(run_dir, state, learner.state_dict(), rank=info.rank,
                                 keep=cfg.train.keep_checkpoints, fingerprint=fingerprint(cfg, policy, info))
-        bar.set_postfix({"reward": f"{metrics['reward/mean']:.3f}", "flip": f"{metrics.get('routing/any_layer_flip', 0):.3f}",
-                         "clip": f"{metrics.get('clip/token_frac', 0):.3f}"})
+        bar.set_postfix({"reward": f"{metrics['reward/mean']:.3f}", "entropy": f"{metrics.get('actor/entropy', 0):.3f}",
+                         "flip": f"{metrics.get('routing/any_layer_flip', 0):.3f}", "clip": f"{metrics.get('clip/token_frac', 0):.3f}"})
     sink.close()
     engine.close()
     act("finishing")

@@ -3,6 +3,7 @@ statistics, train-inference mismatch metrics and rollout corrections (TIS / MIS)
 torch tensors."""
 
 from moe_gspo.algos.advantages import group_advantages
+from moe_gspo.algos.collapse import COLLAPSE_KEYS, group_signal_metrics, mean_token_entropy
 from moe_gspo.algos.mismatch import MISMATCH_KEYS, mismatch_metrics
 from moe_gspo.algos.policy_loss import AGGREGATIONS, ALGOS, policy_loss
 from moe_gspo.algos.ratios import RATIO_KEYS, ratio_stats
@@ -11,9 +12,12 @@ from moe_gspo.algos.rollout_correction import rollout_correction, rollout_is_wei
 __all__ = [
     "AGGREGATIONS",
     "ALGOS",
+    "COLLAPSE_KEYS",
     "MISMATCH_KEYS",
     "RATIO_KEYS",
     "group_advantages",
+    "group_signal_metrics",
+    "mean_token_entropy",
     "mismatch_metrics",
     "policy_loss",
     "ratio_stats",

@@ -61,6 +61,9 @@ class LogprobResult:
     """B arrays [seq_len_b, L, K] (uint8/uint16) of the learner's top-k experts, when recorded."""
     probs: list[np.ndarray] | None = None
     """B arrays [seq_len_b, L, K] float32 full-softmax router probabilities of those experts."""
+    entropy_BS: torch.Tensor | None = None
+    """float32 [B, S] entropy (nats) of the distribution that predicted each token, aligned like
+    `logp_BS`, when asked for (`with_entropy=True`)."""
 
 
 @dataclass
@@ -198,7 +201,7 @@ class Learner:
     # ------------------------------------------------------------------ old-policy pass
     def compute_logprobs(self, batch: PackedBatch, *, record_routes: bool = False, replay_routes=None,
                          micro_batch_size: int = 0, no_replay: bool = False,
-                         keep_graph: bool = False) -> LogprobResult:
+                         keep_graph: bool = False, with_entropy: bool = False) -> LogprobResult:
         """Token log-probs of the global `batch` under the current weights (no gradient, eval mode,
         unless `keep_graph`).
 
@@ -207,7 +210,7 @@ class Learner:
         `replay_routes` (B arrays [T_b, L, K]): replay that routing (R3 does so with
         `batch.rollout_routes` by default). `micro_batch_size` 0 = `train.micro_batch_size`.
         `no_replay=True`: the learner's natural routing even under R3 (for drift measurement); R2 still
-        records.
+        records. `with_entropy`: also return each token's predictive entropy (`entropy_BS`, no gradient).
         `keep_graph=True` (the old-policy pass of `train.fuse_old_logp_pass`): the pass runs with
         autograd in train mode (the same numbers: the model has no dropout and no auxiliary router
         loss) and keeps its graph, so that the next `train_step` on this same batch object back-propagates
@@ -226,7 +229,8 @@ class Learner:
         if keep_graph:
             self._check_fusable(routes_in, plan)
         with torch.set_grad_enabled(keep_graph):
-            result, graph_logp = self._logprob_pass(batch, plan, routes_in, record, record_routes, keep_graph)
+            result, graph_logp = self._logprob_pass(batch, plan, routes_in, record, record_routes, keep_graph,
+                                                    with_entropy)
         if keep_graph:
             self._fused = _FusedPass(batch=batch, plan=plan, logp_local=graph_logp, logp_BS=result.logp_BS)
         return result
@@ -245,11 +249,12 @@ class Learner:
                              f"{len(plan.micro_batches)}: set train.micro_batch_size=0 (or fuse_old_logp_pass=false)")
 
     def _logprob_pass(self, batch: PackedBatch, plan: ShardPlan, routes_in, record: bool, record_routes: bool,
-                      keep_graph: bool) -> tuple[LogprobResult, torch.Tensor | None]:
+                      keep_graph: bool, with_entropy: bool = False) -> tuple[LogprobResult, torch.Tensor | None]:
         local, local_routes, _ = self._local(batch.to(self.device), plan, routes_in)
         S = batch.seq_len_padded
         L, K = len(self.layer_ids), self.top_k
         logp_local = torch.zeros((plan.num_rows, S), dtype=torch.float32, device=self.device)
+        ent_local = torch.zeros((plan.num_rows, S), dtype=torch.float32, device=self.device) if with_entropy else None
         ids_local = torch.zeros((plan.num_rows, S, L, K), dtype=torch.int32, device=self.device) if record else None
         probs_local = torch.zeros((plan.num_rows, S, L, K), dtype=torch.float32, device=self.device) if record else None
         graph_logp = None
@@ -265,7 +270,9 @@ class Learner:
                 mb_routes = None if local_routes is None else local_routes[rows]
                 with self._replay_ctx(mb_routes, seq_lens, S_i):
                     logits = self._forward(ids)
-                logp = token_logprobs(logits, ids)[0]
+                logp, ent = token_logprobs(logits, ids, with_entropy=with_entropy)
+                if ent is not None:
+                    ent_local[rows, :S_i] = ent.detach()
                 if keep_graph:
                     graph_logp = logp
                     logp = logp.detach()
@@ -285,6 +292,9 @@ class Learner:
         logp = self._gather_rows(logp_local, B).cpu()
         logp = torch.where(torch.arange(S)[None, :] < batch.seq_lens_B.cpu()[:, None], logp, 0.0)
         result = LogprobResult(logp_BS=logp)
+        if with_entropy:
+            ent = self._gather_rows(ent_local, B).cpu()
+            result.entropy_BS = torch.where(torch.arange(S)[None, :] < batch.seq_lens_B.cpu()[:, None], ent, 0.0)
         if record:
             lens = batch.seq_lens_B.tolist()
             id_dtype = np.uint8 if self.num_experts <= 256 else np.uint16

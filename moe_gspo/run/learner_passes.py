@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from moe_gspo.algos.collapse import mean_token_entropy
 from moe_gspo.algos.rollout_correction import rollout_correction
 from moe_gspo.config import AlgoConfig, Config
 from moe_gspo.learner.batch import PackedBatch
@@ -157,7 +158,8 @@ def learner_update(cfg: Config, policy, batch: PackedBatch, samples, step: int, 
     """The learner side of one RL step, in order:
 
     1. old-policy pass with natural routing and routes (R2 records them for its replay) → the
-       rollout-vs-learner metrics (`mismatch/*`, `mismatch_ratio/*`, `routing/*`, `routing_prompt/*`);
+       policy's entropy over the response tokens (`actor/entropy`) and the rollout-vs-learner metrics
+       (`mismatch/*`, `mismatch_ratio/*`, `routing/*`, `routing_prompt/*`);
     2. under R3, the old-policy pass under the rollout routes → pi_old of the loss and
        `mismatch_replayed/*`;
     3. rollout corrections (`rollout_corr/*`) from pi_old vs pi_rollout, reference log-probs when
@@ -172,12 +174,14 @@ def learner_update(cfg: Config, policy, batch: PackedBatch, samples, step: int, 
     learner, drift_every = policy.learner, cfg.logging.update_drift_every
     timer = timer if timer is not None else PhaseTimer()
     with timer("old_logp"):  # train.fuse_old_logp_pass: its graph also serves the first mini-batch's update
-        old = learner.compute_logprobs(batch, record_routes=True, no_replay=True, keep_graph=fuse_old_pass(cfg))
+        old = learner.compute_logprobs(batch, record_routes=True, no_replay=True, keep_graph=fuse_old_pass(cfg),
+                                       with_entropy=True)
     with timer("compare"):
-        metrics = rollout_vs_learner(rollout_logp_BS=batch.rollout_logp_BS, learner_logp_BS=old.logp_BS,
+        metrics = {"actor/entropy": mean_token_entropy(old.entropy_BS, batch.response_mask_BS)}
+        metrics.update(rollout_vs_learner(rollout_logp_BS=batch.rollout_logp_BS, learner_logp_BS=old.logp_BS,
                                      response_mask_BS=batch.response_mask_BS, rollout_routes=batch.rollout_routes,
                                      learner_routes=old.routes, num_experts=policy.num_experts,
-                                     group_ids=[s.prompt_index for s in samples])
+                                     group_ids=[s.prompt_index for s in samples]))
     old_logp, replayed = old.logp_BS, None
     if cfg.algo.routing_replay == "r3":
         with timer("replayed_logp"):

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moe_gspo.algos import group_advantages
+from moe_gspo.algos import group_advantages, group_signal_metrics
 from moe_gspo.config import Config
 from moe_gspo.mcore.parallel import ParallelInfo
 from moe_gspo.rollout.base import RolloutSample, SamplingParams
@@ -92,13 +92,17 @@ def advantages(rewards: torch.Tensor, cfg: Config) -> torch.Tensor:
     return group_advantages(rewards, cfg.rollout.samples_per_prompt, eps=cfg.algo.adv_eps)
 
 
-def sample_metrics(rewards: torch.Tensor, samples: list[RolloutSample]) -> dict:
+def sample_metrics(rewards: torch.Tensor, samples: list[RolloutSample], advantages_B: torch.Tensor,
+                   group_size: int) -> dict:
+    """The sampled batch: rewards, response lengths, and the groups that carry a learning signal
+    (`reward/frac_zero_std`, `advantage/nonzero_frac`, see `moe_gspo.algos.collapse`)."""
     r = rewards
     lens = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
     stop = torch.tensor([s.finish_reason == "stop" for s in samples], dtype=torch.float32)
     return {"reward/mean": r.mean().item(), "reward/std": r.std(unbiased=False).item(), "reward/max": r.max().item(),
             "response/len_mean": lens.mean().item(), "response/len_max": lens.max().item(),
-            "response/stop_frac": stop.mean().item(), "num_sequences": int(r.numel())}
+            "response/stop_frac": stop.mean().item(), "num_sequences": int(r.numel()),
+            **group_signal_metrics(r, advantages_B, group_size)}
 
 
 def save_step_traces(run_dir: Path, step: int, policy: Policy, samples, batch, old, new,

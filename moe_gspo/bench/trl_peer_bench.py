@@ -33,6 +33,7 @@ Timings on a shared machine are contended: compare only figures taken back to ba
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -56,13 +57,21 @@ class Curve:
     name: str
     rewards: list[float] = field(default_factory=list)
     times_s: list[float] = field(default_factory=list)
+    entropy: list[float] = field(default_factory=list)
+    """Mean token entropy of the policy over the RL step's response tokens (ours: `actor/entropy`, the
+    old-policy pass; TRL: its `entropy`, averaged over the RL step's optimizer steps)."""
+    frac_zero_std: list[float] = field(default_factory=list)
+    """Share of prompt groups whose rewards are all equal (ours: `reward/frac_zero_std`; TRL:
+    `frac_reward_zero_std`)."""
     setup_s: float = 0.0
     """Wall time before the training loop (process start, model build, engine setup)."""
     note: str = ""
 
-    def add(self, reward: float, t_s: float) -> None:
+    def add(self, reward: float, t_s: float, *, entropy: float = math.nan, frac_zero_std: float = math.nan) -> None:
         self.rewards.append(float(reward))
         self.times_s.append(float(t_s))
+        self.entropy.append(float(entropy))
+        self.frac_zero_std.append(float(frac_zero_std))
 
 
 def first_crossing(rewards: list[float], target: float, window: int) -> int | None:
@@ -77,17 +86,26 @@ def first_crossing(rewards: list[float], target: float, window: int) -> int | No
     return None
 
 
-def summarize(curve: Curve, target: float, window: int) -> dict:
+def tail_mean(values: list[float], n: int) -> float:
+    """Mean of the last `n` values (NaN when there are none)."""
+    tail = values[-n:] if n > 0 else []
+    return sum(tail) / len(tail) if tail else float("nan")
+
+
+def summarize(curve: Curve, target: float, window: int, *, last: int = 40) -> dict:
     hit = first_crossing(curve.rewards, target, window)
     n = len(curve.rewards) if hit is None else hit + 1
     t = curve.times_s[n - 1] if n else float("nan")
     return {"name": curve.name, "reached": hit is not None, "step": hit, "time_s": t if hit is not None else None,
             "steps_run": len(curve.rewards), "time_run_s": curve.times_s[-1] if curve.times_s else float("nan"),
-            "s_per_step": t / n if n else float("nan"), "setup_s": curve.setup_s, "note": curve.note}
+            "s_per_step": t / n if n else float("nan"), "setup_s": curve.setup_s, "note": curve.note,
+            f"reward_last{last}": tail_mean(curve.rewards, last), f"entropy_last{last}": tail_mean(curve.entropy, last),
+            f"frac_zero_std_last{last}": tail_mean(curve.frac_zero_std, last)}
 
 
 # ---------------------------------------------------------------------------------------------- TRL
-def run_trl(cfg, *, max_steps: int, target: float, window: int, out_dir: Path) -> Curve:
+def run_trl(cfg, *, max_steps: int, target: float, window: int, out_dir: Path, stop_at_target: bool = True,
+            router_aux_loss: bool = False) -> Curve:
     """TRL GRPOTrainer (GSPO mode) on the config's tiny model and task, one process."""
     import torch
     from datasets import Dataset
@@ -133,7 +151,7 @@ def run_trl(cfg, *, max_steps: int, target: float, window: int, out_dir: Path) -
         max_completion_length=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=0,
         learning_rate=tr.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=tr.weight_decay,
         adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2, max_grad_norm=tr.grad_clip or 1e9,
-        router_aux_loss_coef=0.0, shuffle_dataset=False, max_steps=max_steps * tr.num_minibatches,
+        router_aux_loss_coef=None if router_aux_loss else 0.0, shuffle_dataset=False, max_steps=max_steps * tr.num_minibatches,
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, log_completions=False,
         dataloader_num_workers=0,
     )
@@ -148,16 +166,21 @@ def run_trl(cfg, *, max_steps: int, target: float, window: int, out_dir: Path) -
             # The generation's rewards are logged with its first optimizer step; the RL step ends
             # after its last optimizer step.
             if state.global_step % tr.num_minibatches == 0 and self.pending is not None:
-                curve.add(self.pending, time.perf_counter() - self.t0)
-                self.pending = None
-                if first_crossing(curve.rewards, target, window) is not None:
+                reward, zero_std = self.pending
+                ent = sum(self.entropies) / len(self.entropies) if self.entropies else math.nan
+                curve.add(reward, time.perf_counter() - self.t0, entropy=ent, frac_zero_std=zero_std)
+                self.pending, self.entropies = None, []
+                if stop_at_target and first_crossing(curve.rewards, target, window) is not None:
                     control.should_training_stop = True
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "reward" in logs:
-                self.pending = logs["reward"]
+                self.pending = (logs["reward"], logs.get("frac_reward_zero_std", math.nan))
+            if logs and "entropy" in logs:
+                self.entropies.append(logs["entropy"])
 
         pending = None
+        entropies: list = []
 
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=dataset,
                           processing_class=tok, callbacks=[Recorder()])
@@ -169,7 +192,7 @@ def run_trl(cfg, *, max_steps: int, target: float, window: int, out_dir: Path) -
 
 # --------------------------------------------------------------------------------------- moe-gspo
 def run_ours(config: str, *, nproc: int, max_steps: int, target: float, window: int, out_dir: Path,
-             overrides: list[str]) -> Curve:
+             overrides: list[str], stop_at_target: bool = True) -> Curve:
     """`torchrun -m moe_gspo.train` in a subprocess; rewards and step end times read from metrics.jsonl."""
     run_dir = out_dir / "moe_gspo_run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
@@ -199,9 +222,10 @@ def run_ours(config: str, *, nproc: int, max_steps: int, target: float, window: 
                     if t0 is None:
                         t0 = now - row["perf/step_time_s"]
                         curve.setup_s = t0 - t_launch
-                    curve.add(row["reward/mean"], now - t0)
+                    curve.add(row["reward/mean"], now - t0, entropy=row.get("actor/entropy", math.nan),
+                              frac_zero_std=row.get("reward/frac_zero_std", math.nan))
                     seen += 1
-                if first_crossing(curve.rewards, target, window) is not None:
+                if stop_at_target and first_crossing(curve.rewards, target, window) is not None:
                     break
             if done:
                 break
@@ -227,7 +251,9 @@ def _fmt(s: dict, target: float, window: int) -> str:
         head = f"{s['time_s']:7.1f} s to a {window}-step moving-average reward of {target} (RL step {s['step']})"
     else:
         head = f"   not reached in {s['steps_run']} RL steps ({s['time_run_s']:.1f} s)"
-    return f"{s['name']:<36} {head}; {s['s_per_step']:.3f} s/RL step; setup {s['setup_s']:.1f} s"
+    return (f"{s['name']:<36} {head}; {s['s_per_step']:.3f} s/RL step; setup {s['setup_s']:.1f} s; last 40 of "
+            f"{s['steps_run']} RL steps: reward {s['reward_last40']:.3f}, entropy {s['entropy_last40']:.3f}, "
+            f"zero-std groups {s['frac_zero_std_last40']:.2f}")
 
 
 def _time_or_bound(s: dict) -> float:
@@ -272,6 +298,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="processes of our torchrun job (default 1: at this model size a second rank costs more than "
                         "it saves)")
     p.add_argument("--only", choices=["trl", "ours"], help="run one side only")
+    p.add_argument("--full", action="store_true",
+                   help="run every side for --max-steps RL steps instead of stopping at the target (to compare how "
+                        "well each learns: the last-40-step mean reward, entropy and zero-variance share)")
+    p.add_argument("--trl-router-aux-loss", action="store_true",
+                   help="let TRL add the model's router load-balancing loss (its default for MoE models, coefficient "
+                        "router_aux_loss_coef of the model config); by default it is off, as the Megatron learner has none")
     p.add_argument("--out", default=None, help="keep logs and run directories here (default: a temp dir)")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides for both sides")
@@ -317,15 +349,18 @@ def main(argv: list[str] | None = None) -> int:
             if args.only in (None, "trl"):
                 print(f"seed {seed}: running TRL ...", flush=True)
                 curve = run_trl(cfgs[seed], max_steps=args.max_steps, target=args.target, window=args.window,
-                                out_dir=seed_out / "trl")
+                                out_dir=seed_out / "trl", stop_at_target=not args.full,
+                                router_aux_loss=args.trl_router_aux_loss)
                 res["trl"] = summarize(curve, args.target, args.window)
+                res["trl_curve"] = dataclasses.asdict(curve)
                 print("  " + _fmt(res["trl"], args.target, args.window), flush=True)
             if args.only in (None, "ours"):
                 print(f"seed {seed}: running moe-gspo ...", flush=True)
                 curve = run_ours(config, nproc=args.nproc, max_steps=args.max_steps, target=args.target,
                                  window=args.window, out_dir=seed_out,
-                                 overrides=[*args.overrides, f"train.seed={seed}"])
+                                 overrides=[*args.overrides, f"train.seed={seed}"], stop_at_target=not args.full)
                 res["ours"] = summarize(curve, args.target, args.window)
+                res["ours_curve"] = dataclasses.asdict(curve)
                 print("  " + _fmt(res["ours"], args.target, args.window), flush=True)
             if "trl" in res and "ours" in res:
                 res["ratio_time"] = _time_or_bound(res["ours"]) / _time_or_bound(res["trl"])

@@ -161,3 +161,20 @@ def test_kl_penalty_and_argument_errors(dist):
         r3.compute_logprobs(batch)
     with pytest.raises(ValueError, match="recompute"):
         make_learner(tiny_pair()[2], cfg, dist, recompute=True)
+
+
+def test_old_policy_pass_entropy_matches_transformers(dist):
+    """`with_entropy`: each token's predictive entropy, aligned like the log-probs, equals the entropy
+    of transformers' softmax on the same weights (also with micro-batches)."""
+    cfg, hf, model = tiny_pair()
+    learner = make_learner(model, cfg, dist)
+    batch = make_batch(7, seed=8)
+    with torch.no_grad():
+        logp_V = torch.log_softmax(hf(batch.input_ids_BS).logits.float(), -1)
+    ref = torch.cat([torch.zeros(7, 1), -(logp_V.exp() * logp_V).sum(-1)[:, :-1]], 1)
+    valid = valid_mask(batch) & (torch.arange(batch.seq_len_padded)[None] > 0)
+    for mbs in (0, 3):
+        res = learner.compute_logprobs(batch, micro_batch_size=mbs, with_entropy=True)
+        assert (res.entropy_BS[valid] - ref[valid]).abs().max() <= 1e-4
+        assert (res.entropy_BS[~valid_mask(batch)] == 0).all() and float(res.entropy_BS[valid].min()) > 0
+    assert learner.compute_logprobs(batch).entropy_BS is None

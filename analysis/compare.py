@@ -252,6 +252,13 @@ COMPARE_FIGURES: list[FigureSpec] = [
     FigureSpec("cmp_reward", "Reward per arm",
                "reward/mean: line = mean over seeds, band = min/max across seeds.",
                lambda a: _panels(a, [("reward/mean", "reward (task units)", False)], "Reward")),
+    FigureSpec("cmp_collapse", "Entropy and zero-variance groups per arm",
+               "actor/entropy (mean token entropy of the old-policy pass over response tokens) and "
+               "reward/frac_zero_std (share of prompt groups whose rewards are all equal, i.e. no learning "
+               "signal): line = mean over seeds, band = min/max across seeds.",
+               lambda a: _panels(a, [("actor/entropy", "nats per response token", False),
+                                     ("reward/frac_zero_std", "fraction of groups", False)],
+                                 "Entropy and zero-variance groups")),
     FigureSpec("cmp_clip", "Clip fractions per arm",
                "Binding clip fractions of tokens and sequences (the clip takes the gradient away) and "
                "the out-of-range token fraction whatever the sign of A (mean over seeds, min/max band).",

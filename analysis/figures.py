@@ -354,9 +354,30 @@ def fig_reward(run: RunData) -> Figure:
     return fig
 
 
+def fig_collapse(run: RunData) -> Figure:
+    """Entropy of the policy and the share of groups without learning signal, per step."""
+    _need(run, "actor/entropy", "reward/frac_zero_std")
+    fig, axes = _fig(2)
+    if not _lines(axes[0], run, [("actor/entropy", "actor/entropy")]):
+        axes[0].text(0.5, 0.5, "'actor/entropy' not logged", ha="center", va="center", transform=axes[0].transAxes)
+    axes[0].set(title="policy entropy (old-policy pass)", xlabel="training step", ylabel="nats per response token")
+    _lines(axes[1], run, [("reward/frac_zero_std", "groups with all-equal rewards"),
+                          ("advantage/nonzero_frac", "sequences with advantage ≠ 0")])
+    axes[1].set(title="learning signal", xlabel="training step", ylabel="fraction", ylim=(-0.02, 1.02))
+    fig.suptitle("Collapse watch: entropy and zero-variance groups")
+    return fig
+
+
 RUN_FIGURES: list[FigureSpec] = [
     FigureSpec("reward", "Reward", "Batch reward per step: mean with a ± std band, and the max.",
                fig_reward),
+    FigureSpec("collapse", "Entropy and zero-variance groups",
+               "Left: mean token entropy of the policy over the response tokens, from the old-policy pass "
+               "(actor/entropy). Right: share of prompt groups whose rewards are all equal "
+               "(reward/frac_zero_std; their advantages are 0) and share of sequences with a non-zero "
+               "advantage (advantage/nonzero_frac). A policy that has collapsed to deterministic, partly "
+               "wrong answers shows low entropy, zero-variance groups near 1 and a reward below its maximum.",
+               fig_collapse),
     FigureSpec("routing_disagree_heatmap", "Routing disagreement (layer × step)",
                "Fraction of tokens whose top-k expert set differs between the rollout engine and the "
                "learner, per MoE layer (routing/layer_disagree).", fig_routing_disagree_heatmap),

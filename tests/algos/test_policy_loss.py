@@ -2,32 +2,15 @@
 identity, GRPO == per-token PPO-clip, masking and numerical safety (every algorithm), argument errors.
 GMPO, CISPO, SAPO, the aggregation modes and the KL estimators: test_policy_loss_variants.py."""
 
-import math
-
 import pytest
 import torch
 
-from algos._cases import PPO_CLIP, default_mode, loss_kwargs, mean_as, on_policy_value_BT
+from algos._cases import INF, LN, NAN, PPO_CLIP, default_mode, loss_kwargs, mean_as, on_policy_value_BT
+from algos._cases import hand_batch as _hand_batch
+from algos._cases import mixed_sign_batch as _mixed_sign_batch
 from moe_gspo.algos import ALGOS, policy_loss
 
-LN = math.log
-NAN, INF = float("nan"), float("inf")
 CLIP = dict(clip_low=0.2, clip_high=0.2)
-
-
-def _hand_batch():
-    """Three sequences, T = 3, clip range [0.8, 1.2]; log ratios lr and advantages:
-    seq 0: lr [ln1.5, ln1.5, pad]    A = +1   (GSPO s = 1.5: above 1.2, clip binds)
-    seq 1: lr [0, 2 ln0.5, pad]      A = -1   (GSPO s = exp(ln0.5) = 0.5: below 0.8, clip binds)
-    seq 2: lr [ln1.1, pad, pad]      A = +2   (s = 1.1: inside)
-    Padding holds garbage."""
-    old = torch.tensor([[-1.0, -2.0, NAN], [-0.3, -0.2, INF], [-0.9, -INF, NAN]], dtype=torch.float64)
-    lr = torch.tensor([[LN(1.5), LN(1.5), 0.0], [0.0, 2 * LN(0.5), 0.0], [LN(1.1), 0.0, 0.0]], dtype=torch.float64)
-    logp = (old + lr).nan_to_num(0.0, 0.0, 0.0)
-    logp[0, 2], logp[1, 2], logp[2, 1], logp[2, 2] = NAN, INF, -INF, 123.0
-    mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 0, 0]], dtype=torch.bool)
-    adv = torch.tensor([1.0, -1.0, 2.0], dtype=torch.float64)
-    return logp.requires_grad_(True), old, adv, mask
 
 
 def _grad(loss, logp):
@@ -75,19 +58,6 @@ def test_grpo_hand_values_seq_mean():
     assert m["clip/token_frac"].item() == pytest.approx(3 / 5)
     assert m["clip/out_of_range_frac"].item() == pytest.approx(3 / 5)
     assert m["clip/seq_frac"].item() == pytest.approx(2 / 3)
-
-
-def _mixed_sign_batch():
-    """Four sequences of 2 tokens, clip range [0.8, 1.2], every ratio out of range on a chosen side:
-    seq 0: lr [ln1.5, ln1.5]   A = +1  (ratio high, A > 0: binds)
-    seq 1: lr [ln1.5, ln1.5]   A = -1  (ratio high, A < 0: not clipped, the gradient flows)
-    seq 2: lr [ln0.5, ln0.5]   A = +1  (ratio low, A > 0: not clipped)
-    seq 3: lr [ln0.25, 0]      A = -1  (GSPO s = 0.5, low with A < 0: binds; GRPO: only token 0 binds)"""
-    old = torch.full((4, 2), -1.0, dtype=torch.float64)
-    lr = torch.tensor([[LN(1.5), LN(1.5)], [LN(1.5), LN(1.5)], [LN(0.5), LN(0.5)], [LN(0.25), 0.0]],
-                      dtype=torch.float64)
-    adv = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
-    return (old + lr).requires_grad_(True), old, adv, torch.ones(4, 2, dtype=torch.bool)
 
 
 @pytest.mark.parametrize("algo", PPO_CLIP)

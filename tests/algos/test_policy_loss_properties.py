@@ -124,3 +124,21 @@ def test_padding_with_garbage_changes_nothing(batch, algo, num_pad, garbage, per
     assert metrics_b.keys() == metrics_a.keys()
     for key in metrics_a:
         torch.testing.assert_close(metrics_b[key], metrics_a[key], rtol=1e-12, atol=1e-12)
+
+
+@SETTINGS
+@given(batch=batches(min_len=1), algo=st.sampled_from(("gspo", "gspo_token", "grpo", "gmpo", "cispo")),
+       clip=st.tuples(st.floats(0.05, 0.5), st.floats(0.05, 0.5)), sign=st.lists(st.booleans(), min_size=4, max_size=4))
+def test_binding_fraction_is_the_share_of_tokens_without_gradient(batch, algo, clip, sign):
+    """`clip/token_frac` is defined as the tokens whose clip takes the gradient away: with |A| >= 0.1 on
+    every sequence it equals the share of valid tokens whose gradient is exactly 0 (cispo: none)."""
+    logp, old, _, _, mask = batch
+    num_seqs = logp.shape[0]
+    adv = torch.tensor([(0.5 if s else -0.5) for s in sign[:num_seqs]], dtype=torch.float64)
+    logp = logp.clone().requires_grad_(True)
+    loss, m = policy_loss(algo, logp, old, adv, mask, clip_low=clip[0], clip_high=clip[1])
+    (grad,) = torch.autograd.grad(loss, logp)
+    no_grad = ((grad == 0) & mask).sum().item() / mask.sum().item()
+    assert m["clip/token_frac"].item() == pytest.approx(no_grad, abs=1e-12)
+    if algo == "cispo":
+        assert no_grad == 0.0

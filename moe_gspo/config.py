@@ -175,7 +175,7 @@ class AlgoConfig:
     max_num_gen_batches: int | None = None
     """With dynamic_sampling: the most generation rounds of rollout.prompts_per_step prompts per step (the
     first included; verl's name); when they do not give enough groups with signal, the batch is filled up
-    with the last rounds' all-equal groups (advantage 0). null = 10 (verl's DAPO example)."""
+    with the earliest drawn all-equal groups (advantage 0). null = 10 (verl's DAPO example)."""
     rollout_is: Literal["none", "token", "sequence"] = "none"
     """Train-inference correction (verl's name; TIS, Yao et al. 2025): multiply each token's
     policy-gradient term by the truncated importance weight pi_learner_old / pi_rollout, per token

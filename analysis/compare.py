@@ -15,7 +15,8 @@ against response length per arm (seeds pooled, the same length bins for every ar
 change per MoE layer (`update/layer_change`, `routing/layer_disagree`) per arm as grouped bars.
 Tables per arm: steps logged, final reward (per seed the mean of reward/mean over its last 10% of
 steps, then mean ± std over seeds, std with ddof=0, and the min–max across seeds) and per-seed means
-over steps of the drift / clip / gate / variance metrics and of the generation rounds per step
+over steps of the drift / clip / gate / variance metrics, of the policy entropy and the share of groups
+without signal (`actor/entropy`, `reward/frac_zero_std`) and of the generation rounds per step
 (`sampling/num_gen_batches`, > 1 with dynamic sampling), averaged over seeds; mismatch vs mismatch_replayed
 side by side; the per-layer routing change. Steps where a metric is null/NaN (e.g. a variance share
 of an empty subset) are left out of its means. A figure whose inputs no run has is listed under
@@ -306,18 +307,20 @@ COMPARE_FIGURES: list[FigureSpec] = [
 TABLE_COLUMNS = ["arm", "seeds", "steps", "final reward (mean ± std)", "final reward seed range (min–max)",
                  "any-layer flip", "update expert change",
                  "clip token frac (binding)", "clip out-of-range frac", "gate weight mean (sapo)",
-                 "gate frac < 0.5 (sapo)", "ratio/token_var", "ratio/seq_var", "gen batches/step"]
+                 "gate frac < 0.5 (sapo)", "ratio/token_var", "ratio/seq_var", "actor/entropy",
+                 "reward/frac_zero_std", "gen batches/step"]
 MISMATCH_COLUMNS = ["arm", "k3 KL natural", "k3 KL replayed", "|Δ log p| > ln 2 natural",
                     "|Δ log p| > ln 2 replayed", "mean |Δ log p| natural", "mean |Δ log p| replayed"]
 _MISMATCH_KEYS = ["mismatch/k3_kl", "mismatch_replayed/k3_kl", "mismatch/extreme_frac_ln2",
                   "mismatch_replayed/extreme_frac_ln2", "mismatch/logp_abs_diff_mean",
                   "mismatch_replayed/logp_abs_diff_mean"]
 _MEAN_KEYS = {"gate_weight_mean": "gate/weight_mean", "gate_below_half": "gate/token_frac_below_half",
-              "token_var": "ratio/token_var", "seq_var": "ratio/seq_var",
-              "num_gen_batches": "sampling/num_gen_batches"}
+              "token_var": "ratio/token_var", "seq_var": "ratio/seq_var", "entropy": "actor/entropy",
+              "frac_zero_std": "reward/frac_zero_std", "num_gen_batches": "sampling/num_gen_batches"}
 """Arm-table numbers that are plain means over steps of one metric."""
 _ROW_KEYS = ["any_layer_flip", "update_expert_change", "clip_token_frac", "clip_out_of_range_frac",
-             "gate_weight_mean", "gate_below_half", "token_var", "seq_var", "num_gen_batches"]
+             "gate_weight_mean", "gate_below_half", "token_var", "seq_var", "entropy", "frac_zero_std",
+             "num_gen_batches"]
 _SUMMARY_KEYS = ["final_reward", *_ROW_KEYS] + _MISMATCH_KEYS
 
 

@@ -109,12 +109,13 @@ def test_mismatch_table_shows_natural_and_replayed_side_by_side(tmp_path):
 
 def test_arms_table_shows_clip_gate_and_generation_rounds_per_algorithm(tmp_path):
     """CISPO arms: binding 0 and the truncated-weight fraction; SAPO arms: the gate columns (n/a elsewhere);
-    dynamic sampling: the mean generation rounds per step. Means over steps (a null step left out), then seeds."""
+    dynamic sampling: the mean generation rounds per step; entropy and zero-std share when logged. Means over steps (a null step left out), then seeds."""
     per_arm = {
         "cispo-none": [{"clip/token_frac": 0.0, "clip/out_of_range_frac": 0.02 * (k + 1)} for k in range(3)],
         "sapo-none": [{"gate/weight_mean": 0.9 + 0.01 * k, "gate/token_frac_below_half": [0.0, None, 0.3][k]}
                       for k in range(3)],
-        "grpo-none-dapo": [{"clip/token_frac": 0.01, "sampling/num_gen_batches": float(k + 1)} for k in range(3)],
+        "grpo-none-dapo": [{"clip/token_frac": 0.01, "sampling/num_gen_batches": float(k + 1),
+                            "actor/entropy": 1.0 - 0.25 * k, "reward/frac_zero_std": 0.5} for k in range(3)],
     }
     arm_runs = []
     for arm, extra in per_arm.items():
@@ -132,6 +133,7 @@ def test_arms_table_shows_clip_gate_and_generation_rounds_per_algorithm(tmp_path
     assert (get("sapo-none", "gate weight mean (sapo)"), get("sapo-none", "gate frac < 0.5 (sapo)")) == ("0.91", "0.15")
     assert get("sapo-none", "clip token frac (binding)") == "n/a"
     assert get("grpo-none-dapo", "gen batches/step") == "2" and get("sapo-none", "gen batches/step") == "n/a"
+    assert (get("grpo-none-dapo", "actor/entropy"), get("grpo-none-dapo", "reward/frac_zero_std")) == ("0.75", "0.5")
     assert "cmp_gate" in {p.stem for p in paths.figures}
 
 

@@ -5,8 +5,9 @@ setting, run with several seeds): the report the ablation runner writes at the e
 
 groups run directories named `<arm>-s<seed>` by `<arm>` (as `python -m moe_gspo.ablate` names them)
 and writes `report.html`, `report.md` and the PNGs into OUT_DIR. Figures: reward per arm (mean over
-seeds with a min/max band across seeds), binding and out-of-range clip fractions, token and sequence
-ratio variances, routing drift (rollout-vs-learner any-layer flip, old→new expert change after the
+seeds with a min/max band across seeds), binding and out-of-range clip fractions (for CISPO the
+out-of-range fraction is the share of truncated weights, its binding fraction 0), SAPO's gate (mean gate
+weight, share of tokens whose gradient it more than halves), token and sequence ratio variances, routing drift (rollout-vs-learner any-layer flip, old→new expert change after the
 first optimizer step), train-inference mismatch with natural routing (`mismatch/*`) next to the
 pass that replays the rollout routes (`mismatch_replayed/*`, R3 arms only); from the logprob traces
 (`traces/step_*_logprobs.npz`), learner/rollout token- and length-normalised sequence-ratio variance
@@ -14,7 +15,9 @@ against response length per arm (seeds pooled, the same length bins for every ar
 change per MoE layer (`update/layer_change`, `routing/layer_disagree`) per arm as grouped bars.
 Tables per arm: steps logged, final reward (per seed the mean of reward/mean over its last 10% of
 steps, then mean ± std over seeds, std with ddof=0, and the min–max across seeds) and per-seed means
-over steps of the drift / clip / variance metrics, averaged over seeds; mismatch vs mismatch_replayed
+over steps of the drift / clip / gate / variance metrics, of the policy entropy and the share of groups
+without signal (`actor/entropy`, `reward/frac_zero_std`) and of the generation rounds per step
+(`sampling/num_gen_batches`, > 1 with dynamic sampling), averaged over seeds; mismatch vs mismatch_replayed
 side by side; the per-layer routing change. Steps where a metric is null/NaN (e.g. a variance share
 of an empty subset) are left out of its means. A figure whose inputs no run has is listed under
 "Skipped" with the reason.
@@ -266,6 +269,13 @@ COMPARE_FIGURES: list[FigureSpec] = [
                                      ("clip/seq_frac", "fraction of sequences (binding)", False),
                                      ("clip/out_of_range_frac", "fraction of tokens (out of range)", False)],
                                  "Clip fractions")),
+    FigureSpec("cmp_gate", "SAPO gate per arm",
+               "SAPO's soft gate (no hard clip): mean gate weight g = sech^2(tau (w - 1) / 2) over tokens (1 = the "
+               "token keeps its full unclipped gradient) and the share of tokens with g < 0.5 (mean over seeds, "
+               "min/max band). Only SAPO arms log it.",
+               lambda a: _panels(a, [("gate/weight_mean", "mean gate weight", False),
+                                     ("gate/token_frac_below_half", "fraction of tokens (g < 0.5)", False)],
+                                 "SAPO gate")),
     FigureSpec("cmp_ratio_var", "Ratio variances per arm",
                "New/old policy token- and sequence-ratio variance inside the update (log scale).",
                lambda a: _panels(a, [("ratio/token_var", "variance (unitless)", True),
@@ -303,14 +313,22 @@ COMPARE_FIGURES: list[FigureSpec] = [
 
 TABLE_COLUMNS = ["arm", "seeds", "steps", "final reward (mean ± std)", "final reward seed range (min–max)",
                  "any-layer flip", "update expert change",
-                 "clip token frac (binding)", "clip out-of-range frac", "ratio/token_var", "ratio/seq_var"]
+                 "clip token frac (binding)", "clip out-of-range frac", "gate weight mean (sapo)",
+                 "gate frac < 0.5 (sapo)", "ratio/token_var", "ratio/seq_var", "actor/entropy",
+                 "reward/frac_zero_std", "gen batches/step"]
 MISMATCH_COLUMNS = ["arm", "k3 KL natural", "k3 KL replayed", "|Δ log p| > ln 2 natural",
                     "|Δ log p| > ln 2 replayed", "mean |Δ log p| natural", "mean |Δ log p| replayed"]
 _MISMATCH_KEYS = ["mismatch/k3_kl", "mismatch_replayed/k3_kl", "mismatch/extreme_frac_ln2",
                   "mismatch_replayed/extreme_frac_ln2", "mismatch/logp_abs_diff_mean",
                   "mismatch_replayed/logp_abs_diff_mean"]
-_SUMMARY_KEYS = ["final_reward", "any_layer_flip", "update_expert_change", "clip_token_frac",
-                 "clip_out_of_range_frac", "token_var", "seq_var"] + _MISMATCH_KEYS
+_MEAN_KEYS = {"gate_weight_mean": "gate/weight_mean", "gate_below_half": "gate/token_frac_below_half",
+              "token_var": "ratio/token_var", "seq_var": "ratio/seq_var", "entropy": "actor/entropy",
+              "frac_zero_std": "reward/frac_zero_std", "num_gen_batches": "sampling/num_gen_batches"}
+"""Arm-table numbers that are plain means over steps of one metric."""
+_ROW_KEYS = ["any_layer_flip", "update_expert_change", "clip_token_frac", "clip_out_of_range_frac",
+             "gate_weight_mean", "gate_below_half", "token_var", "seq_var", "entropy", "frac_zero_std",
+             "num_gen_batches"]
+_SUMMARY_KEYS = ["final_reward", *_ROW_KEYS] + _MISMATCH_KEYS
 
 
 def arm_summary(runs: list[tuple[int, RunData]]) -> dict[str, float]:
@@ -325,9 +343,8 @@ def arm_summary(runs: list[tuple[int, RunData]]) -> dict[str, float]:
             "update_expert_change": h["update_expert_change_mean"],
             "clip_token_frac": h["clip_token_frac_mean"],
             "clip_out_of_range_frac": h["clip_out_of_range_frac_mean"],
-            "token_var": finite_mean(series(run.records, "ratio/token_var")[1]),
-            "seq_var": finite_mean(series(run.records, "ratio/seq_var")[1]),
         }
+        row.update({k: finite_mean(series(run.records, key)[1]) for k, key in _MEAN_KEYS.items()})
         row.update({k: finite_mean(series(run.records, k)[1]) for k in _MISMATCH_KEYS})
         per_seed.append(row)
     out = {k: finite_mean(np.asarray([s[k] for s in per_seed])) for k in _SUMMARY_KEYS}
@@ -360,8 +377,7 @@ def comparison_tables(arms: Arms) -> list[Table]:
         rows.append([arm, f"{len(runs)}/{arms.expected[arm]}",
                      _range(s["num_steps_min"], s["num_steps_max"], integer=True), reward,
                      _range(s["final_reward_min"], s["final_reward_max"])]
-                    + [fmt_number(s[k]) for k in ("any_layer_flip", "update_expert_change", "clip_token_frac",
-                                                  "clip_out_of_range_frac", "token_var", "seq_var")])
+                    + [fmt_number(s[k]) for k in _ROW_KEYS])
         mismatch_rows.append([arm] + [fmt_number(s[k]) for k in _MISMATCH_KEYS])
     return [Table("Arms (means over steps, then over seeds)", TABLE_COLUMNS, rows),
             Table("Train-inference mismatch: learner with natural routing vs replaying the rollout routes "

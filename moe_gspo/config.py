@@ -20,10 +20,20 @@ from typing import Any, Literal
 
 import yaml
 
-ALGOS = ("gspo", "gspo_token", "grpo")
+ALGOS = ("gspo", "gspo_token", "grpo", "gmpo", "cispo", "sapo")
+"""Policy losses (moe_gspo/algos/policy_loss.py; the same tuple as `moe_gspo.algos.ALGOS`, tested)."""
 REPLAYS = ("none", "r2", "r3")
-# Clip ranges from the GSPO paper (Zheng et al. 2025, §5.1): sequence-level ratios live near 1.
-DEFAULT_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.27)}
+# Clip ranges: GSPO paper (Zheng et al. 2025, §5.1; sequence-level ratios live near 1) for gspo,
+# gspo_token and grpo; GMPO's log-space (e^-0.4, e^0.4) (Zhao et al. 2025); CISPO: no lower truncation
+# (MiniMax-M1), upper = GRPO's. SAPO has no clip range (a soft gate).
+DEFAULT_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.27), "gmpo": (0.4, 0.4),
+                "cispo": (1.0, 0.27)}
+SEQUENCE_LEVEL_ALGOS = ("gspo", "gspo_token", "gmpo")
+"""One loss term per sequence: only the seq-mean-token-mean aggregation (moe_gspo/algos/aggregation.py)."""
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+AGGREGATION_ALIASES = {"seq_mean": "seq-mean-token-mean", "token_mean": "token-mean"}
+DEFAULT_SAPO_TAUS = (1.0, 1.05)
+DEFAULT_MAX_NUM_GEN_BATCHES = 10
 
 
 @dataclass(kw_only=True)
@@ -115,23 +125,57 @@ class RolloutConfig:
 class AlgoConfig:
     """Policy-optimisation algorithm: the ratio level (sequence / token) is an axis, not a fork."""
 
-    name: Literal["gspo", "gspo_token", "grpo"] = "gspo"
-    """gspo = sequence ratio (Zheng et al. 2025); gspo_token = its token-wise variant; grpo = token ratio."""
+    name: Literal["gspo", "gspo_token", "grpo", "gmpo", "cispo", "sapo"] = "gspo"
+    """gspo = sequence ratio (Zheng et al. 2025); gspo_token = its token-wise variant; grpo = token ratio, PPO
+    clip; gmpo = geometric mean of token ratios clipped in log space (Zhao et al. 2025); cispo = clipped,
+    detached token weights times grad log pi (MiniMax-M1); sapo = soft sigmoid gate instead of a clip (Qwen
+    team 2025). README "Algorithm variants"; moe_gspo/algos/."""
     routing_replay: Literal["none", "r2", "r3"] = "none"
     """none; r2 = replay old-policy routing in the update (GSPO paper §5.3); r3 = replay rollout routing."""
     clip_low: float | None = None
-    """Lower clip range epsilon_low; null = the paper's default for the algorithm (3e-4 GSPO, 0.2 GRPO)."""
+    """Lower clip epsilon; null = the algorithm's default (3e-4 gspo, 0.2 grpo, 0.4 gmpo, 1.0 cispo). gspo,
+    gspo_token, grpo, cispo: the ratio floor is 1 - clip_low (cispo: >= 1 = no lower truncation); gmpo: a
+    LOG-space bound (ratio floor e^-clip_low). Not for sapo."""
     clip_high: float | None = None
-    """Upper clip range epsilon_high; null = the paper's default (4e-4 GSPO, 0.27 GRPO)."""
+    """Upper clip epsilon; null = the algorithm's default (4e-4 gspo, 0.27 grpo and cispo, 0.4 gmpo). Ratio
+    ceiling 1 + clip_high; gmpo: e^clip_high. Not for sapo."""
     kl_coef: float = 0.0
-    """Coefficient of the k3 KL penalty to the initial policy (0 = off, as in the GSPO paper). > 0 builds
+    """Coefficient of the KL penalty to the initial policy (0 = off, as in the GSPO paper). > 0 builds
     a frozen reference model: one more copy of the parameters in the learner's dtype, expert-sharded
     like the policy, no gradients or optimizer state; one extra no-grad pass per step (it replays the
     routing the update replays: none = natural, r2 = old-policy routes, r3 = rollout routes)."""
-    aggregation: Literal["seq_mean", "token_mean"] = "seq_mean"
-    """GRPO loss aggregation: seq_mean (DeepSeekMath) or token_mean (DAPO)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token estimator of KL(pi_theta || pi_ref) for the penalty (Schulman 2020; verl/slime names):
+    k1 = log ratio, k2 = squared log ratio / 2, k3 = the low-variance one (verl low_var_kl)."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                           "seq-mean-token-sum-norm"] | None = None
+    """How per-token loss terms are averaged (verl's names; moe_gspo/algos/aggregation.py); null = the
+    algorithm's paper: token-mean for cispo, seq-mean-token-mean for the others. gspo, gspo_token and gmpo
+    are sequence-level: seq-mean-token-mean only. seq-mean-token-sum-norm = Dr. GRPO (constant length)."""
+    aggregation: Literal["seq_mean", "token_mean"] | None = None
+    """Old name of loss_agg_mode, kept for existing configs: seq_mean = seq-mean-token-mean, token_mean =
+    token-mean; null = use loss_agg_mode."""
+    loss_scale_factor: float | None = None
+    """seq-mean-token-sum-norm only: the constant length each sequence's token sum is divided by (verl's
+    loss_scale_factor, TRL dr_grpo's max_completion_length); null = rollout.max_new_tokens (filled in when
+    the config is read)."""
     adv_eps: float = 1e-6
-    """Epsilon added to the group reward std in the advantage denominator."""
+    """Epsilon added to the reward std in the advantage denominator."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Advantage = (r - group mean) / scale (TRL's names): group = group reward std + adv_eps (the papers),
+    batch = std of all the step's rewards + adv_eps, none = 1 (Dr. GRPO)."""
+    sapo_tau_pos: float | None = None
+    """sapo only: gate temperature for tokens with A > 0; null = 1.0 (the paper's)."""
+    sapo_tau_neg: float | None = None
+    """sapo only: gate temperature for tokens with A <= 0; null = 1.05 (the paper's)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (verl filter_groups): drop prompt groups whose rewards are all equal (no
+    signal) and sample more prompts until the step has rollout.prompts_per_step groups with signal, at most
+    algo.max_num_gen_batches generation rounds; see moe_gspo/run/sampling.py."""
+    max_num_gen_batches: int | None = None
+    """With dynamic_sampling: the most generation rounds of rollout.prompts_per_step prompts per step (the
+    first included; verl's name); when they do not give enough groups with signal, the batch is filled up
+    with the earliest drawn all-equal groups (advantage 0). null = 10 (verl's DAPO example)."""
     rollout_is: Literal["none", "token", "sequence"] = "none"
     """Train-inference correction (verl's name; TIS, Yao et al. 2025): multiply each token's
     policy-gradient term by the truncated importance weight pi_learner_old / pi_rollout, per token
@@ -149,9 +193,37 @@ class AlgoConfig:
     rollout_rs_threshold_lower: float | None = None
     """Lower bound (in (0, 1)) of the kept ratios; null = 1 / rollout_rs_threshold."""
 
-    def clip_range(self) -> tuple[float, float]:
-        lo, hi = DEFAULT_CLIP[self.name]
+    def clip_range(self) -> tuple[float | None, float | None]:
+        """(clip_low, clip_high) with the algorithm's defaults; (None, None) for sapo (no clip)."""
+        lo, hi = DEFAULT_CLIP.get(self.name, (None, None))
         return (lo if self.clip_low is None else self.clip_low, hi if self.clip_high is None else self.clip_high)
+
+    def resolved_loss_agg_mode(self) -> str:
+        """loss_agg_mode, else the mode the alias `aggregation` names, else the algorithm's default."""
+        if self.loss_agg_mode is not None:
+            return self.loss_agg_mode
+        if self.aggregation is not None:
+            return AGGREGATION_ALIASES[self.aggregation]
+        return "token-mean" if self.name == "cispo" else "seq-mean-token-mean"
+
+    def sapo_taus(self) -> tuple[float, float]:
+        pos, neg = DEFAULT_SAPO_TAUS
+        return (pos if self.sapo_tau_pos is None else self.sapo_tau_pos,
+                neg if self.sapo_tau_neg is None else self.sapo_tau_neg)
+
+    def num_gen_batches_bound(self) -> int:
+        """Generation rounds allowed per step: 1 without dynamic sampling."""
+        if not self.dynamic_sampling:
+            return 1
+        return DEFAULT_MAX_NUM_GEN_BATCHES if self.max_num_gen_batches is None else self.max_num_gen_batches
+
+    def loss_options(self) -> dict[str, Any]:
+        """The keyword arguments of `moe_gspo.algos.policy_loss` this config selects (besides tensors)."""
+        clip_low, clip_high = self.clip_range()
+        tau_pos, tau_neg = self.sapo_taus()
+        return dict(clip_low=clip_low, clip_high=clip_high, kl_coef=self.kl_coef, kl_estimator=self.kl_estimator,
+                    loss_agg_mode=self.resolved_loss_agg_mode(), loss_scale_factor=self.loss_scale_factor,
+                    sapo_tau_pos=tau_pos, sapo_tau_neg=tau_neg)
 
 
 @dataclass(kw_only=True)
@@ -427,13 +499,7 @@ def validate(cfg: Config) -> Config:
         raise ValueError(f"rollout.top_p={r.top_p} must be in (0, 1]")
     if not 0 < r.gpu_memory_utilization <= 1:
         raise ValueError(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} must be in (0, 1]")
-    lo, hi = a.clip_range()
-    if not 0 < lo < 1:
-        raise ValueError(f"algo.clip_low={lo} must be in (0, 1)")
-    if hi <= 0:
-        raise ValueError(f"algo.clip_high={hi} must be > 0")
-    _check_positive("algo.kl_coef", a.kl_coef, allow_zero=True)
-    _check_positive("algo.adv_eps", a.adv_eps)
+    _validate_algo(a, r)
     for k in ("steps", "lr", "num_minibatches", "keep_checkpoints"):
         _check_positive(f"train.{k}", getattr(tr, k))
     for k in ("micro_batch_size", "checkpoint_every", "grad_clip", "weight_decay"):
@@ -444,7 +510,6 @@ def validate(cfg: Config) -> Config:
     _check_learner_memory_options(tr)
     _check_positive("logging.trace_every", lg.trace_every, allow_zero=True)
     _check_positive("logging.update_drift_every", lg.update_drift_every, allow_zero=True)
-    _validate_rollout_correction(a)
     _check_positive("task.prompt_len", t.prompt_len)
     if not 2 <= t.num_symbols <= 36:
         raise ValueError(f"task.num_symbols={t.num_symbols} must be in [2, 36]")
@@ -461,10 +526,6 @@ def validate(cfg: Config) -> Config:
             "algo.routing_replay=r3 replays the rollout engine's routes, but rollout.record_routes=false; "
             "set rollout.record_routes=true or choose algo.routing_replay=r2/none"
         )
-    if a.aggregation == "token_mean" and a.name != "grpo":
-        raise ValueError(
-            f"algo.aggregation=token_mean applies to grpo only; {a.name} averages per sequence by definition"
-        )
     if r.engine == "vllm" and r.record_probs:
         # vLLM returns expert ids only; silently dropping probs would surprise in reports.
         r.record_probs = False
@@ -477,6 +538,7 @@ def validate(cfg: Config) -> Config:
             f"rollout.prompts_per_step*rollout.samples_per_prompt={num_samples} is not divisible by "
             f"train.num_minibatches={tr.num_minibatches}"
         )
+    lo, hi = a.clip_range()
     if a.name in ("gspo", "gspo_token") and hi >= 0.05:
         warnings.warn(
             f"algo.name={a.name} with clip range ({lo}, {hi}): that is a token-level range; GSPO's sequence "
@@ -498,6 +560,54 @@ def validate(cfg: Config) -> Config:
             stacklevel=2,
         )
     return cfg
+
+
+def _validate_algo(a: AlgoConfig, r: RolloutConfig) -> None:
+    """Algorithm fields of `algo` and their combinations (one error naming the field and the fix)."""
+    lo, hi = a.clip_range()
+    if a.name == "sapo":
+        for k in ("clip_low", "clip_high"):
+            if getattr(a, k) is not None:
+                raise ValueError(f"algo.{k}={getattr(a, k)} has no effect with algo.name=sapo (a soft gate, no clip "
+                                 "range; its temperatures are algo.sapo_tau_pos / algo.sapo_tau_neg); drop it")
+    elif a.name == "gmpo" or a.name == "cispo":
+        if not lo > 0:
+            what = "a log-space bound: ratio floor e^-clip_low" if a.name == "gmpo" else "ratio floor 1 - clip_low; >= 1 = none"
+            raise ValueError(f"algo.clip_low={lo} must be > 0 ({what})")
+    elif not 0 < lo < 1:
+        raise ValueError(f"algo.clip_low={lo} must be in (0, 1)")
+    if hi is not None and hi <= 0:
+        raise ValueError(f"algo.clip_high={hi} must be > 0")
+    if a.name != "sapo":
+        for k in ("sapo_tau_pos", "sapo_tau_neg"):
+            if getattr(a, k) is not None:
+                raise ValueError(f"algo.{k}={getattr(a, k)} applies to algo.name=sapo only (now {a.name}); drop it")
+    for k in ("sapo_tau_pos", "sapo_tau_neg"):
+        _check_positive(f"algo.{k}", getattr(a, k))
+    _check_positive("algo.kl_coef", a.kl_coef, allow_zero=True)
+    _check_positive("algo.adv_eps", a.adv_eps)
+    alias = AGGREGATION_ALIASES.get(a.aggregation) if a.aggregation is not None else None
+    if a.loss_agg_mode is not None and alias is not None and alias != a.loss_agg_mode:
+        raise ValueError(f"algo.aggregation={a.aggregation} (the old name of algo.loss_agg_mode={alias}) contradicts "
+                         f"algo.loss_agg_mode={a.loss_agg_mode}; give only algo.loss_agg_mode")
+    mode = a.resolved_loss_agg_mode()
+    if a.name in SEQUENCE_LEVEL_ALGOS and mode != "seq-mean-token-mean":
+        given = f"algo.loss_agg_mode={mode}" + (f" (algo.aggregation={a.aggregation})" if alias else "")
+        raise ValueError(f"{given} does not apply to {a.name}: a sequence-level method has one term per sequence "
+                         "(its token mean is inside the sequence ratio); leave algo.loss_agg_mode null (= "
+                         "seq-mean-token-mean), or use a token-level method (grpo, cispo, sapo)")
+    if mode == "seq-mean-token-sum-norm":
+        if a.loss_scale_factor is None:
+            a.loss_scale_factor = float(r.max_new_tokens)
+        _check_positive("algo.loss_scale_factor", a.loss_scale_factor)
+    elif a.loss_scale_factor is not None:
+        raise ValueError(f"algo.loss_scale_factor={a.loss_scale_factor} has no effect with algo.loss_agg_mode={mode}; "
+                         "set algo.loss_agg_mode=seq-mean-token-sum-norm or drop it")
+    if not a.dynamic_sampling and a.max_num_gen_batches is not None:
+        raise ValueError(f"algo.max_num_gen_batches={a.max_num_gen_batches} has no effect with "
+                         "algo.dynamic_sampling=false; set algo.dynamic_sampling=true or drop it")
+    _check_positive("algo.max_num_gen_batches", a.max_num_gen_batches)
+    _validate_rollout_correction(a)
 
 
 def _validate_rollout_correction(a: AlgoConfig) -> None:

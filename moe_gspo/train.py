@@ -47,7 +47,7 @@ def loop(cfg: Config, run_dir: Path, info, policy, task, state, act, reference) 
     from tqdm import tqdm
 
     from moe_gspo.learner.batch import PackedBatch
-    from moe_gspo.run import steps
+    from moe_gspo.run import sampling, steps
     from moe_gspo.run.checkpoint import save_checkpoint
     from moe_gspo.run.learner_passes import learner_update
     from moe_gspo.run.sinks import MetricsSink
@@ -68,13 +68,14 @@ def loop(cfg: Config, run_dir: Path, info, policy, task, state, act, reference) 
         t0 = time.time()
         act(f"rollout, step {step}")
         with timer("rollout"):
-            prompts = steps.step_prompts(task, cfg, state.prompts_consumed)
             learner.offload_for_rollout()  # train.offload_during_rollout (no-op by default)
-            samples = steps.rollout(policy, prompts, cfg, info, step)
+        # generation round(s) and rewards; algo.dynamic_sampling: more rounds until enough groups differ
+        drawn = sampling.collect_batch(policy, task, cfg, info, step, state.prompts_consumed, timer)
+        samples, rewards = drawn.samples, drawn.rewards
+        with timer("rollout"):
             engine.sleep()  # frees the engine's GPU memory for the learner (vLLM, rollout.sleep_level > 0)
             learner.reload_after_rollout()
         with timer("score"):
-            rewards = steps.score(policy, task, prompts, samples)
             batch = PackedBatch.from_samples(samples, steps.advantages(rewards, cfg), policy.tokenizer.pad_token_id)
         t_rollout = time.time() - t0
         act(f"learner passes, step {step}")
@@ -92,7 +93,8 @@ def loop(cfg: Config, run_dir: Path, info, policy, task, state, act, reference) 
                                        replayed_logp_BS=passes.replayed_logp_BS)
         with timer("metrics"):
             metrics.update(steps.sample_metrics(rewards, samples, batch.advantages_B, cfg.rollout.samples_per_prompt))
-            state.step, state.prompts_consumed = step + 1, state.prompts_consumed + cfg.rollout.prompts_per_step
+            metrics.update(drawn.metrics)  # sampling/*
+            state.step, state.prompts_consumed = step + 1, state.prompts_consumed + drawn.num_prompts_drawn
             state.wall_s = wall_before + time.time() - t_start
             dt = time.time() - t0
             num_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)

@@ -306,3 +306,25 @@ def test_shipped_paper_claims_ablation_validates(capsys):
         assert (cfg.algo.name, cfg.algo.routing_replay) == (arm.algo, arm.routing_replay)
         assert cfg.train.steps == 150 and cfg.logging.trace_every == 10 and cfg.task.name == "copy"
         assert cfg.train.lr == (2.0e-3 if arm.variant == "lr_high" else base_lr)
+
+
+def test_shipped_algorithms_ablation_validates(capsys):
+    """configs/ablation_algos.yaml (issue 21): the six algorithms without replay and GRPO with R2 / R3, 3 seeds,
+    each arm with its algorithm's defaults."""
+    root = Path(__file__).resolve().parents[1]
+    spec = load_spec(root / "configs" / "ablation_algos.yaml")
+    spec.base_config = root / spec.base_config
+    arms = expand_arms(spec)
+    assert len(arms) == 24 and spec.seeds == [0, 1, 2]
+    assert {a.group for a in arms} == {f"{a}-none" for a in ("gspo", "gspo_token", "grpo", "gmpo", "cispo", "sapo")} | {
+        "grpo-r2", "grpo-r3"}
+    rows = dry_run(spec)
+    assert all(action == "run" or action.startswith("skip") or action == "resume" for _, action, _ in rows)
+    assert "24 arms" in capsys.readouterr().out
+    cli = pytest.importorskip("moe_gspo.run.cli")
+    for arm in arms:
+        cmd = build_command(spec, arm, resume=False)
+        _, cfg = cli.parse_train_args(cmd[cmd.index("moe_gspo.train") + 1:])
+        assert (cfg.algo.name, cfg.algo.routing_replay) == (arm.algo, arm.routing_replay)
+        assert cfg.train.steps == 150 and cfg.task.name == "copy" and not cfg.algo.dynamic_sampling
+        assert cfg.algo.resolved_loss_agg_mode() == ("token-mean" if arm.algo == "cispo" else "seq-mean-token-mean")

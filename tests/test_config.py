@@ -1,3 +1,4 @@
+import re
 import warnings
 
 import pytest
@@ -34,7 +35,21 @@ def test_overrides_typed():
     (["rollout.top_p=1.5"], "rollout.top_p"),
     (["rollout.record_routes=yes_please"], "rollout.record_routes"),
     (["algo.routing_replay=r3", "rollout.record_routes=false"], "algo.routing_replay=r3"),
-    (["algo.aggregation=token_mean"], "token_mean applies to grpo only"),
+    (["algo.aggregation=token_mean"], "algo.loss_agg_mode=token-mean (algo.aggregation=token_mean) does not apply to gspo"),
+    (["algo.name=gmpo", "algo.loss_agg_mode=seq-mean-token-sum"], "does not apply to gmpo: a sequence-level method"),
+    (["algo.name=grpo", "algo.aggregation=seq_mean", "algo.loss_agg_mode=token-mean"],
+     "algo.aggregation=seq_mean (the old name of algo.loss_agg_mode=seq-mean-token-mean) contradicts"),
+    (["algo.name=grpo", "algo.loss_scale_factor=8"], "algo.loss_scale_factor=8.0 has no effect"),
+    (["algo.name=grpo", "algo.loss_agg_mode=mean"], "algo.loss_agg_mode='mean' is not one of"),
+    (["algo.kl_estimator=k4"], "algo.kl_estimator='k4' is not one of"),
+    (["algo.scale_rewards=std"], "algo.scale_rewards='std' is not one of"),
+    (["algo.name=sapo", "algo.clip_high=0.2"], "algo.clip_high=0.2 has no effect with algo.name=sapo"),
+    (["algo.name=grpo", "algo.sapo_tau_neg=2"], "algo.sapo_tau_neg=2.0 applies to algo.name=sapo only"),
+    (["algo.name=sapo", "algo.sapo_tau_pos=0"], "algo.sapo_tau_pos=0.0 must be > 0"),
+    (["algo.name=gmpo", "algo.clip_low=0"], "algo.clip_low=0.0 must be > 0 (a log-space bound"),
+    (["algo.name=cispo", "algo.clip_high=-1"], "algo.clip_high=-1.0 must be > 0"),
+    (["algo.max_num_gen_batches=3"], "algo.max_num_gen_batches=3 has no effect with algo.dynamic_sampling=false"),
+    (["algo.dynamic_sampling=true", "algo.max_num_gen_batches=0"], "algo.max_num_gen_batches=0 must be > 0"),
     (["task.name=jsonl"], "task.path"),
     (["algo.rollout_is=tis"], "algo.rollout_is='tis' is not one of"),
     (["algo.rollout_rs=geometric"], "algo.rollout_rs=geometric needs algo.rollout_rs_threshold"),
@@ -53,7 +68,7 @@ def test_overrides_typed():
     (["parallel.collective_timeout_s=0"], "parallel.collective_timeout_s=0.0 must be > 0"),
 ])
 def test_bad_values_name_the_field(overrides, msg):
-    with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace("[", r"\[")):
+    with pytest.raises(ValueError, match=re.escape(msg)):
         load_config(None, overrides)
 
 
@@ -78,8 +93,52 @@ def test_gspo_with_token_level_clip_warns_and_grpo_with_sequence_clip_warns():
         load_config(None, ["algo.name=grpo"])  # paper defaults: no warning
 
 
+def test_algorithm_defaults_and_loss_options():
+    from moe_gspo.algos import ALGOS, KL_ESTIMATORS, LOSS_AGG_MODES, SCALE_REWARDS
+    from moe_gspo.algos.policy_loss import ALGO_SPECS
+    from moe_gspo.config import ALGOS as CONFIG_ALGOS
+    from moe_gspo.config import LOSS_AGG_MODES as CONFIG_MODES
+    from moe_gspo.config import SEQUENCE_LEVEL_ALGOS
+
+    # the config's copies of the algos' names (config.py imports no torch) stay in step
+    assert CONFIG_ALGOS == ALGOS and set(CONFIG_MODES) == set(LOSS_AGG_MODES)
+    assert SEQUENCE_LEVEL_ALGOS == tuple(a for a, spec in ALGO_SPECS.items() if spec.sequence_level)
+    hints = {f: AlgoConfig.__dataclass_fields__[f].type for f in ("kl_estimator", "scale_rewards")}
+    assert all(k in hints["kl_estimator"] for k in KL_ESTIMATORS) and all(k in hints["scale_rewards"] for k in SCALE_REWARDS)
+    expected = {"gspo": ((3e-4, 4e-4), "seq-mean-token-mean"), "gspo_token": ((3e-4, 4e-4), "seq-mean-token-mean"),
+                "grpo": ((0.2, 0.27), "seq-mean-token-mean"), "gmpo": ((0.4, 0.4), "seq-mean-token-mean"),
+                "cispo": ((1.0, 0.27), "token-mean"), "sapo": ((None, None), "seq-mean-token-mean")}
+    for algo, (clip, mode) in expected.items():
+        opts = load_config(None, [f"algo.name={algo}"]).algo.loss_options()
+        assert ((opts["clip_low"], opts["clip_high"]), opts["loss_agg_mode"]) == (clip, mode), algo
+        assert opts["kl_estimator"] == "k3" and (opts["sapo_tau_pos"], opts["sapo_tau_neg"]) == (1.0, 1.05)
+    # old configs keep working: aggregation is an alias of loss_agg_mode
+    cfg = load_config(None, ["algo.name=grpo", "algo.aggregation=token_mean"])
+    assert cfg.algo.loss_options()["loss_agg_mode"] == "token-mean"
+    assert load_config(None, ["algo.name=grpo", "algo.aggregation=token_mean",
+                              "algo.loss_agg_mode=token-mean"]).algo.resolved_loss_agg_mode() == "token-mean"
+    # Dr. GRPO's constant: rollout.max_new_tokens unless given
+    cfg = load_config(None, ["algo.name=sapo", "algo.loss_agg_mode=seq-mean-token-sum-norm", "rollout.max_new_tokens=13"])
+    assert cfg.algo.loss_options()["loss_scale_factor"] == 13.0
+    cfg = load_config(None, ["algo.name=cispo", "algo.loss_agg_mode=seq-mean-token-sum-norm", "algo.loss_scale_factor=64",
+                             "algo.kl_estimator=k2", "algo.scale_rewards=none", "algo.clip_low=0.5"])
+    assert (cfg.algo.loss_options()["loss_scale_factor"], cfg.algo.kl_estimator, cfg.algo.clip_range()) == (64.0, "k2", (0.5, 0.27))
+    assert cfg.algo.num_gen_batches_bound() == 1
+    assert load_config(None, ["algo.dynamic_sampling=true"]).algo.num_gen_batches_bound() == 10
+    assert load_config(None, ["algo.dynamic_sampling=true", "algo.max_num_gen_batches=3"]).algo.num_gen_batches_bound() == 3
+
+
+def test_every_algo_takes_routing_replay_and_corrections():
+    """Every method compares new and old log-probs of the same tokens, so R2/R3 (the same routes in
+    both passes) and the rollout corrections apply to all of them."""
+    for algo in ("gmpo", "cispo", "sapo"):
+        for replay in ("none", "r2", "r3"):
+            cfg = load_config(None, [f"algo.name={algo}", f"algo.routing_replay={replay}", "algo.rollout_is=token"])
+            assert (cfg.algo.name, cfg.algo.routing_replay) == (algo, replay)
+
+
 def test_rollout_corrections_accepted_on_every_algo():
-    for algo in ("gspo", "gspo_token", "grpo"):
+    for algo in ("gspo", "gspo_token", "grpo", "gmpo", "cispo", "sapo"):
         cfg = load_config(None, [f"algo.name={algo}", "algo.rollout_is=sequence", "algo.rollout_is_threshold=5",
                                  "algo.rollout_rs=geometric", "algo.rollout_rs_threshold=1.001"])
         assert (cfg.algo.rollout_is, cfg.algo.rollout_rs, cfg.algo.rollout_rs_threshold) == ("sequence", "geometric", 1.001)

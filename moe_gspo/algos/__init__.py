@@ -1,9 +1,11 @@
-"""Policy-optimisation math: group advantages, GSPO / GSPO-token / GRPO losses, importance-ratio
-statistics, train-inference mismatch metrics and rollout corrections (TIS / MIS). Pure functions on
-torch tensors."""
+"""Policy-optimisation math: group advantages, the policy losses (GSPO, GSPO-token, GRPO, GMPO, CISPO,
+SAPO) with their aggregation modes and KL estimators, importance-ratio statistics, train-inference
+mismatch metrics and rollout corrections (TIS / MIS). Pure functions on torch tensors."""
 
-from moe_gspo.algos.advantages import group_advantages
+from moe_gspo.algos.advantages import SCALE_REWARDS, group_advantages
+from moe_gspo.algos.aggregation import LOSS_AGG_MODES
 from moe_gspo.algos.collapse import COLLAPSE_KEYS, group_signal_metrics, mean_token_entropy
+from moe_gspo.algos.kl import KL_ESTIMATORS
 from moe_gspo.algos.mismatch import MISMATCH_KEYS, mismatch_metrics
 from moe_gspo.algos.policy_loss import AGGREGATIONS, ALGOS, policy_loss
 from moe_gspo.algos.ratios import RATIO_KEYS, ratio_stats
@@ -13,8 +15,11 @@ __all__ = [
     "AGGREGATIONS",
     "ALGOS",
     "COLLAPSE_KEYS",
+    "KL_ESTIMATORS",
+    "LOSS_AGG_MODES",
     "MISMATCH_KEYS",
     "RATIO_KEYS",
+    "SCALE_REWARDS",
     "group_advantages",
     "group_signal_metrics",
     "mean_token_entropy",

@@ -4,11 +4,20 @@ GRPO (Shao et al. 2024, "DeepSeekMath", arXiv 2402.03300, outcome supervision) a
 (Zheng et al. 2025, arXiv 2507.18071, eq. for A_hat_i) score each of the G responses of one prompt
 by its reward relative to the group: A_i = (r_i - mean(r)) / std(r).
 
+Scaling (`scale_rewards`, TRL's `GRPOConfig.scale_rewards` names): the numerator is always
+r_i - mean of its group; the denominator is
+- `group` (default; the papers): std of the group's rewards + eps;
+- `batch`: std of ALL rewards of the batch + eps (TRL cites "PPO Lite", Liu et al. 2025,
+  arXiv 2508.08221: group mean, batch std);
+- `none`: 1 (Dr. GRPO, Liu et al. 2025, arXiv 2503.20783: the division by the group std biases the
+  update towards groups that are nearly solved or nearly failed; verl's `norm_adv_by_std_in_grpo=False`).
+
 Choices and simplifications:
-- std is the POPULATION standard deviation (divide by G, `correction=0`). The papers write std(r)
-  without saying which; TRL and verl use the unbiased one (divide by G - 1), which gives advantages
-  smaller by a factor sqrt((G - 1) / G). The population std is defined for G = 1 as well.
-- `eps` is added to the std (not under a square root), so A = (r - mean) / (std + eps).
+- std is the POPULATION standard deviation (divide by G, or the batch size, `correction=0`). The
+  papers write std(r) without saying which; TRL and verl use the unbiased one (divide by G - 1), which
+  gives advantages smaller by a factor sqrt((G - 1) / G). The population std is defined for G = 1 as well.
+- `eps` is added to the std (not under a square root), so A = (r - mean) / (std + eps); TRL's eps is
+  1e-4, this project's `algo.adv_eps` default 1e-6.
 - A group whose rewards are all equal gets advantage exactly 0 (not a rounding residue divided by
   eps); such a group carries no learning signal.
 - The same advantage is given to every token of a response (outcome rewards only; no process
@@ -22,13 +31,19 @@ from __future__ import annotations
 import torch
 
 
-def group_advantages(rewards_N: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """Normalise rewards within contiguous groups: (r - mean_group) / (std_group + eps).
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def group_advantages(rewards_N: torch.Tensor, group_size: int, eps: float = 1e-6, *,
+                     scale_rewards: str = "group") -> torch.Tensor:
+    """Centre rewards within contiguous groups and scale them: (r - mean_group) / scale.
 
     Args:
         rewards_N: [N] rewards, N = num_groups * group_size, groups contiguous. Any real dtype.
         group_size: G, the number of responses per prompt (>= 1, must divide N).
-        eps: added to the population std of each group (>= 0).
+        eps: added to the population std (>= 0).
+        scale_rewards: "group" (scale = std of the group + eps), "batch" (std of all N rewards + eps)
+            or "none" (scale = 1).
 
     Returns:
         [N] advantages, in the rewards' dtype when it is floating point, else the default float
@@ -48,14 +63,21 @@ def group_advantages(rewards_N: torch.Tensor, group_size: int, eps: float = 1e-6
         )
     if not eps >= 0.0:
         raise ValueError(f"eps must be >= 0, got {eps}")
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
     out_dtype = rewards_N.dtype if rewards_N.is_floating_point() else torch.get_default_dtype()
 
     rewards_GS = rewards_N.detach().to(torch.float64).reshape(-1, group_size)
     if not bool(torch.isfinite(rewards_GS).all()):
         raise ValueError("rewards_N contains nan or inf; fix the reward function")
     mean_G1 = rewards_GS.mean(-1, keepdim=True)
-    std_G1 = rewards_GS.std(-1, correction=0, keepdim=True)
-    adv_GS = (rewards_GS - mean_G1) / (std_G1 + eps)
+    centred_GS = rewards_GS - mean_G1
+    if scale_rewards == "group":
+        adv_GS = centred_GS / (rewards_GS.std(-1, correction=0, keepdim=True) + eps)
+    elif scale_rewards == "batch":
+        adv_GS = centred_GS / (rewards_GS.std(correction=0) + eps)
+    else:
+        adv_GS = centred_GS
     constant_G1 = (rewards_GS.amax(-1, keepdim=True) == rewards_GS.amin(-1, keepdim=True))
     adv_GS = torch.where(constant_G1, 0.0, adv_GS)
     return adv_GS.reshape(num).to(out_dtype)

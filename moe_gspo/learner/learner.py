@@ -7,8 +7,8 @@ so every rank returns global values.
 
 The update (`train_step`): the batch is cut into `train.num_minibatches` contiguous mini-batches, one
 optimizer step each; every rank processes its shard of a mini-batch in micro-batches of
-`train.micro_batch_size` sequences. `policy_loss` averages over the sequences (tokens, for GRPO's
-token_mean) of one micro-batch; the micro-batch loss is weighted by `count_mb * dp_size / count_global`
+`train.micro_batch_size` sequences. `policy_loss` averages over the sequences (tokens, for the
+token-mean aggregation) of one micro-batch; the micro-batch loss is weighted by `count_mb * dp_size / count_global`
 before backward, so after Megatron DDP's gradient reduction (which averages over data-parallel ranks,
 expert gradients included) the gradient is that of the loss averaged over the whole mini-batch: EP=2 /
 DP=2 equals EP=1 on the full batch up to float rounding. Then: gradient sync (`finish_grad_sync`),
@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from moe_gspo.algos import policy_loss
+from moe_gspo.algos.aggregation import num_units
 from moe_gspo.config import AlgoConfig, TrainConfig
 from moe_gspo.learner.batch import PackedBatch, ShardPlan, plan_shards
 from moe_gspo.learner.logprobs import token_logprobs
@@ -379,19 +380,17 @@ class Learner:
         """One optimizer step on `mini` (rows `idx` of the step's batch); `fused`: back-propagate through
         the kept old-policy pass instead of a new forward (first mini-batch of a fused step)."""
         algo, dp = self.algo, self.parallel.dp_size
-        clip_low, clip_high = algo.clip_range()
-        loss_kw = dict(clip_low=clip_low, clip_high=clip_high, kl_coef=algo.kl_coef, aggregation=algo.aggregation)
-        token_mean = algo.aggregation == "token_mean"
+        loss_kw = algo.loss_options()  # clip range, KL, aggregation mode: moe_gspo.algos.policy_loss
+        mode = loss_kw["loss_agg_mode"]
         mask_all = mini.response_mask_BS if keep_BS is None else mini.response_mask_BS & keep_BS
-        denom = max(int(mask_all.sum() if token_mean else mask_all.any(-1).sum()), 1)
+        denom = max(num_units(mask_all, mode), 1)  # tokens (token-mean) or sequences the mode averages over
 
         def loss_on(logp, rows, S_i, mask):
             """The loss of mini-batch `rows` (indices into `mini`) from their log-probs `logp` [n, S_i]."""
             loss, m = policy_loss(algo.name, logp, old_BS[rows, :S_i], mini.advantages_B[rows], mask,
                                   ref_logp_BT=None if ref_BS is None else ref_BS[rows, :S_i],
                                   is_weights_BT=None if is_w_BS is None else is_w_BS[rows, :S_i], **loss_kw)
-            count = int(mask.sum() if token_mean else mask.any(-1).sum())
-            return loss, loss * (count * dp / denom), m
+            return loss, loss * (num_units(mask, mode) * dp / denom), m
 
         if not self.ddp.training:
             self.ddp.train()

@@ -88,7 +88,8 @@ def build_parser(prog: str, description: str, *, raise_errors: bool = False) -> 
 
 
 TRAIN_PROG = "python -m moe_gspo.train"
-TRAIN_DESCRIPTION = "RL on Qwen3-MoE: GSPO / GSPO-token / GRPO x Routing Replay {none, r2, r3}."
+TRAIN_DESCRIPTION = ("RL on Qwen3-MoE: GSPO / GSPO-token / GRPO / GMPO / CISPO / SAPO x Routing Replay "
+                     "{none, r2, r3}.")
 
 
 def config_from_args(args: argparse.Namespace) -> Config:

@@ -17,11 +17,6 @@ from moe_gspo.run.setup import Policy, derive_seed
 from moe_gspo.tasks import Prompt, Task
 
 
-def step_prompts(task: Task, cfg: Config, consumed: int) -> list[Prompt]:
-    """The step's prompts (all ranks)."""
-    return task.prompts(consumed, cfg.rollout.prompts_per_step, cfg.train.seed)
-
-
 def rollout_share(info: ParallelInfo, tensor_parallel_size: int = 1) -> tuple[int, int]:
     """(index, count) of this rank's rollout engine: each engine samples `1/count` of the prompts.
 
@@ -35,17 +30,21 @@ def rollout_share(info: ParallelInfo, tensor_parallel_size: int = 1) -> tuple[in
     return info.rank // tp, info.world_size // tp
 
 
-def rollout(policy: Policy, prompts: list[Prompt], cfg: Config, info: ParallelInfo, step: int) -> list[RolloutSample]:
+def rollout(policy: Policy, prompts: list[Prompt], cfg: Config, info: ParallelInfo, step: int, *,
+            round_index: int = 0) -> list[RolloutSample]:
     """Data-parallel sampling: each engine generates whole groups for its share of `prompts`, then every
-    rank receives the global batch (the learner takes the same global batch on every rank)."""
+    rank receives the global batch (the learner takes the same global batch on every rank).
+    `round_index` > 0: a further generation round of the step (dynamic sampling, `run.sampling`), with
+    its own seed; round 0 uses the seed a step without dynamic sampling uses."""
     r = cfg.rollout
     share, num_shares = rollout_share(info, r.tensor_parallel_size if r.engine == "vllm" else 1)
     per_rank = len(prompts) // num_shares
     mine = prompts[share * per_rank:(share + 1) * per_rank]
     tok = policy.tokenizer
     ids = [tok(p.text, add_special_tokens=False)["input_ids"] for p in mine]
+    seed_parts = (cfg.train.seed, step, share) + ((round_index,) if round_index else ())
     sampling = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
-                              max_new_tokens=r.max_new_tokens, seed=derive_seed(cfg.train.seed, step, share))
+                              max_new_tokens=r.max_new_tokens, seed=derive_seed(*seed_parts))
     try:
         local = policy.engine.generate(ids, sampling)
     except RuntimeError as e:
@@ -89,7 +88,8 @@ def score(policy: Policy, task: Task, prompts: list[Prompt], samples: list[Rollo
 
 
 def advantages(rewards: torch.Tensor, cfg: Config) -> torch.Tensor:
-    return group_advantages(rewards, cfg.rollout.samples_per_prompt, eps=cfg.algo.adv_eps)
+    return group_advantages(rewards, cfg.rollout.samples_per_prompt, eps=cfg.algo.adv_eps,
+                            scale_rewards=cfg.algo.scale_rewards)
 
 
 def sample_metrics(rewards: torch.Tensor, samples: list[RolloutSample], advantages_B: torch.Tensor,

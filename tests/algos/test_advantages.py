@@ -1,4 +1,5 @@
-"""Tests of group_advantages: hand-computed values, population std, constant groups, errors."""
+"""Tests of group_advantages: hand-computed values, population std, constant groups, reward scaling
+(group / batch / none), errors."""
 
 import math
 
@@ -56,6 +57,26 @@ def test_dtypes():
     assert group_advantages(torch.tensor([1.0, 0.0], dtype=torch.bfloat16), 2).dtype == torch.bfloat16
 
 
+def test_scale_rewards_batch_and_none_hand_values():
+    # groups [0, 1] and [0, 0, ...]: rewards [0, 1, 2, 2]; group means [0.5, 2]
+    # none: [-0.5, 0.5, 0, 0]; batch: population std of [0, 1, 2, 2] = sqrt(11/16) (mean 1.25:
+    # deviations^2 1.5625 + 0.0625 + 0.5625 + 0.5625 = 2.75, / 4) -> [-0.5, 0.5, 0, 0] / sqrt(11/16)
+    rewards = torch.tensor([0.0, 1.0, 2.0, 2.0], dtype=torch.float64)
+    none = group_advantages(rewards, 2, eps=0.0, scale_rewards="none")
+    torch.testing.assert_close(none, torch.tensor([-0.5, 0.5, 0.0, 0.0], dtype=torch.float64))
+    batch = group_advantages(rewards, 2, eps=0.0, scale_rewards="batch")
+    torch.testing.assert_close(batch, torch.tensor([-0.5, 0.5, 0.0, 0.0], dtype=torch.float64) / math.sqrt(11 / 16))
+    group = group_advantages(rewards, 2, eps=0.0, scale_rewards="group")
+    torch.testing.assert_close(group, torch.tensor([-1.0, 1.0, 0.0, 0.0], dtype=torch.float64))
+    # eps is added to the batch std
+    torch.testing.assert_close(group_advantages(rewards, 2, eps=0.25, scale_rewards="batch"),
+                               none / (math.sqrt(11 / 16) + 0.25))
+
+
+def test_scale_rewards_all_equal_batch_gives_zero():
+    assert torch.equal(group_advantages(torch.full((6,), 0.7), 3, scale_rewards="batch"), torch.zeros(6))
+
+
 @pytest.mark.parametrize(
     "rewards, group_size, match",
     [
@@ -69,3 +90,5 @@ def test_dtypes():
 def test_errors(rewards, group_size, match):
     with pytest.raises(ValueError, match=match):
         group_advantages(rewards, group_size)
+    with pytest.raises(ValueError, match="scale_rewards"):
+        group_advantages(torch.zeros(4), 2, scale_rewards="std")

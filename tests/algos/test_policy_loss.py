@@ -1,31 +1,16 @@
 """Tests of policy_loss: hand values for GSPO / GSPO-token / GRPO / KL, the GSPO == GSPO-token
-identity, GRPO == per-token PPO-clip, masking and numerical safety, argument errors."""
-
-import math
+identity, GRPO == per-token PPO-clip, masking and numerical safety (every algorithm), argument errors.
+GMPO, CISPO, SAPO, the aggregation modes and the KL estimators: test_policy_loss_variants.py."""
 
 import pytest
 import torch
 
+from algos._cases import INF, LN, NAN, PPO_CLIP, default_mode, loss_kwargs, mean_as, on_policy_value_BT
+from algos._cases import hand_batch as _hand_batch
+from algos._cases import mixed_sign_batch as _mixed_sign_batch
 from moe_gspo.algos import ALGOS, policy_loss
 
-LN = math.log
-NAN, INF = float("nan"), float("inf")
 CLIP = dict(clip_low=0.2, clip_high=0.2)
-
-
-def _hand_batch():
-    """Three sequences, T = 3, clip range [0.8, 1.2]; log ratios lr and advantages:
-    seq 0: lr [ln1.5, ln1.5, pad]    A = +1   (GSPO s = 1.5: above 1.2, clip binds)
-    seq 1: lr [0, 2 ln0.5, pad]      A = -1   (GSPO s = exp(ln0.5) = 0.5: below 0.8, clip binds)
-    seq 2: lr [ln1.1, pad, pad]      A = +2   (s = 1.1: inside)
-    Padding holds garbage."""
-    old = torch.tensor([[-1.0, -2.0, NAN], [-0.3, -0.2, INF], [-0.9, -INF, NAN]], dtype=torch.float64)
-    lr = torch.tensor([[LN(1.5), LN(1.5), 0.0], [0.0, 2 * LN(0.5), 0.0], [LN(1.1), 0.0, 0.0]], dtype=torch.float64)
-    logp = (old + lr).nan_to_num(0.0, 0.0, 0.0)
-    logp[0, 2], logp[1, 2], logp[2, 1], logp[2, 2] = NAN, INF, -INF, 123.0
-    mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 0, 0]], dtype=torch.bool)
-    adv = torch.tensor([1.0, -1.0, 2.0], dtype=torch.float64)
-    return logp.requires_grad_(True), old, adv, mask
 
 
 def _grad(loss, logp):
@@ -75,20 +60,7 @@ def test_grpo_hand_values_seq_mean():
     assert m["clip/seq_frac"].item() == pytest.approx(2 / 3)
 
 
-def _mixed_sign_batch():
-    """Four sequences of 2 tokens, clip range [0.8, 1.2], every ratio out of range on a chosen side:
-    seq 0: lr [ln1.5, ln1.5]   A = +1  (ratio high, A > 0: binds)
-    seq 1: lr [ln1.5, ln1.5]   A = -1  (ratio high, A < 0: not clipped, the gradient flows)
-    seq 2: lr [ln0.5, ln0.5]   A = +1  (ratio low, A > 0: not clipped)
-    seq 3: lr [ln0.25, 0]      A = -1  (GSPO s = 0.5, low with A < 0: binds; GRPO: only token 0 binds)"""
-    old = torch.full((4, 2), -1.0, dtype=torch.float64)
-    lr = torch.tensor([[LN(1.5), LN(1.5)], [LN(1.5), LN(1.5)], [LN(0.5), LN(0.5)], [LN(0.25), 0.0]],
-                      dtype=torch.float64)
-    adv = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
-    return (old + lr).requires_grad_(True), old, adv, torch.ones(4, 2, dtype=torch.bool)
-
-
-@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("algo", PPO_CLIP)
 def test_binding_clip_fraction_on_mixed_signs(algo):
     logp, old, adv, mask = _mixed_sign_batch()
     loss, m = policy_loss(algo, logp, old, adv, mask, **CLIP)
@@ -123,6 +95,7 @@ def test_grpo_hand_values_token_mean():
 
 @pytest.mark.parametrize("algo", ALGOS)
 def test_kl_hand_values(algo):
+    """Every algorithm at ratio 1 with A = 0 (cispo under seq-mean-token-mean, like the others)."""
     # ratio 1 and A = 0: the policy term is 0; ref - logp = [ln2, 0 | -ln2, pad]
     # k3(d) = e^d - d - 1: k3(ln2) = 1 - ln2, k3(0) = 0, k3(-ln2) = ln2 - 1/2
     # sequence mean: ((1 - ln2)/2 + (ln2 - 1/2)) / 2
@@ -131,7 +104,8 @@ def test_kl_hand_values(algo):
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]], dtype=torch.float64)
     adv = torch.zeros(2, dtype=torch.float64)
     kl = ((1 - LN(2)) / 2 + (LN(2) - 0.5)) / 2
-    loss, m = policy_loss(algo, logp, logp.detach(), adv, mask, ref_logp_BT=ref, kl_coef=0.1, **CLIP)
+    kw = dict(loss_kwargs(algo), loss_agg_mode="seq-mean-token-mean")
+    loss, m = policy_loss(algo, logp, logp.detach(), adv, mask, ref_logp_BT=ref, kl_coef=0.1, **kw)
     assert m["loss/kl"].item() == pytest.approx(kl)
     assert m["loss/policy"].item() == 0.0
     assert loss.item() == pytest.approx(0.1 * kl)
@@ -140,7 +114,7 @@ def test_kl_hand_values(algo):
     expected = torch.tensor([[0.1 * (1 - 2) / 4, 0.0], [0.1 * (1 - 0.5) / 2, 0.0]], dtype=torch.float64)
     torch.testing.assert_close(_grad(loss, logp), expected)
     # reference given but kl_coef = 0: reported, not added
-    loss0, m0 = policy_loss(algo, logp, logp.detach(), adv, mask, ref_logp_BT=ref, **CLIP)
+    loss0, m0 = policy_loss(algo, logp, logp.detach(), adv, mask, ref_logp_BT=ref, **kw)
     assert m0["loss/kl"].item() == pytest.approx(kl) and loss0.item() == 0.0
 
 
@@ -158,20 +132,28 @@ def _random_batch(seed, num_seqs=5, num_cols=6, noise=0.3, dtype=torch.float64):
 @pytest.mark.parametrize("algo", ALGOS)
 def test_all_algos_shapes_finite_grad_and_ratio_one(algo):
     logp, old, adv, mask = _random_batch(1)
-    loss, metrics = policy_loss(algo, logp, old, adv, mask, **CLIP)
+    loss, metrics = policy_loss(algo, logp, old, adv, mask, **loss_kwargs(algo))
     assert loss.dim() == 0 and torch.isfinite(loss) and loss.requires_grad
     grad = _grad(loss, logp)
     assert grad.shape == logp.shape and torch.isfinite(grad).all()
     assert (grad[~mask] == 0).all() and (grad[mask] != 0).any()
     assert all(v.dim() == 0 and not v.requires_grad and torch.isfinite(v) for v in metrics.values())
-    # ratio 1: loss = -mean_i A_i; d loss / d logp_{i,t} = -A_i / (B |y_i|) for all three algos
+    # ratio 1: loss = -mean A (sapo: -mean 2A/tau), aggregated as the algorithm's default mode; every
+    # algorithm's gradient there is REINFORCE's, -A_i grad log pi weighted as the mode weights the token:
+    # 1 / (B |y_i|) for seq-mean-token-mean, 1 / (number of tokens) for token-mean (cispo)
     same = logp.detach().clone().requires_grad_(True)
-    loss1, m1 = policy_loss(algo, same, logp.detach(), adv, mask, **CLIP)
-    assert loss1.item() == pytest.approx(-adv.mean().item())
+    loss1, m1 = policy_loss(algo, same, logp.detach(), adv, mask, **loss_kwargs(algo))
+    mode, adv_BT = default_mode(algo), adv[:, None].expand_as(mask)
+    assert loss1.item() == pytest.approx(-mean_as(mode, on_policy_value_BT(algo, adv_BT), mask).item())
     lengths = mask.sum(-1, keepdim=True).double()
-    expected = torch.where(mask, -adv[:, None] / (len(adv) * lengths), 0.0)
+    weight = 1.0 / mask.sum() if mode == "token-mean" else 1.0 / (len(adv) * lengths)
+    expected = torch.where(mask, -adv[:, None] * weight, 0.0)
     torch.testing.assert_close(_grad(loss1, same), expected)
-    assert m1["clip/token_frac"].item() == 0.0 and m1["ratio/token_mean"].item() == 1.0
+    assert m1["ratio/token_mean"].item() == 1.0
+    if algo == "sapo":
+        assert m1["gate/weight_mean"].item() == 1.0 and m1["gate/token_frac_below_half"].item() == 0.0
+    else:
+        assert m1["clip/token_frac"].item() == 0.0 and m1["clip/out_of_range_frac"].item() == 0.0
 
 
 @pytest.mark.parametrize("max_log_ratio", [20.0, 0.25])
@@ -257,7 +239,7 @@ def test_all_zero_mask_gives_zero_loss_connected_to_logp():
     logp = torch.full((2, 3), NAN, dtype=torch.float32, requires_grad=True)
     for algo in ALGOS:
         loss, metrics = policy_loss(algo, logp, logp.detach(), torch.full((2,), NAN), torch.zeros(2, 3),
-                                    ref_logp_BT=torch.full((2, 3), INF), kl_coef=0.5, **CLIP)
+                                    ref_logp_BT=torch.full((2, 3), INF), kl_coef=0.5, **loss_kwargs(algo))
         assert loss.item() == 0.0 and loss.grad_fn is not None
         assert torch.equal(_grad(loss, logp), torch.zeros(2, 3))
         assert all(v.item() == 0.0 for v in metrics.values())
@@ -266,13 +248,13 @@ def test_all_zero_mask_gives_zero_loss_connected_to_logp():
 @pytest.mark.parametrize("algo", ALGOS)
 def test_empty_row_is_left_out_of_the_mean(algo):
     logp, old, adv, mask = _random_batch(4, num_seqs=3)
-    loss_3, _ = policy_loss(algo, logp[:3], old[:3], adv[:3], mask[:3], **CLIP)
+    loss_3, _ = policy_loss(algo, logp[:3], old[:3], adv[:3], mask[:3], **loss_kwargs(algo))
     # add a fourth sequence with no valid token and garbage everywhere
     logp4 = torch.cat([logp.detach(), torch.full((1, logp.shape[1]), NAN, dtype=logp.dtype)]).requires_grad_(True)
     old4 = torch.cat([old, torch.full((1, old.shape[1]), -INF, dtype=old.dtype)])
     adv4 = torch.cat([adv, torch.tensor([NAN], dtype=adv.dtype)])
     mask4 = torch.cat([mask, torch.zeros(1, mask.shape[1], dtype=torch.bool)])
-    loss_4, metrics = policy_loss(algo, logp4, old4, adv4, mask4, **CLIP)
+    loss_4, metrics = policy_loss(algo, logp4, old4, adv4, mask4, **loss_kwargs(algo))
     torch.testing.assert_close(loss_4, loss_3)
     grad4 = _grad(loss_4, logp4)
     torch.testing.assert_close(grad4[:3], _grad(loss_3, logp))
@@ -286,7 +268,7 @@ def test_extreme_ratios_stay_finite():
     old = torch.zeros(2, 2)
     adv = torch.tensor([-1.0, 1.0])
     for algo in ALGOS:
-        loss, metrics = policy_loss(algo, logp, old, adv, torch.ones(2, 2), **CLIP)
+        loss, metrics = policy_loss(algo, logp, old, adv, torch.ones(2, 2), **loss_kwargs(algo))
         assert torch.isfinite(loss) and torch.isfinite(_grad(loss, logp)).all()
         assert all(torch.isfinite(v) for v in metrics.values())
 
@@ -303,8 +285,8 @@ def test_low_precision_logp_is_computed_in_float32():
 def test_float_mask_equals_bool_mask():
     logp, old, adv, mask = _random_batch(6)
     for algo in ALGOS:
-        a, _ = policy_loss(algo, logp, old, adv, mask, **CLIP)
-        b, _ = policy_loss(algo, logp, old, adv, mask.double(), **CLIP)
+        a, _ = policy_loss(algo, logp, old, adv, mask, **loss_kwargs(algo))
+        b, _ = policy_loss(algo, logp, old, adv, mask.double(), **loss_kwargs(algo))
         assert a.item() == b.item()
 
 
@@ -323,8 +305,17 @@ def test_old_logp_and_advantages_are_constants():
         (dict(algo="ppo"), "algo must be one of"),
         (dict(algo="gspo", aggregation="token_mean"), "token_mean"),
         (dict(algo="gspo_token", aggregation="token_mean"), "token_mean"),
+        (dict(algo="gmpo", loss_agg_mode="seq-mean-token-sum"), "sequence-level method"),
         (dict(algo="grpo", aggregation="sum"), "aggregation"),
+        (dict(algo="grpo", loss_agg_mode="token_mean"), "loss_agg_mode must be one of"),
+        (dict(algo="grpo", aggregation="seq_mean", loss_agg_mode="token-mean"), "contradicts"),
+        (dict(algo="grpo", loss_agg_mode="seq-mean-token-sum-norm"), "needs loss_scale_factor"),
+        (dict(algo="grpo", kl_estimator="k4"), "kl_estimator"),
+        (dict(algo="sapo"), "no clip range"),
+        (dict(algo="sapo", clip_low=None, clip_high=None, sapo_tau_neg=0.0), "sapo_tau"),
+        (dict(algo="cispo", clip_low=None), "needs clip_low and clip_high"),
         (dict(algo="gspo", advantages=torch.zeros(2, 3)), "one advantage per sequence"),
+        (dict(algo="gmpo", advantages=torch.zeros(2, 3)), "one advantage per sequence"),
         (dict(algo="grpo", advantages=torch.zeros(2, 4)), "per-token advantages"),
         (dict(algo="grpo", advantages=torch.zeros(3)), "advantages must have shape"),
         (dict(algo="grpo", kl_coef=0.1), "ref_logp_BT"),

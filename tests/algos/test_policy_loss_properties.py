@@ -1,4 +1,5 @@
-"""Property tests (hypothesis) of policy_loss: ratio 1, clipping bounds, padding invariance."""
+"""Property tests (hypothesis) of policy_loss: ratio 1 and padding invariance (every algorithm),
+clipping bounds (the ratio-range clips)."""
 
 import numpy as np
 import pytest
@@ -7,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from algos._cases import PPO_CLIP, default_mode, loss_kwargs, mean_as, on_policy_value_BT
 from moe_gspo.algos import ALGOS, policy_loss
 
 SETTINGS = settings(max_examples=50, deadline=None)
@@ -33,11 +35,11 @@ def batches(draw, min_len=0):
 @given(batch=batches(), algo=st.sampled_from(ALGOS), clip=st.floats(0.0, 0.5))
 def test_ratio_one_gives_minus_mean_advantage(batch, algo, clip):
     logp, _, _, adv, mask = batch
-    valid = mask.any(-1)
-    loss, metrics = policy_loss(algo, logp, logp, adv, mask, clip_low=clip, clip_high=clip)
-    expected = -adv[valid].mean().item() if valid.any() else 0.0
-    assert loss.item() == pytest.approx(expected, abs=1e-12)
-    assert metrics["clip/token_frac"].item() == 0.0
+    loss, metrics = policy_loss(algo, logp, logp, adv, mask, **loss_kwargs(algo, clip, clip))
+    values = on_policy_value_BT(algo, adv[:, None].expand_as(logp))  # A (sapo: 2A / tau)
+    expected = mean_as(default_mode(algo), values, mask).item()
+    assert loss.item() == pytest.approx(-expected, abs=1e-12)
+    assert metrics.get("clip/token_frac", 0.0) == 0.0
     if algo == "grpo":
         loss_tok, _ = policy_loss(algo, logp, logp, adv, mask, clip_low=clip, clip_high=clip,
                                   aggregation="token_mean")
@@ -47,7 +49,7 @@ def test_ratio_one_gives_minus_mean_advantage(batch, algo, clip):
 
 
 @SETTINGS
-@given(batch=batches(), algo=st.sampled_from(ALGOS),
+@given(batch=batches(), algo=st.sampled_from(PPO_CLIP),
        narrow=st.tuples(st.floats(0.0, 0.3), st.floats(0.0, 0.3)),
        widen=st.tuples(st.floats(0.0, 0.5), st.floats(0.0, 1.0)))
 def test_clipping_never_raises_the_objective(batch, algo, narrow, widen):
@@ -95,9 +97,9 @@ def test_clipping_never_raises_the_objective(batch, algo, narrow, widen):
 def test_padding_with_garbage_changes_nothing(batch, algo, num_pad, garbage, per_token, float_mask):
     logp, old, ref, adv, mask = batch
     num_seqs = logp.shape[0]
-    if per_token and algo != "gspo":
+    if per_token and algo not in ("gspo", "gmpo"):
         adv = adv[:, None] * torch.linspace(0.5, 1.5, logp.shape[1], dtype=torch.float64)[None, :]
-    kwargs = dict(clip_low=0.1, clip_high=0.2, kl_coef=0.05)
+    kwargs = dict(loss_kwargs(algo, 0.1, 0.2), kl_coef=0.05)
 
     logp_a = logp.clone().requires_grad_(True)
     loss_a, metrics_a = policy_loss(algo, logp_a, old, adv, mask, ref_logp_BT=ref, **kwargs)
@@ -122,3 +124,21 @@ def test_padding_with_garbage_changes_nothing(batch, algo, num_pad, garbage, per
     assert metrics_b.keys() == metrics_a.keys()
     for key in metrics_a:
         torch.testing.assert_close(metrics_b[key], metrics_a[key], rtol=1e-12, atol=1e-12)
+
+
+@SETTINGS
+@given(batch=batches(min_len=1), algo=st.sampled_from(("gspo", "gspo_token", "grpo", "gmpo", "cispo")),
+       clip=st.tuples(st.floats(0.05, 0.5), st.floats(0.05, 0.5)), sign=st.lists(st.booleans(), min_size=4, max_size=4))
+def test_binding_fraction_is_the_share_of_tokens_without_gradient(batch, algo, clip, sign):
+    """`clip/token_frac` is defined as the tokens whose clip takes the gradient away: with |A| >= 0.1 on
+    every sequence it equals the share of valid tokens whose gradient is exactly 0 (cispo: none)."""
+    logp, old, _, _, mask = batch
+    num_seqs = logp.shape[0]
+    adv = torch.tensor([(0.5 if s else -0.5) for s in sign[:num_seqs]], dtype=torch.float64)
+    logp = logp.clone().requires_grad_(True)
+    loss, m = policy_loss(algo, logp, old, adv, mask, clip_low=clip[0], clip_high=clip[1])
+    (grad,) = torch.autograd.grad(loss, logp)
+    no_grad = ((grad == 0) & mask).sum().item() / mask.sum().item()
+    assert m["clip/token_frac"].item() == pytest.approx(no_grad, abs=1e-12)
+    if algo == "cispo":
+        assert no_grad == 0.0

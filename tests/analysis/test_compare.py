@@ -51,8 +51,9 @@ def test_comparison_report(tmp_path):
             arm_runs.append(ArmRun(arm, seed, d))
     arm_runs.append(ArmRun("grpo-r2", 2, tmp_path / "grpo-r2-s2"))  # never ran
     paths = build_comparison(arm_runs, tmp_path / "comparison")
-    assert {p.stem for p in paths.figures} == {s.name for s in COMPARE_FIGURES} - {"cmp_ratio_var_length"}
+    assert {p.stem for p in paths.figures} == {s.name for s in COMPARE_FIGURES} - {"cmp_gate", "cmp_ratio_var_length"}
     assert [(s.name, s.reason) for s in paths.skipped] == [
+        ("cmp_gate", "metric(s) gate/weight_mean, gate/token_frac_below_half missing from all runs"),
         ("cmp_ratio_var_length", "no run has traces/step_*_logprobs.npz files (logging.trace_every 0 or "
                                  "traces missing)")]
     for p in paths.figures:
@@ -79,8 +80,8 @@ def test_comparison_of_degenerate_runs(tmp_path):
     arm_runs = [ArmRun("a", 0, write_degenerate_run(tmp_path / "a-s0", 0.0)),
                 ArmRun("a", 1, write_degenerate_run(tmp_path / "a-s1", None))]
     paths = build_comparison(arm_runs, tmp_path / "comparison")
-    assert len(paths.figures) == len(COMPARE_FIGURES) - 1
-    assert [s.name for s in paths.skipped] == ["cmp_ratio_var_length"]  # no traces
+    assert len(paths.figures) == len(COMPARE_FIGURES) - 2
+    assert [s.name for s in paths.skipped] == ["cmp_gate", "cmp_ratio_var_length"]  # no sapo arm, no traces
     row = [l for l in paths.markdown.read_text().splitlines() if l.startswith("| a |")][0]  # arms table first
     assert "0 ± 0" in row  # the null seed has no finite reward; the zero seed gives 0
 
@@ -104,6 +105,36 @@ def test_mismatch_table_shows_natural_and_replayed_side_by_side(tmp_path):
     assert rows["grpo-none"][1:3] == ["0.0025", "n/a"]
     assert rows["grpo-r3"][1:3] == ["0.0025", "0.0002"]
     assert "cmp_mismatch" in {p.stem for p in paths.figures}
+
+
+def test_arms_table_shows_clip_gate_and_generation_rounds_per_algorithm(tmp_path):
+    """CISPO arms: binding 0 and the truncated-weight fraction; SAPO arms: the gate columns (n/a elsewhere);
+    dynamic sampling: the mean generation rounds per step; entropy and zero-std share when logged. Means over steps (a null step left out), then seeds."""
+    per_arm = {
+        "cispo-none": [{"clip/token_frac": 0.0, "clip/out_of_range_frac": 0.02 * (k + 1)} for k in range(3)],
+        "sapo-none": [{"gate/weight_mean": 0.9 + 0.01 * k, "gate/token_frac_below_half": [0.0, None, 0.3][k]}
+                      for k in range(3)],
+        "grpo-none-dapo": [{"clip/token_frac": 0.01, "sampling/num_gen_batches": float(k + 1),
+                            "actor/entropy": 1.0 - 0.25 * k, "reward/frac_zero_std": 0.5} for k in range(3)],
+    }
+    arm_runs = []
+    for arm, extra in per_arm.items():
+        d = tmp_path / f"{arm}-s0"
+        d.mkdir()
+        d.joinpath("metrics.jsonl").write_text("".join(
+            json.dumps({"step": k, "reward/mean": 0.5, **e}) + "\n" for k, e in enumerate(extra)))
+        arm_runs.append(ArmRun(arm, 0, d))
+    paths = build_comparison(arm_runs, tmp_path / "comparison")
+    rows = _table_rows(paths.markdown.read_text(), "Arms")
+    col = {name: rows["header"].index(name) for name in rows["header"]}
+    get = lambda arm, name: rows[arm][col[name]]  # noqa: E731
+    assert (get("cispo-none", "clip token frac (binding)"), get("cispo-none", "clip out-of-range frac")) == ("0", "0.04")
+    assert get("cispo-none", "gate weight mean (sapo)") == "n/a"
+    assert (get("sapo-none", "gate weight mean (sapo)"), get("sapo-none", "gate frac < 0.5 (sapo)")) == ("0.91", "0.15")
+    assert get("sapo-none", "clip token frac (binding)") == "n/a"
+    assert get("grpo-none-dapo", "gen batches/step") == "2" and get("sapo-none", "gen batches/step") == "n/a"
+    assert (get("grpo-none-dapo", "actor/entropy"), get("grpo-none-dapo", "reward/frac_zero_std")) == ("0.75", "0.5")
+    assert "cmp_gate" in {p.stem for p in paths.figures}
 
 
 def _write_run(run_dir: Path, records: list[dict], logprobs: list[dict] | None = None) -> Path:
@@ -174,7 +205,7 @@ def test_ratio_variance_length_figure_from_traces(tmp_path):
                 for i, arm in enumerate(("gspo-none", "grpo-none")) for seed in (0, 1)]
     arm_runs.append(ArmRun("grpo-r3", 0, write_synthetic_run(tmp_path / "grpo-r3-s0", with_traces=False)))
     paths = build_comparison(arm_runs, tmp_path / "comparison")
-    assert paths.skipped == []
+    assert [s.name for s in paths.skipped] == ["cmp_gate"]  # no sapo arm
     assert_real_png(tmp_path / "comparison" / "cmp_ratio_var_length.png")
     # the layer table is labelled with the traces' model layer ids (1, 2) and recomputes from the JSONL
     rows = _table_rows(paths.markdown.read_text(), "Routing change per MoE layer")

@@ -32,23 +32,27 @@ def test_logprobs_match_transformers(dist):
         assert (res.logp_BS[~valid_mask(batch)] == 0).all()
 
 
-def test_micro_batches_accumulate_to_the_full_batch_gradient(dist):
-    """grpo token_mean and gspo seq_mean: 4 micro-batches of 2 give the same update as one of 8."""
+@pytest.mark.parametrize("algo", [
+    AlgoConfig(name="gspo", clip_low=0.2, clip_high=0.2),
+    AlgoConfig(name="grpo", aggregation="token_mean"),
+    AlgoConfig(name="sapo", loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=4.0),
+], ids=["gspo", "grpo-token-mean", "sapo-sum-norm"])
+def test_micro_batches_accumulate_to_the_full_batch_gradient(dist, algo):
+    """Each aggregation unit (sequences; tokens; sequences with Dr. GRPO's constant): 4 micro-batches of 2
+    give the same update as one of 8."""
     batch = make_batch(8, seed=5)
-    for algo in (AlgoConfig(name="gspo", clip_low=0.2, clip_high=0.2),
-                 AlgoConfig(name="grpo", aggregation="token_mean")):
-        after = []
-        for mbs in (0, 2):
-            cfg, _, model = tiny_pair()
-            learner = make_learner(model, cfg, dist, algo=algo, micro_batch_size=mbs, grad_clip=0.0)
-            m = learner.train_step(batch, batch.rollout_logp_BS)
-            after.append((learner.compute_logprobs(batch).logp_BS, m))
-        # Adam's first step is ~lr * sign(grad), so weights can differ by up to ~lr where a gradient
-        # is ~0; the log-probs after the step are the meaningful comparison (1.07e-5 measured with
-        # the head_dim-32 tiny geometry).
-        assert (after[0][0] - after[1][0]).abs().max() <= 3e-5
-        assert after[0][1]["grad/norm"] == pytest.approx(after[1][1]["grad/norm"], rel=1e-5)
-        assert after[0][1]["loss/total"] == pytest.approx(after[1][1]["loss/total"], rel=1e-5)
+    after = []
+    for mbs in (0, 2):
+        cfg, _, model = tiny_pair()
+        learner = make_learner(model, cfg, dist, algo=algo, micro_batch_size=mbs, grad_clip=0.0)
+        m = learner.train_step(batch, batch.rollout_logp_BS)
+        after.append((learner.compute_logprobs(batch).logp_BS, m))
+    # Adam's first step is ~lr * sign(grad), so weights can differ by up to ~lr where a gradient
+    # is ~0; the log-probs after the step are the meaningful comparison (1.07e-5 measured with
+    # the head_dim-32 tiny geometry).
+    assert (after[0][0] - after[1][0]).abs().max() <= 3e-5
+    assert after[0][1]["grad/norm"] == pytest.approx(after[1][1]["grad/norm"], rel=1e-5)
+    assert after[0][1]["loss/total"] == pytest.approx(after[1][1]["loss/total"], rel=1e-5)
 
 
 def test_r2_replays_old_routing_while_the_router_still_learns(dist):

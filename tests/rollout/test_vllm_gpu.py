@@ -48,8 +48,9 @@ def test_starts_asleep_sync_wakes_weights_only_and_generation_matches_the_learne
     r = _run("sleep_case", tmp_path, str(sleep_level))
     # started asleep, then the sync woke only the weights: less used than once the KV cache woke too
     assert r["tags_after_start"] == ["kv_cache", "weights"] and r["tags_after_sync"] == ["kv_cache"]
-    assert r["used_after_sync"] < r["used_awake"]
-    assert r["used_asleep"] < r["used_after_sync"]  # weights and KV released again
+    kv_at_least = 1 << 28  # the KV cache of a 0.3 x GPU budget is GiBs; the tiny model's weights ~1 MiB
+    assert r["used_after_sync"] < r["used_awake"] - kv_at_least  # the KV cache woke only to generate
+    assert r["used_asleep"] < r["used_awake"] - kv_at_least  # and sleeps again
     assert r["logp_abs_diff_max"] <= 1e-3
     assert r["layer_disagree_mean"] <= 0.01
 

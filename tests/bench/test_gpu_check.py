@@ -179,3 +179,25 @@ print('ok')
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), (p.stdout + p.stderr)[-3000:]
     assert (tmp_path / "run" / "hf_export" / "config.json").is_file()
+
+
+def test_one_failing_check_does_not_hide_the_others(tmp_path, monkeypatch):
+    """The orchestration: every check runs and is recorded; the summary is rewritten after each."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: SimpleNamespace(total_memory=80 << 30))
+    monkeypatch.setattr(gc, "_parity_on_cuda", lambda: {"status": "pass", "headline": "close"})
+
+    def memory_crashes(out, have_te, peak):
+        assert peak == 989.4
+        raise gc.CheckFailed("memory_bench exited 1 without results")
+
+    monkeypatch.setattr(gc, "_memory_and_mfu", memory_crashes)
+    monkeypatch.setattr(gc, "_learning", lambda out, steps: {"status": "pass", "headline": f"{steps} steps"})
+    monkeypatch.setattr(gc, "_resume", lambda out: {"status": "inconclusive", "headline": "not reproducible"})
+    result = gc._run(tmp_path, 30, None, "python -m moe_gspo.bench.gpu_check --out x")
+    assert list(result["checks"]) == ["parity", "memory", "learning", "resume"]
+    assert result["checks"]["memory"] == {"status": "fail", "error": "CheckFailed: memory_bench exited 1 without results"}
+    assert result["status"] == "fail" and result["checks"]["learning"]["headline"] == "30 steps"
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["checks"]["resume"]["status"] == "inconclusive"

@@ -131,8 +131,8 @@ def finish(cfg: Config, run_dir: Path, info, policy, state) -> dict:
         from moe_gspo.tokenizer import ASSET_DIR
 
         tok_dir = cfg.model.tokenizer or cfg.model.path or str(ASSET_DIR)
-        save_hf_checkpoint(policy.learner.hf_state_dict(), policy.hf_config, run_dir / "hf_export",
-                           tokenizer_dir=tok_dir)
+        # streamed one layer at a time to rank 0's host memory (never the whole model on a GPU)
+        save_hf_checkpoint(policy.learner.model, policy.hf_config, run_dir / "hf_export", tokenizer_dir=tok_dir)
     summary = {}
     if info.is_main:
         summary = learning_summary(run_dir / "metrics.jsonl")

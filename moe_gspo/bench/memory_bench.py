@@ -5,14 +5,16 @@ builds a random Qwen3-MoE of ~2 B parameters (default geometry below) on the one
 (world size 1, EP=1, bf16, alltoall dispatcher, full recompute), a Megatron learner with the variant's
 optimizer options and the transformers rollout engine, then runs `--steps` RL steps on a synthetic batch
 of full-length sequences (rollout on the first step only; it is slow with the transformers engine) and
-records `torch.cuda.max_memory_allocated` for each phase:
+records `torch.cuda.max_memory_allocated` and the wall time (synchronized) of each phase:
 `rollout` (generate), `logprobs` (old-policy pass), `update` (`train_step`: forward, backward and
-optimizer step), `weight_sync` (learner -> engine).
+optimizer step), `weight_sync` (learner -> engine, streamed), and once at the end `hf_export` (the
+streamed HF export of `moe_gspo.mcore.checkpoint.save_hf_checkpoint`, into a temporary directory).
 It prints, per variant and phase, the plan's counted memory (the phase total without the CUDA-runtime
-and fragmentation allowances, which `max_memory_allocated` does not see) next to the measurement, and
-exits 1 when a checked phase (`logprobs`, `update`) differs by more than `--tolerance`.
-`weight_sync` is reported, not checked: until issue 10's streamed sync lands, `Learner.hf_state_dict()`
-gathers the whole model, more than the plan's one-bucket transient.
+and fragmentation allowances, which `max_memory_allocated` does not see; `compare_phases`) next to the
+measurement, and exits 1 when a checked phase (`CHECKED`) differs by more than `--tolerance`. `rollout`
+is reported only: the transformers engine's generate keeps allocator-dependent caches the plan does not
+model. The JSON (`--json`) also holds each phase's seconds per step (`seconds`, one entry per step)
+and the batch shape, from which `moe_gspo.bench.gpu_check` computes the learner's MFU.
 
 Variants: `dist` (distributed optimizer), `dist_offload` (+ precision-aware optimizer, CPU offload of
 the whole shard, overlapped D2H/H2D), `dist_offload_all` (+ `train.offload_during_rollout=all`),
@@ -25,7 +27,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import warnings
+from pathlib import Path
 
 import numpy as np
 
@@ -40,7 +44,7 @@ VARIANTS = {
     "nodist": ["train.distributed_optimizer=false"],
     "cpu": [],
 }
-CHECKED = ("logprobs", "update")
+CHECKED = ("logprobs", "update", "weight_sync", "hf_export")
 
 
 def geometry_from_args(args) -> dict:
@@ -88,22 +92,49 @@ def synthetic_batch(args, vocab: int, prompt_len: int, seed: int):
 
 
 class PhaseMeter:
-    """Peak `torch.cuda.max_memory_allocated` per phase (max over repeats), in GiB; no-op on CPU."""
+    """Peak `torch.cuda.max_memory_allocated` per phase (max over repeats), in GiB (CUDA only), and the
+    wall seconds of every repeat (CUDA synchronized before and after)."""
 
     def __init__(self, cuda: bool):
-        self.cuda, self.peaks = cuda, {}
+        self.cuda, self.peaks, self.seconds = cuda, {}, {}
 
     def __call__(self, name: str, fn):
+        import time
+
         import torch
 
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
         out = fn()
         if self.cuda:
             torch.cuda.synchronize()
             self.peaks[name] = max(self.peaks.get(name, 0.0), torch.cuda.max_memory_allocated() / float(1 << 30))
+        self.seconds.setdefault(name, []).append(time.perf_counter() - t0)
         return out
+
+
+def compare_phases(planned: dict[str, dict[str, float]], peaks: dict[str, float]) -> dict[str, dict]:
+    """Rows of planned vs measured GiB per phase (pure).
+
+    `planned`: phase name -> the plan's parts in GiB (`Phase.parts_gib`); the CUDA-runtime and
+    fragmentation allowances are left out (what `max_memory_allocated` cannot see). `update` is
+    measured over `train_step`, which includes the optimizer step: it is compared with the larger of the
+    plan's `update` and `optimizer_step`. `rel_diff` = planned / measured - 1 (positive: the plan is
+    above the measurement)."""
+    rows = {name: {"planned_gib": round(sum(v for k, v in parts.items() if k not in ("fragmentation", "cuda_runtime")),
+                                        3)} for name, parts in planned.items()}
+    if "optimizer_step" in rows:
+        step = rows.pop("optimizer_step")["planned_gib"]
+        if "update" in rows:
+            rows["update"]["planned_gib"] = max(rows["update"]["planned_gib"], step)
+    for name, measured in peaks.items():
+        row = rows.setdefault(name, {"planned_gib": None})
+        row["measured_gib"] = round(measured, 3)
+        row["rel_diff"] = (round(row["planned_gib"] / measured - 1, 4)
+                           if measured and row["planned_gib"] is not None else None)
+    return rows
 
 
 def run_variant(args, variant: str, cuda: bool) -> dict:
@@ -111,6 +142,7 @@ def run_variant(args, variant: str, cuda: bool) -> dict:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from moe_gspo.learner.learner import Learner
+    from moe_gspo.mcore.checkpoint import save_hf_checkpoint
     from moe_gspo.mcore.model import build_gpt_model
     from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
     from moe_gspo.plan import plan_for_config
@@ -150,19 +182,18 @@ def run_variant(args, variant: str, cuda: bool) -> dict:
             old = meter("logprobs", lambda: learner.compute_logprobs(batch))
             meter("update", lambda: learner.train_step(batch, old.logp_BS))
             meter("weight_sync", lambda: engine.update_weights(learner.hf_weight_stream()))
+        with tempfile.TemporaryDirectory(prefix="memory_bench_export_") as tmp:
+            meter("hf_export", lambda: save_hf_checkpoint(learner.model, hf_config, Path(tmp) / "hf"))
     finally:
         destroy_distributed()
-    rows = {}
-    for phase in plan.phases:
-        counted = phase.total_gib - phase.parts_gib.get("fragmentation", 0) - phase.parts_gib.get("cuda_runtime", 0)
-        rows[phase.name] = {"planned_gib": round(counted, 3)}
-    rows["update"]["planned_gib"] = round(max(rows["update"]["planned_gib"], rows["optimizer_step"]["planned_gib"]), 3)
-    rows.pop("optimizer_step")
-    for name, measured in meter.peaks.items():
-        rows[name]["measured_gib"] = round(measured, 3)
-        rows[name]["rel_diff"] = round(rows[name]["planned_gib"] / measured - 1, 4) if measured else None
+    rows = compare_phases({p.name: p.parts_gib for p in plan.phases}, meter.peaks)
+    for name, secs in meter.seconds.items():
+        rows.setdefault(name, {"planned_gib": None})["seconds"] = [round(t, 4) for t in secs]
     return {"variant": variant, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-            "params": plan.params["total"], "phases": rows}
+            "params": plan.params["total"], "hf_config": hf_config.to_dict(),
+            "batch": {"num_seqs": args.seqs, "seq_len": args.seq_len, "num_minibatches": args.minibatches,
+                      "micro_batch_size": args.micro_batch},
+            "phases": rows}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -220,14 +251,15 @@ def main(argv=None) -> int:
     if not results:
         return 2
     failed = False
-    print(f"{'variant':<18}{'phase':<13}{'planned GiB':>12}{'measured GiB':>14}{'diff':>9}")
+    print(f"{'variant':<18}{'phase':<15}{'planned GiB':>12}{'measured GiB':>14}{'diff':>9}")
     for res in results:
         for phase, row in res["phases"].items():
             meas = row.get("measured_gib")
             diff = row.get("rel_diff")
             bad = phase in CHECKED and diff is not None and abs(diff) > args.tolerance
             failed |= bad
-            print(f"{res['variant']:<18}{phase:<13}{row['planned_gib']:>12.2f}"
+            planned = f"{row['planned_gib']:.2f}" if row.get("planned_gib") is not None else "n/a"
+            print(f"{res['variant']:<18}{phase:<15}{planned:>12}"
                   f"{(f'{meas:.2f}' if meas is not None else 'n/a'):>14}"
                   f"{(f'{diff:+.1%}' if diff is not None else ''):>9}{'  <- over tolerance' if bad else ''}")
     if args.json:

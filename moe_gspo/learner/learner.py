@@ -492,9 +492,11 @@ class Learner:
         return HFWeightStream(self.model, self.hf_config, layout="per_expert")
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full HF state dict (on-disk per-expert names) on every rank, for export and checkpoints (the
-        rollout sync uses `hf_weight_stream`, which never holds the whole model). Collective over the
-        EP group: every rank must call it. Tensors alias the weights (clone for a snapshot)."""
+        """Full HF state dict (on-disk per-expert names) on every rank's device, for small models and
+        tests: every layer's experts are gathered at once (~61 GiB per GPU for Qwen3-30B-A3B at EP=8).
+        The HF export (`moe_gspo.mcore.checkpoint.save_hf_checkpoint(learner.model, ...)`) and the
+        rollout sync (`hf_weight_stream`) stream one layer at a time instead. Collective over the EP
+        group: every rank must call it. Tensors alias the weights (clone for a snapshot)."""
         from moe_gspo.mcore.weights import gather_hf_state_dict
 
         return gather_hf_state_dict(self.model, self.hf_config, layout="per_expert")
@@ -508,9 +510,12 @@ class Learner:
                 "num_train_steps": self.num_train_steps}
 
     def load_state_dict(self, state: dict) -> None:
+        """Inverse of `state_dict`. The optimizer state loads first and the weights last (see
+        `LearnerOptimizer.load_state_dict`: Megatron's CPU-offloaded optimizer writes into the model
+        while its state loads)."""
         self._fused = None
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(state["optimizer"],
+                                       load_weights=lambda: self.model.load_state_dict(state["model"]))
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.num_updates = int(state.get("num_updates", 0))
         self.num_train_steps = int(state.get("num_train_steps", self.num_updates // self.train.num_minibatches))

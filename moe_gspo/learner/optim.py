@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -229,22 +230,28 @@ class LearnerOptimizer:
         if self.use_megatron:
             self.opt.zero_grad()
 
-    def _distributed_optimizers(self) -> list:
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    def _chained(self) -> list:
+        return list(getattr(self.opt, "chained_optimizers", [self.opt]))
 
-        return [o for o in getattr(self.opt, "chained_optimizers", [self.opt])
-                if isinstance(o, DistributedOptimizer) and not o.is_stub_optimizer]
+    @staticmethod
+    def _has_stepped(o) -> bool:
+        """Whether Megatron optimizer `o` holds optimizer state (it took a step, or loaded one)."""
+        return not getattr(o, "is_stub_optimizer", False) and len(o.optimizer.state) > 0
 
     def state_dict(self) -> dict:
-        """This rank's optimizer state. Under the distributed optimizer Megatron's `state_dict()` holds no
-        parameter state, so this rank's shard of main params and Adam moments is added in Megatron's
-        per-rank "dp_reshardable" form (no gather)."""
+        """This rank's optimizer state.
+
+        Under the distributed optimizer, one entry per Megatron optimizer (dense, experts): `None` when
+        it has taken no step yet (a checkpoint before the first update, or after NaN-guarded steps
+        only: Megatron-core 0.16.1's `DistributedOptimizer.state_dict()` asserts on such an optimizer
+        without TE/Apex, as it finds no `step`), else Megatron's `state_dict()` plus this rank's
+        shard of main params and Adam moments in Megatron's per-rank "dp_reshardable" form (no gather)."""
         if not (self.use_megatron and self.options.distributed_optimizer):
             return self.opt.state_dict()
-        param_state = []
-        for o in self._distributed_optimizers():
-            if len(o.optimizer.state) == 0:  # no step taken yet: main params equal the model's
-                param_state.append(None)
+        entries = []
+        for o in self._chained():
+            if not self._has_stepped(o):
+                entries.append(None)
                 continue
             state = o.get_parameter_state_dp_reshardable()
             for key, per_dtype in state.items():
@@ -253,22 +260,44 @@ class LearnerOptimizer:
                         for bucket in buckets:
                             for tensors in bucket:
                                 tensors.setdefault("padding", False)
-            param_state.append(state)
-        return {"megatron_distributed_optimizer": True, "common": self.opt.state_dict(), "param_state": param_state}
+            entries.append({"common": o.state_dict(), "param_state": state})
+        return {"megatron_distributed_optimizer": True, "optimizers": entries}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Inverse of `state_dict`; load the model weights first (main params follow them when a shard
-        has no saved state)."""
-        distributed = isinstance(state, dict) and state.get("megatron_distributed_optimizer", False)
+    def load_state_dict(self, state: dict, *, load_weights: Callable[[], None]) -> None:
+        """Inverse of `state_dict`, together with the model weights: `load_weights()` loads them.
+
+        The order is the point: the optimizer state first, the weights last, then the main params of
+        optimizers without saved state follow the loaded weights. Loading the optimizer may write into
+        the model: Megatron's `DistributedOptimizer.load_state_dict` runs `HybridDeviceOptimizer.dummy_step()`
+        on a fresh CPU-offloaded optimizer, whose step hook copies its fp32 masters (cloned from the
+        weights at build) back into the model; weights loaded before that would silently become the
+        initial ones again (issue 20). The loaded masters then reach the HDO's fp32 copies through
+        `moe_gspo.mcore.shims.sync_hybrid_optimizer_after_load` (a Megatron-core 0.16.1 gap)."""
+        distributed = isinstance(state, dict) and bool(state.get("megatron_distributed_optimizer", False))
         if distributed != bool(self.use_megatron and self.options.distributed_optimizer):
             raise ValueError("checkpoint optimizer state was saved with train.distributed_optimizer="
                              f"{str(distributed).lower()}; resume with the same setting")
         if not distributed:
             self.opt.load_state_dict(state)
+            load_weights()
             return
-        self.opt.load_state_dict(state["common"])
-        for o, shard in zip(self._distributed_optimizers(), state["param_state"], strict=True):
-            if shard is None:
-                o.reload_model_params()
-            else:
-                o.load_parameter_state_from_dp_reshardable(shard)
+        from moe_gspo.mcore.shims import sync_hybrid_optimizer_after_load
+
+        chained = self._chained()
+        entries = state.get("optimizers")
+        if not isinstance(entries, list) or len(entries) != len(chained):
+            raise ValueError(f"checkpoint optimizer state holds {len(entries) if isinstance(entries, list) else 'no'} "
+                             f"Megatron optimizer entries, this learner has {len(chained)}; it was written by another "
+                             "code version or model setup")
+        for o, entry in zip(chained, entries):
+            if entry is None and self._has_stepped(o):
+                raise ValueError("a checkpoint taken before the first optimizer step loads into a fresh learner "
+                                 "only (this one has optimizer state already)")
+            if entry is not None:
+                o.load_state_dict(entry["common"])  # may overwrite the model's weights (HDO dummy step)
+                o.load_parameter_state_from_dp_reshardable(entry["param_state"])
+                sync_hybrid_optimizer_after_load(o)
+        load_weights()
+        for o, entry in zip(chained, entries):
+            if entry is None and not getattr(o, "is_stub_optimizer", False):
+                o.reload_model_params()  # no saved state: main params follow the loaded weights

@@ -10,7 +10,11 @@ Writing: `save_hf_checkpoint` writes what `transformers.AutoModelForCausalLM.fro
 the per-expert on-disk layout (as in real Qwen3-MoE checkpoints), optionally sharded with an index,
 `config.json` (with the weights' dtype), `generation_config.json` and the tokenizer files copied
 from `tokenizer_dir`. It writes into a temporary sibling directory and renames it into place; when
-torch.distributed is running, rank 0 writes and every rank waits at a barrier.
+torch.distributed is running, rank 0 writes and every rank waits at a barrier. Given the Megatron model,
+the weights are streamed one decoder layer at a time (`moe_gspo.mcore.weight_stream.HFWeightStream`:
+a layer's experts gathered over EP, then dropped) and only the writing rank copies them to host memory:
+a rank's GPU never holds more than one layer's experts beyond its own (for Qwen3-30B-A3B at EP=8,
+1.3 GiB instead of the ~61 GiB of gathering every layer at once), the others keep nothing.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Mapping
 import torch
 
 from moe_gspo.mcore.model import check_supported, moe_layer_ids
-from moe_gspo.mcore.weights import expert_keys_for_rank, gather_hf_state_dict
+from moe_gspo.mcore.weights import expert_keys_for_rank
 
 SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -289,28 +293,34 @@ def save_hf_checkpoint(model_or_hf_sd, hf_config, out_dir, *, tokenizer_dir=None
                        max_shard_size: int | str | None = None) -> Path:
     """Write a Hugging Face checkpoint directory that `from_pretrained` loads; returns its path.
 
-    `model_or_hf_sd` is a Megatron model (its experts are gathered from every EP rank, so every rank
-    must call this) or an HF state dict in either expert layout. `max_shard_size` (bytes or a string
-    such as "5GB") shards the weights with an index. An existing `out_dir` is replaced only once the
-    new directory is complete.
+    `model_or_hf_sd` is a Megatron model (streamed layer by layer, experts gathered over EP, so every
+    rank must call this; only rank 0 keeps a host copy, see the module docstring) or an HF state dict
+    in either expert layout. `max_shard_size` (bytes or a string such as "5GB") shards the weights
+    with an index. An existing `out_dir` is replaced only once the new directory is complete.
     """
     import torch.distributed as dist
 
     check_supported(hf_config)
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    writer = not distributed or dist.get_rank() == 0
+    failure = None
     if isinstance(model_or_hf_sd, torch.nn.Module):
-        hf_sd = gather_hf_state_dict(model_or_hf_sd, hf_config, layout="per_expert")
+        hf_sd, failure = _streamed_to_host(model_or_hf_sd, hf_config, keep=writer)
     else:
         hf_sd = to_per_expert_layout(model_or_hf_sd, hf_config)
         if hf_config.tie_word_embeddings:
             hf_sd.pop("lm_head.weight", None)
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     out = Path(out_dir)
     if not distributed:
+        if failure is not None:
+            raise failure
         _write_hf_dir(out, hf_sd, hf_config, tokenizer_dir, max_shard_size)
         return out
     error: list = [None]
-    if dist.get_rank() == 0:
+    if writer:
         try:
+            if failure is not None:
+                raise failure
             _write_hf_dir(out, hf_sd, hf_config, tokenizer_dir, max_shard_size)
         except Exception as exc:  # tell the other ranks instead of leaving them at a barrier
             error[0] = (isinstance(exc, ValueError), str(exc) if isinstance(exc, ValueError) else
@@ -324,6 +334,24 @@ def save_hf_checkpoint(model_or_hf_sd, hf_config, out_dir, *, tokenizer_dir=None
             raise ValueError(message)
         raise RuntimeError(f"save_hf_checkpoint failed on rank 0: {message}")
     return out
+
+
+def _streamed_to_host(model, hf_config, *, keep: bool) -> tuple[dict[str, torch.Tensor], Exception | None]:
+    """(the model's HF tensors, per-expert names, copied to host memory when `keep`; the exception that
+    stopped the copy, or None). Collective over the EP group: every rank runs the stream to its end,
+    also after a failure on this rank (the other ranks wait in its all-gathers)."""
+    from moe_gspo.mcore.weight_stream import HFWeightStream, drain
+
+    stream = iter(HFWeightStream(model, hf_config, layout="per_expert"))
+    out: dict[str, torch.Tensor] = {}
+    try:
+        for name, t in stream:
+            if keep:
+                out[name] = t.detach().to("cpu", copy=True)
+    except Exception as e:  # e.g. host memory: keep the collectives matched, report it as this rank's error
+        drain(stream)
+        return {}, e
+    return out, None
 
 
 def _write_hf_dir(out: Path, hf_sd, hf_config, tokenizer_dir, max_shard_size) -> None:

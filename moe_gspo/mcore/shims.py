@@ -17,6 +17,20 @@ math. `apply_shims()` is idempotent and applies only what the current machine ne
   the tracker's states are still saved and restored by Megatron itself).
 
 On CUDA machines with Transformer Engine none of these are applied.
+
+Besides those shims, two decisions are taken here the way Megatron-core 0.16.1 takes them:
+
+- `have_transformer_engine()`: Transformer Engine counts as present only when it *imports*
+  (`import transformer_engine.pytorch`), as Megatron's own modules decide (`try: import ...` in
+  `models/gpt/gpt_layer_specs.py`, `optimizer/__init__.py`), not when it is merely installed: a TE
+  wheel built for another torch is found by `importlib.util.find_spec` but fails to import, and
+  choosing the TE layer spec for it crashes the run.
+- `sync_hybrid_optimizer_after_load(dist_opt)`: a workaround for a Megatron-core 0.16.1 bug (not a
+  missing-hardware gap). `DistributedOptimizer.load_parameter_state_from_dp_reshardable` writes the
+  loaded fp32 master weights into the `HybridDeviceOptimizer`'s state dict only; the fp32 copies its
+  sub-optimizers actually step (`param_to_fp32_param`) keep the values of the optimizer's build (or of
+  its load-time dummy step). `load_parameter_state_from_fs_model_space` calls the HDO's own
+  `_sync_hdo_state_to_sub_optimizers()` for this; the dp_reshardable path does not, so we do.
 """
 
 from __future__ import annotations
@@ -29,9 +43,29 @@ _APPLIED: set[str] = set()
 
 
 def have_transformer_engine() -> bool:
-    import importlib.util
+    """True when Transformer Engine's torch extension imports here (see the module docstring).
 
-    return importlib.util.find_spec("transformer_engine") is not None
+    A TE that is installed but fails to import (built for another torch, missing libraries) is
+    "absent", exactly as Megatron-core treats it, so the local layer spec and torch's Adam are used."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except (ImportError, OSError):  # OSError: a shared library of TE that cannot be loaded
+        return False
+    return True
+
+
+def sync_hybrid_optimizer_after_load(dist_opt) -> bool:
+    """After `dist_opt.load_parameter_state_from_dp_reshardable(...)`, make a `HybridDeviceOptimizer`
+    step from the loaded state: its fp32 parameter copies take the loaded master weights and the
+    state moves to each sub-optimizer's device (Megatron-core 0.16.1's own
+    `_sync_hdo_state_to_sub_optimizers`, which that load path forgets). Returns whether it applied."""
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    hdo = getattr(dist_opt, "optimizer", None)
+    if not isinstance(hdo, HybridDeviceOptimizer):
+        return False
+    hdo._sync_hdo_state_to_sub_optimizers()
+    return True
 
 
 def _te_general_gemm_shim() -> bool:

@@ -2,7 +2,9 @@
 
 The plan always describes the GPU run of the config (bf16 where `model.params_dtype` is auto, the
 optimizer options as `moe_gspo.learner.optim.resolve_optimizer_options` resolves them on CUDA), whatever
-machine computes it.
+machine computes it. The attention kernel stands for the target machine: `flash` = Transformer Engine
+is there (its fused attention and FusedAdam), `unfused` = it is not (Megatron's local attention and
+torch's foreach AdamW, whose optimizer-step temporary the plan then counts).
 
 Sequence length: `rollout.max_model_len` when set (the longest prompt + response the engine accepts,
 so the longest micro-batch row the learner can see); otherwise the synthetic task's prompt plus
@@ -108,11 +110,15 @@ def setups(cfg: Config, *, num_gpus: int, attention: str) -> tuple[LearnerSetup,
         train_mb=MicroBatch(num_seqs=max(1, train_b), seq_len=seq_len),
         infer_mb=MicroBatch(num_seqs=max(1, infer_b), seq_len=seq_len),
         reference=cfg.algo.kl_coef > 0, vocab_pad_multiple=cfg.model.vocab_pad_multiple,
-        offload_during_rollout=opts.offload_during_rollout)
+        offload_during_rollout=opts.offload_during_rollout, fused_adam=attention == "flash",
+        export_hf=bool(tr.export_hf))
+    tp = r.tensor_parallel_size if r.engine == "vllm" else 1
     rollout = RolloutSetup(
         engine=r.engine, tp=r.tensor_parallel_size, sleep_level=r.sleep_level, kv_cache_gib=r.kv_cache_gib,
         gpu_memory_utilization=r.gpu_memory_utilization, dtype_bytes=2 if r.dtype == "bfloat16" else 4,
-        max_model_len=seq_len, seqs_per_rank=math.ceil(total / num_gpus))
+        max_model_len=seq_len, seqs_per_rank=math.ceil(total / num_gpus),
+        seqs_per_engine=math.ceil(total / max(1, num_gpus // tp)), record_routes=bool(r.record_routes),
+        record_probs=bool(r.record_probs) and r.engine == "hf")
     return learner, rollout
 
 
@@ -144,7 +150,11 @@ def plan_for_config(cfg: Config, *, num_gpus: int, gpu_mem_gib: float, hf_config
         f"allowances: CUDA runtime {allowances.cuda_runtime_gib:g} GiB, fragmentation "
         f"{allowances.fragmentation:.0%}, vLLM runtime {allowances.vllm_runtime_gib:g} GiB "
         f"(asleep {allowances.vllm_asleep_gib:g}), MoE load imbalance x{allowances.moe_imbalance:g}",
-        "weight sync streamed one bucket at a time (largest: one decoder layer with all its experts)",
+        "weight sync and HF export streamed one bucket at a time (largest: one decoder layer with all its "
+        "experts); vLLM starts asleep-ready next to the learner's rollout-phase memory, and a sync leaves its "
+        "KV cache asleep",
+        "optimizer step: " + ("TE FusedAdam (no temporary)" if learner.fused_adam or learner.precision_aware
+                              else "torch foreach AdamW (an fp32 temporary of the optimizer's parameters)"),
     ] + ([seq_note] if seq_note else [])
     return result
 

@@ -19,29 +19,39 @@ is `dense / DP + (experts / EP) / EDP`):
   - precision-aware + CPU offload (HybridDeviceOptimizer), fraction `f` on the host: `shard x (1-f) x 12`
     on the GPU, `shard x f x 16` in pinned host memory (fp32 main param, two moments, a grad copy);
 - optimizer-step transient: an fp32 copy of the gradients the optimizer reads when the gradient buffer is
-  bf16 and the optimizer is not precision-aware (`x 4` of the local params, or of the shard).
+  bf16 and the optimizer is not precision-aware (`x 4` of the local params, or of the shard), plus, with
+  torch's foreach AdamW (no Transformer Engine / Apex: `LearnerSetup.fused_adam` false), its fp32
+  `_foreach_sqrt` temporary (`x 4` of the same; `transients.foreach_adam_bytes`).
 **Reference policy** (`algo.kl_coef > 0`): an inference-only copy of the parameters sharded like the
 policy, `local x param bytes`, no gradients or optimizer state.
 **Rollout (vLLM)**: engines of `rollout.tensor_parallel_size` consecutive ranks; per GPU the weights
 at that TP (`params.rollout_params_per_rank`), the KV cache (`rollout.kv_cache_gib` per GPU, as
 vLLM's `kv_cache_memory_bytes`; null = what `gpu_memory_utilization x GPU memory` leaves after weights
 and vLLM's runtime), and vLLM's runtime allowance. Sleep (`rollout.sleep_level` 1/2) frees weights and
-KV during the learner's passes; a sleeping engine keeps `vllm_asleep_gib`. vLLM also refuses to start
-unless `gpu_memory_utilization x GPU memory` is free when it starts (after the learner is built).
+KV during the learner's passes; a sleeping engine keeps `vllm_asleep_gib`. The engine starts while the
+learner holds its rollout-phase memory (`moe_gspo.run.setup.build_policy` offloads it around the start,
+per `train.offload_during_rollout`), then falls asleep at once; vLLM refuses to start unless
+`gpu_memory_utilization x GPU memory` is free then.
 **Rollout (transformers engine)**: a full copy of the weights per rank (resident in every phase), no TP,
 no sleep, and while it generates the KV of all of the rank's sequences (prompts x samples, full length).
 **Offload during the rollout** (`train.offload_during_rollout`): `grads` frees the gradient buffers
 except around the update (rollout, log-prob and weight-sync phases have none); `all` also moves the
 parameters and the optimizer's GPU state (not precision-aware) to pinned host memory for the rollout.
-**Weight sync**: streamed one bucket at a time (issue 10's design: a decoder layer with all its experts
-gathered over EP, or the embedding / LM head), so the transient is the largest bucket in the rollout
-dtype; the engine's weights must be awake (a sleeping engine wakes its weights first, syncs, then
-allocates its KV cache: the plan assumes that order).
+**Weight sync**: streamed one bucket at a time (a decoder layer with all its experts gathered over EP,
+or the embedding / LM head); the transient (`transients.sync_transient_bytes`) is the largest bucket's
+allocations (q/k/v copies, gathered experts, the sender's staging copy of its own experts) plus vLLM's
+layer-wise reload copy of one module. A sleeping engine wakes its weights only: its KV cache stays
+asleep until it generates (`moe_gspo.rollout.vllm_engine`). The first sync, right after the engine
+started asleep, is the same phase.
+**Sample gather**: the rollout phase also holds `all_gather_object`'s CUDA buffers of the step's
+samples (`transients.sample_gather_bytes`).
 
 **Phases** (each = learner state + reference + the phase's own memory + runtime + fragmentation):
-`rollout` (engine awake), `logprobs` (old-policy / reference no-grad passes), `update` (forward +
-backward of a micro-batch), `optimizer_step`, `weight_sync`. The peak is the largest phase; the plan
-fits when the peak is at most the GPU memory and vLLM can start.
+`engine_startup` (vLLM: its weights, KV cache and profiling next to the learner's rollout-phase memory),
+`rollout` (engine awake, samples gathered), `logprobs` (old-policy / reference no-grad passes),
+`update` (forward + backward of a micro-batch), `optimizer_step`, `weight_sync` (also the first sync),
+`hf_export` (`train.export_hf`: the streamed export at the end of the run, engine closed). The peak
+is the largest phase; the plan fits when the peak is at most the GPU memory and vLLM can start.
 """
 
 from __future__ import annotations
@@ -50,8 +60,9 @@ import math
 from dataclasses import dataclass, field
 
 from moe_gspo.plan.activations import activation_estimate, MicroBatch
-from moe_gspo.plan.params import (Geometry, kv_bytes_per_token, largest_sync_bucket_params, megatron_counts,
-                                  rollout_params_per_rank)
+from moe_gspo.plan.params import Geometry, kv_bytes_per_token, megatron_counts, rollout_params_per_rank
+from moe_gspo.plan.transients import (export_transient_bytes, foreach_adam_bytes, sample_gather_bytes,
+                                      sample_payload_bytes, sync_transient_bytes)
 
 GIB = float(1 << 30)
 JSONL_PROMPT_TOKENS = 1024  # assumed prompt length when a JSONL task gives no rollout.max_model_len
@@ -95,6 +106,10 @@ class LearnerSetup:
     reference: bool
     vocab_pad_multiple: int
     offload_during_rollout: str = "none"
+    fused_adam: bool = True
+    """The GPU Adam is TE's / Apex's FusedAdam (else torch's foreach AdamW and its temporary)."""
+    export_hf: bool = False
+    """`train.export_hf`: the run ends with the streamed HF export (phase `hf_export`)."""
 
     @property
     def dp(self) -> int:
@@ -116,6 +131,11 @@ class RolloutSetup:
     max_model_len: int
     seqs_per_rank: int
     """Sequences one rank's share of a step holds (transformers engine: all at once)."""
+    seqs_per_engine: int = 0
+    """Sequences one engine samples in a step (every rank of a TP engine sends them in the gather)."""
+    record_routes: bool = False
+    record_probs: bool = False
+    """Router probabilities are returned (transformers engine with `rollout.record_probs`)."""
 
 
 @dataclass(kw_only=True)
@@ -171,10 +191,12 @@ def _optimizer_bytes(s: LearnerSetup, local: float, shard: float) -> tuple[float
     bf16 = s.param_bytes == 2
     main = 4 if bf16 else 0
     grad_copy = 4 if s.grad_bytes == 2 else 0
+    foreach = lambda n: foreach_adam_bytes(optimizer_params=n, fused_adam=s.fused_adam,  # noqa: E731
+                                           precision_aware=s.precision_aware)
     if not s.distributed_optimizer:
-        return local * (main + 8), 0.0, local * grad_copy
+        return local * (main + 8), 0.0, local * grad_copy + foreach(local)
     if not s.precision_aware:
-        return shard * (main + 8), 0.0, shard * grad_copy
+        return shard * (main + 8), 0.0, shard * grad_copy + foreach(shard)
     if not s.cpu_offload:
         return shard * ((2 if bf16 else 0) + 2 * s.state_bytes), 0.0, 0.0
     f = s.offload_fraction
@@ -234,7 +256,7 @@ def count_plan(geom: Geometry, learner: LearnerSetup, rollout: RolloutSetup, *, 
         sleeping = r.sleep_level > 0
         asleep = al.vllm_asleep_gib * GIB if sleeping else weights + kv + rt
         awake = weights + kv + rt
-        sync_engine = weights + (al.vllm_asleep_gib * GIB if sleeping else kv + rt)
+        sync_engine = weights + (al.vllm_asleep_gib * GIB if sleeping else kv + rt)  # the KV cache stays asleep
         host_rollout = weights if r.sleep_level == 1 else 0.0
     else:
         weights = counts.total * r.dtype_bytes  # transformers engine: a full copy on every rank
@@ -245,7 +267,12 @@ def count_plan(geom: Geometry, learner: LearnerSetup, rollout: RolloutSetup, *, 
         host_rollout = 0.0
         if r.tp > 1 or r.sleep_level:
             notes.append("rollout.tensor_parallel_size and rollout.sleep_level apply to vLLM only (engine=hf)")
-    bucket = largest_sync_bucket_params(geom, vocab_pad_multiple=s.vocab_pad_multiple) * r.dtype_bytes
+    sync_t = sync_transient_bytes(geom, ep=s.ep, tp=r.tp, param_bytes=s.param_bytes, rollout_bytes=r.dtype_bytes,
+                                  engine=r.engine)
+    export_t = export_transient_bytes(geom, ep=s.ep, param_bytes=s.param_bytes) if s.export_hf else 0.0
+    payload = sample_payload_bytes(geom, num_seqs=r.seqs_per_engine or r.seqs_per_rank, seq_len=r.max_model_len,
+                                   record_routes=r.record_routes, record_probs=r.record_probs)
+    gather_t = sample_gather_bytes(payload, world=s.num_gpus)
 
     state = {"learner_params": params_b, "learner_grads": grads_b, "optimizer_gpu": opt_gpu}
     if ref_b:
@@ -264,17 +291,22 @@ def count_plan(geom: Geometry, learner: LearnerSetup, rollout: RolloutSetup, *, 
         parts["cuda_runtime"] = runtime
         return Phase(name=name, parts_gib={k: v / GIB for k, v in parts.items()})
 
-    phases = [
-        phase("rollout", {"rollout_weights": weights, "rollout_kv": kv, "rollout_runtime": rt}
-              if r.engine == "vllm" else {"rollout_engine": awake}, rollout_absent),
+    engine_awake = ({"rollout_weights": weights, "rollout_kv": kv, "rollout_runtime": rt} if r.engine == "vllm"
+                    else {"rollout_engine": awake})
+    phases = [phase("engine_startup", engine_awake, rollout_absent)] if r.engine == "vllm" else []
+    phases += [
+        phase("rollout", {**engine_awake, "sample_gather": gather_t}, rollout_absent),
         phase("logprobs", {"activations": act.inference_peak_bytes, "rollout_resident": asleep}, no_grads),
         phase("update", {"activations": act.peak_bytes, "rollout_resident": asleep}),
         phase("optimizer_step", {"step_transient": step_transient, "rollout_resident": asleep}),
-        phase("weight_sync", {"rollout_resident": sync_engine, "sync_bucket": bucket}, no_grads),
+        phase("weight_sync", {"rollout_resident": sync_engine, "sync_transient": sync_t}, no_grads),
     ]
+    if s.export_hf:  # after the last update (gradients released when offloading them); vLLM closed
+        phases.append(phase("hf_export", {"rollout_resident": asleep if r.engine == "vllm" else weights,
+                                          "export_transient": export_t}, no_grads))
     if r.engine == "vllm":
-        # vLLM is built after the learner (gradient buffers already released when offloading them).
-        resident = sum(v for k, v in state.items() if k not in no_grads) + runtime
+        # vLLM starts next to the learner's rollout-phase memory (moe_gspo.run.setup.build_policy).
+        resident = sum(v for k, v in state.items() if k not in rollout_absent) + runtime
         free = gpu_mem_gib * GIB - resident
         need = r.gpu_memory_utilization * gpu_mem_gib * GIB
         if need > free:
@@ -298,12 +330,12 @@ def count_plan(geom: Geometry, learner: LearnerSetup, rollout: RolloutSetup, *, 
             "optimizer_step_transient_gib": step_transient / GIB,
             "activations_gib": act.peak_bytes / GIB, "logprob_activations_gib": act.inference_peak_bytes / GIB,
             "reference_gib": ref_b / GIB, "rollout_weights_gib": weights / GIB, "rollout_kv_gib": kv / GIB,
-            "rollout_runtime_gib": rt / GIB, "weight_sync_transient_gib": bucket / GIB,
+            "rollout_runtime_gib": rt / GIB, "weight_sync_transient_gib": sync_t / GIB,
+            "export_transient_gib": export_t / GIB, "sample_gather_gib": gather_t / GIB,
             "cuda_runtime_gib": runtime / GIB},
         params={"total": counts.total, "dense": counts.dense, "expert": counts.expert,
                 "per_rank": counts.per_rank(s.ep), "optimizer_shard": shard if s.distributed_optimizer else local,
-                "rollout_per_gpu": rollout_params_per_rank(geom, r.tp) if r.engine == "vllm" else counts.total,
-                "sync_bucket": largest_sync_bucket_params(geom, vocab_pad_multiple=s.vocab_pad_multiple)})
+                "rollout_per_gpu": rollout_params_per_rank(geom, r.tp) if r.engine == "vllm" else counts.total})
     over = result.per_rank_gib - gpu_mem_gib
     if over > 0:
         problems.append(f"phase '{result.peak_phase.name}' needs {result.per_rank_gib:.1f} GiB per GPU, "

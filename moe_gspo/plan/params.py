@@ -1,6 +1,7 @@
 """Parameter counts of a Qwen3-MoE model from its Hugging Face config, in the layouts that hold them.
 
-Pure arithmetic over the config (no torch, no model built). Three layouts:
+Pure arithmetic over the config (no torch, no model built). Two layouts (the weight sync's buckets
+are counted in `transients.py`):
 
 - **Megatron learner** (`megatron_counts`): what `moe_gspo.mcore.model.build_gpt_model` builds, per
   tensor: embedding `V_pad x H` (vocabulary padded to `model.vocab_pad_multiple`), output layer
@@ -14,9 +15,6 @@ Pure arithmetic over the config (no torch, no model built). Three layouts:
   `tp > g`: each rank then holds one KV head), the output projection, dense MLPs and every expert's
   intermediate dimension (or whole experts with expert parallelism: the same bytes) by `tp`; norms,
   QK norms and routers are replicated.
-- **Weight-sync buckets** (`largest_sync_bucket_params`): the streamed sync sends one decoder layer at
-  a time (its attention, norms, router and all of its experts, gathered over EP), or the embedding /
-  LM head alone; the largest such bucket bounds the transient memory of a sync.
 
 KV cache per token (`kv_bytes_per_token`): `2 (K and V) x layers x kv_heads_per_rank x d x bytes`.
 """
@@ -136,16 +134,6 @@ def rollout_params_per_rank(geom: Geometry, tp: int) -> int:
     dense = 3 * math.ceil(g.intermediate / tp) * g.hidden
     return (embed + g.hidden + g.num_layers * per_layer + g.num_moe_layers * moe
             + (g.num_layers - g.num_moe_layers) * dense)
-
-
-def largest_sync_bucket_params(geom: Geometry, *, vocab_pad_multiple: int = 1) -> int:
-    """Parameters in the largest weight-sync bucket: one whole decoder layer, or the embedding / LM head."""
-    c = megatron_counts(geom, vocab_pad_multiple=vocab_pad_multiple)
-    g = geom
-    moe_layer = c.attention_per_layer + c.router_per_moe_layer + g.num_experts * c.one_expert
-    dense_layer = c.attention_per_layer + c.dense_mlp_per_layer
-    layers = [moe_layer if is_moe else dense_layer for is_moe in g.moe_layers]
-    return max([c.embedding, c.output_layer, *layers])
 
 
 def kv_bytes_per_token(geom: Geometry, *, tp: int, dtype_bytes: int) -> int:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from moe_gspo.plan.memory import PlanResult
 
 ROW_ORDER = ("learner_params", "learner_grads", "optimizer_gpu", "reference", "activations", "step_transient",
-             "rollout_weights", "rollout_kv", "rollout_runtime", "rollout_engine", "rollout_resident", "sync_bucket",
-             "fragmentation", "cuda_runtime")
+             "rollout_weights", "rollout_kv", "rollout_runtime", "rollout_engine", "sample_gather", "rollout_resident",
+             "sync_transient", "export_transient", "fragmentation", "cuda_runtime")
 
 
 def _b(n: float) -> str:

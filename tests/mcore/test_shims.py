@@ -36,3 +36,38 @@ def test_cpu_rng_tracker_forks_reproducibly_and_restores_the_outer_state():
     with tracker.fork("a"):
         assert torch.equal(torch.rand(3), x1)  # same seed, same stream
     tracker.reset()
+
+
+def _fake_te(root, *, pytorch_body: str):
+    pkg = root / "transformer_engine"
+    (pkg / "pytorch").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "pytorch" / "__init__.py").write_text(pytorch_body)
+
+
+def test_transformer_engine_counts_only_when_it_imports(tmp_path, monkeypatch):
+    """Issue 20, claim 10: a TE wheel built for another torch is *found* (find_spec) but does not
+    import; Megatron then takes the local spec, so must we."""
+    import importlib.util
+    import sys
+
+    def forget_te():
+        for name in [m for m in sys.modules if m == "transformer_engine" or m.startswith("transformer_engine.")]:
+            del sys.modules[name]
+
+    saved = {m: mod for m, mod in sys.modules.items() if m.startswith("transformer_engine")}
+    broken, working = tmp_path / "broken", tmp_path / "working"
+    _fake_te(broken, pytorch_body="raise ImportError('transformer_engine_torch.so: undefined symbol: _ZN3c10')")
+    _fake_te(working, pytorch_body="")
+    try:
+        forget_te()
+        monkeypatch.syspath_prepend(str(broken))
+        assert importlib.util.find_spec("transformer_engine") is not None  # what the old check looked at
+        assert shims.have_transformer_engine() is False
+        forget_te()
+        monkeypatch.syspath_prepend(str(working))
+        assert shims.have_transformer_engine() is True
+    finally:
+        forget_te()  # no fake TE left for the tests after this one
+        sys.modules.update(saved)
+        importlib.invalidate_caches()

@@ -1,6 +1,7 @@
 """GPU checks of the plan and of the learner's Megatron memory options (skipped without CUDA).
 
 Run on a GPU machine: `python -m pytest -q -m gpu tests/plan/test_plan_gpu.py` (one GPU, ~10 min).
+Not run in development (no GPU was lent): `python -m moe_gspo.bench.gpu_check` covers the same ground.
 """
 
 from __future__ import annotations
@@ -61,6 +62,16 @@ def _batch():
     return make_batch(8, seed=3)
 
 
+def _on_disk(state: dict) -> dict:
+    """`state` through torch.save / torch.load(map_location="cpu"), as `moe_gspo.run.checkpoint` does."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, map_location="cpu", weights_only=False)
+
+
 def _have_te() -> bool:
     from moe_gspo.mcore.shims import have_transformer_engine
 
@@ -76,7 +87,8 @@ def _have_te() -> bool:
 def test_megatron_options_train_and_checkpoint_roundtrip(options):
     """Each option set trains (finite, changing log-probs), and a saved state (model + optimizer: under
     the distributed optimizer, this rank's main-param and Adam shard) reloads into a fresh learner so that
-    the next step matches."""
+    the next step matches. The CPU-offloaded variant is issue 20's claim 1: loading the optimizer ran
+    Megatron's HybridDeviceOptimizer dummy step, which wrote the build-time weights into the model."""
     from moe_gspo.mcore.parallel import destroy_distributed
 
     batch = _batch()
@@ -87,7 +99,9 @@ def test_megatron_options_train_and_checkpoint_roundtrip(options):
         assert torch.isfinite(torch.tensor(m["grad/norm"])) and m["train/skipped_steps"] == 0
         after = learner.compute_logprobs(batch).logp_BS
         assert not torch.equal(before, after)
-        state = learner.state_dict()
+        # what a checkpoint file holds (a copy on the host), not references to the live tensors, which
+        # the next step would change in place (issue 20, claim 4)
+        state = _on_disk(learner.state_dict())
         m2 = learner.train_step(batch, after)
         ref = learner.compute_logprobs(batch).logp_BS
         destroy_distributed()
@@ -122,5 +136,32 @@ def test_offload_during_rollout_all_frees_memory_and_keeps_results():
         params = sum(p.numel() for p in learner.model.parameters()) * 2
         assert outs[0][0] == 0 and outs[1][0] >= params
         assert (outs[0][1] - outs[1][1]).abs().max() < 1e-2
+    finally:
+        destroy_distributed()
+
+
+@pytest.mark.parametrize("options", [
+    ["train.distributed_optimizer=true"],
+    pytest.param(["train.precision_aware_optimizer=true", "train.optimizer_cpu_offload=true"],
+                 marks=pytest.mark.skipif(not _have_te(), reason="the precision-aware optimizer needs TE")),
+])
+def test_a_checkpoint_before_any_optimizer_step_round_trips(options):
+    """Issue 20, claim 8: without TE/Apex, Megatron's DistributedOptimizer.state_dict() asserted on an
+    optimizer that never stepped (0 steps, or every step skipped by the NaN guard)."""
+    from moe_gspo.mcore.parallel import destroy_distributed
+
+    batch = _batch()
+    try:
+        learner, _ = _learner(options)
+        state = _on_disk(learner.state_dict())
+        assert all(entry is None for entry in state["optimizer"]["optimizers"])
+        old = learner.compute_logprobs(batch).logp_BS
+        learner.train_step(batch, old)
+        ref = learner.compute_logprobs(batch).logp_BS
+        destroy_distributed()
+        learner2, _ = _learner(options)
+        learner2.load_state_dict(state)
+        learner2.train_step(batch, old)
+        assert (learner2.compute_logprobs(batch).logp_BS - ref).abs().max() < 1e-2
     finally:
         destroy_distributed()

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from moe_gspo.plan.from_config import _hf_config_from_json, shipped_model_configs
-from moe_gspo.plan.params import (Geometry, kv_bytes_per_token, largest_sync_bucket_params, megatron_counts,
-                                  rollout_params_per_rank)
+from moe_gspo.plan.params import Geometry, kv_bytes_per_token, megatron_counts, rollout_params_per_rank
 from moe_gspo.tiny import tiny_qwen3_moe_config
 
 
@@ -41,7 +40,7 @@ def test_qwen3_235b_a22b_hand_count():
     assert c.active_per_token() == 22_190_763_520       # "A22B"
 
 
-def test_rollout_shard_and_sync_bucket_hand_counts():
+def test_rollout_shard_hand_counts():
     g = geometry("Qwen3-30B-A3B")
     assert rollout_params_per_rank(g, 1) == megatron_counts(g).total
     # TP=8: vocab 151936/8 rows of embedding and LM head; 4 query heads and 1 (replicated) KV head;
@@ -50,8 +49,6 @@ def test_rollout_shard_and_sync_bucket_hand_counts():
     assert rollout_params_per_rank(g, 8) == 2 * 18992 * 2048 + 2048 + 48 * per_layer == 3_840_292_864
     assert kv_bytes_per_token(g, tp=8, dtype_bytes=2) == 2 * 48 * 1 * 128 * 2
     assert kv_bytes_per_token(g, tp=2, dtype_bytes=2) == 2 * 48 * 2 * 128 * 2
-    # largest bucket: one decoder layer with all 128 experts
-    assert largest_sync_bucket_params(g) == 40 * 128 * 2048 + 2048 * 4096 + 256 + 4096 + 128 * 2048 + 128 * 3 * 768 * 2048
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,203 @@
+"""`python -m moe_gspo.bench.gpu_check` on the CPU box: it refuses at once, and its non-CUDA pieces (MFU and
+FLOP arithmetic, the plan-vs-measured rows, the verdicts, the summary files, the parity check on the tiny
+model, the job's config) work. The GPU run itself needs a GPU (README, "Validating a GPU machine")."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_gspo.bench import gpu_check as gc
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_without_cuda_it_stops_at_once_with_one_line(tmp_path, capsys):
+    assert gc.main(["--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs CUDA" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_peak_table_matches_specific_names_first():
+    assert gc.peak_bf16_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    assert gc.peak_bf16_tflops("NVIDIA H100 PCIe") == 756.0
+    assert gc.peak_bf16_tflops("NVIDIA GH200 480GB") == 989.4
+    assert gc.peak_bf16_tflops("NVIDIA L40S") == 362.1 and gc.peak_bf16_tflops("NVIDIA L4") == 121.0
+    assert gc.peak_bf16_tflops("Some Future GPU") is None
+
+
+def _bench(seconds_update=(2.0, 1.0), seconds_logp=(0.5, 0.25)) -> dict:
+    from moe_gspo.tiny import tiny_qwen3_moe_config
+
+    return {"variant": "dist", "hf_config": tiny_qwen3_moe_config().to_dict(),
+            "batch": {"num_seqs": 4, "seq_len": 10, "num_minibatches": 2, "micro_batch_size": 1},
+            "phases": {"update": {"planned_gib": 1.0, "measured_gib": 1.1, "rel_diff": -0.0909,
+                                  "seconds": list(seconds_update)},
+                       "logprobs": {"planned_gib": 0.5, "measured_gib": 0.4, "rel_diff": 0.25,
+                                    "seconds": list(seconds_logp)},
+                       "rollout": {"planned_gib": 2.0, "measured_gib": 1.0, "rel_diff": 1.0, "seconds": [3.0]}}}
+
+
+def test_learner_mfu_uses_the_fastest_repeat_and_the_flop_formula():
+    from moe_gspo.plan.flops import active_matmul_params
+    from moe_gspo.plan.params import Geometry
+    from moe_gspo.tiny import tiny_qwen3_moe_config
+
+    g = Geometry.from_hf(tiny_qwen3_moe_config())
+    n = active_matmul_params(g)
+    flops = 4 * (6 * n * 10 + 12 * 3 * 4 * 32 * 10 ** 2)  # 4 sequences of 10 tokens
+    m = gc.learner_mfu(_bench(), peak_tflops=1e-6)  # a peak of 1 MFLOP/s
+    assert m["tokens"] == 40 and m["update"]["seconds"] == 1.0
+    assert m["update"]["mfu"] == pytest.approx(round(flops / 1.0 / 1e6, 4))
+    assert m["logprobs"]["model_tflop"] == pytest.approx(round(flops / 3 / 1e12, 3))
+    assert m["logprobs"]["mfu"] == pytest.approx(round(flops / 3 / 0.25 / 1e6, 4))
+    assert gc.learner_mfu(_bench(), peak_tflops=None)["update"]["mfu"] is None
+
+
+def test_memory_rows_flag_checked_phases_only():
+    rows = gc.memory_rows([_bench()], checked=("update", "logprobs"), tolerance=0.15)
+    by_phase = {r["phase"]: r for r in rows}
+    assert by_phase["update"]["ok"] is True and by_phase["logprobs"]["ok"] is False
+    assert by_phase["rollout"]["ok"] is None  # reported, not checked
+
+
+def test_memory_bench_rows_compare_the_counted_parts():
+    from moe_gspo.bench.memory_bench import compare_phases
+
+    planned = {"update": {"learner_params": 1.0, "activations": 0.5, "fragmentation": 0.2, "cuda_runtime": 2.0},
+               "optimizer_step": {"learner_params": 1.0, "step_transient": 0.8, "cuda_runtime": 2.0},
+               "hf_export": {"learner_params": 1.0, "export_transient": 0.1}}
+    rows = compare_phases(planned, {"update": 2.0, "hf_export": 1.0})
+    assert rows["update"] == {"planned_gib": 1.8, "measured_gib": 2.0, "rel_diff": -0.1}  # the optimizer step's 1.8
+    assert rows["hf_export"]["rel_diff"] == pytest.approx(0.1) and "optimizer_step" not in rows
+
+
+def _rows(values, start=0):
+    return [{"step": start + i, "reward/mean": v, "perf/step_time_s": 1.0 + i} for i, v in enumerate(values)]
+
+
+def test_resume_verdicts():
+    ref = _rows([0.1, 0.2, 0.3, 0.4])
+    same = [dict(r, **{"perf/step_time_s": 9.0}) for r in ref]  # wall times may differ
+    assert gc.resume_verdict(ref, same, resumed_at=2)["status"] == "pass"
+    diverged = ref[:2] + _rows([0.35, 0.4], start=2)
+    v = gc.resume_verdict(ref, diverged, resumed_at=2)
+    assert v["status"] == "fail" and v["first_difference_after_resume"]["step"] == 2
+    noisy = _rows([0.1, 0.25, 0.35, 0.4])  # differs before the resume too: not reproducible here
+    assert gc.resume_verdict(ref, noisy, resumed_at=2)["status"] == "inconclusive"
+    assert gc.resume_verdict(ref, ref[:3], resumed_at=2)["status"] == "fail"  # a step missing
+
+
+def test_learning_verdict_threshold():
+    assert gc.learning_verdict({"reward_first10": 0.01, "reward_last10": 0.2, "num_steps": 30})["status"] == "pass"
+    assert gc.learning_verdict({"reward_first10": 0.01, "reward_last10": 0.03, "num_steps": 30})["status"] == "fail"
+
+
+def test_summary_files(tmp_path):
+    result = {"status": "fail", "command": "python -m moe_gspo.bench.gpu_check --out x", "wall_s": 412.0,
+              "environment": {"device": "NVIDIA H100 80GB HBM3", "gpu_mem_gib": 79.2,
+                              "versions": {"torch": "2.11.0", "megatron-core": "0.16.1"}},
+              "checks": {"parity": {"status": "pass", "headline": "log-prob error 1e-2"},
+                         "memory": {"status": "fail", "headline": "over 15%: dist/update +20.0%",
+                                    "rows": gc.memory_rows([_bench()], checked=("update",), tolerance=0.15)},
+                         "mfu": {"status": "reported", "headline": "update 12%",
+                                 "variants": [gc.learner_mfu(_bench(), 989.4)]},
+                         "resume": {"status": "fail", "error": "CheckFailed: the job exited with 1"}}}
+    jpath, mpath = gc.write_summary(result, tmp_path / "out")
+    assert json.loads(jpath.read_text())["checks"]["memory"]["status"] == "fail"
+    md = mpath.read_text()
+    assert md.startswith("# moe-gspo GPU check: FAIL")
+    assert "| resume | fail | CheckFailed: the job exited with 1 |" in md
+    assert "| dist | logprobs | 0.50 | 0.40 | +25.0% | reported |" in md
+    assert "| update |" in md and "TFLOP/s" in md
+    assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]  # no temporary files left
+
+
+def test_parity_check_on_the_tiny_model(dist_ep1):
+    from moe_gspo.tiny import TINY_DEFAULTS
+
+    r = gc.check_parity(dict(TINY_DEFAULTS), device=torch.device("cpu"), dtype=torch.bfloat16, batch=2, seq_len=12)
+    assert r["status"] == "pass", r
+    assert r["logp_abs_err_mean"]["learner"] < 0.1 and 0 < r["grad_rel_err"]["learner"] < 0.2
+
+
+@pytest.fixture
+def dist_ep1():
+    from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
+
+    init_distributed(ep_size=1, num_experts=8, seed=0)
+    yield
+    destroy_distributed()
+
+
+def test_the_job_is_a_valid_config_of_a_0_3_to_1_b_model():
+    from moe_gspo.plan.params import Geometry, megatron_counts
+    from moe_gspo.tiny import tiny_qwen3_moe_config
+
+    cfg = gc.job_config(30)
+    assert cfg.rollout.engine == "hf" and cfg.logging.wandb_mode == "disabled" and cfg.train.export_hf
+    total = megatron_counts(Geometry.from_hf(tiny_qwen3_moe_config(**cfg.model.tiny))).total
+    assert 0.3e9 <= total <= 1e9
+
+
+OPTIONAL = ("wandb", "vllm", "transformer_engine", "apex", "einops", "trl", "seaborn", "matplotlib")
+BLOCKER = f"""
+import sys
+class _Hiding:  # every finder answers "not found" for these packages, as if they were not installed
+    def __init__(self, finder):
+        self.finder = finder
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in {OPTIONAL!r}:
+            return None
+        return self.finder.find_spec(name, path, target)
+    def __getattr__(self, attr):
+        return getattr(self.finder, attr)
+sys.meta_path[:] = [_Hiding(f) for f in sys.meta_path]
+"""
+
+
+def test_the_gpu_check_path_needs_no_optional_package(tmp_path):
+    """The GPU machine of issue 20 has torch and transformers, megatron-core without its extras, and no
+    Transformer Engine, vLLM or wandb: the check's modules import and the train path runs without them."""
+    code = BLOCKER + f"""
+import moe_gspo.bench.gpu_check, moe_gspo.bench.memory_bench, moe_gspo.launch, moe_gspo.plan.__main__
+from moe_gspo import train
+rc = train.main(['--run-dir', {str(tmp_path / 'run')!r}, 'train.steps=1', 'rollout.prompts_per_step=2',
+                 'rollout.samples_per_prompt=2', 'logging.wandb_mode=disabled', 'logging.progress=false'])
+assert rc == 0, rc
+leaked = sorted(m for m in sys.modules if m.split('.')[0] in {OPTIONAL!r})
+assert not leaked, leaked
+print('ok')
+"""
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), (p.stdout + p.stderr)[-3000:]
+    assert (tmp_path / "run" / "hf_export" / "config.json").is_file()
+
+
+def test_one_failing_check_does_not_hide_the_others(tmp_path, monkeypatch):
+    """The orchestration: every check runs and is recorded; the summary is rewritten after each."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: SimpleNamespace(total_memory=80 << 30))
+    monkeypatch.setattr(gc, "_parity_on_cuda", lambda: {"status": "pass", "headline": "close"})
+
+    def memory_crashes(out, have_te, peak):
+        assert peak == 989.4
+        raise gc.CheckFailed("memory_bench exited 1 without results")
+
+    monkeypatch.setattr(gc, "_memory_and_mfu", memory_crashes)
+    monkeypatch.setattr(gc, "_learning", lambda out, steps: {"status": "pass", "headline": f"{steps} steps"})
+    monkeypatch.setattr(gc, "_resume", lambda out: {"status": "inconclusive", "headline": "not reproducible"})
+    result = gc._run(tmp_path, 30, None, "python -m moe_gspo.bench.gpu_check --out x")
+    assert list(result["checks"]) == ["parity", "memory", "learning", "resume"]
+    assert result["checks"]["memory"] == {"status": "fail", "error": "CheckFailed: memory_bench exited 1 without results"}
+    assert result["status"] == "fail" and result["checks"]["learning"]["headline"] == "30 steps"
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["checks"]["resume"]["status"] == "inconclusive"

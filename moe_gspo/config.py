@@ -161,6 +161,9 @@ class AlgoConfig:
     the config is read)."""
     adv_eps: float = 1e-6
     """Epsilon added to the reward std in the advantage denominator."""
+    adv_std_correction: Literal[0, 1] = 0
+    """Standard deviation of the advantage scale: 0 = population std (divide by the count), 1 =
+    Bessel-corrected (divide by the count - 1, as TRL and verl; advantages smaller by sqrt((G-1)/G))."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Advantage = (r - group mean) / scale (TRL's names): group = group reward std + adv_eps (the papers),
     batch = std of all the step's rewards + adv_eps, none = 1 (Dr. GRPO)."""

@@ -13,9 +13,10 @@ r_i - mean of its group; the denominator is
   update towards groups that are nearly solved or nearly failed; verl's `norm_adv_by_std_in_grpo=False`).
 
 Choices and simplifications:
-- std is the POPULATION standard deviation (divide by G, or the batch size, `correction=0`). The
-  papers write std(r) without saying which; TRL and verl use the unbiased one (divide by G - 1), which
-  gives advantages smaller by a factor sqrt((G - 1) / G). The population std is defined for G = 1 as well.
+- std is the POPULATION standard deviation by default (divide by G, or the batch size,
+  `std_correction=0`). The papers write std(r) without saying which; TRL and verl use the
+  Bessel-corrected one (divide by G - 1, `std_correction=1`), which gives advantages smaller by a
+  factor sqrt((G - 1) / G). The population std is defined for G = 1 as well.
 - `eps` is added to the std (not under a square root), so A = (r - mean) / (std + eps); TRL's eps is
   1e-4, this project's `algo.adv_eps` default 1e-6.
 - A group whose rewards are all equal gets advantage exactly 0 (not a rounding residue divided by
@@ -35,7 +36,7 @@ SCALE_REWARDS = ("group", "batch", "none")
 
 
 def group_advantages(rewards_N: torch.Tensor, group_size: int, eps: float = 1e-6, *,
-                     scale_rewards: str = "group") -> torch.Tensor:
+                     scale_rewards: str = "group", std_correction: int = 0) -> torch.Tensor:
     """Centre rewards within contiguous groups and scale them: (r - mean_group) / scale.
 
     Args:
@@ -44,6 +45,8 @@ def group_advantages(rewards_N: torch.Tensor, group_size: int, eps: float = 1e-6
         eps: added to the population std (>= 0).
         scale_rewards: "group" (scale = std of the group + eps), "batch" (std of all N rewards + eps)
             or "none" (scale = 1).
+        std_correction: 0 = population std (divide by the count), 1 = Bessel-corrected (divide by the
+            count - 1, as TRL and verl).
 
     Returns:
         [N] advantages, in the rewards' dtype when it is floating point, else the default float
@@ -65,6 +68,10 @@ def group_advantages(rewards_N: torch.Tensor, group_size: int, eps: float = 1e-6
         raise ValueError(f"eps must be >= 0, got {eps}")
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
+    if std_correction not in (0, 1):
+        raise ValueError(f"std_correction must be 0 (population std) or 1 (Bessel-corrected), got {std_correction!r}")
+    if std_correction and scale_rewards == "group" and group_size < 2:
+        raise ValueError("std_correction=1 needs group_size >= 2 (the corrected std of one reward is undefined)")
     out_dtype = rewards_N.dtype if rewards_N.is_floating_point() else torch.get_default_dtype()
 
     rewards_GS = rewards_N.detach().to(torch.float64).reshape(-1, group_size)
@@ -73,9 +80,9 @@ def group_advantages(rewards_N: torch.Tensor, group_size: int, eps: float = 1e-6
     mean_G1 = rewards_GS.mean(-1, keepdim=True)
     centred_GS = rewards_GS - mean_G1
     if scale_rewards == "group":
-        adv_GS = centred_GS / (rewards_GS.std(-1, correction=0, keepdim=True) + eps)
+        adv_GS = centred_GS / (rewards_GS.std(-1, correction=std_correction, keepdim=True) + eps)
     elif scale_rewards == "batch":
-        adv_GS = centred_GS / (rewards_GS.std(correction=0) + eps)
+        adv_GS = centred_GS / (rewards_GS.std(correction=std_correction) + eps)
     else:
         adv_GS = centred_GS
     constant_G1 = (rewards_GS.amax(-1, keepdim=True) == rewards_GS.amin(-1, keepdim=True))

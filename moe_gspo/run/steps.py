@@ -89,7 +89,7 @@ def score(policy: Policy, task: Task, prompts: list[Prompt], samples: list[Rollo
 
 def advantages(rewards: torch.Tensor, cfg: Config) -> torch.Tensor:
     return group_advantages(rewards, cfg.rollout.samples_per_prompt, eps=cfg.algo.adv_eps,
-                            scale_rewards=cfg.algo.scale_rewards)
+                            scale_rewards=cfg.algo.scale_rewards, std_correction=cfg.algo.adv_std_correction)
 
 
 def sample_metrics(rewards: torch.Tensor, samples: list[RolloutSample], advantages_B: torch.Tensor,

@@ -92,3 +92,16 @@ def test_errors(rewards, group_size, match):
         group_advantages(rewards, group_size)
     with pytest.raises(ValueError, match="scale_rewards"):
         group_advantages(torch.zeros(4), 2, scale_rewards="std")
+
+
+def test_bessel_corrected_std_by_hand():
+    # group [0, 1, 1, 1]: mean 0.75, squared deviations 0.5625 + 3 * 0.0625 = 0.75;
+    # population std sqrt(0.75 / 4) = 0.4330, Bessel-corrected sqrt(0.75 / 3) = 0.5
+    r = torch.tensor([0.0, 1.0, 1.0, 1.0])
+    pop = group_advantages(r, 4, eps=0.0)
+    bessel = group_advantages(r, 4, eps=0.0, std_correction=1)
+    assert torch.allclose(bessel, torch.tensor([-1.5, 0.5, 0.5, 0.5]))
+    assert torch.allclose(pop, bessel * (0.5 / 0.75 ** 0.5))
+    assert torch.allclose(group_advantages(r, 4, eps=0.0, scale_rewards="batch", std_correction=1), bessel)
+    with pytest.raises(ValueError, match="std_correction"):
+        group_advantages(r, 4, std_correction=2)

@@ -101,7 +101,7 @@ def test_bessel_corrected_std_by_hand():
     pop = group_advantages(r, 4, eps=0.0)
     bessel = group_advantages(r, 4, eps=0.0, std_correction=1)
     assert torch.allclose(bessel, torch.tensor([-1.5, 0.5, 0.5, 0.5]))
-    assert torch.allclose(pop, bessel * (0.5 / 0.75 ** 0.5))
+    assert torch.allclose(pop, bessel * (0.5 / 0.1875 ** 0.5))  # = bessel * sqrt(4 / 3)
     assert torch.allclose(group_advantages(r, 4, eps=0.0, scale_rewards="batch", std_correction=1), bessel)
     with pytest.raises(ValueError, match="std_correction"):
         group_advantages(r, 4, std_correction=2)

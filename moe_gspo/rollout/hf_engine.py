@@ -21,6 +21,7 @@ are `log_softmax` of the raw float32 logits (temperature 1, no top-p) at the sam
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 from typing import Iterable
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 
 from moe_gspo.rollout.base import RolloutEngine, RolloutSample, SamplingParams
+from moe_gspo.rollout.cpu_gemm import Fp32GemmForBf16, needs_fp32_gemm
 from moe_gspo.rollout.hf_router_hooks import HFRouterRecorder, find_routers
 from moe_gspo.rollout.weights_sync import load_named_tensors_
 from moe_gspo.routing.trace import ids_dtype
@@ -128,15 +130,19 @@ class HFEngine(RolloutEngine):
         device: "cpu", "cuda", or None for cuda when available.
         record_routes / record_probs: fill `routes_TLK` / `router_probs_TLK` of every sample.
         pad_token_id / eos_token_id: default to the model config (eos may be a list of ids).
+        fp32_gemm: compute bf16 GEMMs as fp32 GEMMs of the bf16 values rounded back to bf16
+            (`moe_gspo.rollout.cpu_gemm`: the same numbers, faster on CPUs without a bf16 GEMM);
+            None = when that applies (bf16 on such a CPU).
     """
 
     def __init__(self, model_or_dir, *, dtype: str | torch.dtype = "bfloat16",
                  device: str | torch.device | None = None, record_routes: bool = True,
                  record_probs: bool = True, pad_token_id: int | None = None,
-                 eos_token_id: int | list[int] | None = None):
+                 eos_token_id: int | list[int] | None = None, fp32_gemm: bool | None = None):
         self.dtype = _parse_dtype(dtype)
         self.device = torch.device(device if device is not None
                                    else ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.fp32_gemm = needs_fp32_gemm(self.device, self.dtype) if fp32_gemm is None else bool(fp32_gemm)
         self._model = _load_model(model_or_dir, self.dtype, self.device)
         config = self._model.config
         self.vocab_size: int = config.vocab_size
@@ -221,9 +227,12 @@ class HFEngine(RolloutEngine):
             probs = probs.reshape(batch, seq, self.num_moe_layers, self._top_k)
         return ids, probs
 
-    @torch.inference_mode()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[RolloutSample]:
         """Sample `sampling.n` responses per prompt, all prompts in one batch; groups contiguous."""
+        with torch.inference_mode(), (Fp32GemmForBf16() if self.fp32_gemm else contextlib.nullcontext()):
+            return self._generate(prompts, sampling)
+
+    def _generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[RolloutSample]:
         from transformers import DynamicCache
 
         _check_sampling(sampling)

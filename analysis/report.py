@@ -15,7 +15,6 @@ Exit codes: 0 built, 2 bad input (missing run dir, nothing to report on).
 
 from __future__ import annotations
 
-import argparse
 import base64
 import html
 import math
@@ -274,11 +273,18 @@ def build_report(source: str | Path, out_dir: str | Path | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m analysis.report", description=__doc__.split("\n")[0])
+    from moe_gspo.run.cli import OnceArgumentParser
+
+    parser = OnceArgumentParser(prog="python -m analysis.report", description=__doc__.split("\n\nExit codes")[0],
+                                raise_errors=True)
     parser.add_argument("source", help="training run directory, or a probe JSON file")
     parser.add_argument("--out", default=None, help="output directory (default RUN_DIR/report/)")
     parser.add_argument("--probe", default=None, help="probe JSON to add to a run report")
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except ValueError as e:  # argparse's own errors: one line, as every entry point
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RunDataWarning)
         try:

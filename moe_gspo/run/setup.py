@@ -84,6 +84,15 @@ def check_tokenizer_fits(tok, hf_config, *, tokenizer_dir: str, model: str) -> N
             f"(model.tokenizer=null) or a model trained with this tokenizer")
 
 
+def check_prompts_fit(cfg: Config, task) -> None:
+    """Start-up check, before anything is written: every prompt of `task` plus rollout.max_new_tokens
+    fits the rollout engine's context (`moe_gspo.tasks.lengths`); reads only config and tokenizer files."""
+    from moe_gspo.tasks.lengths import check_prompt_lengths
+
+    hf_config, tok = _hf_config_and_tokenizer(cfg)
+    check_prompt_lengths(task.longest_prompts(), tok, hf_config, cfg.rollout)
+
+
 def init_run(cfg: Config) -> ParallelInfo:
     from moe_gspo.rollout.vllm_support import check_rollout_machine
     from moe_gspo.tiny import tiny_qwen3_moe_config

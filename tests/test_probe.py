@@ -95,3 +95,18 @@ def test_probe_under_torchrun_ep2_fp32_has_no_drift(ckpt, tmp_path):
     assert res["world_size"] == 2 and res["num_sequences"] == 4 * 3
     assert res["routing/any_layer_flip"] == 0.0
     assert res["mismatch/logp_abs_diff_max"] <= 1e-4
+
+
+def test_no_loading_weights_bar_with_logging_progress_false(ckpt, tmp_path, capfd):
+    """transformers' "Loading weights" bar showed with logging.progress=false (issue 22, item 8)."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()  # another test's run may have turned it off in this process
+    try:
+        _run(ckpt, tmp_path, "--dtype", "float32")
+        assert "Loading weights" in capfd.readouterr().err  # the bar this test is about
+        _run(ckpt, tmp_path, "--dtype", "float32", "logging.progress=false")
+        assert "Loading weights" not in capfd.readouterr().err
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()

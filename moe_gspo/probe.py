@@ -68,8 +68,9 @@ def build_parser(*, add_help: bool = True):
     from moe_gspo.run.cli import OnceArgumentParser, add_config_arguments
 
     p = OnceArgumentParser(prog=PROG, description=__doc__, add_help=add_help)
-    add_config_arguments(p, default=None, what="YAML run config whose model / rollout fields the probe uses "
-                                               "(listed below); without it the built-in defaults, 32-token responses")
+    add_config_arguments(p, default=None, what="YAML run config whose fields listed below the probe uses (it "
+                                               "ignores the others); without it the built-in defaults, 32-token "
+                                               "responses")
     p.add_argument("--model", default=None, help="local Hugging Face Qwen3-MoE checkpoint directory (model.path)")
     p.add_argument("--prompts", required=True, help="text file (one prompt per line) or .jsonl with 'prompt'")
     p.add_argument("--out", required=True, help="output JSON path")
@@ -82,9 +83,9 @@ def build_parser(*, add_help: bool = True):
     return p
 
 
-def probe_config(args: argparse.Namespace):
+def probe_config(args: argparse.Namespace, *, need_model: bool = True):
     """The validated config of the probe's command line; raises ValueError naming the field."""
-    from moe_gspo.config import config_from_dict, load_config
+    from moe_gspo.config import config_from_dict
     from moe_gspo.run.cli import shortcut_overrides, take_config
 
     take_config(args, default=None)
@@ -97,14 +98,27 @@ def probe_config(args: argparse.Namespace):
         ("--model", "model.path", args.model), ("--engine", "rollout.engine", args.engine),
         ("--dtype", "rollout.dtype", args.dtype), ("--max-new-tokens", "rollout.max_new_tokens", args.max_new_tokens),
         ("--temperature", "rollout.temperature", args.temperature), ("--seed", "train.seed", args.seed)])
-    cfg = load_config(args.config, overrides) if args.config else config_from_dict(PROBE_DEFAULTS, overrides)
-    if cfg.model.path is None:
+    cfg = config_from_dict(_probe_fields(args.config) if args.config else PROBE_DEFAULTS, overrides)
+    if cfg.model.path is None and need_model:
         raise ValueError("give the checkpoint to probe: --model DIR (or model.path in --config)")
     if args.samples_per_prompt < 1:
         raise ValueError("--samples-per-prompt must be >= 1")
     # the probe compares routes, with one engine per process that never sleeps
     cfg.rollout = dataclasses.replace(cfg.rollout, record_routes=True, tensor_parallel_size=1, sleep_level=0)
     return cfg
+
+
+def _probe_fields(path: str) -> dict:
+    """The `PROBE_KEYS` fields of a run config file (the rest, e.g. the task, is not the probe's)."""
+    from moe_gspo.config import load_yaml_file
+
+    if not Path(path).is_file():
+        raise ValueError(f"--config {path!r} does not exist; give a run config such as configs/tiny_cpu.yaml")
+    data = load_yaml_file(path, what="config file") or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path!r} must hold a mapping of sections, got {type(data).__name__}")
+    return {sec: {k: v for k, v in body.items() if f"{sec}.{k}" in PROBE_KEYS}
+            for sec, body in data.items() if isinstance(body, dict)}
 
 
 def _help(argv: list[str]) -> str:
@@ -114,10 +128,11 @@ def _help(argv: list[str]) -> str:
     def load():
         args, _ = build_parser(add_help=False).parse_known_intermixed_args(
             [a for a in argv if a not in ("-h", "--help")] + ["--prompts", "-", "--out", "-"])
-        cfg = probe_config(args)
+        cfg = probe_config(args, need_model=False)
         return cfg, (args.config or "the probe's defaults") + (f" with {' '.join(args.overrides)}" if args.overrides else "")
 
-    cfg, source, note = help_config(load, fallback=lambda: config_from_dict(PROBE_DEFAULTS))
+    cfg, source, note = help_config(load, fallback=lambda: config_from_dict(PROBE_DEFAULTS),
+                                    fallback_source="the probe's defaults")
     return config_fields_help(cfg, source, keys=lambda k: k in PROBE_KEYS, note=note)
 
 

@@ -154,7 +154,8 @@ def help_requested(argv: list[str]) -> bool:
     return any(a in ("-h", "--help") for a in argv)
 
 
-def help_config(load: Callable[[], tuple[Config, str]], fallback: Callable[[], Config] = Config) -> tuple[Config, str, str]:
+def help_config(load: Callable[[], tuple[Config, str]], fallback: Callable[[], Config] = Config,
+                fallback_source: str = "the built-in defaults") -> tuple[Config, str, str]:
     """(config, source, note) for a help text: `load()` (the config the command line would run with),
     or, when it does not load, `fallback()` with a note saying why."""
     try:
@@ -163,7 +164,7 @@ def help_config(load: Callable[[], tuple[Config, str]], fallback: Callable[[], C
             cfg, source = load()
         return cfg, source, ""
     except (ValueError, SystemExit) as e:
-        return fallback(), "the built-in defaults", f" (the command line's config does not load: {e})"
+        return fallback(), fallback_source, f" (the command line's config does not load: {e})"
 
 
 # --------------------------------------------------------------------------- train

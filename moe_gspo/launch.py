@@ -55,6 +55,16 @@ def _signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
+def _reported(failure) -> tuple[str, bool]:
+    """(the worker's `error: ...` line or "", whether it printed it), as `moe_gspo.run.errors.report`
+    records them in torchelastic's error file."""
+    message = failure.message
+    if isinstance(message, dict):
+        text, printed = message.get("message", ""), message.get("extraInfo", {}).get("printed", False)
+        return (text if isinstance(text, str) and text.startswith("error: ") else ""), bool(printed)
+    return "", False
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -74,8 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         if code < 0:
             print(f"[moe_gspo.launch] rank {rank} was killed by {_signal_name(-code)}", file=sys.stderr, flush=True)
             return 128 - code
-        print(f"[moe_gspo.launch] {e.name} failed with exit code {code} (first on rank {rank}); the error is "
-              f"printed above", file=sys.stderr, flush=True)
+        where = "the error is printed above"
+        line, _ = _reported(failure)
+        if line and not any(_reported(f)[1] for f in e.failures.values()):
+            where = line  # another node's rank printed it (multi-node): say it here too
+        print(f"[moe_gspo.launch] {e.name} failed with exit code {code} (first on rank {rank}); {where}",
+              file=sys.stderr, flush=True)
         return code
     return 0
 

@@ -23,7 +23,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, *, overwrite: bool =
     from moe_gspo.plan.startup import check_before_loading
     from moe_gspo.run.activity import Activity
     from moe_gspo.run.learner_passes import ReferencePolicy
-    from moe_gspo.run.rundir import plan_run_dir
+    from moe_gspo.run.rundir import check_same_run_dir, plan_run_dir
     from moe_gspo.run.setup import build_policy, check_prompts_fit, init_run
     from moe_gspo.run.start import start_run
     from moe_gspo.tasks import make_task
@@ -32,6 +32,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, *, overwrite: bool =
     task = make_task(cfg.task)  # data errors: before any compute
     check_prompts_fit(cfg, task)  # prompt + rollout.max_new_tokens within the engine's context
     info = init_run(cfg)
+    check_same_run_dir(plan, rank=info.rank, world_size=info.world_size)  # multi-node: one shared RUN_DIR
     check_before_loading(cfg, info)  # optimizer options for this device; the memory plan on GPU (moe_gspo.plan)
     act = Activity(rank=info.rank, world_size=info.world_size, timeout_s=info.timeout_s)
     with act.watch():  # a collective timeout / lost rank becomes one message naming the ranks

@@ -132,22 +132,25 @@ def claim_report() -> bool:
         return True
 
 
-def _write_torchelastic_error_file(message: str) -> None:
+def _write_torchelastic_error_file(message: str, *, printed: bool) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
+    info = {"timestamp": str(int(time.time())), "printed": printed}
     try:
         with open(path, "w") as f:
-            json.dump({"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+            json.dump({"message": {"message": message, "extraInfo": info}}, f)
     except OSError:
         pass
 
 
 def report(message: str) -> None:
-    """Print `error: message` once across ranks (and record it for torchrun's summary)."""
+    """Print `error: message` once across ranks (and record it, and whether this rank printed it, for
+    the launcher's summary: `moe_gspo.launch` repeats the line on a node where no rank printed it)."""
     line = f"error: {message}"
-    _write_torchelastic_error_file(line)
-    if claim_report():
+    printed = claim_report()
+    _write_torchelastic_error_file(line, printed=printed)
+    if printed:
         print(line, file=sys.stderr, flush=True)
 
 

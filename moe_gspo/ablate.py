@@ -235,13 +235,13 @@ def _matches(arm: Arm, rule: dict[str, Any]) -> bool:
     return all(values[k] == v for k, v in rule.items())
 
 
-def expand_arms(spec: AblationSpec) -> list[Arm]:
+def expand_arms(spec: AblationSpec, *, warn: bool = True) -> list[Arm]:
     """All arms of the matrix (algo-major, then replay, then variant, then seed) minus the excluded ones."""
     variants = list(spec.variants) or [""]
     arms = [Arm(a, r, s, spec.out_dir / (f"{a}-{r}-{v}-s{s}" if v else f"{a}-{r}-s{s}"), v)
             for a in spec.algos for r in spec.routing_replay for v in variants for s in spec.seeds]
     for rule in spec.exclude:
-        if not any(_matches(arm, rule) for arm in arms):
+        if warn and not any(_matches(arm, rule) for arm in arms):
             print(f"warning: exclude rule {rule} matches no arm", file=sys.stderr)
     return [arm for arm in arms if not any(_matches(arm, rule) for rule in spec.exclude)]
 
@@ -450,7 +450,8 @@ def dry_run(spec: AblationSpec) -> list[tuple[Arm, str, list[str]]]:
 
 def main(argv: list[str] | None = None, arm_runner: ArmRunner | None = None) -> int:
     """CLI entry point; `arm_runner` replaces the torchrun subprocess (tests). Exit codes: 0 all arms
-    finished or skipped, 1 an arm failed, 2 a bad spec, override or arm config (nothing ran)."""
+    finished or skipped, 1 an arm failed, 2 a bad spec, override or arm config (nothing ran), 130 / 143
+    interrupted by Ctrl-C (SIGINT) / SIGTERM (one line saying how to resume; the running arm is stopped)."""
     from moe_gspo.run.cli import OnceArgumentParser, add_config_arguments, take_config
 
     parser = OnceArgumentParser(prog="python -m moe_gspo.ablate", description=__doc__.split("\n\nImplementation:")[0],
@@ -478,7 +479,21 @@ def main(argv: list[str] | None = None, arm_runner: ArmRunner | None = None) -> 
         for p in problems:
             print(f"error: {p}", file=sys.stderr)
         return 2
-    results = run_ablation(spec, arm_runner)
+    results: list[ArmResult] = []
+    command = shlex.join(["python", "-m", "moe_gspo.ablate", *(sys.argv[1:] if argv is None else argv)])
+
+    def how_to_resume() -> str:
+        arms = expand_arms(spec, warn=False)
+        done = sum(arm_state(a) == "done" for a in arms)
+        return (f"{done} of {len(arms)} arms finished. Rerun `{command}` to continue: finished arms are skipped, "
+                "the interrupted one resumes from its newest checkpoint (or, without one, restarts with its "
+                "partial run moved aside)")
+
+    from moe_gspo.run.errors import run_entry
+
+    code = run_entry(lambda: results.extend(run_ablation(spec, arm_runner)), how_to_resume=how_to_resume)
+    if code:  # interrupted (Ctrl-C / SIGTERM): the line above says how to resume
+        return code
     counts = {s: sum(r.status == s for r in results) for s in ("finished", "skipped", "failed")}
     print(f"arms: {counts['finished']} finished, {counts['skipped']} skipped (already done), "
           f"{counts['failed']} failed")

@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     try:
-        return run_entry(body)
+        return run_entry(body, how_to_resume=lambda: f"nothing was written to {args.out}; rerun the same command")
     finally:
         destroy_distributed()
 

@@ -151,19 +151,21 @@ def learning_summary(metrics_path: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit codes: 0 done, 2 a user error (one line, printed once), 3 a rank failure (see
-    `moe_gspo.run.errors`), 1 a bug (traceback)."""
+    """Exit codes: 0 done, 2 a user error (one line, printed once), 3 a rank failure, 128 + N
+    interrupted by signal N (one line saying how to resume; see `moe_gspo.run.errors`), 1 a bug."""
     from moe_gspo.mcore.parallel import destroy_distributed
     from moe_gspo.run.activity import exit_with_launcher
     from moe_gspo.run.cli import parse_train_args
     from moe_gspo.run.errors import run_entry
+    from moe_gspo.run.rundir import resume_hint
     from moe_gspo.run.setup import quiet_known_warnings
 
     quiet_known_warnings()
     exit_with_launcher()  # kill -9 of torchrun must not leave this worker writing
     args, cfg = parse_train_args(argv)  # CLI and config errors: SystemExit(2), printed once
     try:
-        return run_entry(lambda: train(cfg, Path(args.run_dir), args.resume, overwrite=args.overwrite) and 0)
+        return run_entry(lambda: train(cfg, Path(args.run_dir), args.resume, overwrite=args.overwrite) and 0,
+                         how_to_resume=lambda: resume_hint(args.run_dir))  # Ctrl-C / SIGTERM: one line, 130 / 143
     finally:
         destroy_distributed()
 

@@ -164,3 +164,17 @@ def check_same_run_dir(plan: RunDirPlan, *, rank: int, world_size: int) -> None:
             f"--run-dir {str(path)!r} is not the same directory on every rank: {where} cannot see the file rank 0 "
             f"(on {rank0_host}) wrote to {views[0][2]}. Put RUN_DIR on a filesystem every node mounts at the same "
             "path (NFS, Lustre, ...) and pass that absolute path as --run-dir on every node (README: Multi-node)")
+
+
+def resume_hint(run_dir: str | os.PathLike) -> str:
+    """How to continue an interrupted training run in `run_dir` (for the one line it ends with)."""
+    from moe_gspo.run.checkpoint import latest_checkpoint
+
+    p = Path(run_dir)
+    last = latest_checkpoint(p) if p.is_dir() else None
+    if last is not None:
+        return f"rerun the same command with --resume to continue from {p / last.name} (its newest checkpoint)"
+    if p.is_dir() and run_outputs(p):
+        return (f"{p} holds no checkpoint yet (train.checkpoint_every sets how often one is written): rerun the same "
+                "command with --overwrite to start afresh (the old directory is moved aside)")
+    return "nothing was written yet: rerun the same command"

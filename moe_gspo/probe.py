@@ -227,8 +227,8 @@ def _num(v) -> str:
 
 
 def summary_text(res: dict) -> str:
-    lines = [f"probe of {res['model']}  (engine {res['engine']}, rollout dtype {res['dtype']}, "
-             f"{res['num_sequences']} sequences, {res['num_tokens']} response tokens)",
+    lines = [f"probe of {res['model']}  (rollout: {res['engine']} engine in {res['dtype']}; learner: Megatron-core in "
+             f"{res.get('learner_dtype', '?')}; {res['num_sequences']} sequences, {res['num_tokens']} response tokens)",
              "routing disagreement rollout vs learner (fraction of tokens whose top-k set differs):"]
     for lid, v in zip(res["layer_ids"], res["routing/layer_disagree"]):
         lines.append(f"  layer {lid:3d}: {v:.4f}")

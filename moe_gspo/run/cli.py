@@ -26,6 +26,7 @@ from typing import Callable
 from moe_gspo.config import ALGOS, REPLAYS, Config, field_docs, load_config, parse_override
 
 OVERRIDES_HELP = "dotted config overrides, e.g. train.steps=20 rollout.dtype=float32"
+TRAIN_DEFAULT_CONFIG = "configs/tiny_cpu.yaml"
 
 
 class OnceArgumentParser(argparse.ArgumentParser):
@@ -188,7 +189,6 @@ def build_parser(prog: str, description: str, *, raise_errors: bool = False,
 
 TRAIN_PROG = "python -m moe_gspo.train"
 TRAIN_DESCRIPTION = "RL on Qwen3-MoE: GSPO / GSPO-token / GRPO x Routing Replay {none, r2, r3}."
-TRAIN_DEFAULT_CONFIG = "configs/tiny_cpu.yaml"
 
 
 def config_from_args(args: argparse.Namespace) -> Config:

@@ -10,9 +10,11 @@ at a modest dpi so the self-contained HTML stays small.
 from __future__ import annotations
 
 import io
+import textwrap
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pandas as pd
@@ -41,6 +43,9 @@ class FigureSpec:
     title: str
     caption: str
     make: Callable[[Any], Figure]
+    applies: Callable[[Any], bool] | None = None
+    """False when the data's run never turns the figure's feature on (e.g. rollout corrections off in
+    config.yaml): the figure is then left out silently instead of listed as skipped."""
 
 
 @dataclass
@@ -81,10 +86,36 @@ def positive_or_nan(values: np.ndarray) -> np.ndarray:
     return np.where(values > 0, values, np.nan)
 
 
+def _legend_below(ax) -> None:
+    """The axes' legend under its x label, outside the plotting area (never over the data); the figure
+    grows by the legend's rows so that the plot keeps its height."""
+    handles, labels = ax.get_legend_handles_labels()
+    if not handles:
+        return
+    fig = ax.figure
+    panel_in = fig.get_figwidth() / max(1, len(fig.axes))
+    ncol = max(1, min(len(labels), int(panel_in * 14 / (max(map(len, labels)) + 4))))
+    # anchored at the axes' bottom edge, pushed down (in font sizes, so independent of the figure's
+    # height) past the tick labels and the x label; constrained layout then makes room for it
+    ax.legend(handles, labels, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, 0),
+              borderaxespad=3.6, ncol=ncol, frameon=False)
+    extra, done = 0.17 * -(-len(labels) // ncol), getattr(fig, "_legend_rows_in", 0.0)
+    if extra > done:
+        fig.set_figheight(fig.get_figheight() + extra - done)
+        fig._legend_rows_in = extra
+
+
+def _fraction_axis(ax) -> None:
+    """A y axis of fractions starts at 0 (all-zero series would otherwise get a symmetric -0.05..0.05);
+    a sliver below 0, less than a tick step, keeps markers at 0 visible."""
+    top = max(ax.get_ylim()[1], 0.01)
+    ax.set_ylim(-0.03 * top, top)
+
+
 def _lines(ax, run: RunData, keys_labels: list[tuple[str, str]], logy: bool = False) -> int:
-    """Plot scalar series on ax (log y when `logy` and some value is positive); returns how many
-    series were drawn."""
-    drawn = 0
+    """Plot scalar series on ax (log y when `logy` and some value is positive), legend below the
+    axes; returns how many series were drawn. With a single step the x axis spans step ± 1."""
+    drawn, steps_seen = 0, set()
     logy = logy and any(np.any(series(run.records, k)[1] > 0) for k, _ in keys_labels)
     for key, label in keys_labels:
         steps, vals = series(run.records, key)
@@ -93,13 +124,22 @@ def _lines(ax, run: RunData, keys_labels: list[tuple[str, str]], logy: bool = Fa
         marker = "o" if steps.size <= 30 else None
         ax.plot(steps, positive_or_nan(vals) if logy else vals, marker=marker, markersize=3,
                 label=label)
+        steps_seen.update(steps.tolist())
         drawn += 1
     if logy:
         ax.set_yscale("log")
     if drawn:
-        ax.legend(fontsize="small")
+        _legend_below(ax)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if len(steps_seen) == 1:
+            (step,) = steps_seen
+            ax.set_xlim(step - 1, step + 1)
     return drawn
+
+
+def _wrapped_title(ax, text: str, width_in: float) -> None:
+    """A title wrapped to the figure's width (about 13 characters per inch at the report's font)."""
+    ax.set_title(textwrap.fill(text, max(20, int(13 * width_in))))
 
 
 def _heat_height(num_layers: int, extra: float = 1.4) -> float:
@@ -172,10 +212,11 @@ def fig_routing_disagree_last(run: RunData) -> Figure:
     if steps.size == 0:
         raise SkipFigure("'routing/layer_disagree' has no list values")
     labels = layer_labels(run, vals_SL.shape[1])
-    fig, (ax,) = _fig(width=max(4.0, 0.3 * len(labels) + 2.5))
+    width = max(4.0, 0.3 * len(labels) + 2.5)
+    fig, (ax,) = _fig(width=width)
     sns.barplot(x=labels, y=vals_SL[-1], ax=ax, color="C0")
-    ax.set(title=f"Per-layer routing disagreement at step {int(steps[-1])}",
-           xlabel=layer_axis_label(labels), ylabel="fraction of tokens")
+    ax.set(xlabel=layer_axis_label(labels), ylabel="fraction of tokens")
+    _wrapped_title(ax, f"Per-layer routing disagreement at step {int(steps[-1])}", width)
     return fig
 
 
@@ -206,13 +247,13 @@ def fig_update_change(run: RunData) -> Figure:
     _need(run, "update/layer_change", "update/expert_change_frac",
           "update_all_minibatches/expert_change_frac")
     steps, vals_SL = matrix_series(run.records, "update/layer_change")
-    fig, axes = _fig(2 if steps.size else 1, width=5.5,
+    fig, axes = _fig(2 if steps.size else 1, width=6.5,
                      height=_heat_height(vals_SL.shape[1]) if steps.size else 3.4)
     if steps.size:
         labels = layer_labels(run, vals_SL.shape[1])
         df = pd.DataFrame(vals_SL.T, index=labels, columns=steps)
-        sns.heatmap(df, ax=axes[0], cmap="magma", vmin=0, xticklabels="auto", yticklabels="auto",
-                    cbar_kws={"label": "fraction of tokens"})
+        sns.heatmap(df, ax=axes[0], cmap="magma", vmin=0, vmax=max(_finite_max(vals_SL), 0.01), xticklabels="auto",
+                    yticklabels="auto", cbar_kws={"label": "fraction of tokens"})
         axes[0].set(title="per layer, after the first optimizer step", xlabel="training step",
                     ylabel=layer_axis_label(labels))
     ax = axes[-1]
@@ -220,6 +261,7 @@ def fig_update_change(run: RunData) -> Figure:
                             ("update/any_layer_change", "tokens (≥1 layer), after the first step"),
                             ("update_all_minibatches/expert_change_frac", "experts, after all mini-batches")]):
         ax.text(0.5, 0.5, "update/expert_change_frac not logged", ha="center", transform=ax.transAxes)
+    _fraction_axis(ax)
     ax.set(title="all layers", xlabel="training step", ylabel="fraction changed")
     fig.suptitle("Old→new learner routing of the same response tokens")
     return fig
@@ -276,7 +318,7 @@ def fig_ratio_variance_length(run: RunData) -> Figure:
     if np.any(np.concatenate([stats[k][ok] for k in ("token_var", "seq_norm_var",
                                                      "seq_logprod_var")]) > 0):
         ax.set_yscale("log")
-    ax.legend(fontsize="small")
+    _legend_below(ax)
     num_steps = sum("logprobs" in kinds for kinds in run.traces.values())
     ax.set(title=f"Learner/rollout ratio variance vs response length ({num_steps} traced steps)",
            xlabel="response length (tokens, bin mean)", ylabel="variance (unitless)")
@@ -288,7 +330,7 @@ def fig_variance_attribution(run: RunData) -> Figure:
     fig, (ax,) = _fig()
     _lines(ax, run, [("mismatch_ratio/token_var_share_flipped", "share of the variance on flipped tokens"),
                      ("mismatch_ratio/flipped_token_frac", "share of the tokens that flipped")])
-    ax.set_ylim(-0.02, 1.02)
+    ax.set_ylim(0, 1.02)
     ax.set(title="Learner/rollout token-ratio variance carried by routing-flipped tokens",
            xlabel="training step", ylabel="fraction")
     return fig
@@ -301,6 +343,7 @@ def fig_clip(run: RunData) -> Figure:
                      ("clip/token_frac_low", "tokens, binds low (A < 0)"),
                      ("clip/token_frac_high", "tokens, binds high (A > 0)"),
                      ("clip/out_of_range_frac", "tokens out of range (either sign of A)")])
+    _fraction_axis(ax)
     ax.set(title="Clip fractions", xlabel="training step", ylabel="fraction")
     return fig
 
@@ -315,6 +358,7 @@ def fig_mismatch(run: RunData) -> Figure:
     _lines(axes[1], run, [("mismatch/extreme_frac_ln2", "|Δ log p| > ln 2"),
                           ("mismatch/extreme_frac_ln5", "|Δ log p| > ln 5"),
                           ("mismatch_replayed/extreme_frac_ln2", "|Δ log p| > ln 2, replayed (R3)")])
+    _fraction_axis(axes[1])
     axes[1].set(title="extreme tokens", xlabel="training step", ylabel="fraction of tokens")
     fig.suptitle("Rollout engine vs learner mismatch (same tokens; natural routing unless marked)")
     return fig
@@ -330,6 +374,7 @@ def fig_rollout_corr(run: RunData) -> Figure:
     _lines(axes[1], run, [("rollout_corr/is_truncated_frac", "IS units truncated"),
                           ("rollout_corr/rs_masked_token_frac", "tokens rejected"),
                           ("rollout_corr/rs_masked_seq_frac", "sequences with a rejected token")])
+    _fraction_axis(axes[1])
     axes[1].set(title="truncation and rejection", xlabel="training step", ylabel="fraction")
     fig.suptitle("Rollout corrections (rollout_corr/*)")
     return fig
@@ -348,7 +393,7 @@ def fig_reward(run: RunData) -> Figure:
     s_max, mx = series(run.records, "reward/max")
     if s_max.size:
         ax.plot(s_max, mx, ls="--", color="C1", label="max")
-    ax.legend(fontsize="small")
+    _legend_below(ax)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set(title="Reward", xlabel="training step", ylabel="reward (task units)")
     return fig
@@ -414,8 +459,19 @@ RUN_FIGURES: list[FigureSpec] = [
     FigureSpec("rollout_corr", "Rollout corrections",
                "Truncated importance weights π_learner_old / π_rollout (mean applied, max raw, effective "
                "sample size) and the fractions truncated / rejected, when algo.rollout_is / rollout_rs "
-               "are on.", fig_rollout_corr),
+               "are on.", fig_rollout_corr, applies=lambda run: _rollout_corr_on(run)),
 ]
+
+
+def _rollout_corr_on(run: RunData) -> bool:
+    """False when no step logged rollout_corr/* and config.yaml says algo.rollout_is and
+    algo.rollout_rs are both none (the default): nothing to show, and that is no news."""
+    if any(k.startswith("rollout_corr/") for r in run.records for k in r):
+        return True
+    algo = (run.config or {}).get("algo")
+    if not isinstance(algo, dict):
+        return True
+    return algo.get("rollout_is", "none") != "none" or algo.get("rollout_rs", "none") != "none"
 
 
 # --------------------------------------------------------------------------- probe figures
@@ -432,10 +488,11 @@ def _probe_list(probe: dict, key: str) -> np.ndarray:
 def fig_probe_layer_disagree(probe: dict) -> Figure:
     vals_L = _probe_list(probe, "routing/layer_disagree")
     labels = layer_labels(None, vals_L.size, probe)
-    fig, (ax,) = _fig(width=max(4.0, 0.3 * len(labels) + 2.5))
+    width = max(4.0, 0.3 * len(labels) + 2.5)
+    fig, (ax,) = _fig(width=width)
     sns.barplot(x=labels, y=vals_L, ax=ax, color="C0")
-    ax.set(title="Per-layer routing disagreement, rollout engine vs learner",
-           xlabel=layer_axis_label(labels), ylabel="fraction of tokens")
+    ax.set(xlabel=layer_axis_label(labels), ylabel="fraction of tokens")
+    _wrapped_title(ax, "Per-layer routing disagreement, rollout engine vs learner", width)
     return fig
 
 
@@ -448,18 +505,25 @@ def fig_probe_expert_load(probe: dict) -> Figure:
 
 
 def fig_probe_variance(probe: dict) -> Figure:
-    names = [("ratio/token_var_share_flipped", "routing flipped"),
-             ("ratio/token_var_share_agreed", "routing agreed"),
-             ("ratio/flipped_token_frac", "tokens flipped")]
-    vals = [(label, probe_value(probe, k)) for k, label in names]
-    vals = [(label, v) for label, v in vals if np.isfinite(v)]
-    if not vals:
+    """Bars: each token set's share of the token-ratio variance. The token fraction is not a third bar
+    on that axis: a dashed mark on each bar shows the token set's share of the tokens, i.e. the
+    variance share it would carry if its tokens varied like the others."""
+    shares = [("routing flipped", probe_value(probe, "ratio/token_var_share_flipped")),
+              ("routing agreed", probe_value(probe, "ratio/token_var_share_agreed"))]
+    if not any(np.isfinite(v) for _, v in shares):
         raise SkipFigure("probe has no variance-share keys (ratio/token_var_share_flipped / _agreed)")
     fig, (ax,) = _fig(width=5.0)
-    sns.barplot(x=[v[0] for v in vals], y=[v[1] for v in vals], ax=ax, color="C2")
+    sns.barplot(x=[k for k, _ in shares], y=[0.0 if not np.isfinite(v) else v for _, v in shares], ax=ax,
+                color="C2", label="share of the token-ratio variance")
+    flipped = probe_value(probe, "ratio/flipped_token_frac")
+    if np.isfinite(flipped):
+        for x, frac in enumerate((flipped, 1.0 - flipped)):
+            ax.hlines(frac, x - 0.4, x + 0.4, colors="k", linestyles="--", linewidth=1.2,
+                      label="share of the tokens" if x == 0 else None)
     ax.set_ylim(0, 1)
-    ax.set(title="Learner/rollout token-ratio variance attribution", xlabel="token set",
-           ylabel="share of the total (fraction)")
+    _legend_below(ax)
+    ax.set(title="Learner/rollout token-ratio variance by routing", xlabel="response tokens whose routing",
+           ylabel="fraction of the total")
     return fig
 
 
@@ -470,8 +534,9 @@ PROBE_FIGURES: list[FigureSpec] = [
     FigureSpec("probe_expert_load", "Probe: expert load (rollout, learner, difference)",
                "Share of routings per expert and layer in the probe.", fig_probe_expert_load),
     FigureSpec("probe_variance_attribution", "Probe: variance attribution",
-               "Share of the learner/rollout token-ratio sum of squared deviations on tokens with a "
-               "routing flip and on tokens routed identically, and the share of flipped tokens.",
+               "Share of the learner/rollout token-ratio sum of squared deviations on response tokens with "
+               "a routing flip and on tokens routed identically (bars); the dashed mark on each bar is that "
+               "set's share of the tokens, the share it would carry at the average variance.",
                fig_probe_variance),
 ]
 
@@ -485,13 +550,22 @@ def figure_png(fig: Figure) -> bytes:
     return buf.getvalue()
 
 
-def render_figures(specs: list[FigureSpec], data: Any) -> list[RenderedFigure | SkippedFigure]:
-    """Draw each spec on `data`; a `SkipFigure` (or an unreadable trace file) becomes a SkippedFigure."""
-    out: list[RenderedFigure | SkippedFigure] = []
+@contextmanager
+def report_style() -> Iterator[None]:
+    """The style every report figure is drawn in (seaborn's whitegrid axes, paper font sizes)."""
     with sns.axes_style("whitegrid"), sns.plotting_context("paper"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN slices of metrics never logged
         warnings.simplefilter("ignore", PendingDeprecationWarning)  # seaborn's cmap.set_bad call
+        yield
+
+
+def render_figures(specs: list[FigureSpec], data: Any) -> list[RenderedFigure | SkippedFigure]:
+    """Draw each spec on `data`; a `SkipFigure` (or an unreadable trace file) becomes a SkippedFigure."""
+    out: list[RenderedFigure | SkippedFigure] = []
+    with report_style():
         for spec in specs:
+            if spec.applies is not None and not spec.applies(data):
+                continue
             try:
                 fig = spec.make(data)
             except SkipFigure as e:

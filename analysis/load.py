@@ -354,8 +354,11 @@ HEADLINE_LABELS: dict[str, str] = {
     "k3_kl_replayed_mean": "rollout vs learner k3 KL, pass replaying the rollout routes (mismatch_replayed/k3_kl, R3)",
     "clip_token_frac_mean": "tokens whose clip binds (clip/token_frac)",
     "clip_out_of_range_frac_mean": "tokens with a ratio outside the clip range, either sign of A (clip/out_of_range_frac)",
-    "update_expert_change_mean": "old→new expert change after the first optimizer step (update/expert_change_frac)",
-    "update_all_expert_change_mean": "old→new expert change after all mini-batches (update_all_minibatches/expert_change_frac)",
+    "update_expert_change_mean": "old→new expert change after the first optimizer step (update/expert_change_frac), "
+                                 "mean over the steps that measured it",
+    "update_all_expert_change_mean": "old→new expert change after all mini-batches "
+                                     "(update_all_minibatches/expert_change_frac), mean over the same steps",
+    "num_update_steps": "steps that measured the old→new change (one every logging.update_drift_every steps)",
     "flipped_var_share_mean": "share of learner/rollout token-ratio variance on routing-flipped tokens",
     "token_seq_var_ratio": "mean ratio/token_var ÷ mean ratio/seq_var",
 }
@@ -396,6 +399,7 @@ def headline_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
         "clip_out_of_range_frac_mean": _mean_of(records, "clip/out_of_range_frac"),
         "update_expert_change_mean": _mean_of(records, "update/expert_change_frac"),
         "update_all_expert_change_mean": _mean_of(records, "update_all_minibatches/expert_change_frac"),
+        "num_update_steps": float(np.isfinite(series(records, "update/expert_change_frac")[1]).sum()),
         "flipped_var_share_mean": _mean_of(records, "mismatch_ratio/token_var_share_flipped"),
         "token_seq_var_ratio": (token_var / seq_var if np.isfinite(token_var) and np.isfinite(seq_var)
                                 and seq_var > 0 else math.nan),
@@ -403,9 +407,10 @@ def headline_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
 
 
 PROBE_LABELS: dict[str, str] = {
-    "num_tokens": "tokens probed",
-    "num_sequences": "sequences probed",
-    "num_routed_tokens": "tokens with routing from both engine and learner",
+    "num_tokens": "response tokens probed (sampled tokens, each with a rollout and a learner log-prob)",
+    "num_sequences": "sequences probed (prompts × samples per prompt)",
+    "num_routed_tokens": "token positions routed by both engine and learner (prompt and response rows, each "
+                         "sequence's prompt included: more than the response tokens)",
     "routing/any_layer_flip": "tokens routed differently in ≥1 layer (fraction)",
     "routing/mean_layers_differing": "mean number of layers routed differently per token",
     "routing/topk_overlap": "top-k overlap (fraction of experts shared)",

@@ -15,7 +15,6 @@ Exit codes: 0 built, 2 bad input (missing run dir, nothing to report on).
 
 from __future__ import annotations
 
-import argparse
 import base64
 import html
 import math
@@ -207,12 +206,22 @@ def write_page(page: Page, out_dir: str | Path) -> ReportPaths:
 
 def headline_table(records: list[dict]) -> Table:
     nums = headline_numbers(records)
-    rows = [[HEADLINE_LABELS[k], fmt_number(v, integer=(k == "num_steps"))] for k, v in nums.items()]
+    rows = [[HEADLINE_LABELS[k], fmt_number(v, integer=k.startswith("num_"))] for k, v in nums.items()]
     return Table("Headline numbers", ["quantity", "value"], rows)
 
 
+def probe_setup_rows(probe: dict) -> list[list[str]]:
+    """The probe's setup: model, both sides' engine and dtype (probe files before the learner dtype was
+    recorded: float32 on CPU, bfloat16 on CUDA), world size."""
+    learner = probe.get("learner_dtype") or "not recorded (float32 on CPU, bfloat16 on CUDA)"
+    rows = [("model", probe.get("model")),
+            ("rollout side", f"{probe['engine']} engine, {probe['dtype']}" if "engine" in probe else None),
+            ("learner side", f"Megatron-core, {learner}"), ("processes", probe.get("world_size"))]
+    return [[k, str(v)] for k, v in rows if v is not None]
+
+
 def probe_tables(probe: dict, heading: str = "Probe") -> list[Table]:
-    info = [[k, str(probe[k])] for k in ("model", "engine", "dtype") if k in probe]
+    info = probe_setup_rows(probe)
     nums = probe_headline(probe)
     rows = [[PROBE_LABELS[k], fmt_number(v, integer=k.startswith("num_"))] for k, v in nums.items()]
     tables = [Table(f"{heading}: setup", ["field", "value"], info)] if info else []
@@ -226,6 +235,9 @@ def _config_summary(run: RunData) -> list[str]:
     bits = [f"{k}={algo[k]}" for k in ("name", "routing_replay") if k in algo]
     if bits:
         lines.append("Algorithm: " + ", ".join(bits))
+    sides = _sides(cfg)
+    if sides:
+        lines.append(sides)
     if run.done is not None:
         lines.append(f"Finished: last step {run.done.get('step', '?')}, "
                      f"wall time {fmt_number(float(run.done.get('wall_s', math.nan)))} s")
@@ -233,6 +245,19 @@ def _config_summary(run: RunData) -> list[str]:
         lines.append("Not finished (no done.json): the run is in progress, failed, or was killed.")
     lines.append(f"Metric records: {len(run.records)}; traced steps: {len(run.traces)}")
     return lines
+
+
+def _sides(cfg: dict) -> str:
+    """"Rollout: <engine> engine in <dtype>; learner: Megatron-core in <dtype>" from config.yaml."""
+    rollout = cfg.get("rollout") if isinstance(cfg.get("rollout"), dict) else {}
+    model = cfg.get("model") if isinstance(cfg.get("model"), dict) else {}
+    if not rollout and not model:
+        return ""
+    learner = model.get("params_dtype", "auto")
+    if learner == "auto":
+        learner = "auto (float32 on CPU, bfloat16 on CUDA)"
+    return (f"Rollout: {rollout.get('engine', '?')} engine in {rollout.get('dtype', '?')}; "
+            f"learner: Megatron-core in {learner} (model.params_dtype)")
 
 
 def build_run_page(run: RunData, probe: dict | None = None) -> Page:
@@ -249,7 +274,8 @@ def build_run_page(run: RunData, probe: dict | None = None) -> Page:
 
 
 def build_probe_page(probe: dict, source: Path) -> Page:
-    page = Page(title=f"Routing-drift probe: {source.name}", intro=[f"Probe file: {source}"])
+    setup = "; ".join(f"{k}: {v}" for k, v in probe_setup_rows(probe) if k != "model")
+    page = Page(title=f"Routing-drift probe: {source.name}", intro=[f"Probe file: {source}", setup])
     page.tables = probe_tables(probe)
     page.figures = render_figures(PROBE_FIGURES, probe)
     return page
@@ -274,11 +300,18 @@ def build_report(source: str | Path, out_dir: str | Path | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m analysis.report", description=__doc__.split("\n")[0])
+    from moe_gspo.run.cli import OnceArgumentParser
+
+    parser = OnceArgumentParser(prog="python -m analysis.report", description=__doc__.split("\n\nExit codes")[0],
+                                raise_errors=True)
     parser.add_argument("source", help="training run directory, or a probe JSON file")
     parser.add_argument("--out", default=None, help="output directory (default RUN_DIR/report/)")
     parser.add_argument("--probe", default=None, help="probe JSON to add to a run report")
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except ValueError as e:  # argparse's own errors: one line, as every entry point
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RunDataWarning)
         try:

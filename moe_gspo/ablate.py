@@ -1,6 +1,8 @@
 """Ablation runner: train every arm of an algorithm × routing-replay [× variant] × seed matrix, then compare.
 
-    python -m moe_gspo.ablate configs/ablation_tiny.yaml [--out DIR] [--dry-run] [section.key=value ...]
+    python -m moe_gspo.ablate --config configs/ablation_tiny.yaml [--out DIR] [--dry-run] [section.key=value ...]
+
+(The spec may also be the first positional argument, as in earlier versions.)
 
 The ablation YAML:
 
@@ -40,12 +42,12 @@ Resuming a matrix: an arm whose `done.json` exists is skipped; an unfinished arm
 after its old directory is moved aside to `<run_dir>.prev<k>` (nothing is deleted). A failing arm is
 reported with its log path and the others still run; the exit code is 1 when any arm failed.
 At the end `analysis.compare.build_comparison` writes `{out_dir}/comparison/report.html`.
-The arm runner is a parameter of `run_ablation` so tests can replace the subprocess.
+
+Implementation: the arm runner is a parameter of `run_ablation` so tests can replace the subprocess.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -233,13 +235,13 @@ def _matches(arm: Arm, rule: dict[str, Any]) -> bool:
     return all(values[k] == v for k, v in rule.items())
 
 
-def expand_arms(spec: AblationSpec) -> list[Arm]:
+def expand_arms(spec: AblationSpec, *, warn: bool = True) -> list[Arm]:
     """All arms of the matrix (algo-major, then replay, then variant, then seed) minus the excluded ones."""
     variants = list(spec.variants) or [""]
     arms = [Arm(a, r, s, spec.out_dir / (f"{a}-{r}-{v}-s{s}" if v else f"{a}-{r}-s{s}"), v)
             for a in spec.algos for r in spec.routing_replay for v in variants for s in spec.seeds]
     for rule in spec.exclude:
-        if not any(_matches(arm, rule) for arm in arms):
+        if warn and not any(_matches(arm, rule) for arm in arms):
             print(f"warning: exclude rule {rule} matches no arm", file=sys.stderr)
     return [arm for arm in arms if not any(_matches(arm, rule) for rule in spec.exclude)]
 
@@ -448,17 +450,22 @@ def dry_run(spec: AblationSpec) -> list[tuple[Arm, str, list[str]]]:
 
 def main(argv: list[str] | None = None, arm_runner: ArmRunner | None = None) -> int:
     """CLI entry point; `arm_runner` replaces the torchrun subprocess (tests). Exit codes: 0 all arms
-    finished or skipped, 1 an arm failed, 2 a bad spec, override or arm config (nothing ran)."""
-    parser = argparse.ArgumentParser(prog="python -m moe_gspo.ablate",
-                                     description="Run an algorithm x routing-replay [x variant] x seed ablation.")
-    parser.add_argument("spec", help="ablation YAML (see the module docstring)")
+    finished or skipped, 1 an arm failed, 2 a bad spec, override or arm config (nothing ran), 130 / 143
+    interrupted by Ctrl-C (SIGINT) / SIGTERM (one line saying how to resume; the running arm is stopped)."""
+    from moe_gspo.run.cli import OnceArgumentParser, add_config_arguments, take_config
+
+    parser = OnceArgumentParser(prog="python -m moe_gspo.ablate", description=__doc__.split("\n\nImplementation:")[0],
+                                raise_errors=True)
+    add_config_arguments(parser, default=None, what="ablation spec YAML, in the format above", positional_file=True)
     parser.add_argument("--out", default=None, help="output directory (overrides out_dir)")
     parser.add_argument("--dry-run", action="store_true", help="validate every arm and list the commands only")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
-                        help="dotted config overrides added to the spec's overrides (every arm)")
-    args = parser.parse_intermixed_args(argv)
     try:
-        spec = load_spec(args.spec, args.out, args.overrides)
+        args = parser.parse_intermixed_args(argv)
+        take_config(args, default=None, positional_file=True)
+        if args.config is None:
+            raise ValueError("give the ablation spec: python -m moe_gspo.ablate --config FILE "
+                             "(e.g. configs/ablation_tiny.yaml)")
+        spec = load_spec(args.config, args.out, args.overrides)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -472,7 +479,21 @@ def main(argv: list[str] | None = None, arm_runner: ArmRunner | None = None) -> 
         for p in problems:
             print(f"error: {p}", file=sys.stderr)
         return 2
-    results = run_ablation(spec, arm_runner)
+    results: list[ArmResult] = []
+    command = shlex.join(["python", "-m", "moe_gspo.ablate", *(sys.argv[1:] if argv is None else argv)])
+
+    def how_to_resume() -> str:
+        arms = expand_arms(spec, warn=False)
+        done = sum(arm_state(a) == "done" for a in arms)
+        return (f"{done} of {len(arms)} arms finished. Rerun `{command}` to continue: finished arms are skipped, "
+                "the interrupted one resumes from its newest checkpoint (or, without one, restarts with its "
+                "partial run moved aside)")
+
+    from moe_gspo.run.errors import run_entry
+
+    code = run_entry(lambda: results.extend(run_ablation(spec, arm_runner)), how_to_resume=how_to_resume)
+    if code:  # interrupted (Ctrl-C / SIGTERM): the line above says how to resume
+        return code
     counts = {s: sum(r.status == s for r in results) for s in ("finished", "skipped", "failed")}
     print(f"arms: {counts['finished']} finished, {counts['skipped']} skipped (already done), "
           f"{counts['failed']} failed")

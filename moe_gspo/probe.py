@@ -9,97 +9,189 @@ response log-probs; prompt rows under `routing_prompt/*`), the train-inference m
 ratios, and each routing subset's share of that variance (flipped vs agreed tokens; NaN -> null
 when a subset is empty).
 Keys match the training loop's metrics.jsonl (there `ratio/*` of this file is `mismatch_ratio/*`).
+
+Settings come as in `moe_gspo.train`: an optional `--config FILE` (a run config; the probe uses the
+fields listed by `--help`), then `section.key=value` overrides, e.g. `rollout.max_model_len=4096
+rollout.kv_cache_gib=2 model.tokenizer=DIR` for vLLM; `--model`, `--engine`, `--dtype`,
+`--max-new-tokens`, `--temperature` and `--seed` are shortcuts for model.path, rollout.engine,
+rollout.dtype, rollout.max_new_tokens, rollout.temperature and train.seed. Every prompt plus
+rollout.max_new_tokens must fit the engine's context (checked before any model is loaded).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
 
 
-def read_prompts(path: str | Path) -> list[str]:
-    """A text file (one prompt per line) or JSONL with a `prompt` field; blank lines skipped."""
+def read_prompt_file(path: str | Path) -> list[tuple[str, str]]:
+    """(`file:line`, prompt) of a text file (one prompt per line) or JSONL with a `prompt` field;
+    blank lines skipped."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"--prompts {str(p)!r} does not exist; give a text file (one prompt per line) or JSONL")
-    from moe_gspo.tasks.jsonl import iter_prompt_objects
+    from moe_gspo.tasks.jsonl import iter_prompt_objects, iter_text_lines
 
     if p.suffix == ".jsonl":
-        prompts = [obj["prompt"] for _, obj in iter_prompt_objects(p)]
+        prompts = [(f"{p}:{n}", obj["prompt"]) for n, obj in iter_prompt_objects(p)]
     else:
-        from moe_gspo.tasks.jsonl import iter_text_lines
-
-        prompts = [line.rstrip("\r\n") for _, line in iter_text_lines(p) if line.strip()]
+        prompts = [(f"{p}:{n}", line.rstrip("\r\n")) for n, line in iter_text_lines(p) if line.strip()]
     if not prompts:
-        raise ValueError(f"--prompts {str(p)!r} holds no prompts; put one prompt per line")
+        raise ValueError(f"--prompts {str(p)!r} holds no prompts; put one prompt per line (or, in a .jsonl file, "
+                         'one {"prompt": "..."} object per line)')
     return prompts
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from moe_gspo.run.cli import OnceArgumentParser
+def read_prompts(path: str | Path) -> list[str]:
+    """The prompts of `read_prompt_file`."""
+    return [text for _, text in read_prompt_file(path)]
 
-    p = OnceArgumentParser(prog="python -m moe_gspo.probe", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="local Hugging Face Qwen3-MoE checkpoint directory")
+
+PROG = "python -m moe_gspo.probe"
+PROBE_DEFAULTS = {"rollout": {"max_new_tokens": 32}}
+"""The probe's config without --config: the built-in defaults, except 32-token responses."""
+PROBE_KEYS = ("model.path", "model.tokenizer", "model.params_dtype", "model.vocab_pad_multiple",
+              "parallel.collective_timeout_s", "rollout.engine", "rollout.dtype", "rollout.temperature",
+              "rollout.top_p", "rollout.max_new_tokens", "rollout.gpu_memory_utilization", "rollout.max_model_len",
+              "rollout.kv_cache_gib", "train.seed", "logging.progress")
+"""The config fields the probe uses; an override of any other is refused (it would have no effect)."""
+
+
+def build_parser(*, add_help: bool = True):
+    from moe_gspo.run.cli import OnceArgumentParser, add_config_arguments
+
+    p = OnceArgumentParser(prog=PROG, description=__doc__, add_help=add_help)
+    add_config_arguments(p, default=None, what="YAML run config whose fields listed below the probe uses (it "
+                                               "ignores the others); without it the built-in defaults, 32-token "
+                                               "responses")
+    p.add_argument("--model", default=None, help="local Hugging Face Qwen3-MoE checkpoint directory (model.path)")
     p.add_argument("--prompts", required=True, help="text file (one prompt per line) or .jsonl with 'prompt'")
     p.add_argument("--out", required=True, help="output JSON path")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="rollout dtype (default bfloat16)")
-    p.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="rollout engine (default hf)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="rollout.dtype")
+    p.add_argument("--engine", choices=["hf", "vllm"], default=None, help="rollout.engine")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="rollout.max_new_tokens")
+    p.add_argument("--temperature", type=float, default=None, help="rollout.temperature")
+    p.add_argument("--seed", type=int, default=None, help="train.seed (the sampling seed)")
     p.add_argument("--samples-per-prompt", type=int, default=4, help="responses per prompt (default 4)")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="response length cap (default 32)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     return p
 
 
-def probe(args: argparse.Namespace) -> dict:
-    from transformers import AutoTokenizer
+def probe_config(args: argparse.Namespace, *, need_model: bool = True):
+    """The validated config of the probe's command line; raises ValueError naming the field."""
+    from moe_gspo.config import config_from_dict
+    from moe_gspo.run.cli import shortcut_overrides, take_config
 
-    from moe_gspo.config import AlgoConfig, Config, RolloutConfig
+    take_config(args, default=None)
+    for o in args.overrides:
+        key = o.split("=", 1)[0].strip()
+        if key not in PROBE_KEYS:
+            raise ValueError(f"override {o!r}: the probe does not use {key}; it uses {', '.join(PROBE_KEYS)} "
+                             "(and --samples-per-prompt)")
+    overrides = shortcut_overrides(args.overrides, [
+        ("--model", "model.path", args.model), ("--engine", "rollout.engine", args.engine),
+        ("--dtype", "rollout.dtype", args.dtype), ("--max-new-tokens", "rollout.max_new_tokens", args.max_new_tokens),
+        ("--temperature", "rollout.temperature", args.temperature), ("--seed", "train.seed", args.seed)])
+    cfg = config_from_dict(_probe_fields(args.config) if args.config else PROBE_DEFAULTS, overrides)
+    if cfg.model.path is None and need_model:
+        raise ValueError("give the checkpoint to probe: --model DIR (or model.path in --config)")
+    if args.samples_per_prompt < 1:
+        raise ValueError("--samples-per-prompt must be >= 1")
+    # the probe compares routes, with one engine per process that never sleeps
+    cfg.rollout = dataclasses.replace(cfg.rollout, record_routes=True, tensor_parallel_size=1, sleep_level=0)
+    return cfg
+
+
+def _probe_fields(path: str) -> dict:
+    """The `PROBE_KEYS` fields of a run config file (the rest, e.g. the task, is not the probe's)."""
+    from moe_gspo.config import load_yaml_file
+
+    if not Path(path).is_file():
+        raise ValueError(f"--config {path!r} does not exist; give a run config such as configs/tiny_cpu.yaml")
+    data = load_yaml_file(path, what="config file") or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path!r} must hold a mapping of sections, got {type(data).__name__}")
+    return {sec: {k: v for k, v in body.items() if f"{sec}.{k}" in PROBE_KEYS}
+            for sec, body in data.items() if isinstance(body, dict)}
+
+
+def _help(argv: list[str]) -> str:
+    from moe_gspo.config import config_from_dict
+    from moe_gspo.run.cli import config_fields_help, help_config
+
+    def load():
+        args, _ = build_parser(add_help=False).parse_known_intermixed_args(
+            [a for a in argv if a not in ("-h", "--help")] + ["--prompts", "-", "--out", "-"])
+        cfg = probe_config(args, need_model=False)
+        return cfg, (args.config or "the probe's defaults") + (f" with {' '.join(args.overrides)}" if args.overrides else "")
+
+    cfg, source, note = help_config(load, fallback=lambda: config_from_dict(PROBE_DEFAULTS),
+                                    fallback_source="the probe's defaults")
+    return config_fields_help(cfg, source, keys=lambda k: k in PROBE_KEYS, note=note)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from moe_gspo.run.cli import help_requested
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    if help_requested(argv):
+        parser.epilog = _help(argv)
+    return parser.parse_intermixed_args(argv)
+
+
+def probe(args: argparse.Namespace, cfg=None) -> dict:
+    from moe_gspo.config import AlgoConfig
     from moe_gspo.learner.batch import PackedBatch
     from moe_gspo.learner.learner import Learner
     from moe_gspo.mcore.checkpoint import load_hf_config, load_megatron_from_hf_dir
     from moe_gspo.mcore.model import moe_layer_ids
     from moe_gspo.mcore.parallel import init_distributed
     from moe_gspo.rollout.base import SamplingParams
+    from moe_gspo.rollout.vllm_support import check_rollout_machine
     from moe_gspo.run.compare import rollout_vs_learner
-    from moe_gspo.run.setup import build_engine, derive_seed
-    from moe_gspo.run.steps import gather_samples
-
     from moe_gspo.run.rundir import check_output_file
-    from moe_gspo.run.setup import check_tokenizer_fits
+    from moe_gspo.run.setup import build_engine, check_tokenizer_fits, derive_seed, learner_dtype, quiet_progress_bars
+    from moe_gspo.run.steps import gather_samples
+    from moe_gspo.tasks import Prompt
+    from moe_gspo.tasks.lengths import check_prompt_lengths
 
-    for name in ("samples_per_prompt", "max_new_tokens"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    cfg = probe_config(args) if cfg is None else cfg
+    r, model_dir = cfg.rollout, cfg.model.path
     check_output_file(args.out, "--out")  # before any compute
-    hf_config = load_hf_config(args.model, field="--model")  # clear errors: missing dir, not a Qwen3-MoE
-    prompts = read_prompts(args.prompts)
+    hf_config = load_hf_config(model_dir, field="--model")  # clear errors: missing dir, not a Qwen3-MoE
+    check_rollout_machine(r, hf_config, model=f"--model {model_dir}")  # this machine's vLLM, what its kernels run
+    prompt_lines = read_prompt_file(args.prompts)
+    tok = _tokenizer(cfg)
+    check_tokenizer_fits(tok, hf_config, tokenizer_dir=cfg.model.tokenizer or model_dir, model=model_dir)
+    check_prompt_lengths([Prompt(text=t, answer="", where=w) for w, t in prompt_lines], tok, hf_config, r,
+                         max_new_tokens_flag="--max-new-tokens (rollout.max_new_tokens)")
+    prompts = [t for _, t in prompt_lines]
+    quiet_progress_bars(cfg)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    info = init_distributed(ep_size=world, num_experts=hf_config.num_experts, seed=args.seed)
+    info = init_distributed(ep_size=world, num_experts=hf_config.num_experts, seed=cfg.train.seed,
+                            timeout_s=cfg.parallel.collective_timeout_s)
     if len(prompts) < info.dp_size:
         raise ValueError(f"--prompts has {len(prompts)} prompts, fewer than the {info.dp_size} processes; add prompts")
-    bounds = [len(prompts) * r // info.dp_size for r in range(info.dp_size + 1)]
+    bounds = [len(prompts) * k // info.dp_size for k in range(info.dp_size + 1)]
     mine = prompts[bounds[info.dp_rank]:bounds[info.dp_rank + 1]]
-    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    tok = AutoTokenizer.from_pretrained(args.model)
-    check_tokenizer_fits(tok, hf_config, tokenizer_dir=args.model, model=args.model)
-    model, _ = load_megatron_from_hf_dir(args.model, ep_size=info.ep_size, params_dtype=dtype,
+    model, _ = load_megatron_from_hf_dir(model_dir, ep_size=info.ep_size, params_dtype=learner_dtype(cfg),
                                          enable_routing_replay=False, token_dispatcher="allgather",
-                                         vocab_pad_multiple=1, field="--model")
+                                         vocab_pad_multiple=cfg.model.vocab_pad_multiple, field="--model")
     learner = Learner(model, hf_config, parallel=info, algo=AlgoConfig(), train=None)  # inference only
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    engine = build_engine(Config(rollout=RolloutConfig(engine=args.engine, dtype=args.dtype)), args.model, tok)
+    engine = build_engine(cfg, model_dir, tok)
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in mine]
     try:
-        local = engine.generate(ids, SamplingParams(n=args.samples_per_prompt, temperature=args.temperature,
-                                                    max_new_tokens=args.max_new_tokens,
-                                                    seed=derive_seed(args.seed, info.dp_rank)))
+        local = engine.generate(ids, SamplingParams(n=args.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
+                                                    max_new_tokens=r.max_new_tokens,
+                                                    seed=derive_seed(cfg.train.seed, info.dp_rank)))
     finally:
         engine.close()  # before the process group goes (vLLM's own teardown would take it down)
     samples = gather_samples(local, info, prompt_offset=bounds[info.dp_rank])
@@ -113,11 +205,21 @@ def probe(args: argparse.Namespace) -> dict:
     m["num_tokens"] = int(batch.response_mask_BS.sum())
     m["num_routed_tokens"] = int(sum(min(len(a), len(b)) for a, b in zip(batch.rollout_routes, learner_routes)))
     m["num_sequences"] = len(samples)
-    out = {"model": str(args.model), "engine": args.engine, "dtype": args.dtype, "world_size": info.world_size,
+    out = {"model": str(model_dir), "engine": r.engine, "dtype": r.dtype,
+           "learner_dtype": str(learner_dtype(cfg)).replace("torch.", ""), "world_size": info.world_size,
            "layer_ids": moe_layer_ids(hf_config)}
     for k, v in sorted(m.items()):
         out[k.replace("mismatch_ratio/", "ratio/")] = v
     return out
+
+
+def _tokenizer(cfg):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
 
 
 def _num(v) -> str:
@@ -125,8 +227,8 @@ def _num(v) -> str:
 
 
 def summary_text(res: dict) -> str:
-    lines = [f"probe of {res['model']}  (engine {res['engine']}, rollout dtype {res['dtype']}, "
-             f"{res['num_sequences']} sequences, {res['num_tokens']} response tokens)",
+    lines = [f"probe of {res['model']}  (rollout: {res['engine']} engine in {res['dtype']}; learner: Megatron-core in "
+             f"{res.get('learner_dtype', '?')}; {res['num_sequences']} sequences, {res['num_tokens']} response tokens)",
              "routing disagreement rollout vs learner (fraction of tokens whose top-k set differs):"]
     for lid, v in zip(res["layer_ids"], res["routing/layer_disagree"]):
         lines.append(f"  layer {lid:3d}: {v:.4f}")
@@ -149,12 +251,16 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_known_warnings()
     exit_with_launcher()  # kill -9 of torchrun must not leave this worker writing
-    args = build_parser().parse_intermixed_args(argv)
+    args = parse_args(argv)
 
     def body() -> int:
         from moe_gspo.run.sinks import _jsonable, atomic_write_text
 
-        res = probe(args)
+        with warnings.catch_warnings():
+            if int(os.environ.get("RANK", "0")) != 0:  # every rank loads the same config: warn once, on rank 0
+                warnings.simplefilter("ignore", UserWarning)
+            cfg = probe_config(args)
+        res = probe(args, cfg)
         if int(os.environ.get("RANK", "0")) == 0:
             out = Path(args.out)
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -164,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     try:
-        return run_entry(body)
+        return run_entry(body, how_to_resume=lambda: f"nothing was written to {args.out}; rerun the same command")
     finally:
         destroy_distributed()
 

@@ -23,14 +23,16 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, *, overwrite: bool =
     from moe_gspo.plan.startup import check_before_loading
     from moe_gspo.run.activity import Activity
     from moe_gspo.run.learner_passes import ReferencePolicy
-    from moe_gspo.run.rundir import plan_run_dir
-    from moe_gspo.run.setup import build_policy, init_run
+    from moe_gspo.run.rundir import check_same_run_dir, plan_run_dir
+    from moe_gspo.run.setup import build_policy, check_prompts_fit, init_run
     from moe_gspo.run.start import start_run
     from moe_gspo.tasks import make_task
 
     plan = plan_run_dir(run_dir, resume=resume, overwrite=overwrite)  # output path: before any compute
     task = make_task(cfg.task)  # data errors: before any compute
+    check_prompts_fit(cfg, task)  # prompt + rollout.max_new_tokens within the engine's context
     info = init_run(cfg)
+    check_same_run_dir(plan, rank=info.rank, world_size=info.world_size)  # multi-node: one shared RUN_DIR
     check_before_loading(cfg, info)  # optimizer options for this device; the memory plan on GPU (moe_gspo.plan)
     act = Activity(rank=info.rank, world_size=info.world_size, timeout_s=info.timeout_s)
     with act.watch():  # a collective timeout / lost rank becomes one message naming the ranks
@@ -151,19 +153,21 @@ def learning_summary(metrics_path: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit codes: 0 done, 2 a user error (one line, printed once), 3 a rank failure (see
-    `moe_gspo.run.errors`), 1 a bug (traceback)."""
+    """Exit codes: 0 done, 2 a user error (one line, printed once), 3 a rank failure, 128 + N
+    interrupted by signal N (one line saying how to resume; see `moe_gspo.run.errors`), 1 a bug."""
     from moe_gspo.mcore.parallel import destroy_distributed
     from moe_gspo.run.activity import exit_with_launcher
     from moe_gspo.run.cli import parse_train_args
     from moe_gspo.run.errors import run_entry
+    from moe_gspo.run.rundir import resume_hint
     from moe_gspo.run.setup import quiet_known_warnings
 
     quiet_known_warnings()
     exit_with_launcher()  # kill -9 of torchrun must not leave this worker writing
     args, cfg = parse_train_args(argv)  # CLI and config errors: SystemExit(2), printed once
     try:
-        return run_entry(lambda: train(cfg, Path(args.run_dir), args.resume, overwrite=args.overwrite) and 0)
+        return run_entry(lambda: train(cfg, Path(args.run_dir), args.resume, overwrite=args.overwrite) and 0,
+                         how_to_resume=lambda: resume_hint(args.run_dir))  # Ctrl-C / SIGTERM: one line, 130 / 143
     finally:
         destroy_distributed()
 

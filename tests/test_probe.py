@@ -95,3 +95,67 @@ def test_probe_under_torchrun_ep2_fp32_has_no_drift(ckpt, tmp_path):
     assert res["world_size"] == 2 and res["num_sequences"] == 4 * 3
     assert res["routing/any_layer_flip"] == 0.0
     assert res["mismatch/logp_abs_diff_max"] <= 1e-4
+
+
+def test_no_loading_weights_bar_with_logging_progress_false(ckpt, tmp_path, capfd):
+    """transformers' "Loading weights" bar showed with logging.progress=false (issue 22, item 8)."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()  # another test's run may have turned it off in this process
+    try:
+        _run(ckpt, tmp_path, "--dtype", "float32")
+        assert "Loading weights" in capfd.readouterr().err  # the bar this test is about
+        _run(ckpt, tmp_path, "--dtype", "float32", "logging.progress=false")
+        assert "Loading weights" not in capfd.readouterr().err
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+
+
+def test_a_prompt_longer_than_the_context_is_named_before_the_model_loads(ckpt, tmp_path, capsys, monkeypatch):
+    """Issue 22, item 1: the probe's prompt file is checked like the training data."""
+    import moe_gspo.mcore.checkpoint as mcore_ckpt
+
+    def load(*a, **k):
+        raise AssertionError("the model was loaded before the prompt lengths were checked")
+
+    monkeypatch.setattr(mcore_ckpt, "load_megatron_from_hf_dir", load)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("0123:\n\n" + "1" * 250 + "\n")  # the tiny model's context is 256 tokens
+    rc = probe.main(["--model", str(ckpt / "model"), "--prompts", str(prompts), "--out", str(tmp_path / "d.json")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1
+    assert (f"{prompts}:3: the prompt has 250 tokens, more than the 224 that fit the hf engine's context (the model's "
+            "max_position_embeddings=256, minus --max-new-tokens (rollout.max_new_tokens)=32") in err
+
+
+def test_overrides_and_config_reach_the_probe(ckpt, tmp_path, capsys):
+    """Issue 22, item 7: the probe takes --config and section.key=value like train."""
+    args = probe.parse_args(["--prompts", "p", "--out", "o.json", "--model", str(ckpt / "model"),
+                             "model.tokenizer=TOK", "rollout.max_model_len=64", "--engine", "vllm"])
+    cfg = probe.probe_config(args)
+    assert (cfg.model.tokenizer, cfg.rollout.max_model_len, cfg.rollout.engine, cfg.rollout.max_new_tokens) == \
+        ("TOK", 64, "vllm", 32)
+    args = probe.parse_args(["--config", "configs/tiny_cpu.yaml", "--prompts", "p", "--out", "o.json",
+                             "model.path=M", "--max-new-tokens", "5"])
+    cfg = probe.probe_config(args)
+    assert (cfg.model.path, cfg.rollout.max_new_tokens, cfg.rollout.record_routes) == ("M", 5, True)
+    for argv, msg in ((["train.lr=1"], "the probe does not use train.lr"),
+                      (["--max-new-tokens", "5", "rollout.max_new_tokens=6"], "contradicts the override"),
+                      (["configs/tiny_cpu.yaml"], "did you mean --config configs/tiny_cpu.yaml")):
+        rc = probe.main(["--model", str(ckpt / "model"), "--prompts", "p", "--out", str(tmp_path / "o.json"), *argv])
+        assert rc == 2
+        err = capsys.readouterr().err
+        assert err.count("error:") == 1 and msg in err, err
+
+
+def test_probe_help_lists_the_fields_it_uses_with_their_values(capsys):
+    with pytest.raises(SystemExit) as e:
+        probe.parse_args(["--help", "rollout.max_model_len=64", "--engine", "vllm"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "values of the probe's defaults with rollout.max_model_len=64" in out
+    assert "rollout.max_model_len = 64 (built-in default null)" in out
+    assert "rollout.max_new_tokens = 32 (built-in default 8)" in out
+    assert "train.lr" not in out and "model.tokenizer = null" in out

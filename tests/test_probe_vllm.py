@@ -32,9 +32,12 @@ def _args(ckpt, out, dtype):
             "--engine", "vllm", "--dtype", dtype, "--samples-per-prompt", "2", "--max-new-tokens", "4"]
 
 
-def test_probe_bf16_vllm_shows_drift_from_the_fp32_learner(ckpt, tmp_path):
+def test_probe_bf16_vllm_shows_drift_from_the_fp32_learner(ckpt, tmp_path, capfd):
     out = tmp_path / "drift.json"
     assert probe.main(_args(ckpt, out, "bfloat16")) == 0
+    # the fp32 checkpoint is cast to the bf16 engine as asked: no warning per weight (issue 22, item 8)
+    logs = capfd.readouterr()
+    assert "Attempted to load weight" not in logs.out + logs.err
     res = json.loads(out.read_text())
     assert res["engine"] == "vllm" and res["num_sequences"] == 8 and res["world_size"] == 1
     assert res["num_routed_tokens"] > 8 * 30  # prompt positions included

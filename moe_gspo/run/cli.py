@@ -1,8 +1,15 @@
-"""Command line of `python -m moe_gspo.train` (under torchrun): config file, shortcuts, dotted overrides.
+"""Command lines of the entry points: one convention, shared helpers.
 
-Flags and `section.key=value` overrides may be mixed in any order (argparse's intermixed parsing).
+Every entry point that reads a run config takes it as `--config FILE` and accepts dotted overrides
+`section.key=value` anywhere among its flags (argparse's intermixed parsing): `moe_gspo.train`,
+`moe_gspo.probe`, `moe_gspo.plan`, `moe_gspo.ablate` (whose `--config` is the ablation spec). `plan`
+and `ablate` still take the file as their first positional argument, as they did before; `train`,
+whose positionals are overrides only, answers a positional `.yaml` with "did you mean --config FILE".
+
 A CLI or config error prints one line, `error: ...`, on rank 0 only (every rank parses the same
-command line) and exits with status 2 (see `moe_gspo.run.errors`).
+command line) and exits with status 2 (see `moe_gspo.run.errors`). `--help` lists every config field
+with its value in the config in use (`--config FILE` plus the overrides given), not the dataclass
+default (`config_fields_help`).
 """
 
 from __future__ import annotations
@@ -10,11 +17,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import time
 import typing
 import warnings
+from typing import Callable
 
 from moe_gspo.config import ALGOS, REPLAYS, Config, field_docs, load_config, parse_override
+
+OVERRIDES_HELP = "dotted config overrides, e.g. train.steps=20 rollout.dtype=float32"
+TRAIN_DEFAULT_CONFIG = "configs/tiny_cpu.yaml"
 
 
 class OnceArgumentParser(argparse.ArgumentParser):
@@ -22,6 +34,7 @@ class OnceArgumentParser(argparse.ArgumentParser):
     naming `--help` instead of the usage block; `raise_errors=True` raises ValueError instead."""
 
     def __init__(self, *args, raise_errors: bool = False, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
         super().__init__(*args, **kwargs)
         self.raise_errors = raise_errors
 
@@ -30,9 +43,10 @@ class OnceArgumentParser(argparse.ArgumentParser):
             super()._print_message(message, file)
 
     def error(self, message):
+        message = f"{message} (see {self.prog} --help)"
         if self.raise_errors:
             raise ValueError(message)
-        fail(f"{message} (see {self.prog} --help)")
+        fail(message)
 
 
 def fail(message: str) -> None:
@@ -53,25 +67,113 @@ def parse_mixed(parser: argparse.ArgumentParser, argv: list[str] | None) -> argp
     return parser.parse_intermixed_args(argv)
 
 
-def _fields_help() -> str:
-    lines = ["config fields (override any with section.key=value):"]
+# --------------------------------------------------------------------------- --config and overrides
+
+def add_config_arguments(p: argparse.ArgumentParser, *, default: str | None, what: str = "YAML run config",
+                         positional_file: bool = False) -> None:
+    """`--config FILE` and the positional `section.key=value` overrides (see `take_config`).
+    `positional_file`: the file may also come as the first positional argument (plan, ablate)."""
+    default_text = f"default: {default}" if default else "default: none"
+    alt = "; or as the first positional argument" if positional_file else ""
+    p.add_argument("--config", default=None, metavar="FILE", help=f"{what} ({default_text}{alt})")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help=OVERRIDES_HELP)
+
+
+def _looks_like_file(text: str) -> bool:
+    return text.endswith((".yaml", ".yml", ".json")) or os.path.isfile(text)
+
+
+def take_config(args: argparse.Namespace, *, default: str | None, positional_file: bool = False) -> None:
+    """Resolve `args.config` (the flag, else the first positional when `positional_file`, else
+    `default`) and check that every other positional is a `section.key=value` override; raises
+    ValueError with a "did you mean --config FILE" for a stray file path."""
+    overrides = list(args.overrides)
+    if positional_file and args.config is None and overrides and "=" not in overrides[0]:
+        args.config = overrides.pop(0)
+    for o in overrides:
+        if "=" in o:
+            continue
+        if _looks_like_file(o):
+            if args.config is not None:
+                raise ValueError(f"{o!r}: give one config file (--config is {args.config}); the other positional "
+                                 "arguments are section.key=value overrides")
+            raise ValueError(f"{o!r} is not a section.key=value override; did you mean --config {o}?")
+        raise ValueError(f"override {o!r} must look like section.key=value (e.g. train.lr=1e-3)")
+    args.overrides = overrides
+    if args.config is None:
+        args.config = default
+
+
+def shortcut_overrides(overrides: list[str], shortcuts: list[tuple[str, str, object]]) -> list[str]:
+    """`overrides` plus `key=value` for each given (flag, key, value) shortcut (value None = not
+    given); a shortcut that contradicts an explicit override of the same key raises ValueError."""
+    out = list(overrides)
+    for flag, key, value in shortcuts:
+        if value is None:
+            continue
+        for o in overrides:
+            if o.split("=", 1)[0].strip() == key and parse_override(o)[2] != parse_override(f"{key}={value}")[2]:
+                raise ValueError(f"{flag} {value} contradicts the override {o}; give one of them")
+        out.append(f"{key}={value}")
+    return out
+
+
+# --------------------------------------------------------------------------- --help with effective values
+
+def _fmt(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value) if isinstance(value, (str, int, float)) else repr(value)
+
+
+def config_fields_help(cfg: Config, source: str, *, keys: Callable[[str], bool] | None = None,
+                       note: str = "") -> str:
+    """Every config field (or those whose `section.key` passes `keys`) with its value in `cfg` and
+    its documentation; a value that differs from the built-in default names that default."""
+    lines = [f"config fields: values of {source}{note} (override any with section.key=value):"]
+    hints = typing.get_type_hints(Config)
     for sec in dataclasses.fields(Config):
-        cls = typing.get_type_hints(Config)[sec.name]
+        cls = hints[sec.name]
         docs = field_docs(cls)
-        lines.append(f"  [{sec.name}] {cls.__doc__.strip().splitlines()[0]}")
-        default = cls()
+        built_in, now = cls(), getattr(cfg, sec.name)
+        rows = []
         for f in dataclasses.fields(cls):
-            lines.append(f"    {sec.name}.{f.name} (default {getattr(default, f.name)!r}): {docs.get(f.name, '')}")
+            key = f"{sec.name}.{f.name}"
+            if keys is not None and not keys(key):
+                continue
+            value, default = getattr(now, f.name), getattr(built_in, f.name)
+            differs = "" if value == default else f" (built-in default {_fmt(default)})"
+            rows.append(f"    {key} = {_fmt(value)}{differs}: {docs.get(f.name, '')}")
+        if rows:
+            lines += [f"  [{sec.name}] {cls.__doc__.strip().splitlines()[0]}", *rows]
     return "\n".join(lines)
 
 
-def build_parser(prog: str, description: str, *, raise_errors: bool = False) -> argparse.ArgumentParser:
-    p = OnceArgumentParser(
-        prog=prog, description=description, epilog=_fields_help(),
-        formatter_class=argparse.RawDescriptionHelpFormatter, raise_errors=raise_errors,
-    )
-    p.add_argument("--config", default="configs/tiny_cpu.yaml",
-                   help="YAML run config (default: configs/tiny_cpu.yaml)")
+def help_requested(argv: list[str]) -> bool:
+    return any(a in ("-h", "--help") for a in argv)
+
+
+def help_config(load: Callable[[], tuple[Config, str]], fallback: Callable[[], Config] = Config,
+                fallback_source: str = "the built-in defaults") -> tuple[Config, str, str]:
+    """(config, source, note) for a help text: `load()` (the config the command line would run with),
+    or, when it does not load, `fallback()` with a note saying why."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cfg, source = load()
+        return cfg, source, ""
+    except (ValueError, SystemExit) as e:
+        return fallback(), fallback_source, f" (the command line's config does not load: {e})"
+
+
+# --------------------------------------------------------------------------- train
+
+def build_parser(prog: str, description: str, *, raise_errors: bool = False,
+                 add_help: bool = True) -> argparse.ArgumentParser:
+    p = OnceArgumentParser(prog=prog, description=description, raise_errors=raise_errors, add_help=add_help)
+    add_config_arguments(p, default=TRAIN_DEFAULT_CONFIG)
     p.add_argument("--algo", choices=ALGOS, help="shortcut for algo.name=...")
     p.add_argument("--routing-replay", choices=REPLAYS, help="shortcut for algo.routing_replay=...")
     p.add_argument("--run-dir", default=None,
@@ -82,8 +184,6 @@ def build_parser(prog: str, description: str, *, raise_errors: bool = False) -> 
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh although --run-dir holds a run: the old directory is first moved to "
                         "RUN_DIR.prev<k> (nothing is deleted)")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value",
-                   help="dotted config overrides, e.g. train.steps=20 rollout.dtype=float32")
     return p
 
 
@@ -94,15 +194,9 @@ TRAIN_DESCRIPTION = ("RL on Qwen3-MoE: GSPO / GSPO-token / GRPO / GMPO / CISPO /
 
 def config_from_args(args: argparse.Namespace) -> Config:
     """The validated config of parsed train arguments; raises ValueError naming the field."""
-    overrides = list(args.overrides)
-    for flag, key, value in (("--algo", "algo.name", args.algo),
-                             ("--routing-replay", "algo.routing_replay", args.routing_replay)):
-        if value is None:
-            continue
-        for o in overrides:
-            if o.split("=", 1)[0].strip() == key and str(parse_override(o)[2]) != value:
-                raise ValueError(f"{flag} {value} contradicts the override {o}; give one of them")
-        overrides.append(f"{key}={value}")
+    take_config(args, default=TRAIN_DEFAULT_CONFIG)
+    overrides = shortcut_overrides(args.overrides, [("--algo", "algo.name", args.algo),
+                                                    ("--routing-replay", "algo.routing_replay", args.routing_replay)])
     cfg = load_config(args.config, overrides)
     if args.resume and args.overwrite:
         raise ValueError("--resume continues the run in --run-dir and --overwrite moves it aside to start "
@@ -118,9 +212,29 @@ def check_train_args(argv: list[str]) -> Config:
     return config_from_args(parse_mixed(parser, argv))
 
 
+def _source(args: argparse.Namespace) -> str:
+    extra = [*args.overrides] + [f"--{k.replace('_', '-')} {getattr(args, k)}" for k in ("algo", "routing_replay")
+                                 if getattr(args, k, None) is not None]
+    return str(args.config) + (f" with {' '.join(extra)}" if extra else "")
+
+
+def _train_help(argv: list[str]) -> str:
+    def load():
+        pre = build_parser(TRAIN_PROG, TRAIN_DESCRIPTION, raise_errors=True, add_help=False)
+        args, _ = pre.parse_known_intermixed_args([a for a in argv if a not in ("-h", "--help")])
+        cfg = config_from_args(args)
+        return cfg, _source(args)
+
+    cfg, source, note = help_config(load)
+    return config_fields_help(cfg, source, note=note)
+
+
 def parse_train_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Config]:
     """Parse the CLI; CLI and config errors exit with status 2 and one line naming the field."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(TRAIN_PROG, TRAIN_DESCRIPTION)
+    if help_requested(argv):
+        parser.epilog = _train_help(argv)
     args = parse_mixed(parser, argv)
     try:
         with warnings.catch_warnings():

@@ -7,6 +7,9 @@ Exit codes:
   message names the field or the file and the fix. Raise `ValueError` for these (style rule 7).
 - 3: a rank failure: another process stopped responding within `parallel.collective_timeout_s`, or
   died; the message names the rank and what it was doing (see `Activity`).
+- 128 + N: interrupted by signal N (130 for Ctrl-C / SIGINT, 143 for SIGTERM, as a shell reports
+  them): one line, `interrupted by SIGINT; <how to resume>`, from rank 0, and no traceback. Under
+  torchrun the agent passes its own SIGINT / SIGTERM on to every worker.
 
 Printed once: before `torch.distributed` is initialised every rank holds the same CLI and files, so
 only rank 0 prints; afterwards the first rank to fail claims the report through torch.distributed's
@@ -22,7 +25,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -132,37 +137,81 @@ def claim_report() -> bool:
         return True
 
 
-def _write_torchelastic_error_file(message: str) -> None:
+def _write_torchelastic_error_file(message: str, *, printed: bool) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
+    info = {"timestamp": str(int(time.time())), "printed": printed}
     try:
         with open(path, "w") as f:
-            json.dump({"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+            json.dump({"message": {"message": message, "extraInfo": info}}, f)
     except OSError:
         pass
 
 
 def report(message: str) -> None:
-    """Print `error: message` once across ranks (and record it for torchrun's summary)."""
+    """Print `error: message` once across ranks (and record it, and whether this rank printed it, for
+    the launcher's summary: `moe_gspo.launch` repeats the line on a node where no rank printed it)."""
     line = f"error: {message}"
-    _write_torchelastic_error_file(line)
-    if claim_report():
+    printed = claim_report()
+    _write_torchelastic_error_file(line, printed=printed)
+    if printed:
         print(line, file=sys.stderr, flush=True)
 
 
-def run_entry(fn: Callable[[], int | None]) -> int:
-    """Run an entry point's body: user errors and rank failures become one printed line and exit
-    code 2 / 3; anything else propagates (a bug: traceback, exit 1)."""
+EXIT_INTERRUPTED = 128
+"""Exit code base of an interrupted run: 128 + the signal number."""
+
+
+@contextmanager
+def interrupts_as_exceptions() -> Iterator[dict]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt (SIGTERM's default would end the process without a
+    word); the dict yielded records the first signal received under "signum". A no-op outside the
+    main thread (only it may install handlers)."""
+    received: dict = {"signum": None}
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def handler(signum, frame):
+        if received["signum"] is None:
+            received["signum"] = signum
+            raise KeyboardInterrupt
+        # a second signal while the first one unwinds: let the unwinding finish
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return fn() or 0
-    except Exception as e:
-        known = user_message(e)
-        if known is None:
-            raise
-        code, message = known
-        report(message)
-        return code
+        yield received
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def report_interrupt(signum: int, how_to_resume: str) -> int:
+    """Print `interrupted by SIG...; how_to_resume` once (rank 0) and return the exit code 128 + signum."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"interrupted by {signal.Signals(signum).name}; {how_to_resume}", file=sys.stderr, flush=True)
+    return EXIT_INTERRUPTED + signum
+
+
+def run_entry(fn: Callable[[], int | None], *, how_to_resume: Callable[[], str] | None = None) -> int:
+    """Run an entry point's body: user errors and rank failures become one printed line and exit
+    code 2 / 3; SIGINT / SIGTERM become one line saying how to resume (`how_to_resume()`) and exit
+    code 128 + N, whatever the signal broke on its way (a collective whose peer stopped first, say);
+    anything else propagates (a bug: traceback, exit 1)."""
+    with interrupts_as_exceptions() as received:
+        try:
+            return fn() or 0
+        except BaseException as e:
+            signum = received["signum"] or (signal.SIGINT if isinstance(e, KeyboardInterrupt) else None)
+            if signum is not None:
+                return report_interrupt(signum, how_to_resume() if how_to_resume else "rerun the same command")
+            known = user_message(e) if isinstance(e, Exception) else None
+            if known is None:
+                raise
+            code, message = known
+            report(message)
+            return code
 
 
 def warn_once(message: str, *, is_main: bool) -> None:

@@ -10,11 +10,18 @@ other files (an ablation's `train.log`, notes) do not count and are never touche
   then a fresh run starts.
 Every rank makes the same decision from the same files before `torch.distributed` starts; rank 0 then
 moves the directory aside (`apply`) while the others wait at a barrier.
+
+Multi-node: every rank must see the same directory (RUN_DIR on a filesystem every node mounts, at the
+same path). `check_same_run_dir` checks that at start-up, right after `torch.distributed` starts:
+rank 0 writes a random token into RUN_DIR, every rank reads it back, and a rank that cannot stops the
+run on every rank with one line naming the fix (exit code 2).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -112,3 +119,62 @@ def move_aside(path: Path) -> Path:
     target = path.with_name(f"{path.name}.prev{k}")
     os.replace(path, target)
     return target
+
+
+SHARED_TOKEN = ".moe_gspo_shared_check"
+"""The file `check_same_run_dir` writes into RUN_DIR for a moment (never one of `RUN_OUTPUTS`)."""
+
+
+def check_same_run_dir(plan: RunDirPlan, *, rank: int, world_size: int) -> None:
+    """Every rank sees the run directory rank 0 writes to (see the module docstring); raises the same
+    ValueError on every rank when one does not. Collective: call it on every rank, after
+    `torch.distributed` is initialised. Rank 0 creates RUN_DIR if needed and removes its token."""
+    if world_size == 1:
+        return
+    import torch.distributed as dist
+
+    path = plan.path
+    token_file = path / SHARED_TOKEN
+    sent: list = [None, None, None]
+    if rank == 0:
+        token = secrets.token_hex(16)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            token_file.write_text(token)
+            sent = [token, None, socket.gethostname()]
+        except OSError as e:
+            sent = [None, f"{type(e).__name__}: {e}", socket.gethostname()]
+    dist.broadcast_object_list(sent, src=0)
+    token, rank0_error, rank0_host = sent
+    if rank0_error is not None:
+        raise ValueError(f"--run-dir {str(path)!r}: rank 0 cannot write there ({rank0_error}); choose another path "
+                         "or fix its permissions")
+    try:
+        seen = token_file.read_text() == token
+    except OSError:
+        seen = False
+    views: list = [None] * world_size
+    dist.all_gather_object(views, (seen, socket.gethostname(), str(path.resolve())))
+    if rank == 0:
+        token_file.unlink(missing_ok=True)
+    blind = [r for r, (ok, _, _) in enumerate(views) if not ok]
+    if blind:
+        where = ", ".join(f"rank {r} on {views[r][1]} at {views[r][2]}" for r in blind[:4])
+        raise ValueError(
+            f"--run-dir {str(path)!r} is not the same directory on every rank: {where} cannot see the file rank 0 "
+            f"(on {rank0_host}) wrote to {views[0][2]}. Put RUN_DIR on a filesystem every node mounts at the same "
+            "path (NFS, Lustre, ...) and pass that absolute path as --run-dir on every node (README: Multi-node)")
+
+
+def resume_hint(run_dir: str | os.PathLike) -> str:
+    """How to continue an interrupted training run in `run_dir` (for the one line it ends with)."""
+    from moe_gspo.run.checkpoint import latest_checkpoint
+
+    p = Path(run_dir)
+    last = latest_checkpoint(p) if p.is_dir() else None
+    if last is not None:
+        return f"rerun the same command with --resume to continue from {p / last.name} (its newest checkpoint)"
+    if p.is_dir() and run_outputs(p):
+        return (f"{p} holds no checkpoint yet (train.checkpoint_every sets how often one is written): rerun the same "
+                "command with --overwrite to start afresh (the old directory is moved aside)")
+    return "nothing was written yet: rerun the same command"

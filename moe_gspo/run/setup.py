@@ -41,6 +41,15 @@ def quiet_known_warnings() -> None:
     warnings.filterwarnings("ignore", message=r"`torch.distributed.\w+` is deprecated", category=FutureWarning)
 
 
+def quiet_progress_bars(cfg: Config) -> None:
+    """With logging.progress=false, no progress bar of transformers (its "Loading weights" bar when a
+    checkpoint is read with `from_pretrained`) or of the Hugging Face hub either."""
+    if not cfg.logging.progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
 def derive_seed(*parts: Any) -> int:
     """A stable 31-bit seed from any parts (same on every machine and Python run)."""
     h = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
@@ -84,18 +93,29 @@ def check_tokenizer_fits(tok, hf_config, *, tokenizer_dir: str, model: str) -> N
             f"(model.tokenizer=null) or a model trained with this tokenizer")
 
 
+def check_prompts_fit(cfg: Config, task) -> None:
+    """Start-up check, before anything is written: every prompt of `task` plus rollout.max_new_tokens
+    fits the rollout engine's context (`moe_gspo.tasks.lengths`); reads only config and tokenizer files."""
+    from moe_gspo.tasks.lengths import check_prompt_lengths
+
+    hf_config, tok = _hf_config_and_tokenizer(cfg)
+    check_prompt_lengths(task.longest_prompts(), tok, hf_config, cfg.rollout)
+
+
 def init_run(cfg: Config) -> ParallelInfo:
     from moe_gspo.rollout.vllm_support import check_rollout_machine
     from moe_gspo.tiny import tiny_qwen3_moe_config
 
-    check_rollout_machine(cfg.rollout)  # before any compute: this machine's vLLM, CPU limits
-
     if cfg.model.path is None:
-        num_experts = tiny_qwen3_moe_config(**cfg.model.tiny).num_experts
+        hf_config, model = tiny_qwen3_moe_config(**cfg.model.tiny), f"the tiny model (model.tiny={cfg.model.tiny})"
     else:
         from moe_gspo.mcore.checkpoint import load_hf_config
 
-        num_experts = load_hf_config(cfg.model.path).num_experts  # config only; weights load later
+        hf_config = load_hf_config(cfg.model.path)  # config only; weights load later
+        model = f"model.path={cfg.model.path}"
+    check_rollout_machine(cfg.rollout, hf_config, model=model)  # before any compute: this machine's vLLM, CPU limits
+    quiet_progress_bars(cfg)
+    num_experts = hf_config.num_experts
     info = init_distributed(ep_size=cfg.parallel.expert_parallel_size, num_experts=num_experts,
                             seed=cfg.train.seed, timeout_s=cfg.parallel.collective_timeout_s)
     groups = cfg.rollout.prompts_per_step

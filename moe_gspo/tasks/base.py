@@ -8,7 +8,7 @@ response is computed by the task from the decoded response text.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -17,6 +17,8 @@ class Prompt:
     """Prompt text fed to the tokenizer."""
     answer: str
     """Reference answer used by the reward function."""
+    where: str = field(default="", compare=False)
+    """Where the prompt comes from, for error messages (`file:line` for a JSONL task); "" if generated."""
 
 
 class Task(abc.ABC):
@@ -29,3 +31,8 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def reward(self, response: str, prompt: Prompt) -> float:
         """Reward in [0, 1] of a decoded response (EOS and padding already stripped)."""
+
+    @abc.abstractmethod
+    def longest_prompts(self) -> list[Prompt]:
+        """Prompts at least as long as any the task can yield, for the start-up length check
+        (`moe_gspo.tasks.lengths`): every prompt of a file, or the longest a generator can make."""

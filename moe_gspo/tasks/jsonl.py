@@ -51,9 +51,11 @@ def read_prompt_file(path: str | Path) -> list[Prompt]:
         ans = obj.get("answer")
         if isinstance(ans, bool) or not isinstance(ans, (str, int, float)):
             raise ValueError(f"{p}:{lineno}: needs an 'answer' field (string or number)")
-        items.append(Prompt(text=obj["prompt"], answer=str(ans)))
+        items.append(Prompt(text=obj["prompt"], answer=str(ans), where=f"{p}:{lineno}"))
     if not items:
-        raise ValueError(f"task.path={str(p)!r} holds no prompts")
+        raise ValueError(f"task.path={str(p)!r} holds no prompts (only blank lines, or nothing); write one JSON "
+                         'object per line, e.g. {"prompt": "What is 2+3?", "answer": "5"}, or point task.path '
+                         "at another file")
     return items
 
 
@@ -73,3 +75,6 @@ class JsonlTask(Task):
 
     def reward(self, response: str, prompt: Prompt) -> float:
         return math_reward(response, prompt.answer)
+
+    def longest_prompts(self) -> list[Prompt]:
+        return list(self.items)

@@ -153,6 +153,20 @@ class SyntheticTask(Task):
     def prompts(self, start: int, count: int, seed: int) -> list[Prompt]:
         return [self._one(random.Random(f"{self.name}:{seed}:{i}")) for i in range(start, start + count)]
 
+    def longest_prompts(self) -> list[Prompt]:
+        """One prompt of the most symbols the task draws (every prompt of a task has the same
+        characters up to the symbols drawn, and a padded one the same length whatever it draws)."""
+        top = self.symbols[-1]
+        n = self.prompt_len_max
+        knob = "task.prompt_len_max" if n != self.prompt_len else "task.prompt_len"
+        if self.name == "add":
+            half = max(1, n // 2)
+            text = f"{top * half}+{top * half}="
+        else:
+            pad = PAD_TEXT * (self.prompt_len_max - n + 1) if self.pad_prompts else ""
+            text = (pad + top * n if self.name == "reverse" else top * n + pad) + MARKERS[self.name]
+        return [Prompt(text=text, answer="", where=f"task.name={self.name} with {knob}={n}")]
+
     def reward(self, response: str, prompt: Prompt) -> float:
         if self.name in SEQUENCE_TASKS:
             return sequence_credit(response, prompt.answer, self.partial_credit, max_len=self.prompt_len_max)

@@ -183,6 +183,7 @@ def recompute_headline(metrics_path) -> dict[str, float]:
         "clip_out_of_range_frac_mean": mean_of("clip/out_of_range_frac"),
         "update_expert_change_mean": mean_of("update/expert_change_frac"),
         "update_all_expert_change_mean": mean_of("update_all_minibatches/expert_change_frac"),
+        "num_update_steps": sum(1 for r in rows if r.get("update/expert_change_frac") is not None),
         "flipped_var_share_mean": mean_of("mismatch_ratio/token_var_share_flipped"),
         "token_seq_var_ratio": mean_of("ratio/token_var") / mean_of("ratio/seq_var"),
     }

@@ -1,0 +1,88 @@
+"""Do the prompts fit the model's context? Checked when the data loads, before anything is written.
+
+A prompt of P tokens is sampled with up to `rollout.max_new_tokens` = R response tokens, and the
+learner then runs prompt and response as one sequence, so P + R must fit the context the run has:
+
+- `rollout.engine=hf`: the model's context, `model_context_len` (max_position_embeddings). Neither
+  transformers' generate nor the Megatron learner refuses a longer sequence: RoPE simply runs past
+  the positions the model was trained for (and padding to the long prompt slows every step).
+- `rollout.engine=vllm`: vLLM's `max_model_len`, i.e. `rollout.max_model_len`, or the same model
+  context when it is null (vLLM derives it as `vllm/config/model.py: _get_and_verify_max_len` does,
+  and refuses a larger `max_model_len`). vLLM itself refuses only a prompt of >= max_model_len
+  tokens (`vllm/v1/engine/input_processor.py: _validate_prompt_len`) and cuts the response short;
+  `moe_gspo.rollout.vllm_engine.VLLMEngine.generate` refuses P + R > max_model_len so that no response
+  is silently truncated. The same bound therefore holds for both engines.
+
+The error names the first prompt that does not fit (`file:line` for a JSONL task), its token count,
+the limit and the knobs, and how many more prompts are too long.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from moe_gspo.tasks.base import Prompt
+
+# vLLM leaves max_position_embeddings as it is for these RoPE types (already scaled in the config)
+# and multiplies it by `factor` for the others (`_get_and_verify_max_len`).
+_UNSCALED_ROPE_TYPES = ("default", "su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def model_context_len(hf_config) -> tuple[int, str]:
+    """(tokens, how it is derived) of the model's context: max_position_embeddings, times the RoPE
+    scaling factor for the RoPE types whose config gives the unscaled length (vLLM's rule)."""
+    n = int(hf_config.max_position_embeddings)
+    what = f"the model's max_position_embeddings={n}"
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    if isinstance(rope, dict):
+        kind, factor = rope.get("rope_type", rope.get("type")), rope.get("factor")
+        if kind not in _UNSCALED_ROPE_TYPES and factor:
+            n = int(n * factor)
+            what = f"{what} x RoPE {kind} factor {factor}"
+    return n, what
+
+
+def context_limit(hf_config, rollout) -> tuple[int, str]:
+    """(longest prompt + response in tokens, what sets it) for the engine of `rollout` (a
+    `moe_gspo.config.RolloutConfig`); raises ValueError for a `rollout.max_model_len` vLLM refuses."""
+    model_len, what = model_context_len(hf_config)
+    if rollout.engine == "vllm" and rollout.max_model_len is not None:
+        if rollout.max_model_len > model_len:
+            raise ValueError(f"rollout.max_model_len={rollout.max_model_len} exceeds {what}; vLLM refuses that "
+                             f"(positions past the model's context); set rollout.max_model_len <= {model_len} or null")
+        return rollout.max_model_len, f"rollout.max_model_len={rollout.max_model_len}"
+    return model_len, what
+
+
+def check_prompt_lengths(prompts: Sequence[Prompt], tokenizer, hf_config, rollout, *,
+                         max_new_tokens_flag: str = "rollout.max_new_tokens") -> int:
+    """Raise one ValueError when a prompt plus `rollout.max_new_tokens` does not fit the context
+    (`context_limit`); returns the longest prompt's token count. Prompts are tokenized as the
+    rollout does (`add_special_tokens=False`)."""
+    if not prompts:
+        return 0
+    limit, what = context_limit(hf_config, rollout)
+    room = rollout.max_new_tokens
+    longest = limit - room
+    if longest < 1:
+        raise ValueError(f"{max_new_tokens_flag}={room} leaves no room for a prompt in the {rollout.engine} engine's "
+                         f"context of {limit} tokens ({what}); lower {max_new_tokens_flag}")
+    ids = tokenizer([p.text for p in prompts], add_special_tokens=False)["input_ids"]
+    counts = [len(x) for x in ids]
+    bad = [i for i, n in enumerate(counts) if n > longest]
+    if not bad:
+        return max(counts)
+    first = prompts[bad[0]]
+    where = first.where or f"prompt {bad[0]}"
+    knobs = [f"lower {max_new_tokens_flag} (now {room})"]
+    model_len, _ = model_context_len(hf_config)
+    if rollout.engine == "vllm" and rollout.max_model_len is not None and rollout.max_model_len < model_len:
+        knobs.append(f"raise rollout.max_model_len (up to {model_len}, or null)")
+    more = ""
+    if len(bad) > 1:
+        shown = ", ".join(prompts[i].where or str(i) for i in bad[1:6])
+        more = f"; {len(bad) - 1} more prompt{'s' if len(bad) > 2 else ''} too long ({shown}{', ...' if len(bad) > 6 else ''})"
+    raise ValueError(
+        f"{where}: the prompt has {counts[bad[0]]} tokens, more than the {longest} that fit the {rollout.engine} "
+        f"engine's context ({what}, minus {max_new_tokens_flag}={room} for the response); shorten the prompt "
+        f"or {' or '.join(knobs)}{more}")

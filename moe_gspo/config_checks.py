@@ -1,0 +1,196 @@
+"""Validation of a run configuration (`moe_gspo.config`): per-section range checks, then the
+cross-section combinations, once, when the config is read. Every problem is one `ValueError` naming the
+field and the fix; a few harmless-but-surprising settings give a `warnings.warn` instead."""
+
+from __future__ import annotations
+
+import warnings
+
+from moe_gspo.config import AGGREGATION_ALIASES, SEQUENCE_LEVEL_ALGOS, AlgoConfig, Config, RolloutConfig, TrainConfig
+
+
+def _check_positive(where: str, value, *, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{where}={value} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def _check_learner_memory_options(tr: TrainConfig) -> None:
+    """Device-independent combinations of the optimizer memory options (the device-dependent ones are
+    checked at start-up by `moe_gspo.learner.optim.resolve_optimizer_options`)."""
+    if not 0.0 <= tr.optimizer_offload_fraction <= 1.0:
+        raise ValueError(f"train.optimizer_offload_fraction={tr.optimizer_offload_fraction} must be in [0, 1]")
+    if tr.optimizer_cpu_offload and not tr.precision_aware_optimizer:
+        raise ValueError("train.optimizer_cpu_offload=true needs train.precision_aware_optimizer=true (Megatron's "
+                         "HybridDeviceOptimizer reuses that code path, as Megatron-LM requires); set both")
+    if tr.precision_aware_optimizer and tr.distributed_optimizer is False:
+        raise ValueError("train.precision_aware_optimizer=true needs Megatron's distributed optimizer; set "
+                         "train.distributed_optimizer=true (or null)")
+    if tr.offload_during_rollout == "all" and tr.distributed_optimizer is False:
+        raise ValueError("train.offload_during_rollout=all moves the parameter buffers of Megatron's distributed "
+                         "optimizer; set train.distributed_optimizer=true (or null), or offload_during_rollout=grads")
+    if tr.optimizer_state_dtype != "float32":
+        if not tr.precision_aware_optimizer:
+            raise ValueError(f"train.optimizer_state_dtype={tr.optimizer_state_dtype} needs "
+                             "train.precision_aware_optimizer=true; set it, or optimizer_state_dtype=float32")
+        if tr.optimizer_cpu_offload:
+            raise ValueError(f"train.optimizer_state_dtype={tr.optimizer_state_dtype} is not supported with "
+                             "train.optimizer_cpu_offload=true (the CPU Adam keeps fp32 moments); set "
+                             "optimizer_state_dtype=float32")
+
+
+def validate(cfg: Config) -> Config:
+    """Per-section range checks, then cross-section combinations. Returns cfg; raises ValueError."""
+    m, p, r, a, t, tr, lg = cfg.model, cfg.parallel, cfg.rollout, cfg.algo, cfg.task, cfg.train, cfg.logging
+    _check_positive("model.vocab_pad_multiple", m.vocab_pad_multiple)
+    _check_positive("model.router_scale", m.router_scale)
+    _check_positive("parallel.expert_parallel_size", p.expert_parallel_size)
+    for k in ("prompts_per_step", "samples_per_prompt", "max_new_tokens"):
+        _check_positive(f"rollout.{k}", getattr(r, k))
+    if r.samples_per_prompt < 2:
+        raise ValueError(
+            f"rollout.samples_per_prompt={r.samples_per_prompt}: group-relative advantages need at least 2 "
+            f"responses per prompt (a group of 1 has advantage 0 and trains nothing); set it to 2 or more"
+        )
+    _check_positive("parallel.collective_timeout_s", p.collective_timeout_s)
+    _check_positive("rollout.temperature", r.temperature)
+    if not 0 < r.top_p <= 1:
+        raise ValueError(f"rollout.top_p={r.top_p} must be in (0, 1]")
+    if not 0 < r.gpu_memory_utilization <= 1:
+        raise ValueError(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} must be in (0, 1]")
+    _validate_algo(a, r)
+    for k in ("steps", "lr", "num_minibatches", "keep_checkpoints"):
+        _check_positive(f"train.{k}", getattr(tr, k))
+    for k in ("micro_batch_size", "checkpoint_every", "grad_clip", "weight_decay"):
+        _check_positive(f"train.{k}", getattr(tr, k), allow_zero=True)
+    for k in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(tr, k) < 1:
+            raise ValueError(f"train.{k}={getattr(tr, k)} must be in [0, 1)")
+    _check_learner_memory_options(tr)
+    _check_positive("logging.trace_every", lg.trace_every, allow_zero=True)
+    _check_positive("logging.update_drift_every", lg.update_drift_every, allow_zero=True)
+    _check_positive("task.prompt_len", t.prompt_len)
+    if not 2 <= t.num_symbols <= 36:
+        raise ValueError(f"task.num_symbols={t.num_symbols} must be in [2, 36]")
+    if t.name != "jsonl":
+        from moe_gspo.tasks.synthetic import check_synthetic_config
+
+        check_synthetic_config(t, max_new_tokens=r.max_new_tokens)
+
+    # Cross-section combinations, checked once here.
+    if t.name == "jsonl" and not t.path:
+        raise ValueError("task.name=jsonl needs task.path=FILE.jsonl (lines with 'prompt' and 'answer')")
+    if a.routing_replay == "r3" and not r.record_routes:
+        raise ValueError(
+            "algo.routing_replay=r3 replays the rollout engine's routes, but rollout.record_routes=false; "
+            "set rollout.record_routes=true or choose algo.routing_replay=r2/none"
+        )
+    if r.engine == "vllm" and r.record_probs:
+        # vLLM returns expert ids only; silently dropping probs would surprise in reports.
+        r.record_probs = False
+    from moe_gspo.rollout.vllm_support import check_rollout_config
+
+    check_rollout_config(r)  # vLLM-only fields (this machine's vLLM: vllm_support.check_rollout_machine at start)
+    num_samples = r.prompts_per_step * r.samples_per_prompt
+    if num_samples % tr.num_minibatches:
+        raise ValueError(
+            f"rollout.prompts_per_step*rollout.samples_per_prompt={num_samples} is not divisible by "
+            f"train.num_minibatches={tr.num_minibatches}"
+        )
+    lo, hi = a.clip_range()
+    if a.name in ("gspo", "gspo_token") and hi >= 0.05:
+        warnings.warn(
+            f"algo.name={a.name} with clip range ({lo}, {hi}): that is a token-level range; GSPO's sequence "
+            f"ratio is length-normalised and lives near 1, the paper uses (3e-4, 4e-4). Nothing will be clipped.",
+            stacklevel=2,
+        )
+    if a.name == "grpo" and hi < 0.01:
+        warnings.warn(
+            f"algo.name=grpo with clip range ({lo}, {hi}): a sequence-level range applied to token ratios "
+            f"clips almost every token; the paper's GRPO baseline uses (0.2, 0.27).",
+            stacklevel=2,
+        )
+    if r.temperature != 1.0 or r.top_p < 1.0:
+        warnings.warn(
+            f"rollout.temperature={r.temperature}, rollout.top_p={r.top_p}: responses are sampled from the "
+            "tempered/nucleus distribution but every log-prob (rollout engine and learner) is the untempered "
+            "policy's, so the importance ratios, rollout corrections and KL estimates are biased; use "
+            "temperature 1.0 and top_p 1.0 for on-policy ratios.",
+            stacklevel=2,
+        )
+    return cfg
+
+
+def _validate_algo(a: AlgoConfig, r: RolloutConfig) -> None:
+    """Algorithm fields of `algo` and their combinations (one error naming the field and the fix)."""
+    lo, hi = a.clip_range()
+    if a.name == "sapo":
+        for k in ("clip_low", "clip_high"):
+            if getattr(a, k) is not None:
+                raise ValueError(f"algo.{k}={getattr(a, k)} has no effect with algo.name=sapo (a soft gate, no clip "
+                                 "range; its temperatures are algo.sapo_tau_pos / algo.sapo_tau_neg); drop it")
+    elif a.name == "gmpo" or a.name == "cispo":
+        if not lo > 0:
+            what = "a log-space bound: ratio floor e^-clip_low" if a.name == "gmpo" else "ratio floor 1 - clip_low; >= 1 = none"
+            raise ValueError(f"algo.clip_low={lo} must be > 0 ({what})")
+    elif not 0 < lo < 1:
+        raise ValueError(f"algo.clip_low={lo} must be in (0, 1)")
+    if hi is not None and hi <= 0:
+        raise ValueError(f"algo.clip_high={hi} must be > 0")
+    if a.name != "sapo":
+        for k in ("sapo_tau_pos", "sapo_tau_neg"):
+            if getattr(a, k) is not None:
+                raise ValueError(f"algo.{k}={getattr(a, k)} applies to algo.name=sapo only (now {a.name}); drop it")
+    for k in ("sapo_tau_pos", "sapo_tau_neg"):
+        _check_positive(f"algo.{k}", getattr(a, k))
+    _check_positive("algo.kl_coef", a.kl_coef, allow_zero=True)
+    _check_positive("algo.adv_eps", a.adv_eps)
+    alias = AGGREGATION_ALIASES.get(a.aggregation) if a.aggregation is not None else None
+    if a.loss_agg_mode is not None and alias is not None and alias != a.loss_agg_mode:
+        raise ValueError(f"algo.aggregation={a.aggregation} (the old name of algo.loss_agg_mode={alias}) contradicts "
+                         f"algo.loss_agg_mode={a.loss_agg_mode}; give only algo.loss_agg_mode")
+    mode = a.resolved_loss_agg_mode()
+    if a.name in SEQUENCE_LEVEL_ALGOS and mode != "seq-mean-token-mean":
+        given = f"algo.loss_agg_mode={mode}" + (f" (algo.aggregation={a.aggregation})" if alias else "")
+        raise ValueError(f"{given} does not apply to {a.name}: a sequence-level method has one term per sequence "
+                         "(its token mean is inside the sequence ratio); leave algo.loss_agg_mode null (= "
+                         "seq-mean-token-mean), or use a token-level method (grpo, cispo, sapo)")
+    if mode == "seq-mean-token-sum-norm":
+        if a.loss_scale_factor is None:
+            a.loss_scale_factor = float(r.max_new_tokens)
+        _check_positive("algo.loss_scale_factor", a.loss_scale_factor)
+    elif a.loss_scale_factor is not None:
+        raise ValueError(f"algo.loss_scale_factor={a.loss_scale_factor} has no effect with algo.loss_agg_mode={mode}; "
+                         "set algo.loss_agg_mode=seq-mean-token-sum-norm or drop it")
+    if not a.dynamic_sampling and a.max_num_gen_batches is not None:
+        raise ValueError(f"algo.max_num_gen_batches={a.max_num_gen_batches} has no effect with "
+                         "algo.dynamic_sampling=false; set algo.dynamic_sampling=true or drop it")
+    _check_positive("algo.max_num_gen_batches", a.max_num_gen_batches)
+    _validate_rollout_correction(a)
+
+
+def _validate_rollout_correction(a: AlgoConfig) -> None:
+    """Rollout-correction fields of `algo` (see moe_gspo/algos/rollout_correction.py)."""
+    if a.rollout_is == "none" and a.rollout_is_threshold is not None:
+        raise ValueError(f"algo.rollout_is_threshold={a.rollout_is_threshold} has no effect with "
+                         "algo.rollout_is=none; set algo.rollout_is=token|sequence or drop the threshold")
+    if a.rollout_is_threshold is not None and not a.rollout_is_threshold > 0:
+        raise ValueError(f"algo.rollout_is_threshold={a.rollout_is_threshold} must be > 0 (the weights are "
+                         "min(ratio, threshold); verl's default is 2.0)")
+    if a.rollout_rs == "none":
+        for k in ("rollout_rs_threshold", "rollout_rs_threshold_lower"):
+            if getattr(a, k) is not None:
+                raise ValueError(f"algo.{k}={getattr(a, k)} has no effect with algo.rollout_rs=none; set "
+                                 "algo.rollout_rs=token|sequence|geometric or drop it")
+        return
+    if a.rollout_rs_threshold is None:
+        raise ValueError(f"algo.rollout_rs={a.rollout_rs} needs algo.rollout_rs_threshold (the upper bound of the "
+                         "kept ratios, > 1; e.g. 2.0 for token, 1.001 for geometric)")
+    if not a.rollout_rs_threshold > 1.0:
+        raise ValueError(f"algo.rollout_rs_threshold={a.rollout_rs_threshold} must be > 1 (ratio 1 = no mismatch "
+                         "must be kept)")
+    lower = a.rollout_rs_threshold_lower
+    if lower is not None and not 0.0 < lower < 1.0:
+        raise ValueError(f"algo.rollout_rs_threshold_lower={lower} must be in (0, 1) (null = 1 / "
+                         "algo.rollout_rs_threshold)")

@@ -27,9 +27,8 @@ from pathlib import Path
 
 import yaml
 
-from analysis.figures import (
-    PROBE_FIGURES, RUN_FIGURES, RenderedFigure, SkippedFigure, render_figures,
-)
+from analysis.figures import RUN_FIGURES, RenderedFigure, SkippedFigure, render_figures
+from analysis.probe_figures import PROBE_FIGURES
 from analysis.load import (
     HEADLINE_LABELS, PROBE_LABELS, ReportInputError, RunData, RunDataWarning, headline_numbers, load_probe,
     load_run, probe_headline,

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from analysis.figures import PROBE_FIGURES, RUN_FIGURES, SkippedFigure, render_figures
+from analysis.figures import RUN_FIGURES, SkippedFigure, render_figures
+from analysis.probe_figures import PROBE_FIGURES
 from analysis.load import HEADLINE_LABELS, PROBE_LABELS, ReportInputError, RunDataWarning, load_run
 from analysis.report import build_report, fmt_number, main
 from synth_run import (

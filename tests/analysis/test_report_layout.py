@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-from analysis.figures import (
-    PROBE_FIGURES, RUN_FIGURES, SkipFigure, fig_mismatch, fig_probe_variance, fig_update_change, report_style,
-)
+from analysis.figures import RUN_FIGURES, SkipFigure, fig_mismatch, fig_update_change, report_style
+from analysis.probe_figures import PROBE_FIGURES, fig_probe_variance
 from analysis.load import HEADLINE_LABELS, PROBE_LABELS, load_run
 from analysis.report import build_report, main
 from synth_run import synthetic_probe, synthetic_record, write_degenerate_run, write_synthetic_run

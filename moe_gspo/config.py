@@ -143,6 +143,11 @@ class AlgoConfig:
     a frozen reference model: one more copy of the parameters in the learner's dtype, expert-sharded
     like the policy, no gradients or optimizer state; one extra no-grad pass per step (it replays the
     routing the update replays: none = natural, r2 = old-policy routes, r3 = rollout routes)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: entropy_coef x the current policy's mean token entropy over the response tokens
+    (aggregated like the policy loss) is subtracted from the loss in every update (verl's
+    entropy_coeff, TRL's entropy_coef; 0 = off). Keeps the policy from collapsing onto deterministic,
+    partly wrong answers whose groups then carry no signal (README: "Learning parity with TRL")."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """Per-token estimator of KL(pi_theta || pi_ref) for the penalty (Schulman 2020; verl/slime names):
     k1 = log ratio, k2 = squared log ratio / 2, k3 = the low-variance one (verl low_var_kl)."""
@@ -225,7 +230,7 @@ class AlgoConfig:
         tau_pos, tau_neg = self.sapo_taus()
         return dict(clip_low=clip_low, clip_high=clip_high, kl_coef=self.kl_coef, kl_estimator=self.kl_estimator,
                     loss_agg_mode=self.resolved_loss_agg_mode(), loss_scale_factor=self.loss_scale_factor,
-                    sapo_tau_pos=tau_pos, sapo_tau_neg=tau_neg)
+                    sapo_tau_pos=tau_pos, sapo_tau_neg=tau_neg, entropy_coef=self.entropy_coef)
 
 
 @dataclass(kw_only=True)

@@ -145,6 +145,7 @@ def _validate_algo(a: AlgoConfig, r: RolloutConfig) -> None:
     for k in ("sapo_tau_pos", "sapo_tau_neg"):
         _check_positive(f"algo.{k}", getattr(a, k))
     _check_positive("algo.kl_coef", a.kl_coef, allow_zero=True)
+    _check_positive("algo.entropy_coef", a.entropy_coef, allow_zero=True)
     _check_positive("algo.adv_eps", a.adv_eps)
     alias = AGGREGATION_ALIASES.get(a.aggregation) if a.aggregation is not None else None
     if a.loss_agg_mode is not None and alias is not None and alias != a.loss_agg_mode:

@@ -22,6 +22,13 @@ KL penalty (`ref_logp_BT`, `kl_coef`, `kl_estimator` k1 | k2 | k3, `moe_gspo.alg
 estimates of KL(pi_theta || pi_ref), aggregated like the policy term (sequence-level methods:
 seq-mean-token-mean), added as `kl_coef * kl`.
 
+Entropy bonus (`entropy_BT`, `entropy_coef`): the per-token entropy of the current policy's
+next-token distribution (differentiable), aggregated like the policy term and SUBTRACTED as
+`entropy_coef * entropy` (verl's `entropy_coeff`, aggregated by its `loss_agg_mode` as here; TRL's
+`entropy_coef`, always a token mean over the micro-batch): a bonus against the premature collapse of
+the policy onto deterministic answers (Williams & Peng 1991, "Function optimization using
+connectionist reinforcement learning algorithms"; Mnih et al. 2016, A3C, arXiv 1602.01783).
+
 Conventions (all algorithms):
 - The loss is the NEGATIVE objective, a 0-dim tensor; the mean is over the sequences (or tokens) of
   this call only: averaging over micro-batches / data-parallel ranks is the caller's job (weight by
@@ -41,7 +48,8 @@ Conventions (all algorithms):
 
 Metrics (detached 0-dim float64 tensors on the input's device; `float(v)` to log):
 - `loss/policy` (the negative objective), `loss/kl` (the KL estimate, present whenever `ref_logp_BT`
-  is given), `loss/total` (= policy + kl_coef * kl).
+  is given), `loss/entropy` (the aggregated entropy, present whenever `entropy_BT` is given),
+  `loss/total` (= policy + kl_coef * kl - entropy_coef * entropy).
 - Clipped methods (all but sapo): `clip/token_frac` (+ `_low`, `_high`): tokens whose clip binds,
   i.e. takes the gradient away (for a sequence-level clip every token of a binding sequence; 0 for
   cispo by construction); `clip/seq_frac`: sequences with a binding token; `clip/out_of_range_frac`
@@ -163,6 +171,8 @@ def policy_loss(
     sapo_tau_neg: float = 1.05,
     max_log_ratio: float = 20.0,
     is_weights_BT: torch.Tensor | None = None,
+    entropy_BT: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of `algo` (negative objective, 0-dim) and its metrics.
 
@@ -183,12 +193,15 @@ def policy_loss(
         max_log_ratio: clamp of per-token log ratios before exp.
         is_weights_BT: [B, T] rollout-correction weights (constants) multiplying the policy-gradient
             term of each token; None = all 1.
+        entropy_BT: [B, T] per-token entropy of the current policy (differentiable), needed when
+            entropy_coef > 0.
+        entropy_coef: weight of the entropy bonus subtracted from the loss.
 
     Returns:
         (loss, metrics): see the module docstring for the metric keys.
     """
     check_token_tensors(mask_BT, logp_BT=logp_BT, old_logp_BT=old_logp_BT, ref_logp_BT=ref_logp_BT,
-                        is_weights_BT=is_weights_BT)
+                        is_weights_BT=is_weights_BT, entropy_BT=entropy_BT)
     check_max_log_ratio(max_log_ratio)
     mode = resolve_mode(algo, loss_agg_mode, aggregation)
     spec = ALGO_SPECS[algo]
@@ -199,6 +212,10 @@ def policy_loss(
         raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
     if float(kl_coef) > 0.0 and ref_logp_BT is None:
         raise ValueError("kl_coef > 0 needs ref_logp_BT (reference-policy log-probs [B, T]); pass it or set kl_coef=0")
+    if not float(entropy_coef) >= 0.0:
+        raise ValueError(f"entropy_coef must be >= 0, got {entropy_coef}")
+    if float(entropy_coef) > 0.0 and entropy_BT is None:
+        raise ValueError("entropy_coef > 0 needs entropy_BT (the current policy's per-token entropy [B, T])")
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
     if algo == "sapo" and not (float(sapo_tau_pos) > 0.0 and float(sapo_tau_neg) > 0.0):
@@ -223,10 +240,17 @@ def policy_loss(
         kl = aggregate(kl_estimate(inp.logp, ref, inp.mask, kl_estimator, max_log_ratio=inp.limit))
         if float(kl_coef) > 0.0:
             loss = loss_policy + float(kl_coef) * kl
+    entropy = None
+    if entropy_BT is not None:
+        entropy = aggregate(torch.where(inp.mask, entropy_BT.to(inp.dtype), 0.0))
+        if float(entropy_coef) > 0.0:
+            loss = loss - float(entropy_coef) * entropy
 
     metrics = {"loss/policy": loss_policy.detach().double(), "loss/total": loss.detach().double()}
     if kl is not None:
         metrics["loss/kl"] = kl.detach().double()
+    if entropy is not None:
+        metrics["loss/entropy"] = entropy.detach().double()
     metrics.update(terms.metrics)
     metrics.update(ratio_stats(logp_BT, old_logp_BT, mask_BT, max_log_ratio=inp.limit))
     return loss, metrics

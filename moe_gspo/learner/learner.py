@@ -345,6 +345,9 @@ class Learner:
         # mini-batch's forward: the weights have not changed since (any other pass clears it).
         fused = self._fused if self._fused is not None and self._fused.batch is batch else None
         self._fused = None
+        if fused is not None and self.algo.entropy_coef > 0:
+            raise ValueError("train_step: algo.entropy_coef > 0 needs the entropies of the update's own forward; the "
+                             "fused old-policy pass (compute_logprobs(keep_graph=True)) has none: run it without keep_graph")
         if fused is not None and replay_routes is not None:
             raise ValueError("train_step: replay_routes with a fused old-policy pass (compute_logprobs(keep_graph="
                              "True)), which routed naturally; run that pass without keep_graph")
@@ -385,20 +388,22 @@ class Learner:
         mask_all = mini.response_mask_BS if keep_BS is None else mini.response_mask_BS & keep_BS
         denom = max(num_units(mask_all, mode), 1)  # tokens (token-mean) or sequences the mode averages over
 
-        def loss_on(logp, rows, S_i, mask):
-            """The loss of mini-batch `rows` (indices into `mini`) from their log-probs `logp` [n, S_i]."""
+        def loss_on(logp, rows, S_i, mask, ent=None):
+            """The loss of mini-batch `rows` (indices into `mini`) from their log-probs `logp` [n, S_i]
+            (and entropies `ent` [n, S_i] with algo.entropy_coef > 0)."""
             loss, m = policy_loss(algo.name, logp, old_BS[rows, :S_i], mini.advantages_B[rows], mask,
                                   ref_logp_BT=None if ref_BS is None else ref_BS[rows, :S_i],
-                                  is_weights_BT=None if is_w_BS is None else is_w_BS[rows, :S_i], **loss_kw)
+                                  is_weights_BT=None if is_w_BS is None else is_w_BS[rows, :S_i], entropy_BT=ent,
+                                  **loss_kw)
             return loss, loss * (num_units(mask, mode) * dp / denom), m
 
         if not self.ddp.training:
             self.ddp.train()
         self.optimizer.zero_grad()
         if fused is not None:
-            finite, logp_all, m_all = self._backward_fused(fused, idx, mask_all, loss_on)
+            finite, logp_all, ent_all, m_all = self._backward_fused(fused, idx, mask_all, loss_on)
         else:
-            finite, logp_all, m_all = self._backward_minibatch(mini, routes, mask_all, loss_on)
+            finite, logp_all, ent_all, m_all = self._backward_minibatch(mini, routes, mask_all, loss_on)
         self.ddp.finish_grad_sync()
         norm = self.optimizer.grad_norm()
         skip = any_rank(not (finite and math.isfinite(norm)), self.device)
@@ -412,18 +417,21 @@ class Learner:
         if m_all is None:  # the loss was computed in pieces (ranks, micro-batches): recompute on the whole
             with torch.no_grad():
                 _, m_all = policy_loss(algo.name, logp_all, old_BS, mini.advantages_B, mask_all, ref_logp_BT=ref_BS,
-                                       is_weights_BT=is_w_BS, **loss_kw)
+                                       is_weights_BT=is_w_BS, entropy_BT=ent_all, **loss_kw)
         out = {k: float(v) for k, v in m_all.items()}
         out["grad/norm"] = norm
         return out, skip
 
     def _backward_minibatch(self, mini: PackedBatch, routes, mask_all, loss_on):
-        """Forward + backward of this rank's shard of `mini`, micro-batch by micro-batch.
-        Returns (finite, the global log-probs [B_mini, S], the loss metrics when one piece covered all)."""
+        """Forward + backward of this rank's shard of `mini`, micro-batch by micro-batch. Returns (finite,
+        the global log-probs [B_mini, S], their entropies (algo.entropy_coef > 0, else None), the loss
+        metrics when one piece covered all)."""
         plan = plan_shards(mini.seq_lens_B.tolist(), dp_rank=self.parallel.dp_rank, dp_size=self.parallel.dp_size,
                            micro_batch_size=self.train.micro_batch_size)
         local, local_routes, (keep_l,) = self._local(mini, plan, routes, mask_all)
         logp_local = torch.zeros(keep_l.shape, dtype=torch.float32, device=self.device)
+        with_entropy = self.algo.entropy_coef > 0
+        ent_local = torch.zeros_like(logp_local) if with_entropy else None
         finite, m_all = True, None
         whole = self.parallel.dp_size == 1 and len(plan.micro_batches) == 1
         for mb in plan.micro_batches:
@@ -434,9 +442,10 @@ class Learner:
             global_rows = torch.as_tensor(plan.indices[rows], dtype=torch.long, device=self.device)
             n_real = global_rows.numel()
             with self._replay_ctx(mb_routes, local.seq_lens_B[rows].tolist(), S_i) as handle:
-                logp, _ = token_logprobs(self._forward(ids), ids)
+                logp, ent = token_logprobs(self._forward(ids), ids, with_entropy=with_entropy)
                 if n_real:
-                    loss, scaled, m = loss_on(logp[:n_real], global_rows, S_i, keep_l[rows, :S_i][:n_real])
+                    loss, scaled, m = loss_on(logp[:n_real], global_rows, S_i, keep_l[rows, :S_i][:n_real],
+                                              None if ent is None else ent[:n_real])
                 else:  # a padding-only micro-batch: no loss, but every rank runs the backward (EP collectives)
                     loss = scaled = logp.sum() * 0.0
                     m = None
@@ -446,9 +455,12 @@ class Learner:
                     scaled.backward()
             finite = finite and bool(torch.isfinite(loss.detach()))
             logp_local[rows, :S_i] = logp.detach()
+            if ent is not None:
+                ent_local[rows, :S_i] = ent.detach()
             if whole:
                 m_all = m
-        return finite, self._gather_rows(logp_local, mini.num_seqs), m_all
+        ent_all = None if ent_local is None else self._gather_rows(ent_local, mini.num_seqs)
+        return finite, self._gather_rows(logp_local, mini.num_seqs), ent_all, m_all
 
     def _backward_fused(self, fused: _FusedPass, idx: np.ndarray, mask_all, loss_on):
         """Backward of the first mini-batch (global rows `idx`) through the kept old-policy pass: this
@@ -468,7 +480,7 @@ class Learner:
             loss = scaled = fused.logp_local.sum() * 0.0
         scaled.backward()
         logp_all = fused.logp_BS[torch.as_tensor(idx, dtype=torch.long)].to(self.device)
-        return bool(torch.isfinite(loss.detach())), logp_all, m_all
+        return bool(torch.isfinite(loss.detach())), logp_all, None, m_all
 
     # ------------------------------------------------------------------ memory during the rollout
     def offload_for_rollout(self) -> None:

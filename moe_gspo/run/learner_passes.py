@@ -148,9 +148,10 @@ class StepPasses:
 
 def fuse_old_pass(cfg: Config) -> bool:
     """Whether train.fuse_old_logp_pass applies: the old-policy pass routes naturally and runs in one piece
-    only without R3, micro-batches and activation recompute."""
+    only without R3, micro-batches and activation recompute, and the entropy bonus needs the update's own
+    forward (algo.entropy_coef = 0)."""
     return (cfg.train.fuse_old_logp_pass and cfg.algo.routing_replay != "r3" and not cfg.train.micro_batch_size
-            and not cfg.model.recompute)
+            and not cfg.model.recompute and cfg.algo.entropy_coef == 0)
 
 
 def learner_update(cfg: Config, policy, batch: PackedBatch, samples, step: int, *,

@@ -10,6 +10,7 @@ import torch
 
 from algos._cases import LN, NAN, hand_batch, mixed_sign_batch
 from moe_gspo.algos import LOSS_AGG_MODES, policy_loss
+from moe_gspo.config import DEFAULT_CLIP
 
 SIG = lambda x: 1.0 / (1.0 + math.exp(-x))  # noqa: E731
 TOKEN_LEVEL = ("grpo", "cispo", "sapo")
@@ -276,3 +277,27 @@ def test_kl_is_aggregated_like_the_policy_term():
     _, m = policy_loss("gmpo", logp, logp.detach(), torch.zeros(2, dtype=torch.float64), mask, ref_logp_BT=ref,
                        kl_estimator="k1", clip_low=0.4, clip_high=0.4)  # sequence-level: ln2 / 4
     assert m["loss/kl"].item() == pytest.approx(LN(2) / 4)
+
+
+@pytest.mark.parametrize("algo", ["gspo", "grpo", "cispo"])
+def test_entropy_bonus_by_hand(algo):
+    """loss = policy loss - coef * entropy aggregated like the policy term (gspo: per-sequence token
+    mean, then mean over sequences; cispo: token mean), with d loss / d entropy = -coef / units."""
+    logp = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -0.5, -0.5]], requires_grad=True)
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    ent = torch.tensor([[1.0, 2.0, 9.0], [0.5, 0.5, 0.5]], requires_grad=True)
+    adv = torch.tensor([1.0, -1.0])
+    clip = dict(zip(("clip_low", "clip_high"), DEFAULT_CLIP[algo]))
+    base, _ = policy_loss(algo, logp, logp.detach(), adv, mask, **clip)
+    loss, m = policy_loss(algo, logp, logp.detach(), adv, mask, entropy_BT=ent, entropy_coef=0.1, **clip)
+    expected_ent = (1.5 + 0.5) / 2 if algo != "cispo" else (1 + 2 + 1.5) / 5
+    assert float(m["loss/entropy"]) == pytest.approx(expected_ent)
+    assert float(loss) == pytest.approx(float(base) - 0.1 * expected_ent)
+    loss.backward()
+    if algo == "cispo":
+        expected_grad = torch.tensor([[-0.02, -0.02, 0.0], [-0.02, -0.02, -0.02]])
+    else:
+        expected_grad = torch.tensor([[-0.025, -0.025, 0.0], [-0.1 / 6, -0.1 / 6, -0.1 / 6]])
+    assert torch.allclose(ent.grad, expected_grad)
+    with pytest.raises(ValueError, match="entropy_BT"):
+        policy_loss(algo, logp, logp.detach(), adv, mask, entropy_coef=0.1, **clip)

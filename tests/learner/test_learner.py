@@ -36,7 +36,8 @@ def test_logprobs_match_transformers(dist):
     AlgoConfig(name="gspo", clip_low=0.2, clip_high=0.2),
     AlgoConfig(name="grpo", aggregation="token_mean"),
     AlgoConfig(name="sapo", loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=4.0),
-], ids=["gspo", "grpo-token-mean", "sapo-sum-norm"])
+    AlgoConfig(name="gspo", entropy_coef=0.05),
+], ids=["gspo", "grpo-token-mean", "sapo-sum-norm", "gspo-entropy-bonus"])
 def test_micro_batches_accumulate_to_the_full_batch_gradient(dist, algo):
     """Each aggregation unit (sequences; tokens; sequences with Dr. GRPO's constant): 4 micro-batches of 2
     give the same update as one of 8."""
@@ -53,6 +54,21 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(dist, algo):
     assert (after[0][0] - after[1][0]).abs().max() <= 3e-5
     assert after[0][1]["grad/norm"] == pytest.approx(after[1][1]["grad/norm"], rel=1e-5)
     assert after[0][1]["loss/total"] == pytest.approx(after[1][1]["loss/total"], rel=1e-5)
+    assert ("loss/entropy" in after[0][1]) == (algo.entropy_coef > 0)
+
+
+def test_entropy_bonus_raises_the_policy_entropy(dist):
+    """With zero advantages the policy gradient vanishes and the entropy bonus alone moves the weights:
+    the policy's entropy over the response tokens goes up (and loss/entropy is the old entropy)."""
+    batch = make_batch(8, seed=5)
+    batch.advantages_B.zero_()
+    cfg, _, model = tiny_pair()
+    learner = make_learner(model, cfg, dist, algo=AlgoConfig(name="gspo", entropy_coef=1.0), lr=1e-4)
+    before = learner.compute_logprobs(batch, with_entropy=True).entropy_BS[batch.response_mask_BS].mean()
+    m = learner.train_step(batch, batch.rollout_logp_BS)
+    after = learner.compute_logprobs(batch, with_entropy=True).entropy_BS[batch.response_mask_BS].mean()
+    assert after > before + 1e-4  # Adam's first step, ~lr * sign(grad): a first-order increase
+    assert m["loss/policy"] == 0.0 and m["loss/total"] == pytest.approx(-m["loss/entropy"], rel=1e-6)
 
 
 def test_r2_replays_old_routing_while_the_router_still_learns(dist):

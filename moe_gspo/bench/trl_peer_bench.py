@@ -1,20 +1,28 @@
 """Peer benchmark: TRL's `GRPOTrainer` in GSPO mode vs this project's main job, on the same work.
 
-`python -m moe_gspo.bench.trl_peer_bench [--config configs/tiny_cpu_copy_first.yaml] [--seeds 0 1 2] [--target 0.5]`
+`python -m moe_gspo.bench.trl_peer_bench [--config configs/tiny_cpu.yaml] [--seeds 0 1 2 3 4] [--target 0.8]
+[--full] [section.key=value ...]`
 
-Runs only when TRL is installed (`pip install "trl==1.16.*"`; TRL is not a dependency of moe-gspo):
-without it the script says so and exits 0. Both sides start from the same tiny random Qwen3-MoE
+Runs when TRL is installed (it is in the `dev` extra, as the tests compare against it; the library never
+imports it): without it the script says so and exits 0. Both sides start from the same tiny random Qwen3-MoE
 (`moe_gspo.tiny.build_tiny_model`, same init seed and router scale), see the same prompt stream
 (`moe_gspo.tasks`, in order) and are scored by the same reward function; for each seed (`train.seed`:
 prompts, sampling, TRL's seed), back to back:
 
-1. **TRL** (one process, CPU, fp32): `GRPOTrainer` with `importance_sampling_level="sequence"`,
-   `loss_type="grpo"` (per-sequence mean, as in TRL's documented GSPO recipe), clip epsilon
-   3e-4 / 4e-4, `beta=0`, `num_generations=8`, `per_device_train_batch_size=16`,
-   `steps_per_generation=4`, `gradient_accumulation_steps=1` (one generation of 8 prompts x 8 samples
-   feeds 4 optimizer steps of 16 completions), `max_completion_length` = rollout.max_new_tokens,
-   constant learning rate, Adam betas / grad clip / temperature / top-p from the config, no router
-   auxiliary loss (the Megatron learner has none).
+1. **TRL** (one process, CPU, fp32): `GRPOTrainer` with `importance_sampling_level="sequence"` for
+   gspo ("token" for grpo) and `loss_type="grpo"` (per-sequence token mean, TRL's documented GSPO
+   recipe; `bnpo` for algo.loss_agg_mode=token-mean), `beta=0`, `num_iterations=1`,
+   `num_generations` = rollout.samples_per_prompt, `steps_per_generation` = train.num_minibatches,
+   `per_device_train_batch_size` = the batch / train.num_minibatches, `gradient_accumulation_steps=1`,
+   `max_completion_length` = rollout.max_new_tokens. **Ours, passed through**: the clip range
+   (`epsilon`, `epsilon_high`), learning rate, Adam betas, weight decay, gradient clip, temperature,
+   top-p, `entropy_coef`, `scale_rewards`. **Set here**: constant learning rate (TRL's default decays
+   linearly to 0), no router auxiliary loss (TRL's default for MoE models adds the model config's
+   `router_aux_loss_coef`; the Megatron learner has none; `--trl-router-aux-loss` turns it on).
+   **TRL's own defaults**: the advantage std Bessel-corrected + 1e-4 (ours: `algo.adv_std_correction`,
+   `algo.adv_eps`), the generation batch shuffled into its mini-batches (ours:
+   `train.shuffle_minibatches`), gradient checkpointing on, sampling in fp32 with `model.generate`
+   (ours: `rollout.dtype`).
 2. **moe-gspo**: `torchrun --standalone --nproc-per-node N -m moe_gspo.train --config CONFIG` in a
    subprocess (the main job exactly as a user runs it, checkpoints and traces included; N = `--nproc`,
    default 1: on this model a second data-parallel rank costs more than it saves).
@@ -47,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_CONFIG = "configs/tiny_cpu_copy_first.yaml"
+DEFAULT_CONFIG = "configs/tiny_cpu.yaml"
 
 
 @dataclass(kw_only=True)
@@ -144,8 +152,10 @@ def run_trl(cfg, *, max_steps: int, target: float, window: int, out_dir: Path, s
                              router_scale=cfg.model.router_scale).train()
     args = GRPOConfig(
         output_dir=str(out_dir), use_cpu=True, bf16=False, fp16=False, seed=tr.seed, data_seed=tr.seed,
-        importance_sampling_level="sequence" if algo.name == "gspo" else "token", loss_type="grpo",
-        beta=0.0, epsilon=lo, epsilon_high=hi, num_iterations=1, scale_rewards="group",
+        importance_sampling_level="sequence" if algo.name == "gspo" else "token",
+        loss_type="bnpo" if algo.resolved_loss_agg_mode() == "token-mean" else "grpo",
+        beta=0.0, epsilon=lo, epsilon_high=hi, num_iterations=1, scale_rewards=algo.scale_rewards,
+        entropy_coef=algo.entropy_coef,
         num_generations=r.samples_per_prompt, per_device_train_batch_size=per_step,
         steps_per_generation=tr.num_minibatches, gradient_accumulation_steps=1,
         max_completion_length=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=0,
@@ -289,11 +299,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--config", default=DEFAULT_CONFIG, help=f"run config of both sides (default {DEFAULT_CONFIG})")
-    p.add_argument("--target", type=float, default=0.5, help="moving-average reward to reach (default 0.5)")
+    p.add_argument("--target", type=float, default=0.8, help="moving-average reward to reach (default 0.8)")
     p.add_argument("--window", type=int, default=50, help="moving-average window in RL steps (default 50)")
     p.add_argument("--max-steps", type=int, default=600, help="give up after this many RL steps (default 600)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
-                   help="train.seed of each pair of runs (default 0 1 2; the time to target varies ~2x between seeds)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4],
+                   help="train.seed of each pair of runs (default 0 1 2 3 4; the time to target varies ~2x between seeds)")
     p.add_argument("--nproc", type=int, default=1,
                    help="processes of our torchrun job (default 1: at this model size a second rank costs more than "
                         "it saves)")
@@ -330,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.algo.routing_replay != "none" or cfg.algo.name not in ("gspo", "grpo"):
         p.error(f"algo.name={cfg.algo.name}, algo.routing_replay={cfg.algo.routing_replay}: TRL has gspo "
                 "(importance_sampling_level=sequence) and grpo, without routing replay")
+    if cfg.algo.resolved_loss_agg_mode() not in ("seq-mean-token-mean", "token-mean") or cfg.algo.kl_coef:
+        p.error(f"algo.loss_agg_mode={cfg.algo.resolved_loss_agg_mode()}, algo.kl_coef={cfg.algo.kl_coef}: the "
+                "comparison maps seq-mean-token-mean and token-mean onto TRL's loss types, without a KL term")
     tmp = None
     if args.out:
         out = Path(args.out)
@@ -341,6 +354,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.rollout.samples_per_prompt} samples, {cfg.rollout.max_new_tokens} new tokens, lr {cfg.train.lr}, "
           f"{cfg.algo.name} clip {cfg.algo.clip_range()}, {cfg.train.num_minibatches} optimizer steps per RL step; "
           f"TRL {trl.__version__}; seeds {args.seeds}, each pair back to back", flush=True)
+    a, t = cfg.algo, cfg.train
+    print(f"TRL settings: ours passed through (lr {t.lr}, Adam betas ({t.adam_beta1}, {t.adam_beta2}), weight decay "
+          f"{t.weight_decay}, grad clip {t.grad_clip}, clip {a.clip_range()}, entropy_coef {a.entropy_coef}, "
+          f"scale_rewards {a.scale_rewards}); set here: constant lr, router aux loss "
+          f"{'on' if args.trl_router_aux_loss else 'off'}; TRL's own: advantage std Bessel + 1e-4 (ours: correction "
+          f"{a.adv_std_correction}, eps {a.adv_eps}), shuffled mini-batches (ours: {t.shuffle_minibatches}), "
+          f"gradient checkpointing, fp32 sampling (ours: {cfg.rollout.dtype})", flush=True)
     per_seed = []
     try:
         for seed in args.seeds:

@@ -69,3 +69,6 @@ def test_trl_two_rl_steps(tmp_path):
     assert len(curve.rewards) == 2  # one reward per RL step (generation), not per optimizer step
     assert all(0.0 <= r <= 1.0 for r in curve.rewards)
     assert 0 < curve.times_s[0] < curve.times_s[1]
+    # TRL's entropy (mean over the RL step's optimizer steps) and its frac_reward_zero_std, per RL step
+    assert len(curve.entropy) == len(curve.frac_zero_std) == 2
+    assert all(0.0 < e < 4.0 for e in curve.entropy) and all(0.0 <= z <= 1.0 for z in curve.frac_zero_std)

@@ -35,6 +35,10 @@ CASES = {
     "gspo": (AlgoConfig(name="gspo"), "sequence", "grpo"),
     "grpo_seq_mean": (AlgoConfig(name="grpo"), "token", "grpo"),
     "grpo_token_mean": (AlgoConfig(name="grpo", aggregation="token_mean"), "token", "bnpo"),
+    # TRL's entropy bonus is a token mean over the micro-batch; ours is aggregated like the policy term,
+    # which is the same under token-mean
+    "grpo_token_mean_entropy_bonus": (AlgoConfig(name="grpo", aggregation="token_mean", entropy_coef=0.05), "token",
+                                      "bnpo"),
 }
 
 
@@ -65,7 +69,7 @@ def _old_logp(logp_BS: torch.Tensor, batch: PackedBatch, level: str, seed: int =
     return torch.where(mask, logp_BS + shift, 0.0)
 
 
-def _trl_trainer(hf_model, level: str, loss_type: str, clip: tuple[float, float], tmp_path):
+def _trl_trainer(hf_model, level: str, loss_type: str, clip: tuple[float, float], tmp_path, entropy_coef: float):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -76,7 +80,7 @@ def _trl_trainer(hf_model, level: str, loss_type: str, clip: tuple[float, float]
                       epsilon_high=clip[1], num_generations=4, per_device_train_batch_size=12,
                       gradient_accumulation_steps=1, learning_rate=LR, weight_decay=0.0, adam_beta1=0.9,
                       adam_beta2=0.99, max_grad_norm=1.0, router_aux_loss_coef=0.0, report_to="none",
-                      save_strategy="no", disable_tqdm=True, gradient_checkpointing=False)
+                      save_strategy="no", disable_tqdm=True, gradient_checkpointing=False, entropy_coef=entropy_coef)
     data = Dataset.from_list([{"prompt": "0123"}] * 4)
     trainer = GRPOTrainer(model=hf_model, reward_funcs=lambda completions, **_: [0.0] * len(completions),
                           args=args, train_dataset=data, processing_class=load_tiny_tokenizer())
@@ -121,7 +125,7 @@ def test_one_optimizer_step_matches_trl(dist, case, tmp_path):
                                   if not k.endswith("_extra_state")}, cfg)
 
     # TRL: its compute_loss on the same inputs, backward, transformers' clipping, its optimizer
-    trainer = _trl_trainer(hf, level, loss_type, algo.clip_range(), tmp_path)
+    trainer = _trl_trainer(hf, level, loss_type, algo.clip_range(), tmp_path, algo.entropy_coef)
     model_t = trainer.model.train()
     loss = trainer.compute_loss(model_t, _trl_inputs(batch, old, adv, prompt_len))
     loss.backward()

@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if importlib.util.find_spec("trl") is None:
         print("trl_peer_bench: TRL is not installed, nothing to compare against; "
-              "install it with  pip install 'trl==1.16.*'  (TRL is not a moe-gspo dependency). Skipped.")
+              "install it with  pip install -e '.[dev]'  (the test extra; the library never imports TRL). Skipped.")
         return 0
     import trl
 

@@ -119,6 +119,10 @@ def run_trl(cfg, *, max_steps: int, target: float, window: int, out_dir: Path, s
     from datasets import Dataset
     from transformers import TrainerCallback
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    from moe_gspo.rollout import vllm_support
+
+    vllm_support.prepare_for_foreign_import()  # TRL imports vLLM itself when it is installed
     from trl import GRPOConfig, GRPOTrainer
 
     from moe_gspo.run.steps import response_text
@@ -323,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
         print("trl_peer_bench: TRL is not installed, nothing to compare against; "
               "install it with  pip install -e '.[dev]'  (the test extra; the library never imports TRL). Skipped.")
         return 0
+    from moe_gspo.rollout import vllm_support
+
+    vllm_support.prepare_for_foreign_import()  # TRL imports vLLM itself when it is installed
     import trl
 
     from moe_gspo.config import load_config

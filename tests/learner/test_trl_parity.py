@@ -23,8 +23,11 @@ from _learner_common import make_learner, tiny_pair
 from moe_gspo.config import AlgoConfig
 from moe_gspo.learner.batch import PackedBatch
 from moe_gspo.mcore.weights import megatron_to_hf
+from moe_gspo.rollout import vllm_support
 from moe_gspo.rollout.base import RolloutSample
 
+# TRL's GRPOTrainer imports vLLM when it is installed; later vLLM tests in this process need it set up first.
+vllm_support.prepare_for_foreign_import()
 trl = pytest.importorskip("trl", reason="TRL is a test dependency: pip install -e '.[dev]'")
 
 pytestmark = pytest.mark.usefixtures("dist")

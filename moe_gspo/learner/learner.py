@@ -78,6 +78,10 @@ class _FusedPass:
     """[rows, S_0] this rank's token log-probs with their graph (one micro-batch)."""
     logp_BS: torch.Tensor
     """[B, S] the global log-probs of the pass (detached, host)."""
+    ent_local: torch.Tensor | None = None
+    """[rows, S_0] this rank's token entropies with their graph (a pass with `with_entropy=True`)."""
+    entropy_BS: torch.Tensor | None = None
+    """[B, S] the global entropies of the pass (detached, host), with `ent_local`."""
 
 
 class Learner:
@@ -230,10 +234,11 @@ class Learner:
         if keep_graph:
             self._check_fusable(routes_in, plan)
         with torch.set_grad_enabled(keep_graph):
-            result, graph_logp = self._logprob_pass(batch, plan, routes_in, record, record_routes, keep_graph,
-                                                    with_entropy)
+            result, (graph_logp, graph_ent) = self._logprob_pass(batch, plan, routes_in, record, record_routes,
+                                                                 keep_graph, with_entropy)
         if keep_graph:
-            self._fused = _FusedPass(batch=batch, plan=plan, logp_local=graph_logp, logp_BS=result.logp_BS)
+            self._fused = _FusedPass(batch=batch, plan=plan, logp_local=graph_logp, logp_BS=result.logp_BS,
+                                     ent_local=graph_ent, entropy_BS=result.entropy_BS)
         return result
 
     def _check_fusable(self, routes_in, plan: ShardPlan) -> None:
@@ -258,7 +263,7 @@ class Learner:
         ent_local = torch.zeros((plan.num_rows, S), dtype=torch.float32, device=self.device) if with_entropy else None
         ids_local = torch.zeros((plan.num_rows, S, L, K), dtype=torch.int32, device=self.device) if record else None
         probs_local = torch.zeros((plan.num_rows, S, L, K), dtype=torch.float32, device=self.device) if record else None
-        graph_logp = None
+        graph_logp = graph_ent = None
         if self.ddp.training != keep_graph:  # switching walks every module (~2 ms on the tiny model)
             self.ddp.train(keep_graph)
         self.recorder.clear()
@@ -275,7 +280,7 @@ class Learner:
                 if ent is not None:
                     ent_local[rows, :S_i] = ent.detach()
                 if keep_graph:
-                    graph_logp = logp
+                    graph_logp, graph_ent = logp, ent
                     logp = logp.detach()
                 logp_local[rows, :S_i] = logp
                 if record:
@@ -307,7 +312,7 @@ class Learner:
                 self._recorded = (batch.input_ids_BS.cpu().clone(), routes)
             if record_routes:
                 result.routes, result.probs = routes, probs
-        return result, graph_logp
+        return result, (graph_logp, graph_ent)
 
     # ------------------------------------------------------------------ update
     def train_step(self, batch: PackedBatch, old_logp_BS: torch.Tensor, *, replay_routes=None,
@@ -345,9 +350,9 @@ class Learner:
         # mini-batch's forward: the weights have not changed since (any other pass clears it).
         fused = self._fused if self._fused is not None and self._fused.batch is batch else None
         self._fused = None
-        if fused is not None and self.algo.entropy_coef > 0:
-            raise ValueError("train_step: algo.entropy_coef > 0 needs the entropies of the update's own forward; the "
-                             "fused old-policy pass (compute_logprobs(keep_graph=True)) has none: run it without keep_graph")
+        if fused is not None and self.algo.entropy_coef > 0 and fused.ent_local is None:
+            raise ValueError("train_step: algo.entropy_coef > 0 needs the entropies of the first mini-batch's forward; "
+                             "run the fused old-policy pass with them: compute_logprobs(keep_graph=True, with_entropy=True)")
         if fused is not None and replay_routes is not None:
             raise ValueError("train_step: replay_routes with a fused old-policy pass (compute_logprobs(keep_graph="
                              "True)), which routed naturally; run that pass without keep_graph")
@@ -473,14 +478,19 @@ class Learner:
         if sel:
             k_rows = torch.as_tensor([k for k, _ in sel], dtype=torch.long, device=self.device)
             j_rows = torch.as_tensor([j for _, j in sel], dtype=torch.long, device=self.device)
-            loss, scaled, m = loss_on(fused.logp_local[j_rows], k_rows, S0, mask_all[k_rows, :S0])
+            ent = None if fused.ent_local is None or self.algo.entropy_coef <= 0 else fused.ent_local[j_rows]
+            loss, scaled, m = loss_on(fused.logp_local[j_rows], k_rows, S0, mask_all[k_rows, :S0], ent)
             if self.parallel.dp_size == 1:
                 m_all = m
         else:
             loss = scaled = fused.logp_local.sum() * 0.0
         scaled.backward()
-        logp_all = fused.logp_BS[torch.as_tensor(idx, dtype=torch.long)].to(self.device)
-        return bool(torch.isfinite(loss.detach())), logp_all, None, m_all
+        rows = torch.as_tensor(idx, dtype=torch.long)
+        logp_all = fused.logp_BS[rows].to(self.device)
+        ent_all = None
+        if fused.ent_local is not None and self.algo.entropy_coef > 0:
+            ent_all = fused.entropy_BS[rows].to(self.device)
+        return bool(torch.isfinite(loss.detach())), logp_all, ent_all, m_all
 
     # ------------------------------------------------------------------ memory during the rollout
     def offload_for_rollout(self) -> None:

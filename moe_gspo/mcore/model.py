@@ -169,13 +169,16 @@ def build_gpt_model(
     vocab_pad_multiple: int = 1,
     recompute: bool = False,
     batched_experts: bool = False,
+    sdpa_attention: bool = True,
     device: torch.device | str | None = None,
     **config_overrides: Any,
 ):
     """Build the Megatron `GPTModel` for `hf_config` (random init; load weights with `moe_gspo.mcore.weights`).
 
     `batched_experts`: the MoE layers' local experts as `moe_gspo.mcore.batched_experts.BatchedSequentialMLP`
-    (same parameters; local spec only).
+    (same parameters; local spec only). `sdpa_attention`: core attention as one fused
+    `scaled_dot_product_attention` call (`moe_gspo.mcore.sdpa_attention`) where the spec has upstream's
+    local `DotProductAttention` (no Transformer Engine); no parameters, same maths up to rounding.
 
     Requires `moe_gspo.mcore.parallel.init_distributed` to have run in this process. The model's
     `vocab_size` attribute is the padded size; `model.hf_vocab_size` the true one.
@@ -201,6 +204,10 @@ def build_gpt_model(
         if not found:
             raise ValueError("model.batched_experts=true needs the local (SequentialMLP) expert spec; with "
                              "Transformer Engine installed the experts are TE's grouped GEMM already: set it false")
+    if sdpa_attention:
+        from moe_gspo.mcore.sdpa_attention import with_sdpa_attention
+
+        spec, _ = with_sdpa_attention(spec)  # no-op with Transformer Engine's attention
     # Upstream keeps RouterReplay instances in a class-level list; a rebuilt model must start empty.
     RouterReplay.clear_global_router_replay_instances()
     model = GPTModel(

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from moe_gspo.rollout.base import RolloutEngine, RolloutSample, SamplingParams
-from moe_gspo.rollout.cpu_gemm import Fp32GemmForBf16, needs_fp32_gemm
+from moe_gspo.rollout.cpu_gemm import fp32_gemms_in, needs_fp32_gemm
 from moe_gspo.rollout.hf_router_hooks import HFRouterRecorder, find_routers
 from moe_gspo.rollout.weights_sync import load_named_tensors_
 from moe_gspo.routing.trace import ids_dtype
@@ -229,7 +229,7 @@ class HFEngine(RolloutEngine):
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[RolloutSample]:
         """Sample `sampling.n` responses per prompt, all prompts in one batch; groups contiguous."""
-        with torch.inference_mode(), (Fp32GemmForBf16() if self.fp32_gemm else contextlib.nullcontext()):
+        with torch.inference_mode(), (fp32_gemms_in(self._model) if self.fp32_gemm else contextlib.nullcontext()):
             return self._generate(prompts, sampling)
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[RolloutSample]:

@@ -71,7 +71,8 @@ class ReferencePolicy:
             policy_learner.hf_config, ep_size=info.ep_size, params_dtype=learner_dtype(cfg),
             enable_routing_replay=self.replay != "none", token_dispatcher=cfg.parallel.token_dispatcher,
             vocab_pad_multiple=cfg.model.vocab_pad_multiple, recompute=False,
-            batched_experts=cfg.model.batched_experts)
+            batched_experts=cfg.model.batched_experts,
+            sdpa_attention=cfg.model.sdpa_attention)
         own = {id(r.router_replay) for r in moe_routers(model) if r.router_replay is not None}
         RouterReplay.global_router_replay_instances[:] = [
             r for r in RouterReplay.global_router_replay_instances if id(r) not in own]
@@ -148,10 +149,10 @@ class StepPasses:
 
 def fuse_old_pass(cfg: Config) -> bool:
     """Whether train.fuse_old_logp_pass applies: the old-policy pass routes naturally and runs in one piece
-    only without R3, micro-batches and activation recompute, and the entropy bonus needs the update's own
-    forward (algo.entropy_coef = 0)."""
+    only without R3, micro-batches and activation recompute (the pass computes the entropies with their
+    graph, so the entropy bonus works with it)."""
     return (cfg.train.fuse_old_logp_pass and cfg.algo.routing_replay != "r3" and not cfg.train.micro_batch_size
-            and not cfg.model.recompute and cfg.algo.entropy_coef == 0)
+            and not cfg.model.recompute)
 
 
 def learner_update(cfg: Config, policy, batch: PackedBatch, samples, step: int, *,

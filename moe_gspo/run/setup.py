@@ -166,6 +166,7 @@ def build_policy(cfg: Config, info: ParallelInfo) -> Policy:
         hf_config, ep_size=info.ep_size, params_dtype=learner_dtype(cfg), enable_routing_replay=True,
         token_dispatcher=cfg.parallel.token_dispatcher, vocab_pad_multiple=cfg.model.vocab_pad_multiple,
         recompute=cfg.model.recompute, batched_experts=cfg.model.batched_experts,
+        sdpa_attention=cfg.model.sdpa_attention,
     )
     if cfg.model.path is None:
         from moe_gspo.mcore.weights import load_hf_model_into_megatron

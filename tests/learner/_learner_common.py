@@ -17,12 +17,12 @@ MODEL_SEED = 0
 
 
 def tiny_pair(*, seed: int = MODEL_SEED, enable_routing_replay: bool = True, recompute: bool = False,
-              ep_size: int = 1, batched_experts: bool = False):
+              ep_size: int = 1, batched_experts: bool = False, sdpa_attention: bool = True):
     """(hf_config, transformers model, Megatron model with the same weights), fp32."""
     cfg = tiny_qwen3_moe_config()
     hf = build_tiny_model(cfg, seed=seed)
     model = build_gpt_model(cfg, ep_size=ep_size, enable_routing_replay=enable_routing_replay, recompute=recompute,
-                            batched_experts=batched_experts)
+                            batched_experts=batched_experts, sdpa_attention=sdpa_attention)
     load_hf_model_into_megatron(model, hf)
     return cfg, hf, model
 

@@ -118,6 +118,7 @@ def test_update_drift_probe_after_the_first_and_after_all_minibatches(dist):
 @pytest.mark.parametrize("overrides,fused", [
     (["train.fuse_old_logp_pass=true"], True),
     (["train.fuse_old_logp_pass=true", "algo.routing_replay=r2"], True),
+    (["train.fuse_old_logp_pass=true", "algo.entropy_coef=0.01"], True),  # the kept pass has the entropies
     (["train.fuse_old_logp_pass=false"], False),
     (["train.fuse_old_logp_pass=true", "algo.routing_replay=r3"], False),  # the update replays rollout routes
     (["train.fuse_old_logp_pass=true", "train.micro_batch_size=2"], False),  # the old pass runs in pieces

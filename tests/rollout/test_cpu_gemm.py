@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_gspo.rollout.base import SamplingParams
-from moe_gspo.rollout.cpu_gemm import Fp32GemmForBf16, needs_fp32_gemm
+from moe_gspo.rollout.cpu_gemm import Fp32GemmForBf16, fp32_gemms_in, needs_fp32_gemm
 from moe_gspo.rollout.hf_engine import HFEngine
 from moe_gspo.tiny import build_tiny_model
 
@@ -56,3 +56,20 @@ def test_engine_rollouts_match_the_native_bf16_kernels():
     assert dlogp.max() < 1e-2 and np.mean(dlogp == 0) > 0.5
     same_routes = np.concatenate([(a.routes_TLK == b.routes_TLK).all(-1).ravel() for a, b in zip(native, ours)])
     assert same_routes.mean() > 0.98
+
+
+def test_scoped_fp32_gemms_equal_the_mode_over_the_whole_model_and_restore_the_forwards():
+    """`fp32_gemms_in` (the engine's: the mode only inside modules with their own parameters, nn.Linear
+    directly) computes exactly what the mode over the whole forward computes: same logits bit for bit."""
+    model = build_tiny_model(seed=0).to(torch.bfloat16)
+    ids = torch.tensor([[2, 5, 6, 7, 8, 9, 10, 11], [2, 9, 12, 13, 14, 15, 16, 17]])
+    with torch.inference_mode():
+        with Fp32GemmForBf16():
+            whole = model(input_ids=ids).logits
+        x = _bf16(64, model.config.hidden_size, seed=1)
+        with fp32_gemms_in(model):
+            scoped = model(input_ids=ids).logits
+            head = model.lm_head(x)
+    assert torch.equal(whole, scoped)
+    assert torch.equal(head, F.linear(x.float(), model.lm_head.weight.float()).bfloat16())
+    assert not any("forward" in m.__dict__ for m in model.modules())

@@ -1,0 +1,64 @@
+"""SDPA core attention (moe_gspo/mcore/sdpa_attention.py): upstream's local attention, one fused call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+from moe_gspo.mcore.model import build_gpt_model, causal_mask, forward_logits
+from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
+from moe_gspo.mcore.sdpa_attention import SDPADotProductAttention
+from moe_gspo.mcore.weights import load_hf_model_into_megatron
+from moe_gspo.tiny import build_tiny_model, tiny_qwen3_moe_config
+
+
+@pytest.fixture(scope="module", autouse=True)
+def dist_ep1():
+    info = init_distributed(ep_size=1, num_experts=8, seed=0)
+    yield info
+    destroy_distributed()
+
+
+def _core(model):
+    return [layer.self_attention.core_attention for layer in model.decoder.layers]
+
+
+@pytest.mark.parametrize("tiny", [{}, {"num_key_value_heads": 4}])  # grouped-query (4 / 2 heads) and plain
+def test_same_logits_and_gradients_as_upstream_attention(tiny):
+    cfg = tiny_qwen3_moe_config(**tiny)
+    hf = build_tiny_model(cfg, seed=0)
+    upstream, fused = build_gpt_model(cfg, sdpa_attention=False), build_gpt_model(cfg)  # the default is SDPA
+    assert {type(c) for c in _core(upstream)} == {DotProductAttention}
+    assert {type(c) for c in _core(fused)} == {SDPADotProductAttention}
+    assert upstream.state_dict().keys() == fused.state_dict().keys()  # no parameters of its own
+    ids = torch.randint(3, cfg.vocab_size, (5, 13), generator=torch.Generator().manual_seed(1))
+    out = []
+    for m in (upstream, fused):
+        load_hf_model_into_megatron(m, hf)
+        m.train()
+        logits = forward_logits(m, ids)
+        logits.logsumexp(-1).mean().backward()
+        out.append((logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
+    (l0, g0), (l1, g1) = out
+    assert (l0 - l1).abs().max() <= 1e-5
+    assert max(float((g0[n] - g1[n]).abs().max()) for n in g0) <= 1e-5
+    assert max(float(g.abs().max()) for n, g in g1.items() if "linear_qkv" in n) > 1e-4  # attention got gradient
+
+
+def test_the_mask_is_applied_as_given_and_unsupported_cases_fall_back():
+    cfg = tiny_qwen3_moe_config()
+    core = _core(build_gpt_model(cfg))[0]
+    gen = torch.Generator().manual_seed(3)
+    sq, b, heads, groups, dim = 6, 2, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q = torch.randn(sq, b, heads, dim, generator=gen)
+    k, v = (torch.randn(sq, b, groups, dim, generator=gen) for _ in range(2))
+    mask = causal_mask(sq, "cpu").clone()
+    mask[..., 1] = True  # a non-causal pattern too: nobody attends to position 1 (row 1 still sees 0)
+    got = core(q, k, v, mask)
+    want = DotProductAttention.forward(core, q, k, v, mask)
+    assert got.shape == want.shape == (sq, b, heads * dim)
+    assert (got - want).abs().max() <= 1e-5
+    assert not torch.allclose(got, core(q, k, v, causal_mask(sq, "cpu")), atol=1e-3)  # the mask mattered
+    assert not core._fused_ok(None, None, None)  # no mask: upstream's path (it masks nothing then)
+    assert not core._fused_ok(mask, torch.zeros(1), None)  # an attention bias: upstream's path (which refuses it)

@@ -1,0 +1,146 @@
+"""Benchmark: the step's CPU fast paths against what they replace, interleaved in one process.
+
+`python -m moe_gspo.bench.fastpath_bench [--config configs/tiny_cpu.yaml] [--repeats 12] [--threads N]`
+
+Whole-job timings on a shared 2-core machine drift by ±30% within minutes (`bench.step_profile` runs
+taken back to back disagree by more than these paths change), so each comparison here alternates its two
+variants call by call in one process on the config's model, batch shape and sampling, and prints the
+median of each (after one warm-up call each) and their ratio:
+
+- **rollout**: `HFEngine.generate` of one step's prompts (`rollout.prompts_per_step` x
+  `rollout.samples_per_prompt`, `rollout.max_new_tokens`) in bf16 with fp32 GEMMs scoped to the modules
+  that own weights (`moe_gspo.rollout.cpu_gemm.fp32_gemms_in`, the engine's) vs the torch-function mode
+  over the whole forward (`Fp32GemmForBf16`, before); also checks that both give identical samples;
+- **learner**: the old-policy pass (`compute_logprobs`, routes and entropies recorded, as the train loop
+  calls it) and one `train_step` (`train.num_minibatches` optimizer steps) on a batch of the step's size,
+  with Megatron's attention as one fused SDPA call (`model.sdpa_attention=true`, the default) vs upstream's
+  local `DotProductAttention`; two learners with the same weights, one process (EP=1).
+
+Not a test; about a minute on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+
+import numpy as np
+import torch
+
+
+def interleaved(variants: dict, repeats: int) -> dict[str, float]:
+    """Median seconds per call of each variant, calling them in turn `repeats` times after a warm-up each."""
+    for fn in variants.values():
+        fn()
+    times = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _print(what: str, medians: dict[str, float], new: str, old: str) -> None:
+    print(f"{what}: {new} {medians[new] * 1e3:.1f} ms, {old} {medians[old] * 1e3:.1f} ms "
+          f"({medians[new] / medians[old]:.2f}x)", flush=True)
+
+
+def bench_rollout(cfg, repeats: int) -> dict[str, float]:
+    from moe_gspo.rollout import hf_engine
+    from moe_gspo.rollout.base import SamplingParams
+    from moe_gspo.rollout.cpu_gemm import Fp32GemmForBf16, fp32_gemms_in
+    from moe_gspo.tasks import make_task
+    from moe_gspo.tiny import build_tiny_model, tiny_qwen3_moe_config
+    from moe_gspo.tokenizer import load_tiny_tokenizer
+
+    r = cfg.rollout
+    tok = load_tiny_tokenizer()
+    prompts = [tok.encode(p.text) for p in make_task(cfg.task).prompts(0, r.prompts_per_step, cfg.train.seed)]
+    engine = hf_engine.HFEngine(build_tiny_model(tiny_qwen3_moe_config(**cfg.model.tiny), seed=cfg.model.init_seed,
+                                                 router_scale=cfg.model.router_scale),
+                                dtype="bfloat16", device="cpu", fp32_gemm=True)
+    sampling = SamplingParams(n=r.samples_per_prompt, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                              top_p=r.top_p, seed=0)
+    outs = {}
+
+    def run(name, scope):
+        def call():
+            hf_engine.fp32_gemms_in = scope  # what HFEngine.generate enters
+            try:
+                outs[name] = engine.generate(prompts, sampling)
+            finally:
+                hf_engine.fp32_gemms_in = fp32_gemms_in
+        return call
+
+    medians = interleaved({"scoped": run("scoped", fp32_gemms_in),
+                           "whole-model mode": run("mode", lambda model: Fp32GemmForBf16())}, repeats)
+    same = all(np.array_equal(a.response_ids, b.response_ids) and np.array_equal(a.response_logprobs, b.response_logprobs)
+               and np.array_equal(a.routes_TLK, b.routes_TLK) for a, b in zip(outs["scoped"], outs["mode"]))
+    _print(f"rollout ({len(prompts)} prompts x {r.samples_per_prompt}, bf16, fp32 GEMMs; identical samples: {same})",
+           medians, "scoped", "whole-model mode")
+    return medians
+
+
+def bench_learner(cfg, repeats: int) -> dict[str, float]:
+    from moe_gspo.learner.batch import PackedBatch
+    from moe_gspo.learner.learner import Learner
+    from moe_gspo.mcore.model import build_gpt_model
+    from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
+    from moe_gspo.mcore.weights import load_hf_model_into_megatron
+    from moe_gspo.rollout.base import RolloutSample
+    from moe_gspo.tiny import build_tiny_model, tiny_qwen3_moe_config
+
+    hf_cfg = tiny_qwen3_moe_config(**cfg.model.tiny)
+    info = init_distributed(ep_size=1, num_experts=hf_cfg.num_experts, seed=0)
+    try:
+        hf = build_tiny_model(hf_cfg, seed=cfg.model.init_seed, router_scale=cfg.model.router_scale)
+        rng = np.random.default_rng(0)
+        r, t = cfg.rollout, cfg.task
+        num = r.prompts_per_step * r.samples_per_prompt
+        prompt_len = (t.prompt_len_max or t.prompt_len) + 2  # the copy task's field, "=" and BOS
+        lens = rng.integers(9, r.max_new_tokens + 1, num)
+        samples = [RolloutSample(prompt_index=i // r.samples_per_prompt,
+                                 prompt_ids=rng.integers(3, hf_cfg.vocab_size, prompt_len),
+                                 response_ids=rng.integers(3, hf_cfg.vocab_size, int(n)), finish_reason="stop",
+                                 response_logprobs=np.full(int(n), -2.0, np.float32)) for i, n in enumerate(lens)]
+        batch = PackedBatch.from_samples(samples, rng.standard_normal(num), pad_id=0)
+        learners = {}
+        for name, sdpa in (("sdpa", True), ("megatron local", False)):
+            model = build_gpt_model(hf_cfg, sdpa_attention=sdpa)
+            load_hf_model_into_megatron(model, hf)
+            learners[name] = Learner(model, hf_cfg, parallel=info, algo=cfg.algo, train=cfg.train, replay="none")
+        old = learners["sdpa"].compute_logprobs(batch).logp_BS
+        passes = interleaved({k: (lambda L=L: L.compute_logprobs(batch, record_routes=True, no_replay=True,
+                                                                 with_entropy=True)) for k, L in learners.items()},
+                             repeats)
+        _print(f"learner old-policy pass ({num} sequences, routes + entropies)", passes, "sdpa", "megatron local")
+        steps = interleaved({k: (lambda L=L: L.train_step(batch, old)) for k, L in learners.items()}, repeats)
+        _print(f"learner train_step ({cfg.train.num_minibatches} optimizer steps)", steps, "sdpa", "megatron local")
+        return {**{f"old_pass/{k}": v for k, v in passes.items()}, **{f"train_step/{k}": v for k, v in steps.items()}}
+    finally:
+        destroy_distributed()
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/tiny_cpu.yaml")
+    parser.add_argument("--repeats", type=int, default=12, help="timed calls per variant (interleaved)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    from moe_gspo.config import load_config
+
+    cfg = load_config(args.config)
+    if cfg.model.path is not None:
+        raise ValueError(f"{args.config}: fastpath_bench runs the tiny random model; the config needs model.path=null")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"{args.config}, {torch.get_num_threads()} threads, median of {args.repeats} interleaved calls each", flush=True)
+    return {**{f"rollout/{k}": v for k, v in bench_rollout(cfg, args.repeats).items()}, **bench_learner(cfg, args.repeats)}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""moe_gspo.bench.fastpath_bench: interleaved medians, and one short run of the whole benchmark."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_gspo.bench.fastpath_bench import interleaved, main
+
+
+def test_interleaved_alternates_the_variants_and_takes_medians():
+    calls = []
+    medians = interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3)
+    assert calls == ["a", "b"] * 4  # one warm-up each, then turn by turn
+    assert set(medians) == {"a", "b"} and all(m >= 0 for m in medians.values())
+
+
+def test_the_benchmark_runs_on_the_default_config(capsys):
+    out = main(["--repeats", "1"])
+    text = capsys.readouterr().out
+    assert "identical samples: True" in text  # the scoped fp32 GEMMs give the mode's samples exactly
+    assert {"rollout/scoped", "rollout/whole-model mode", "old_pass/sdpa", "old_pass/megatron local",
+            "train_step/sdpa", "train_step/megatron local"} == set(out)
+    assert all(v > 0 for v in out.values())
+
+
+def test_a_real_checkpoint_config_is_refused(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model:\n  path: /some/checkpoint\n")
+    with pytest.raises(ValueError, match="model.path=null"):
+        main(["--config", str(cfg), "--repeats", "1"])

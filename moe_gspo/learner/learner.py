@@ -41,6 +41,7 @@ import torch.distributed as dist
 from moe_gspo.algos import policy_loss
 from moe_gspo.algos.aggregation import num_units
 from moe_gspo.config import AlgoConfig, TrainConfig
+from moe_gspo.learner.backward import FusedPass, backward_fused, backward_minibatch
 from moe_gspo.learner.batch import PackedBatch, ShardPlan, plan_shards
 from moe_gspo.learner.logprobs import token_logprobs
 from moe_gspo.learner.offload import LearnerOffload
@@ -65,23 +66,6 @@ class LogprobResult:
     entropy_BS: torch.Tensor | None = None
     """float32 [B, S] entropy (nats) of the distribution that predicted each token, aligned like
     `logp_BS`, when asked for (`with_entropy=True`)."""
-
-
-@dataclass
-class _FusedPass:
-    """An old-policy pass kept with its graph (`compute_logprobs(keep_graph=True)`)."""
-
-    batch: PackedBatch
-    """The caller's batch object (identity identifies the train_step that may use it)."""
-    plan: ShardPlan
-    logp_local: torch.Tensor
-    """[rows, S_0] this rank's token log-probs with their graph (one micro-batch)."""
-    logp_BS: torch.Tensor
-    """[B, S] the global log-probs of the pass (detached, host)."""
-    ent_local: torch.Tensor | None = None
-    """[rows, S_0] this rank's token entropies with their graph (a pass with `with_entropy=True`)."""
-    entropy_BS: torch.Tensor | None = None
-    """[B, S] the global entropies of the pass (detached, host), with `ent_local`."""
 
 
 class Learner:
@@ -141,7 +125,7 @@ class Learner:
         self.num_train_steps = 0
         """`train_step` calls so far (seeds the mini-batch shuffle; saved with the optimizer state)."""
         self._recorded: tuple[torch.Tensor, list[np.ndarray]] | None = None
-        self._fused: _FusedPass | None = None
+        self._fused: FusedPass | None = None
 
     # ------------------------------------------------------------------ helpers
     def _forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
@@ -237,7 +221,7 @@ class Learner:
             result, (graph_logp, graph_ent) = self._logprob_pass(batch, plan, routes_in, record, record_routes,
                                                                  keep_graph, with_entropy)
         if keep_graph:
-            self._fused = _FusedPass(batch=batch, plan=plan, logp_local=graph_logp, logp_BS=result.logp_BS,
+            self._fused = FusedPass(batch=batch, plan=plan, logp_local=graph_logp, logp_BS=result.logp_BS,
                                      ent_local=graph_ent, entropy_BS=result.entropy_BS)
         return result
 
@@ -384,7 +368,7 @@ class Learner:
         return metrics
 
     def _train_minibatch(self, mini: PackedBatch, old_BS, ref_BS, is_w_BS, keep_BS, routes, *,
-                         fused: _FusedPass | None = None, idx: np.ndarray | None = None) -> tuple[dict[str, float], bool]:
+                         fused: FusedPass | None = None, idx: np.ndarray | None = None) -> tuple[dict[str, float], bool]:
         """One optimizer step on `mini` (rows `idx` of the step's batch); `fused`: back-propagate through
         the kept old-policy pass instead of a new forward (first mini-batch of a fused step)."""
         algo, dp = self.algo, self.parallel.dp_size
@@ -406,9 +390,9 @@ class Learner:
             self.ddp.train()
         self.optimizer.zero_grad()
         if fused is not None:
-            finite, logp_all, ent_all, m_all = self._backward_fused(fused, idx, mask_all, loss_on)
+            finite, logp_all, ent_all, m_all = backward_fused(self, fused, idx, mask_all, loss_on)
         else:
-            finite, logp_all, ent_all, m_all = self._backward_minibatch(mini, routes, mask_all, loss_on)
+            finite, logp_all, ent_all, m_all = backward_minibatch(self, mini, routes, mask_all, loss_on)
         self.ddp.finish_grad_sync()
         norm = self.optimizer.grad_norm()
         skip = any_rank(not (finite and math.isfinite(norm)), self.device)
@@ -426,71 +410,6 @@ class Learner:
         out = {k: float(v) for k, v in m_all.items()}
         out["grad/norm"] = norm
         return out, skip
-
-    def _backward_minibatch(self, mini: PackedBatch, routes, mask_all, loss_on):
-        """Forward + backward of this rank's shard of `mini`, micro-batch by micro-batch. Returns (finite,
-        the global log-probs [B_mini, S], their entropies (algo.entropy_coef > 0, else None), the loss
-        metrics when one piece covered all)."""
-        plan = plan_shards(mini.seq_lens_B.tolist(), dp_rank=self.parallel.dp_rank, dp_size=self.parallel.dp_size,
-                           micro_batch_size=self.train.micro_batch_size)
-        local, local_routes, (keep_l,) = self._local(mini, plan, routes, mask_all)
-        logp_local = torch.zeros(keep_l.shape, dtype=torch.float32, device=self.device)
-        with_entropy = self.algo.entropy_coef > 0
-        ent_local = torch.zeros_like(logp_local) if with_entropy else None
-        finite, m_all = True, None
-        whole = self.parallel.dp_size == 1 and len(plan.micro_batches) == 1
-        for mb in plan.micro_batches:
-            rows, S_i = slice(mb.start, mb.stop), mb.seq_len
-            ids = local.input_ids_BS[rows, :S_i]
-            mb_routes = None if local_routes is None else local_routes[rows]
-            # the micro-batch's real rows (before any padding rows) are rows plan.indices[rows] of `mini`
-            global_rows = torch.as_tensor(plan.indices[rows], dtype=torch.long, device=self.device)
-            n_real = global_rows.numel()
-            with self._replay_ctx(mb_routes, local.seq_lens_B[rows].tolist(), S_i) as handle:
-                logp, ent = token_logprobs(self._forward(ids), ids, with_entropy=with_entropy)
-                if n_real:
-                    loss, scaled, m = loss_on(logp[:n_real], global_rows, S_i, keep_l[rows, :S_i][:n_real],
-                                              None if ent is None else ent[:n_real])
-                else:  # a padding-only micro-batch: no loss, but every rank runs the backward (EP collectives)
-                    loss = scaled = logp.sum() * 0.0
-                    m = None
-                if handle is not None:
-                    handle.backward(scaled)
-                else:
-                    scaled.backward()
-            finite = finite and bool(torch.isfinite(loss.detach()))
-            logp_local[rows, :S_i] = logp.detach()
-            if ent is not None:
-                ent_local[rows, :S_i] = ent.detach()
-            if whole:
-                m_all = m
-        ent_all = None if ent_local is None else self._gather_rows(ent_local, mini.num_seqs)
-        return finite, self._gather_rows(logp_local, mini.num_seqs), ent_all, m_all
-
-    def _backward_fused(self, fused: _FusedPass, idx: np.ndarray, mask_all, loss_on):
-        """Backward of the first mini-batch (global rows `idx`) through the kept old-policy pass: this
-        rank's rows of its shard that belong to the mini-batch (possibly none: a zero loss, still
-        back-propagated, as expert parallelism's backward is collective)."""
-        pos = {int(g): j for j, g in enumerate(fused.plan.indices)}
-        sel = [(k, pos[int(g)]) for k, g in enumerate(idx) if int(g) in pos]
-        S0 = fused.logp_local.shape[1]
-        m_all = None
-        if sel:
-            k_rows = torch.as_tensor([k for k, _ in sel], dtype=torch.long, device=self.device)
-            j_rows = torch.as_tensor([j for _, j in sel], dtype=torch.long, device=self.device)
-            ent = None if fused.ent_local is None or self.algo.entropy_coef <= 0 else fused.ent_local[j_rows]
-            loss, scaled, m = loss_on(fused.logp_local[j_rows], k_rows, S0, mask_all[k_rows, :S0], ent)
-            if self.parallel.dp_size == 1:
-                m_all = m
-        else:
-            loss = scaled = fused.logp_local.sum() * 0.0
-        scaled.backward()
-        rows = torch.as_tensor(idx, dtype=torch.long)
-        logp_all = fused.logp_BS[rows].to(self.device)
-        ent_all = None
-        if fused.ent_local is not None and self.algo.entropy_coef > 0:
-            ent_all = fused.entropy_BS[rows].to(self.device)
-        return bool(torch.isfinite(loss.detach())), logp_all, ent_all, m_all
 
     # ------------------------------------------------------------------ memory during the rollout
     def offload_for_rollout(self) -> None:

@@ -1,0 +1,102 @@
+"""The learner's per-mini-batch backward passes (`Learner.train_step`): forward + backward of this rank's
+shard micro-batch by micro-batch, or the backward of the first mini-batch through the old-policy pass kept
+with its graph (`train.fuse_old_logp_pass`, `Learner.compute_logprobs(keep_graph=True)`).
+
+Both take the `Learner` (its model, sharding and replay helpers) and `loss_on(logp, rows, S, mask, ent)`,
+which returns `(loss, scaled loss to back-propagate, metrics)` for rows of the mini-batch, and return
+`(finite, global log-probs [B_mini, S], their entropies or None, the loss metrics when one piece covered
+the whole mini-batch, else None)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moe_gspo.learner.batch import PackedBatch, ShardPlan, plan_shards
+from moe_gspo.learner.logprobs import token_logprobs
+
+
+@dataclass
+class FusedPass:
+    """An old-policy pass kept with its graph (`compute_logprobs(keep_graph=True)`)."""
+
+    batch: PackedBatch
+    """The caller's batch object (identity identifies the train_step that may use it)."""
+    plan: ShardPlan
+    logp_local: torch.Tensor
+    """[rows, S_0] this rank's token log-probs with their graph (one micro-batch)."""
+    logp_BS: torch.Tensor
+    """[B, S] the global log-probs of the pass (detached, host)."""
+    ent_local: torch.Tensor | None = None
+    """[rows, S_0] this rank's token entropies with their graph (a pass with `with_entropy=True`)."""
+    entropy_BS: torch.Tensor | None = None
+    """[B, S] the global entropies of the pass (detached, host), with `ent_local`."""
+
+
+def backward_minibatch(learner, mini: PackedBatch, routes, mask_all, loss_on):
+    """Forward + backward of this rank's shard of `mini`, micro-batch by micro-batch. Returns (finite,
+    the global log-probs [B_mini, S], their entropies (algo.entropy_coef > 0, else None), the loss
+    metrics when one piece covered all)."""
+    plan = plan_shards(mini.seq_lens_B.tolist(), dp_rank=learner.parallel.dp_rank, dp_size=learner.parallel.dp_size,
+                       micro_batch_size=learner.train.micro_batch_size)
+    local, local_routes, (keep_l,) = learner._local(mini, plan, routes, mask_all)
+    logp_local = torch.zeros(keep_l.shape, dtype=torch.float32, device=learner.device)
+    with_entropy = learner.algo.entropy_coef > 0
+    ent_local = torch.zeros_like(logp_local) if with_entropy else None
+    finite, m_all = True, None
+    whole = learner.parallel.dp_size == 1 and len(plan.micro_batches) == 1
+    for mb in plan.micro_batches:
+        rows, S_i = slice(mb.start, mb.stop), mb.seq_len
+        ids = local.input_ids_BS[rows, :S_i]
+        mb_routes = None if local_routes is None else local_routes[rows]
+        # the micro-batch's real rows (before any padding rows) are rows plan.indices[rows] of `mini`
+        global_rows = torch.as_tensor(plan.indices[rows], dtype=torch.long, device=learner.device)
+        n_real = global_rows.numel()
+        with learner._replay_ctx(mb_routes, local.seq_lens_B[rows].tolist(), S_i) as handle:
+            logp, ent = token_logprobs(learner._forward(ids), ids, with_entropy=with_entropy)
+            if n_real:
+                loss, scaled, m = loss_on(logp[:n_real], global_rows, S_i, keep_l[rows, :S_i][:n_real],
+                                          None if ent is None else ent[:n_real])
+            else:  # a padding-only micro-batch: no loss, but every rank runs the backward (EP collectives)
+                loss = scaled = logp.sum() * 0.0
+                m = None
+            if handle is not None:
+                handle.backward(scaled)
+            else:
+                scaled.backward()
+        finite = finite and bool(torch.isfinite(loss.detach()))
+        logp_local[rows, :S_i] = logp.detach()
+        if ent is not None:
+            ent_local[rows, :S_i] = ent.detach()
+        if whole:
+            m_all = m
+    ent_all = None if ent_local is None else learner._gather_rows(ent_local, mini.num_seqs)
+    return finite, learner._gather_rows(logp_local, mini.num_seqs), ent_all, m_all
+
+def backward_fused(learner, fused: FusedPass, idx: np.ndarray, mask_all, loss_on):
+    """Backward of the first mini-batch (global rows `idx`) through the kept old-policy pass: this
+    rank's rows of its shard that belong to the mini-batch (possibly none: a zero loss, still
+    back-propagated, as expert parallelism's backward is collective)."""
+    pos = {int(g): j for j, g in enumerate(fused.plan.indices)}
+    sel = [(k, pos[int(g)]) for k, g in enumerate(idx) if int(g) in pos]
+    S0 = fused.logp_local.shape[1]
+    m_all = None
+    if sel:
+        k_rows = torch.as_tensor([k for k, _ in sel], dtype=torch.long, device=learner.device)
+        j_rows = torch.as_tensor([j for _, j in sel], dtype=torch.long, device=learner.device)
+        ent = None if fused.ent_local is None or learner.algo.entropy_coef <= 0 else fused.ent_local[j_rows]
+        loss, scaled, m = loss_on(fused.logp_local[j_rows], k_rows, S0, mask_all[k_rows, :S0], ent)
+        if learner.parallel.dp_size == 1:
+            m_all = m
+    else:
+        loss = scaled = fused.logp_local.sum() * 0.0
+    scaled.backward()
+    rows = torch.as_tensor(idx, dtype=torch.long)
+    logp_all = fused.logp_BS[rows].to(learner.device)
+    ent_all = None
+    if fused.ent_local is not None and learner.algo.entropy_coef > 0:
+        ent_all = fused.entropy_BS[rows].to(learner.device)
+    return bool(torch.isfinite(loss.detach())), logp_all, ent_all, m_all

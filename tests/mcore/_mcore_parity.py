@@ -59,3 +59,19 @@ def topk_mismatches(masks_a: list[torch.Tensor], masks_b: list[torch.Tensor]) ->
     """Per MoE layer, the number of tokens whose chosen-expert SETS differ."""
     assert len(masks_a) == len(masks_b)
     return [int((a != b).any(-1).sum()) for a, b in zip(masks_a, masks_b)]
+
+
+def logits_and_grads(models, ids_BS: torch.Tensor) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """Per Megatron model (train mode): its logits [B, S, V] on `ids_BS` and every parameter's gradient of
+    `logsumexp(logits).mean()`, for checking that two builds compute the same function."""
+    out = []
+    for m in models:
+        m.train()
+        logits = forward_logits(m, ids_BS)
+        logits.logsumexp(-1).mean().backward()
+        out.append((logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
+    return out
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[n] - b[n]).abs().max()) for n in a)

@@ -8,10 +8,12 @@ import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from moe_gspo.mcore.batched_experts import BatchedSequentialMLP
-from moe_gspo.mcore.model import build_gpt_model, forward_logits, moe_layer_ids
+from moe_gspo.mcore.model import build_gpt_model, moe_layer_ids
 from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
 from moe_gspo.mcore.weights import load_hf_model_into_megatron
 from moe_gspo.tiny import build_tiny_model, tiny_qwen3_moe_config
+
+from ._mcore_parity import logits_and_grads, max_abs_diff
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -39,14 +41,9 @@ def test_same_parameters_logits_and_gradients(tiny):
     assert not any(type(m) is BatchedSequentialMLP for m in plain.modules())
     assert plain.state_dict().keys() == batched.state_dict().keys()
     ids = torch.randint(3, cfg.vocab_size, (5, 13), generator=torch.Generator().manual_seed(1))
-    out = []
-    for m in (plain, batched):
-        logits = forward_logits(m, ids)
-        logits.logsumexp(-1).mean().backward()
-        out.append((logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
-    (l0, g0), (l1, g1) = out
+    (l0, g0), (l1, g1) = logits_and_grads((plain, batched), ids)
     assert (l0 - l1).abs().max() <= 1e-5
-    assert max(float((g0[n] - g1[n]).abs().max()) for n in g0) <= 1e-5
+    assert max_abs_diff(g0, g1) <= 1e-5
     assert max(float(g.abs().max()) for n, g in g1.items() if "local_experts" in n) > 1e-4  # experts got gradient
 
 

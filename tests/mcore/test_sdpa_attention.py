@@ -6,11 +6,13 @@ import pytest
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from moe_gspo.mcore.model import build_gpt_model, causal_mask, forward_logits
+from moe_gspo.mcore.model import build_gpt_model, causal_mask
 from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
 from moe_gspo.mcore.sdpa_attention import SDPADotProductAttention
 from moe_gspo.mcore.weights import load_hf_model_into_megatron
 from moe_gspo.tiny import build_tiny_model, tiny_qwen3_moe_config
+
+from ._mcore_parity import logits_and_grads, max_abs_diff
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -33,16 +35,11 @@ def test_same_logits_and_gradients_as_upstream_attention(tiny):
     assert {type(c) for c in _core(fused)} == {SDPADotProductAttention}
     assert upstream.state_dict().keys() == fused.state_dict().keys()  # no parameters of its own
     ids = torch.randint(3, cfg.vocab_size, (5, 13), generator=torch.Generator().manual_seed(1))
-    out = []
     for m in (upstream, fused):
         load_hf_model_into_megatron(m, hf)
-        m.train()
-        logits = forward_logits(m, ids)
-        logits.logsumexp(-1).mean().backward()
-        out.append((logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
-    (l0, g0), (l1, g1) = out
+    (l0, g0), (l1, g1) = logits_and_grads((upstream, fused), ids)
     assert (l0 - l1).abs().max() <= 1e-5
-    assert max(float((g0[n] - g1[n]).abs().max()) for n in g0) <= 1e-5
+    assert max_abs_diff(g0, g1) <= 1e-5
     assert max(float(g.abs().max()) for n, g in g1.items() if "linear_qkv" in n) > 1e-4  # attention got gradient
 
 

@@ -4,7 +4,10 @@ The plan always describes the GPU run of the config (bf16 where `model.params_dt
 optimizer options as `moe_gspo.learner.optim.resolve_optimizer_options` resolves them on CUDA), whatever
 machine computes it. The attention kernel stands for the target machine: `flash` = Transformer Engine
 is there (its fused attention and FusedAdam), `unfused` = it is not (Megatron's local attention and
-torch's foreach AdamW, whose optimizer-step temporary the plan then counts).
+torch's foreach AdamW, whose optimizer-step temporary the plan then counts). Without TE the learner runs
+its attention as one SDPA call by default (`model.sdpa_attention`), which saves no `[s, s]` scores: the
+`unfused` count is then an upper bound (tiny model, 2 x 64 tokens: SDPA saves 0.83x of it, within 5% above
+the `flash` count; tests/plan/test_plan_activations.py).
 
 Sequence length: `rollout.max_model_len` when set (the longest prompt + response the engine accepts,
 so the longest micro-batch row the learner can see); otherwise the synthetic task's prompt plus

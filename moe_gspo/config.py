@@ -296,8 +296,8 @@ class TrainConfig:
     holding the whole batch's activations (not one mini-batch's) until the first optimizer step and of a
     backward through the whole batch's graph (a mini-batch's rows carry the loss, the others zero). Whether it
     pays depends on the model: on the tiny default model on a 2-core CPU the update was slower with it
-    (0.27 -> 0.32 s per RL step, one thread, side by side), so the default config leaves it off. Same maths (tests/learner: the same update). Applies where it can:
-    with train.micro_batch_size=0, model.recompute=false and algo.routing_replay none or r2; under R3
+    (0.27 -> 0.32 s per RL step, one thread, side by side), so the default config leaves it off. Same maths
+    (tests/learner: the same update). Applies where it can: with train.micro_batch_size=0, model.recompute=false and algo.routing_replay none or r2; under R3
     (whose update replays the rollout routes, not the old pass's) or micro-batches the passes stay separate.
     The kept pass also keeps its token entropies' graph, so the entropy bonus (algo.entropy_coef) works with it."""
     checkpoint_every: int = 0

@@ -9,7 +9,7 @@ median of each (after one warm-up call each) and their ratio:
 
 - **rollout**: `HFEngine.generate` of one step's prompts (`rollout.prompts_per_step` x
   `rollout.samples_per_prompt`, `rollout.max_new_tokens`) in bf16 with fp32 GEMMs scoped to the modules
-  that own weights (`moe_gspo.rollout.cpu_gemm.fp32_gemms_in`, the engine's) vs the torch-function mode
+  that own weights (`moe_gspo.rollout.cpu_gemm.fp32_gemms_in`, what the engine enters) vs the torch-function mode
   over the whole forward (`Fp32GemmForBf16`, before); also checks that both give identical samples;
 - **learner**: the old-policy pass (`compute_logprobs`, routes and entropies recorded, as the train loop
   calls it) and one `train_step` (`train.num_minibatches` optimizer steps) on a batch of the step's size,
@@ -49,9 +49,9 @@ def _print(what: str, medians: dict[str, float], new: str, old: str) -> None:
 
 
 def bench_rollout(cfg, repeats: int) -> dict[str, float]:
-    from moe_gspo.rollout import hf_engine
     from moe_gspo.rollout.base import SamplingParams
     from moe_gspo.rollout.cpu_gemm import Fp32GemmForBf16, fp32_gemms_in
+    from moe_gspo.rollout.hf_engine import HFEngine
     from moe_gspo.tasks import make_task
     from moe_gspo.tiny import build_tiny_model, tiny_qwen3_moe_config
     from moe_gspo.tokenizer import load_tiny_tokenizer
@@ -59,20 +59,18 @@ def bench_rollout(cfg, repeats: int) -> dict[str, float]:
     r = cfg.rollout
     tok = load_tiny_tokenizer()
     prompts = [tok.encode(p.text) for p in make_task(cfg.task).prompts(0, r.prompts_per_step, cfg.train.seed)]
-    engine = hf_engine.HFEngine(build_tiny_model(tiny_qwen3_moe_config(**cfg.model.tiny), seed=cfg.model.init_seed,
-                                                 router_scale=cfg.model.router_scale),
-                                dtype="bfloat16", device="cpu", fp32_gemm=True)
+    # The engine's own fp32-GEMM switch off; each variant enters its scope around the public generate().
+    engine = HFEngine(build_tiny_model(tiny_qwen3_moe_config(**cfg.model.tiny), seed=cfg.model.init_seed,
+                                       router_scale=cfg.model.router_scale),
+                      dtype="bfloat16", device="cpu", fp32_gemm=False)
     sampling = SamplingParams(n=r.samples_per_prompt, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                               top_p=r.top_p, seed=0)
     outs = {}
 
     def run(name, scope):
         def call():
-            hf_engine.fp32_gemms_in = scope  # what HFEngine.generate enters
-            try:
+            with scope(engine.model):
                 outs[name] = engine.generate(prompts, sampling)
-            finally:
-                hf_engine.fp32_gemms_in = fp32_gemms_in
         return call
 
     medians = interleaved({"scoped": run("scoped", fp32_gemms_in),

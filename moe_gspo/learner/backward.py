@@ -76,6 +76,7 @@ def backward_minibatch(learner, mini: PackedBatch, routes, mask_all, loss_on):
     ent_all = None if ent_local is None else learner._gather_rows(ent_local, mini.num_seqs)
     return finite, learner._gather_rows(logp_local, mini.num_seqs), ent_all, m_all
 
+
 def backward_fused(learner, fused: FusedPass, idx: np.ndarray, mask_all, loss_on):
     """Backward of the first mini-batch (global rows `idx`) through the kept old-policy pass: this
     rank's rows of its shard that belong to the mini-batch (possibly none: a zero loss, still
@@ -83,11 +84,12 @@ def backward_fused(learner, fused: FusedPass, idx: np.ndarray, mask_all, loss_on
     pos = {int(g): j for j, g in enumerate(fused.plan.indices)}
     sel = [(k, pos[int(g)]) for k, g in enumerate(idx) if int(g) in pos]
     S0 = fused.logp_local.shape[1]
+    with_entropy = fused.ent_local is not None and learner.algo.entropy_coef > 0
     m_all = None
     if sel:
         k_rows = torch.as_tensor([k for k, _ in sel], dtype=torch.long, device=learner.device)
         j_rows = torch.as_tensor([j for _, j in sel], dtype=torch.long, device=learner.device)
-        ent = None if fused.ent_local is None or learner.algo.entropy_coef <= 0 else fused.ent_local[j_rows]
+        ent = fused.ent_local[j_rows] if with_entropy else None
         loss, scaled, m = loss_on(fused.logp_local[j_rows], k_rows, S0, mask_all[k_rows, :S0], ent)
         if learner.parallel.dp_size == 1:
             m_all = m
@@ -96,7 +98,5 @@ def backward_fused(learner, fused: FusedPass, idx: np.ndarray, mask_all, loss_on
     scaled.backward()
     rows = torch.as_tensor(idx, dtype=torch.long)
     logp_all = fused.logp_BS[rows].to(learner.device)
-    ent_all = None
-    if fused.ent_local is not None and learner.algo.entropy_coef > 0:
-        ent_all = fused.entropy_BS[rows].to(learner.device)
+    ent_all = fused.entropy_BS[rows].to(learner.device) if with_entropy else None
     return bool(torch.isfinite(loss.detach())), logp_all, ent_all, m_all

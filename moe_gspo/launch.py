@@ -7,14 +7,26 @@ prints one line naming the first failed rank and its exit code, and exits with t
 user error, 3 for a rank failure (see `moe_gspo.run.errors`), 128+N for a worker killed by signal N.
 Interrupted itself (Ctrl-C / SIGINT, SIGTERM), it stops the workers as torchrun does (each says how to
 resume) and exits with 128+N instead of printing torchrun's SignalException traceback.
+
+Multi-node, the node whose launcher hosts the c10d rendezvous store can finish first when every rank
+fails together (a user error all ranks agree on); another node's agent, still waiting for its own
+workers to exit, then loses the store and torchrun raises RendezvousConnectionError with a traceback.
+This wrapper reads what its own workers recorded (`moe_gspo.run.errors.report` writes the exit code
+and rank into torchelastic's error file) and prints the same one line, with the same exit code, as
+if the workers had finished first; with no record, one line says the rendezvous host went away.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import shutil
 import signal
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 PROG = "python -m moe_gspo.launch"
 
@@ -65,15 +77,65 @@ def _reported(failure) -> tuple[str, bool]:
     return "", False
 
 
+def local_records(log_dir: str | Path, since: float) -> list[dict]:
+    """What this node's workers recorded through `moe_gspo.run.errors.report` in their torchelastic
+    error files under `log_dir` (files written at or after `since`), earliest first: each a dict with
+    `message` (the `error: ...` line), `printed`, `exitcode` and `rank`."""
+    records = []
+    for path in Path(log_dir).rglob("error.json"):
+        try:
+            if path.stat().st_mtime < since:
+                continue
+            message = json.loads(path.read_text()).get("message")
+        except (OSError, ValueError, AttributeError):
+            continue
+        info = message.get("extraInfo") if isinstance(message, dict) else None
+        if isinstance(info, dict) and isinstance(info.get("exitcode"), int) and isinstance(info.get("rank"), int):
+            records.append({"message": message.get("message", ""), "printed": bool(info.get("printed")),
+                            "exitcode": info["exitcode"], "rank": info["rank"],
+                            "timestamp": int(info.get("timestamp", 0))})
+    return sorted(records, key=lambda r: (r["timestamp"], r["rank"]))
+
+
+def _summary(name: str, code: int, rank: int, line: str, printed_here: bool) -> None:
+    where = "the error is printed above"
+    if line and not printed_here:
+        where = line  # another node's rank printed it (multi-node): say it here too
+    print(f"[moe_gspo.launch] {name} failed with exit code {code} (first on rank {rank}); {where}",
+          file=sys.stderr, flush=True)
+
+
+def _rendezvous_lost(args: argparse.Namespace, since: float) -> int:
+    """This node's agent lost the rendezvous store (its host node finished or died first)."""
+    from moe_gspo.run.errors import EXIT_RANK_FAILURE
+
+    records = local_records(args.log_dir, since)
+    if records:
+        first = records[0]
+        _summary(args.training_script, first["exitcode"], first["rank"], first["message"],
+                 any(r["printed"] for r in records))
+        return first["exitcode"]
+    print(f"[moe_gspo.launch] lost the rendezvous at {args.rdzv_endpoint}: the node hosting it stopped "
+          "before this one's workers finished (its launcher's line says why); this node's workers were "
+          "stopped", file=sys.stderr, flush=True)
+    return EXIT_RANK_FAILURE
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.run import run
 
     args = build_parser().parse_args(argv if argv is not None else sys.argv[1:])
     # The agent logs every worker it stops ("Sending process N closing signal SIGTERM") and the
     # failure again; the workers' own output and the line below say what matters.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # torchrun's default log dir is a fresh /tmp/torchelastic_* it never removes; ours is removed.
+    own_log_dir = not args.log_dir
+    if own_log_dir:
+        args.log_dir = tempfile.mkdtemp(prefix="moe_gspo_launch_")
+    since = time.time() - 1.0  # error-file timestamps have 1 s resolution on some filesystems
     try:
         run(args)
     except SignalException as e:  # the agent has stopped the workers with the same signal
@@ -84,13 +146,14 @@ def main(argv: list[str] | None = None) -> int:
         if code < 0:
             print(f"[moe_gspo.launch] rank {rank} was killed by {_signal_name(-code)}", file=sys.stderr, flush=True)
             return 128 - code
-        where = "the error is printed above"
         line, _ = _reported(failure)
-        if line and not any(_reported(f)[1] for f in e.failures.values()):
-            where = line  # another node's rank printed it (multi-node): say it here too
-        print(f"[moe_gspo.launch] {e.name} failed with exit code {code} (first on rank {rank}); {where}",
-              file=sys.stderr, flush=True)
+        _summary(e.name, code, rank, line, any(_reported(f)[1] for f in e.failures.values()))
         return code
+    except RendezvousConnectionError:
+        return _rendezvous_lost(args, since)
+    finally:
+        if own_log_dir:
+            shutil.rmtree(args.log_dir, ignore_errors=True)
     return 0
 
 

@@ -56,7 +56,7 @@ def fail(message: str) -> None:
     exiting, so that torchrun does not tear rank 0 down before its line is out (seen 1 time in 3)."""
     from moe_gspo.run.errors import EXIT_USER_ERROR, report
 
-    report(message)
+    report(message, exitcode=EXIT_USER_ERROR)
     if int(os.environ.get("RANK", "0")) != 0:
         time.sleep(2.0)
     raise SystemExit(EXIT_USER_ERROR)

@@ -137,11 +137,12 @@ def claim_report() -> bool:
         return True
 
 
-def _write_torchelastic_error_file(message: str, *, printed: bool) -> None:
+def _write_torchelastic_error_file(message: str, *, printed: bool, exitcode: int) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    info = {"timestamp": str(int(time.time())), "printed": printed}
+    info = {"timestamp": str(int(time.time())), "printed": printed, "exitcode": exitcode,
+            "rank": int(os.environ.get("RANK", "0"))}
     try:
         with open(path, "w") as f:
             json.dump({"message": {"message": message, "extraInfo": info}}, f)
@@ -149,12 +150,13 @@ def _write_torchelastic_error_file(message: str, *, printed: bool) -> None:
         pass
 
 
-def report(message: str) -> None:
-    """Print `error: message` once across ranks (and record it, and whether this rank printed it, for
-    the launcher's summary: `moe_gspo.launch` repeats the line on a node where no rank printed it)."""
+def report(message: str, *, exitcode: int) -> None:
+    """Print `error: message` once across ranks (and record it, whether this rank printed it, the exit
+    code it will leave with and its rank, for the launcher's summary: `moe_gspo.launch` repeats the line
+    on a node where no rank printed it, and reads the record back if its agent loses the rendezvous)."""
     line = f"error: {message}"
     printed = claim_report()
-    _write_torchelastic_error_file(line, printed=printed)
+    _write_torchelastic_error_file(line, printed=printed, exitcode=exitcode)
     if printed:
         print(line, file=sys.stderr, flush=True)
 
@@ -210,7 +212,7 @@ def run_entry(fn: Callable[[], int | None], *, how_to_resume: Callable[[], str] 
             if known is None:
                 raise
             code, message = known
-            report(message)
+            report(message, exitcode=code)
             return code
 
 

@@ -270,7 +270,18 @@ class TrainConfig:
     seed: int = 0
     """Global seed (prompts, sampling, init)."""
     lr: float = 3e-3
-    """Adam learning rate."""
+    """Adam learning rate (the peak of the schedule below)."""
+    lr_warmup_steps: int = 0
+    """RL steps of linear warm-up to train.lr at the start (0 = none)."""
+    lr_decay: Literal["none", "linear", "cosine"] = "none"
+    """Decay of the learning rate at the end of the run (warmup-stable-decay; moe_gspo/learner/lr_schedule.py):
+    none = constant after the warm-up; linear / cosine = from train.lr down to train.min_lr_ratio * lr over
+    the last train.lr_decay_steps RL steps. A pure function of the RL step (a resumed run stays on it;
+    changing train.steps on resume moves the decay)."""
+    lr_decay_steps: int = 0
+    """With train.lr_decay: RL steps the decay lasts, ending at the last step (0 = every step after the warm-up)."""
+    min_lr_ratio: float = 0.0
+    """With train.lr_decay: the rate at the last step, as a fraction of train.lr."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     adam_beta1: float = 0.9

@@ -40,6 +40,21 @@ def _check_learner_memory_options(tr: TrainConfig) -> None:
                              "optimizer_state_dtype=float32")
 
 
+def _check_lr_schedule(tr: TrainConfig) -> None:
+    """The learning-rate schedule's fields (moe_gspo/learner/lr_schedule.py) against train.steps."""
+    _check_positive("train.lr_warmup_steps", tr.lr_warmup_steps, allow_zero=True)
+    _check_positive("train.lr_decay_steps", tr.lr_decay_steps, allow_zero=True)
+    if not 0.0 <= tr.min_lr_ratio <= 1.0:
+        raise ValueError(f"train.min_lr_ratio={tr.min_lr_ratio} must be in [0, 1]")
+    if tr.lr_decay == "none" and (tr.lr_decay_steps or tr.min_lr_ratio):
+        raise ValueError(f"train.lr_decay_steps={tr.lr_decay_steps} / train.min_lr_ratio={tr.min_lr_ratio} have no "
+                         "effect with train.lr_decay=none; set train.lr_decay=linear or cosine, or drop them")
+    decay = tr.lr_decay_steps if tr.lr_decay != "none" else 0
+    if tr.lr_warmup_steps + decay > tr.steps or (tr.lr_decay != "none" and tr.lr_warmup_steps >= tr.steps):
+        raise ValueError(f"train.lr_warmup_steps={tr.lr_warmup_steps} + train.lr_decay_steps={tr.lr_decay_steps} "
+                         f"do not fit in train.steps={tr.steps}; shorten them or raise train.steps")
+
+
 def validate(cfg: Config) -> Config:
     """Per-section range checks, then cross-section combinations. Returns cfg; raises ValueError."""
     m, p, r, a, t, tr, lg = cfg.model, cfg.parallel, cfg.rollout, cfg.algo, cfg.task, cfg.train, cfg.logging
@@ -67,6 +82,7 @@ def validate(cfg: Config) -> Config:
     for k in ("adam_beta1", "adam_beta2"):
         if not 0 <= getattr(tr, k) < 1:
             raise ValueError(f"train.{k}={getattr(tr, k)} must be in [0, 1)")
+    _check_lr_schedule(tr)
     _check_learner_memory_options(tr)
     _check_positive("logging.trace_every", lg.trace_every, allow_zero=True)
     _check_positive("logging.update_drift_every", lg.update_drift_every, allow_zero=True)

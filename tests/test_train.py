@@ -69,9 +69,12 @@ def test_corrected_grpo_with_kl_reference(tmp_path):
     rc = train.main(["--config", str(ROOT / "configs/tiny_cpu_copy_first.yaml"), "--algo", "grpo", "--routing-replay", "r3",
                      "--run-dir", str(run_dir), "train.steps=4", *SMALL, "rollout.samples_per_prompt=8", "train.num_minibatches=1",
                      "algo.kl_coef=0.1", "algo.rollout_is=token", "algo.rollout_rs=geometric",
-                     "algo.rollout_rs_threshold=1.001", "logging.update_drift_every=2"])
+                     "algo.rollout_rs_threshold=1.001", "logging.update_drift_every=2",
+                     "train.lr_warmup_steps=2", "train.lr_decay=linear", "train.lr_decay_steps=2"])
     assert rc == 0
     rows = _metrics(run_dir)
+    lr = rows[1]["train/lr"]  # the schedule reaches the optimizer: warm-up 1/2, 1, then decay 1, 1/2
+    assert [r["train/lr"] for r in rows] == pytest.approx([lr / 2, lr, lr, lr / 2])
     # the reference replays the rollout routes like the update: KL(pi_theta || pi_ref) = 0 before
     # the first update that moves the weights (a step whose advantages are all 0 has no gradient),
     # > 0 after it

@@ -114,6 +114,21 @@ def summarize(curve: Curve, target: float, window: int, *, last: int = 40) -> di
 
 
 # ---------------------------------------------------------------------------------------------- TRL
+def trl_lr_schedule(tr, max_steps: int) -> dict:
+    """Our learning-rate schedule (train.lr_*, moe_gspo/learner/lr_schedule.py) as transformers' Trainer
+    arguments, in TRL's optimizer steps (`train.num_minibatches` per RL step, as `max_steps` is given to
+    it): constant, constant with warm-up, or warmup-stable-decay. Differences: TRL moves the rate every
+    optimizer step (ours once per RL step) and warms up from min_lr_ratio * lr (ours from lr / warm-up)."""
+    k = tr.num_minibatches
+    if tr.lr_decay == "none":
+        return {"lr_scheduler_type": "constant_with_warmup" if tr.lr_warmup_steps else "constant",
+                "warmup_steps": tr.lr_warmup_steps * k}
+    decay_steps = tr.lr_decay_steps or (max_steps - tr.lr_warmup_steps)
+    return {"lr_scheduler_type": "warmup_stable_decay", "warmup_steps": tr.lr_warmup_steps * k,
+            "lr_scheduler_kwargs": {"num_decay_steps": decay_steps * k, "decay_type": tr.lr_decay,
+                                    "min_lr_ratio": tr.min_lr_ratio}}
+
+
 def run_trl(cfg, *, max_steps: int, target: float, window: int, out_dir: Path, stop_at_target: bool = True,
             router_aux_loss: bool = False) -> Curve:
     """TRL GRPOTrainer (GSPO mode) on the config's tiny model and task, one process."""
@@ -167,7 +182,7 @@ def run_trl(cfg, *, max_steps: int, target: float, window: int, out_dir: Path, s
         num_generations=r.samples_per_prompt, per_device_train_batch_size=per_step,
         steps_per_generation=tr.num_minibatches, gradient_accumulation_steps=1,
         max_completion_length=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=0,
-        learning_rate=tr.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=tr.weight_decay,
+        learning_rate=tr.lr, **trl_lr_schedule(tr, max_steps), weight_decay=tr.weight_decay,
         adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2, max_grad_norm=tr.grad_clip or 1e9,
         router_aux_loss_coef=None if router_aux_loss else 0.0, shuffle_dataset=False, max_steps=max_steps * tr.num_minibatches,
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, log_completions=False,

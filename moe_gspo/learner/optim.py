@@ -187,6 +187,13 @@ class LearnerOptimizer:
                                          eps=eps, fused=True)
         self._params = params
 
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next steps (every parameter group; Megatron's optimizers read it from
+        their torch param groups, as its OptimizerParamScheduler sets it)."""
+        self.lr = float(lr)
+        for group in self.opt.param_groups:
+            group["lr"] = self.lr
+
     def grad_norm(self) -> float:
         """Global gradient norm after DDP's gradient sync (Megatron path: also prepares its main grads)."""
         if self.use_megatron:

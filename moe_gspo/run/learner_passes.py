@@ -17,6 +17,7 @@ from moe_gspo.algos.collapse import mean_token_entropy
 from moe_gspo.algos.rollout_correction import rollout_correction
 from moe_gspo.config import AlgoConfig, Config
 from moe_gspo.learner.batch import PackedBatch
+from moe_gspo.learner.lr_schedule import lr_at
 from moe_gspo.run.compare import policy_update_drift, replayed_mismatch, rollout_vs_learner
 from moe_gspo.run.timing import PhaseTimer
 
@@ -198,6 +199,9 @@ def learner_update(cfg: Config, policy, batch: PackedBatch, samples, step: int, 
             ref_logp = reference.logprobs(batch, old_routes=old.routes)
     probe = (UpdateDriftProbe(learner, batch, old.routes, policy.num_experts)
              if drift_every and step % drift_every == 0 else None)
+    lr = lr_at(step, lr=cfg.train.lr, num_steps=cfg.train.steps, warmup_steps=cfg.train.lr_warmup_steps,
+               decay=cfg.train.lr_decay, decay_steps=cfg.train.lr_decay_steps, min_lr_ratio=cfg.train.min_lr_ratio)
+    learner.optimizer.set_lr(lr)  # logged by train_step as train/lr
     t0 = time.perf_counter()
     metrics.update(learner.train_step(batch, old_logp, ref_logp_BS=ref_logp, is_weights_BS=is_weights,
                                       rs_keep_BS=rs_keep,

@@ -109,7 +109,7 @@ def _rendezvous_lost(args: argparse.Namespace, since: float) -> int:
     """This node's agent lost the rendezvous store (its host node finished or died first)."""
     from moe_gspo.run.errors import EXIT_RANK_FAILURE
 
-    records = local_records(args.log_dir, since)
+    records = local_records(args.log_dir, since) if args.log_dir else []  # None: torchrun chose a temp dir
     if records:
         first = records[0]
         _summary(args.training_script, first["exitcode"], first["rank"], first["message"],
@@ -131,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     # The agent logs every worker it stops ("Sending process N closing signal SIGTERM") and the
     # failure again; the workers' own output and the line below say what matters.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    # torchrun's default log dir is a fresh /tmp/torchelastic_* it never removes; ours is removed.
-    own_log_dir = not args.log_dir
+    # torchrun's default log dir is a fresh /tmp/torchelastic_* it never removes; ours is removed, unless
+    # the workers' output is redirected or teed into it (--redirects / --tee: the user wants those files).
+    own_log_dir = not args.log_dir and str(args.redirects) == "0" and str(args.tee) == "0"
     if own_log_dir:
         args.log_dir = tempfile.mkdtemp(prefix="moe_gspo_launch_")
     since = time.time() - 1.0  # error-file timestamps have 1 s resolution on some filesystems

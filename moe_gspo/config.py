@@ -275,11 +275,15 @@ class TrainConfig:
     """RL steps of linear warm-up to train.lr at the start (0 = none)."""
     lr_decay: Literal["none", "linear", "cosine"] = "none"
     """Decay of the learning rate at the end of the run (warmup-stable-decay; moe_gspo/learner/lr_schedule.py):
-    none = constant after the warm-up; linear / cosine = from train.lr down to train.min_lr_ratio * lr over
-    the last train.lr_decay_steps RL steps. A pure function of the RL step (a resumed run stays on it;
-    changing train.steps on resume moves the decay)."""
+    none = constant after the warm-up; linear / cosine = from train.lr towards train.min_lr_ratio * lr over
+    the last RL steps (train.lr_decay_steps, else train.lr_decay_fraction of train.steps). A pure function
+    of the RL step (a resumed run stays on it; changing train.steps on resume moves the decay)."""
     lr_decay_steps: int = 0
-    """With train.lr_decay: RL steps the decay lasts, ending at the last step (0 = every step after the warm-up)."""
+    """With train.lr_decay: RL steps the decay lasts, ending at the last step; 0 = train.lr_decay_fraction."""
+    lr_decay_fraction: float = 1.0
+    """With train.lr_decay and train.lr_decay_steps=0: the decay lasts this share of train.steps (rounded,
+    at least 1 step, at most every step after the warm-up; 1.0 = every step after the warm-up), so that it
+    follows train.steps when that is overridden."""
     min_lr_ratio: float = 0.0
     """With train.lr_decay: the rate at the last step, as a fraction of train.lr."""
     weight_decay: float = 0.0
@@ -350,6 +354,20 @@ class TrainConfig:
     """Start-up memory check on GPU (the plan of `python -m moe_gspo.plan` for this config and world
     size), before any weight is loaded: refuse = stop when it does not fit, warn = print its message and
     go on, skip = do not run it. The plan is skipped on CPU."""
+
+    def resolved_lr_decay_steps(self) -> int:
+        """RL steps of the learning-rate decay (0 without one): train.lr_decay_steps, else
+        train.lr_decay_fraction of train.steps, at least 1 and at most the steps after the warm-up."""
+        if self.lr_decay == "none":
+            return 0
+        if self.lr_decay_steps:
+            return self.lr_decay_steps
+        return min(max(1, round(self.lr_decay_fraction * self.steps)), self.steps - self.lr_warmup_steps)
+
+    def lr_schedule(self) -> dict:
+        """Keyword arguments of `moe_gspo.learner.lr_schedule.lr_at` for this run (all but the step)."""
+        return {"lr": self.lr, "num_steps": self.steps, "warmup_steps": self.lr_warmup_steps,
+                "decay": self.lr_decay, "decay_steps": self.resolved_lr_decay_steps(), "min_lr_ratio": self.min_lr_ratio}
 
 
 @dataclass(kw_only=True)

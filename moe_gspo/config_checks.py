@@ -46,13 +46,15 @@ def _check_lr_schedule(tr: TrainConfig) -> None:
     _check_positive("train.lr_decay_steps", tr.lr_decay_steps, allow_zero=True)
     if not 0.0 <= tr.min_lr_ratio <= 1.0:
         raise ValueError(f"train.min_lr_ratio={tr.min_lr_ratio} must be in [0, 1]")
-    if tr.lr_decay == "none" and (tr.lr_decay_steps or tr.min_lr_ratio):
-        raise ValueError(f"train.lr_decay_steps={tr.lr_decay_steps} / train.min_lr_ratio={tr.min_lr_ratio} have no "
-                         "effect with train.lr_decay=none; set train.lr_decay=linear or cosine, or drop them")
-    decay = tr.lr_decay_steps if tr.lr_decay != "none" else 0
-    if tr.lr_warmup_steps + decay > tr.steps or (tr.lr_decay != "none" and tr.lr_warmup_steps >= tr.steps):
+    if not 0.0 < tr.lr_decay_fraction <= 1.0:
+        raise ValueError(f"train.lr_decay_fraction={tr.lr_decay_fraction} must be in (0, 1]")
+    if tr.lr_decay == "none" and (tr.lr_decay_steps or tr.min_lr_ratio or tr.lr_decay_fraction != 1.0):
+        raise ValueError("train.lr_decay_steps / lr_decay_fraction / min_lr_ratio have no effect with "
+                         "train.lr_decay=none; set train.lr_decay=linear or cosine, or drop them")
+    if tr.lr_warmup_steps + tr.lr_decay_steps > tr.steps or (tr.lr_decay != "none" and tr.lr_warmup_steps >= tr.steps):
         raise ValueError(f"train.lr_warmup_steps={tr.lr_warmup_steps} + train.lr_decay_steps={tr.lr_decay_steps} "
-                         f"do not fit in train.steps={tr.steps}; shorten them or raise train.steps")
+                         f"do not fit in train.steps={tr.steps}; shorten them (train.lr_decay_fraction follows "
+                         "train.steps) or raise train.steps")
 
 
 def validate(cfg: Config) -> Config:

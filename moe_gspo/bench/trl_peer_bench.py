@@ -123,7 +123,7 @@ def trl_lr_schedule(tr, max_steps: int) -> dict:
     if tr.lr_decay == "none":
         return {"lr_scheduler_type": "constant_with_warmup" if tr.lr_warmup_steps else "constant",
                 "warmup_steps": tr.lr_warmup_steps * k}
-    decay_steps = tr.lr_decay_steps or (max_steps - tr.lr_warmup_steps)
+    decay_steps = dataclasses.replace(tr, steps=max_steps).resolved_lr_decay_steps()
     return {"lr_scheduler_type": "warmup_stable_decay", "warmup_steps": tr.lr_warmup_steps * k,
             "lr_scheduler_kwargs": {"num_decay_steps": decay_steps * k, "decay_type": tr.lr_decay,
                                     "min_lr_ratio": tr.min_lr_ratio}}

@@ -199,9 +199,7 @@ def learner_update(cfg: Config, policy, batch: PackedBatch, samples, step: int, 
             ref_logp = reference.logprobs(batch, old_routes=old.routes)
     probe = (UpdateDriftProbe(learner, batch, old.routes, policy.num_experts)
              if drift_every and step % drift_every == 0 else None)
-    lr = lr_at(step, lr=cfg.train.lr, num_steps=cfg.train.steps, warmup_steps=cfg.train.lr_warmup_steps,
-               decay=cfg.train.lr_decay, decay_steps=cfg.train.lr_decay_steps, min_lr_ratio=cfg.train.min_lr_ratio)
-    learner.optimizer.set_lr(lr)  # logged by train_step as train/lr
+    learner.optimizer.set_lr(lr_at(step, **cfg.train.lr_schedule()))  # logged by train_step as train/lr
     t0 = time.perf_counter()
     metrics.update(learner.train_step(batch, old_logp, ref_logp_BS=ref_logp, is_weights_BS=is_weights,
                                       rs_keep_BS=rs_keep,

@@ -52,8 +52,21 @@ def test_decay_equals_transformers_wsd_at_each_rl_steps_first_optimizer_step(dec
     assert ours[-1] > 0.1 * tr.lr and ours[12] == tr.lr and ours[11] == tr.lr  # decay starts at step 20 - 8
 
 
+def test_the_decay_fraction_follows_train_steps():
+    def steps(**kw):
+        return TrainConfig(lr_decay="linear", **kw).resolved_lr_decay_steps()
+
+    assert steps(steps=400, lr_decay_fraction=0.25) == 100 and steps(steps=20, lr_decay_fraction=0.25) == 5
+    assert steps(steps=1, lr_decay_fraction=0.25) == 1  # at least one step, which keeps the full rate
+    assert lr_at(0, **TrainConfig(steps=1, lr=0.5, lr_decay="linear", lr_decay_fraction=0.25).lr_schedule()) == 0.5
+    assert steps(steps=10, lr_warmup_steps=8) == 2  # fraction 1.0: every step after the warm-up
+    assert steps(steps=400, lr_decay_steps=30, lr_decay_fraction=0.25) == 30  # explicit steps win
+    assert TrainConfig(steps=400).resolved_lr_decay_steps() == 0
+
+
 @pytest.mark.parametrize("override, field", [
-    (["train.lr_decay_steps=10"], "train.lr_decay_steps=10"),
+    (["train.lr_decay=none"], "train.lr_decay_steps / lr_decay_fraction / min_lr_ratio have no effect"),
+    (["train.lr_decay_fraction=0"], "train.lr_decay_fraction=0"),
     (["train.lr_decay=linear", "train.lr_decay_steps=500"], "train.lr_warmup_steps=0 + train.lr_decay_steps=500"),
     (["train.lr_decay=cosine", "train.min_lr_ratio=1.5"], "train.min_lr_ratio=1.5"),
     (["train.lr_warmup_steps=-1"], "train.lr_warmup_steps=-1"),

@@ -48,9 +48,10 @@ def _check_lr_schedule(tr: TrainConfig) -> None:
         raise ValueError(f"train.min_lr_ratio={tr.min_lr_ratio} must be in [0, 1]")
     if not 0.0 < tr.lr_decay_fraction <= 1.0:
         raise ValueError(f"train.lr_decay_fraction={tr.lr_decay_fraction} must be in (0, 1]")
-    if tr.lr_decay == "none" and (tr.lr_decay_steps or tr.min_lr_ratio or tr.lr_decay_fraction != 1.0):
-        raise ValueError("train.lr_decay_steps / lr_decay_fraction / min_lr_ratio have no effect with "
-                         "train.lr_decay=none; set train.lr_decay=linear or cosine, or drop them")
+    if tr.lr_decay == "none" and (tr.lr_decay_steps or tr.min_lr_ratio):
+        # a warning, not an error: `train.lr_decay=none` on the command line turns a config's decay off
+        warnings.warn(f"train.lr_decay_steps={tr.lr_decay_steps} / train.min_lr_ratio={tr.min_lr_ratio} have no "
+                      "effect with train.lr_decay=none (the rate stays train.lr after the warm-up)", stacklevel=2)
     if tr.lr_warmup_steps + tr.lr_decay_steps > tr.steps or (tr.lr_decay != "none" and tr.lr_warmup_steps >= tr.steps):
         raise ValueError(f"train.lr_warmup_steps={tr.lr_warmup_steps} + train.lr_decay_steps={tr.lr_decay_steps} "
                          f"do not fit in train.steps={tr.steps}; shorten them (train.lr_decay_fraction follows "

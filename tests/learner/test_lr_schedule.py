@@ -65,7 +65,6 @@ def test_the_decay_fraction_follows_train_steps():
 
 
 @pytest.mark.parametrize("override, field", [
-    (["train.lr_decay=none"], "train.lr_decay_steps / lr_decay_fraction / min_lr_ratio have no effect"),
     (["train.lr_decay_fraction=0"], "train.lr_decay_fraction=0"),
     (["train.lr_decay=linear", "train.lr_decay_steps=500"], "train.lr_warmup_steps=0 + train.lr_decay_steps=500"),
     (["train.lr_decay=cosine", "train.min_lr_ratio=1.5"], "train.min_lr_ratio=1.5"),
@@ -75,6 +74,13 @@ def test_the_decay_fraction_follows_train_steps():
 def test_bad_schedules_name_the_field(override, field):
     with pytest.raises(ValueError, match=field.replace("+", r"\+")):
         load_config(ROOT / "configs/tiny_cpu.yaml", overrides=override)
+
+
+def test_turning_the_decay_off_on_the_command_line_is_not_an_error():
+    cfg = load_config(ROOT / "configs/tiny_cpu.yaml", overrides=["train.lr_decay=none"])  # yaml sets the fraction
+    assert cfg.train.resolved_lr_decay_steps() == 0
+    with pytest.warns(UserWarning, match="train.lr_decay_steps=10 / train.min_lr_ratio=0.0 have no effect"):
+        load_config(ROOT / "configs/tiny_cpu.yaml", overrides=["train.lr_decay=none", "train.lr_decay_steps=10"])
 
 
 def test_the_optimizer_steps_with_the_rate_it_is_given():

@@ -355,8 +355,13 @@ def main(argv: list[str] | None = None) -> int:
     config = str(Path(args.config) if Path(args.config).is_absolute() else ROOT / args.config)
     if any(o.startswith("train.seed=") for o in args.overrides):
         p.error("set the seeds with --seeds, not train.seed=")
-    try:
-        cfgs = {seed: load_config(config, [*args.overrides, f"train.seed={seed}"]) for seed in args.seeds}
+    if any(o.startswith("train.steps=") for o in args.overrides):
+        p.error("set the run length with --max-steps, not train.steps=")
+    if args.max_steps < 1:
+        p.error(f"--max-steps {args.max_steps} must be >= 1")
+    try:  # train.steps as our side runs it (the learning-rate schedule is checked against it)
+        cfgs = {seed: load_config(config, [*args.overrides, f"train.seed={seed}", f"train.steps={args.max_steps}"])
+                for seed in args.seeds}
     except ValueError as e:
         p.error(str(e))
     cfg = cfgs[args.seeds[0]]
@@ -378,9 +383,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.algo.name} clip {cfg.algo.clip_range()}, {cfg.train.num_minibatches} optimizer steps per RL step; "
           f"TRL {trl_version}; seeds {args.seeds}, each pair back to back", flush=True)
     a, t = cfg.algo, cfg.train
-    print(f"TRL settings: ours passed through (lr {t.lr}, Adam betas ({t.adam_beta1}, {t.adam_beta2}), weight decay "
-          f"{t.weight_decay}, grad clip {t.grad_clip}, clip {a.clip_range()}, entropy_coef {a.entropy_coef}, "
-          f"scale_rewards {a.scale_rewards}); set here: constant lr, router aux loss "
+    sched = trl_lr_schedule(t, args.max_steps)
+    lr_sched = (f"{t.lr_decay} decay over the last {sched['lr_scheduler_kwargs']['num_decay_steps'] // t.num_minibatches}"
+                f" of {args.max_steps} RL steps" if t.lr_decay != "none" else "constant")
+    print(f"TRL settings: ours passed through (lr {t.lr}, {lr_sched}"
+          f"{f', warm-up {t.lr_warmup_steps} RL steps' if t.lr_warmup_steps else ''}, Adam betas ({t.adam_beta1}, "
+          f"{t.adam_beta2}), weight decay {t.weight_decay}, grad clip {t.grad_clip}, clip {a.clip_range()}, entropy_coef "
+          f"{a.entropy_coef}, scale_rewards {a.scale_rewards}); set here: router aux loss "
           f"{'on' if args.trl_router_aux_loss else 'off'}; TRL's own: advantage std Bessel + 1e-4 (ours: correction "
           f"{a.adv_std_correction}, eps {a.adv_eps}), shuffled mini-batches (ours: {t.shuffle_minibatches}), "
           f"gradient checkpointing, fp32 sampling (ours: {cfg.rollout.dtype})", flush=True)

@@ -1,5 +1,6 @@
 """The TRL peer benchmark: its time-to-target arithmetic, the skip without TRL, and a 2-step TRL run."""
 
+import importlib.metadata
 import importlib.util
 
 import pytest
@@ -50,6 +51,19 @@ def test_seeds_come_from_the_seeds_flag(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "trl", type("trl", (), {"__version__": "x"}))
     with pytest.raises(SystemExit):
         bench.main(["train.seed=3"])
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["train.steps=5"], "set the run length with --max-steps, not train.steps="),
+    (["--max-steps", "0"], "--max-steps 0 must be >= 1"),
+    (["--max-steps", "50", "train.lr_decay_steps=100"], "train.lr_decay_steps=100 do not fit in train.steps=50"),
+])
+def test_the_run_length_is_max_steps_and_is_checked_with_the_schedule(monkeypatch, capsys, argv, msg):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())  # as if TRL were installed
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "x")
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2 and msg in capsys.readouterr().err
 
 
 def test_without_trl_it_says_so_and_exits_0(monkeypatch, capsys):

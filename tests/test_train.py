@@ -132,7 +132,7 @@ def _torchrun(run_dir: Path, *extra: str) -> subprocess.Popen:
            "-m", "moe_gspo.train", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--run-dir", str(run_dir),
            "train.steps=5", "train.checkpoint_every=1", "rollout.prompts_per_step=4",
            "rollout.samples_per_prompt=4", "logging.wandb_mode=disabled", "logging.progress=false",
-           "train.export_hf=false", "parallel.expert_parallel_size=2", *extra]
+           "train.export_hf=false", "parallel.expert_parallel_size=2", "train.lr_decay_fraction=0.8", *extra]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
@@ -177,6 +177,8 @@ def test_ep2_kill_and_resume_reproduces_uninterrupted_run(tmp_path):
     assert len(warnings) == 1 and f"{latest_dir.name} is unusable: rank_00001.pt is truncated" in warnings[0], out
     ref, cut = _metrics(ref_dir), _metrics(cut_dir)
     assert [r["step"] for r in cut] == list(range(5))
+    lr = ref[0]["train/lr"]  # the resumed steps stay on the schedule: the decay over steps 1-4 is compared below
+    assert [r["train/lr"] for r in ref] == pytest.approx([lr, lr, 0.75 * lr, 0.5 * lr, 0.25 * lr])
     for a, b in zip(ref, cut):
         for k in a:
             if k.startswith("perf/"):

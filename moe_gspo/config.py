@@ -285,7 +285,8 @@ class TrainConfig:
     at least 1 step, at most every step after the warm-up; 1.0 = every step after the warm-up), so that it
     follows train.steps when that is overridden."""
     min_lr_ratio: float = 0.0
-    """With train.lr_decay: the rate at the last step, as a fraction of train.lr."""
+    """With train.lr_decay: the floor the decay heads for, as a fraction of train.lr (as in transformers' WSD
+    schedule, the last step's rate is one decay step above it: min + (lr - min) / decay steps, linear)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     adam_beta1: float = 0.9

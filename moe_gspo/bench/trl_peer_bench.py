@@ -383,9 +383,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.algo.name} clip {cfg.algo.clip_range()}, {cfg.train.num_minibatches} optimizer steps per RL step; "
           f"TRL {trl_version}; seeds {args.seeds}, each pair back to back", flush=True)
     a, t = cfg.algo, cfg.train
-    sched = trl_lr_schedule(t, args.max_steps)
-    lr_sched = (f"{t.lr_decay} decay over the last {sched['lr_scheduler_kwargs']['num_decay_steps'] // t.num_minibatches}"
-                f" of {args.max_steps} RL steps" if t.lr_decay != "none" else "constant")
+    # the configs carry train.steps = --max-steps, the horizon both sides run
+    lr_sched = (f"{t.lr_decay} decay over the last {t.resolved_lr_decay_steps()} of {t.steps} RL steps"
+                if t.lr_decay != "none" else "constant")
     print(f"TRL settings: ours passed through (lr {t.lr}, {lr_sched}"
           f"{f', warm-up {t.lr_warmup_steps} RL steps' if t.lr_warmup_steps else ''}, Adam betas ({t.adam_beta1}, "
           f"{t.adam_beta2}), weight decay {t.weight_decay}, grad clip {t.grad_clip}, clip {a.clip_range()}, entropy_coef "

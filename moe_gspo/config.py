@@ -56,10 +56,12 @@ class ModelConfig:
     recompute: bool = False
     """Full activation recomputation in the learner (R2/R3 replay also covers the recompute pass)."""
     batched_experts: bool = False
-    """Learner MoE layers compute their local experts with two batched matmuls instead of a loop over
-    experts (`moe_gspo/mcore/batched_experts.py`; same parameters and maths). For small models on CPU,
-    where the per-expert overhead dominates (tiny model: forward+backward 20.8 -> 17-18 ms); it copies
-    the stacked expert weights every forward, so leave it off for real checkpoints."""
+    """Learner MoE layers compute their local experts with two grouped matmuls (`torch._grouped_mm` on
+    CPU; a padded batched matmul elsewhere) instead of a loop over experts
+    (`moe_gspo/mcore/batched_experts.py`; same parameters and maths). For small models on CPU, where the
+    per-expert overhead dominates (tiny default config: `train_step` 0.84x, old-policy pass 0.92x,
+    `python -m moe_gspo.bench.fastpath_bench`); it copies the stacked expert weights every forward, so
+    leave it off for real checkpoints."""
     sdpa_attention: bool = True
     """Learner core attention as one fused `torch.nn.functional.scaled_dot_product_attention` call instead of
     Megatron's local baddbmm -> masked softmax -> bmm (`moe_gspo/mcore/sdpa_attention.py`; no parameters, same

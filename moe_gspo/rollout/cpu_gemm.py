@@ -1,4 +1,4 @@
-"""bf16 matrix products on CPUs without a bf16 GEMM: the same numbers from an fp32 GEMM.
+"""bf16 inference on CPUs without bf16 GEMMs: the same rounding points, computed by fp32 kernels.
 
 A bf16 x bf16 product is exact in fp32 (8-bit significands give a 16-bit product; fp32 has 24), so a
 bf16 GEMM that accumulates in fp32 and rounds its result to bf16 once — what torch's CPU kernels and
@@ -10,18 +10,31 @@ than its fp32 GEMM at the tiny model's sizes, and the GEMMs are most of a bf16 r
 `Fp32GemmForBf16` is a `TorchFunctionMode` that, while active, computes `F.linear`, `torch.matmul`
 / `mm` / `bmm` and grouped GEMMs (`torch._grouped_mm`, `F.grouped_mm`, transformers' MoE experts)
 whose inputs are all bf16 CPU tensors as fp32 GEMMs of those values, cast back to bf16. Everything
-else (attention, norms, activations, sampling) runs untouched in its own dtype. The rollout therefore
-keeps every bf16 rounding point of a bf16 engine, and so the train-inference mismatch that the drift
-metrics measure (tests/rollout: identical tokens, log-probs and routes with and without it on the tiny
-model). It is used by the transformers rollout engine on CPU in bf16 only when the CPU lacks a native
-bf16 GEMM (`needs_fp32_gemm`), and only for inference (no autograd graph is built through it).
+else (norms, activations, sampling) runs untouched in its own dtype. The rollout therefore keeps every
+bf16 rounding point of a bf16 engine, and so the train-inference mismatch that the drift metrics
+measure (tests/rollout: identical tokens, log-probs and routes with and without it on the tiny model).
+It is used by the transformers rollout engine on CPU in bf16 only when the CPU lacks a native bf16 GEMM
+(`needs_fp32_gemm`), and only for inference (no autograd graph is built through it).
 
-A mode intercepts every torch call made while it is active, GEMM or not, and that Python overhead
-was ~30% of a tiny-model decode step. `fp32_gemms_in(model)` therefore scopes it to the modules that
-own the GEMMs: each `nn.Linear` computes its fp32 GEMM directly (no mode), and every other module with
-its own parameters (the MoE router and experts; norms and embeddings, which have no GEMM and pass
-through) runs its forward inside the mode. Attention, rotary embeddings and the KV cache, which own no
-parameters, run outside it. Same numbers as the mode over the whole model (tests/rollout).
+`fp32_gemms_in(model)` is what the engine enters around a generation:
+
+- **Scope.** A mode intercepts every torch call made while it is active, GEMM or not, and that Python
+  overhead was ~30% of a tiny-model decode step. So each `nn.Linear` computes its fp32 GEMM directly (no
+  mode), and only the other modules that own a matrix (>= 2-D parameters: the MoE router, the
+  experts) run their forward inside the mode. Norms, embeddings (a lookup, no GEMM), rotary embeddings
+  and the KV cache run outside it. Same numbers as the mode over the whole model (tests/rollout).
+- **Weights.** The fp32 copies of the bf16 weights (`Fp32Weights`) are made once and reused until a
+  weight changes in place (a weight sync bumps the tensor's version counter), instead of casting every
+  weight at every forward: one fp32 copy of the engine's matrices stays in memory (the tiny model's:
+  well under 1 MiB).
+- **Attention.** torch's bf16 attention kernel on such CPUs is ~2x slower than its fp32 one at
+  decode shapes. The model's `sdpa` attention is swapped for `sdpa_fp32_for_bf16`
+  (`ATTENTION_FP32`, registered in transformers' `AttentionInterface`): the bf16 query, keys and values
+  are cast to fp32, attended by the same SDPA call, and the output is rounded to bf16 once. A GPU flash
+  kernel accumulates in fp32 as well, but also rounds the softmax probabilities to bf16 before
+  multiplying the values; here they stay fp32, so an attention output can differ from torch's bf16
+  kernel by a bf16 ulp (the rollout is still a bf16 one: weights, activations between ops and the
+  KV cache are bf16).
 """
 
 from __future__ import annotations
@@ -33,6 +46,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+
+ATTENTION_FP32 = "sdpa_fp32_for_bf16"
+"""Name of the fp32-compute attention in transformers' `AttentionInterface` (see the module docstring)."""
 
 
 def _gemm_functions() -> frozenset:
@@ -58,54 +74,114 @@ def needs_fp32_gemm(device: torch.device | str, dtype: torch.dtype) -> bool:
     return not native
 
 
+class Fp32Weights:
+    """fp32 copies of bf16 parameters, each made on first use and made again when the parameter has
+    changed in place since (its version counter, shared with every view written through, or its storage
+    moved). Tensors that are not parameters (activations) are cast every time."""
+
+    def __init__(self) -> None:
+        self._copies: dict[int, tuple[torch.Tensor, int, int, torch.Tensor]] = {}
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, nn.Parameter):
+            return t.float()
+        hit = self._copies.get(id(t))
+        if hit is not None and hit[0] is t and hit[1] == t._version and hit[2] == t.data_ptr():
+            return hit[3]
+        with torch.inference_mode(False), torch.no_grad():
+            up = t.detach().float()
+        self._copies[id(t)] = (t, t._version, t.data_ptr(), up)
+        return up
+
+
 class Fp32GemmForBf16(TorchFunctionMode):
-    """While active, bf16 CPU GEMMs run as fp32 GEMMs of the same values, rounded back to bf16."""
+    """While active, bf16 CPU GEMMs run as fp32 GEMMs of the same values, rounded back to bf16.
+    `weights` gives the fp32 value of a bf16 operand (default: a cast; `Fp32Weights` caches parameters)."""
+
+    def __init__(self, weights=None):
+        super().__init__()
+        self.up = weights if weights is not None else (lambda t: t.float())
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _GEMMS:
             floats = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()]
             if floats and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in floats):
-                up = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-                kw = {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                up = [self.up(a) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+                kw = {k: (self.up(v) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
                       for k, v in kwargs.items()}
                 return func(*up, **kw).to(torch.bfloat16)
         return func(*args, **kwargs)
 
 
-def _linear_fp32(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _linear_fp32(module: nn.Linear, weights: Fp32Weights, x: torch.Tensor) -> torch.Tensor:
     w, b = module.weight, module.bias
     if x.dtype == w.dtype == torch.bfloat16 and x.device.type == "cpu" and (b is None or b.dtype == torch.bfloat16):
-        return F.linear(x.float(), w.float(), None if b is None else b.float()).to(torch.bfloat16)
+        return F.linear(x.float(), weights(w), None if b is None else weights(b)).to(torch.bfloat16)
     return F.linear(x, w, b)
 
 
-def _in_mode(forward):
+def _in_mode(forward, weights: Fp32Weights):
     @functools.wraps(forward)
     def wrapped(*args, **kwargs):
-        with Fp32GemmForBf16():
+        with Fp32GemmForBf16(weights):
             return forward(*args, **kwargs)
     return wrapped
 
 
+def _owns_a_matrix(module: nn.Module) -> bool:
+    """A module with a parameter of >= 2 dims of its own (router, experts); not norms (1-D weights) or
+    embeddings (a table lookup: no GEMM)."""
+    return not isinstance(module, nn.Embedding) and any(p.dim() >= 2 for p in module.parameters(recurse=False))
+
+
+def sdpa_fp32_for_bf16(module, query, key, value, attention_mask, **kwargs):
+    """transformers' `sdpa` attention computed in fp32 from bf16 CPU inputs, output rounded to bf16 once."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if query.dtype != torch.bfloat16 or query.device.type != "cpu":
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if attention_mask is not None and attention_mask.is_floating_point():
+        attention_mask = attention_mask.float()
+    out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
+                                          **kwargs)
+    return out.to(torch.bfloat16), weights
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    if ATTENTION_FP32 not in AttentionInterface._global_mapping:
+        AttentionInterface.register(ATTENTION_FP32, sdpa_fp32_for_bf16)
+
+
 @contextlib.contextmanager
-def fp32_gemms_in(model: nn.Module):
-    """While active, `model`'s bf16 CPU GEMMs run as fp32 GEMMs of the same values, rounded back to bf16,
-    with the interception scoped to the modules that own parameters (see the module docstring). The
-    modules' `forward` attributes are restored on exit."""
+def fp32_gemms_in(model: nn.Module, weights: Fp32Weights | None = None):
+    """While active, `model`'s bf16 CPU GEMMs run as fp32 GEMMs of the same values rounded back to bf16,
+    and its `sdpa` attention computes in fp32 (see the module docstring). `weights`: the fp32 copies to
+    reuse across calls (the engine keeps one `Fp32Weights`); default: copies for this scope only. The
+    modules' `forward` attributes and the attention implementation are restored on exit."""
+    weights = weights if weights is not None else Fp32Weights()
     patched = []
+    config = getattr(model, "config", None)
+    attention = getattr(config, "_attn_implementation", None)
     try:
         for module in model.modules():
             if "forward" in module.__dict__:  # already patched (nested use) or set by someone else: leave it
                 continue
             if isinstance(module, nn.Linear):
-                module.forward = functools.partial(_linear_fp32, module)
-            elif next(module.parameters(recurse=False), None) is not None:
-                module.forward = _in_mode(module.forward)
+                module.forward = functools.partial(_linear_fp32, module, weights)
+            elif _owns_a_matrix(module):
+                module.forward = _in_mode(module.forward, weights)
             else:
                 continue
             patched.append(module)
+        if attention == "sdpa":
+            _register_attention()
+            config._attn_implementation = ATTENTION_FP32
         yield model
     finally:
         for module in patched:
             del module.forward
+        if attention == "sdpa":
+            config._attn_implementation = attention

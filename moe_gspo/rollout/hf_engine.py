@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from moe_gspo.rollout.base import RolloutEngine, RolloutSample, SamplingParams
-from moe_gspo.rollout.cpu_gemm import fp32_gemms_in, needs_fp32_gemm
+from moe_gspo.rollout.cpu_gemm import Fp32Weights, fp32_gemms_in, needs_fp32_gemm
 from moe_gspo.rollout.hf_router_hooks import HFRouterRecorder, find_routers
 from moe_gspo.rollout.weights_sync import load_named_tensors_
 from moe_gspo.routing.trace import ids_dtype
@@ -130,9 +130,10 @@ class HFEngine(RolloutEngine):
         device: "cpu", "cuda", or None for cuda when available.
         record_routes / record_probs: fill `routes_TLK` / `router_probs_TLK` of every sample.
         pad_token_id / eos_token_id: default to the model config (eos may be a list of ids).
-        fp32_gemm: compute bf16 GEMMs as fp32 GEMMs of the bf16 values rounded back to bf16
-            (`moe_gspo.rollout.cpu_gemm`: the same numbers, faster on CPUs without a bf16 GEMM);
-            None = when that applies (bf16 on such a CPU).
+        fp32_gemm: compute bf16 GEMMs as fp32 GEMMs of the bf16 values rounded back to bf16, and
+            attention in fp32 from the bf16 inputs (`moe_gspo.rollout.cpu_gemm`: the same rounding
+            points, faster on CPUs without bf16 kernels; the fp32 copies of the weights are kept
+            between generations); None = when that applies (bf16 on such a CPU).
     """
 
     def __init__(self, model_or_dir, *, dtype: str | torch.dtype = "bfloat16",
@@ -143,6 +144,7 @@ class HFEngine(RolloutEngine):
         self.device = torch.device(device if device is not None
                                    else ("cuda" if torch.cuda.is_available() else "cpu"))
         self.fp32_gemm = needs_fp32_gemm(self.device, self.dtype) if fp32_gemm is None else bool(fp32_gemm)
+        self._fp32_weights = Fp32Weights()  # refreshed per weight as update_weights changes it
         self._model = _load_model(model_or_dir, self.dtype, self.device)
         config = self._model.config
         self.vocab_size: int = config.vocab_size
@@ -229,7 +231,8 @@ class HFEngine(RolloutEngine):
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[RolloutSample]:
         """Sample `sampling.n` responses per prompt, all prompts in one batch; groups contiguous."""
-        with torch.inference_mode(), (fp32_gemms_in(self._model) if self.fp32_gemm else contextlib.nullcontext()):
+        scope = fp32_gemms_in(self._model, self._fp32_weights) if self.fp32_gemm else contextlib.nullcontext()
+        with torch.inference_mode(), scope:
             return self._generate(prompts, sampling)
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[RolloutSample]:

@@ -3,18 +3,20 @@
 `python -m moe_gspo.bench.fastpath_bench [--config configs/tiny_cpu.yaml] [--repeats 12] [--threads N]`
 
 Whole-job timings on a shared 2-core machine drift by ±30% within minutes (`bench.step_profile` runs
-taken back to back disagree by more than these paths change), so each comparison here alternates its two
+taken back to back disagree by more than these paths change), so each comparison here alternates its
 variants call by call in one process on the config's model, batch shape and sampling, and prints the
 median of each (after one warm-up call each) and their ratio:
 
 - **rollout**: `HFEngine.generate` of one step's prompts (`rollout.prompts_per_step` x
-  `rollout.samples_per_prompt`, `rollout.max_new_tokens`) in bf16 with fp32 GEMMs scoped to the modules
-  that own weights (`moe_gspo.rollout.cpu_gemm.fp32_gemms_in`, what the engine enters) vs the torch-function mode
-  over the whole forward (`Fp32GemmForBf16`, before); also checks that both give identical samples;
+  `rollout.samples_per_prompt`, `rollout.max_new_tokens`) in bf16 as the engine runs it on a CPU without
+  bf16 kernels (`moe_gspo.rollout.cpu_gemm.fp32_gemms_in`: fp32 GEMMs of the bf16 values with cached fp32
+  weights, fp32-compute attention) vs torch's own bf16 kernels (`fp32_gemm=False`); also counts the
+  identical samples (the same draws but for rare rounding-decided ones);
 - **learner**: the old-policy pass (`compute_logprobs`, routes and entropies recorded, as the train loop
   calls it) and one `train_step` (`train.num_minibatches` optimizer steps) on a batch of the step's size,
-  with Megatron's attention as one fused SDPA call (`model.sdpa_attention=true`, the default) vs upstream's
-  local `DotProductAttention`; two learners with the same weights, one process (EP=1).
+  three learners with the same weights, one process (EP=1): the default (`model.batched_experts=true`:
+  grouped expert GEMMs; `model.sdpa_attention=true`: attention as one fused SDPA call), the loop over
+  experts (Megatron's `SequentialMLP`), and Megatron's local attention.
 
 Not a test; about a minute on 2 CPU cores.
 """
@@ -50,7 +52,6 @@ def _print(what: str, medians: dict[str, float], new: str, old: str) -> None:
 
 def bench_rollout(cfg, repeats: int) -> dict[str, float]:
     from moe_gspo.rollout.base import SamplingParams
-    from moe_gspo.rollout.cpu_gemm import Fp32GemmForBf16, fp32_gemms_in
     from moe_gspo.rollout.hf_engine import HFEngine
     from moe_gspo.tasks import make_task
     from moe_gspo.tiny import build_tiny_model, tiny_qwen3_moe_config
@@ -59,26 +60,23 @@ def bench_rollout(cfg, repeats: int) -> dict[str, float]:
     r = cfg.rollout
     tok = load_tiny_tokenizer()
     prompts = [tok.encode(p.text) for p in make_task(cfg.task).prompts(0, r.prompts_per_step, cfg.train.seed)]
-    # The engine's own fp32-GEMM switch off; each variant enters its scope around the public generate().
-    engine = HFEngine(build_tiny_model(tiny_qwen3_moe_config(**cfg.model.tiny), seed=cfg.model.init_seed,
-                                       router_scale=cfg.model.router_scale),
-                      dtype="bfloat16", device="cpu", fp32_gemm=False)
+    model = build_tiny_model(tiny_qwen3_moe_config(**cfg.model.tiny), seed=cfg.model.init_seed,
+                             router_scale=cfg.model.router_scale)
+    engines = {"engine": HFEngine(model, dtype="bfloat16", device="cpu", fp32_gemm=True),
+               "native bf16": HFEngine(model, dtype="bfloat16", device="cpu", fp32_gemm=False)}
     sampling = SamplingParams(n=r.samples_per_prompt, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                               top_p=r.top_p, seed=0)
     outs = {}
 
-    def run(name, scope):
+    def run(name):
         def call():
-            with scope(engine.model):
-                outs[name] = engine.generate(prompts, sampling)
+            outs[name] = engines[name].generate(prompts, sampling)
         return call
 
-    medians = interleaved({"scoped": run("scoped", fp32_gemms_in),
-                           "whole-model mode": run("mode", lambda model: Fp32GemmForBf16())}, repeats)
-    same = all(np.array_equal(a.response_ids, b.response_ids) and np.array_equal(a.response_logprobs, b.response_logprobs)
-               and np.array_equal(a.routes_TLK, b.routes_TLK) for a, b in zip(outs["scoped"], outs["mode"]))
-    _print(f"rollout ({len(prompts)} prompts x {r.samples_per_prompt}, bf16, fp32 GEMMs; identical samples: {same})",
-           medians, "scoped", "whole-model mode")
+    medians = interleaved({name: run(name) for name in engines}, repeats)
+    same = sum(np.array_equal(a.response_ids, b.response_ids) for a, b in zip(outs["engine"], outs["native bf16"]))
+    _print(f"rollout ({len(prompts)} prompts x {r.samples_per_prompt}, bf16; identical samples: {same} of "
+           f"{len(outs['engine'])})", medians, "engine", "native bf16")
     return medians
 
 
@@ -106,17 +104,20 @@ def bench_learner(cfg, repeats: int) -> dict[str, float]:
                                  response_logprobs=np.full(int(n), -2.0, np.float32)) for i, n in enumerate(lens)]
         batch = PackedBatch.from_samples(samples, rng.standard_normal(num), pad_id=0)
         learners = {}
-        for name, sdpa in (("sdpa", True), ("megatron local", False)):
-            model = build_gpt_model(hf_cfg, sdpa_attention=sdpa)
+        for name, batched, sdpa in (("default", True, True), ("loop experts", False, True),
+                                    ("local attention", True, False)):
+            model = build_gpt_model(hf_cfg, batched_experts=batched, sdpa_attention=sdpa)
             load_hf_model_into_megatron(model, hf)
             learners[name] = Learner(model, hf_cfg, parallel=info, algo=cfg.algo, train=cfg.train, replay="none")
-        old = learners["sdpa"].compute_logprobs(batch).logp_BS
+        old = learners["default"].compute_logprobs(batch).logp_BS
         passes = interleaved({k: (lambda L=L: L.compute_logprobs(batch, record_routes=True, no_replay=True,
                                                                  with_entropy=True)) for k, L in learners.items()},
                              repeats)
-        _print(f"learner old-policy pass ({num} sequences, routes + entropies)", passes, "sdpa", "megatron local")
         steps = interleaved({k: (lambda L=L: L.train_step(batch, old)) for k, L in learners.items()}, repeats)
-        _print(f"learner train_step ({cfg.train.num_minibatches} optimizer steps)", steps, "sdpa", "megatron local")
+        for what, medians in ((f"learner old-policy pass ({num} sequences, routes + entropies)", passes),
+                              (f"learner train_step ({cfg.train.num_minibatches} optimizer steps)", steps)):
+            for other in ("loop experts", "local attention"):
+                _print(what, medians, "default", other)
         return {**{f"old_pass/{k}": v for k, v in passes.items()}, **{f"train_step/{k}": v for k, v in steps.items()}}
     finally:
         destroy_distributed()

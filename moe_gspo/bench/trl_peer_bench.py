@@ -29,7 +29,8 @@ prompts, sampling, TRL's seed), back to back:
 
 Units: an **RL step** is one generation batch (prompts_per_step x samples_per_prompt completions)
 and the optimizer steps it feeds — for TRL `steps_per_generation` of its `global_step`s. Reward per
-RL step is the mean reward of its completions. The figure of merit is the wall time from the start
+RL step is the mean reward of its completions (ours: of every completion drawn, `sampling/reward_mean_drawn`,
+which with `algo.dynamic_sampling` also counts the groups the filter dropped). The figure of merit is the wall time from the start
 of the training loop (TRL: `on_train_begin`; ours: the end of step 0 minus its step time) to the end
 of the first RL step at which the moving average of the last `--window` RL steps' rewards reaches
 `--target` (a full window is required). s/step is the mean wall time per RL step up to that point.
@@ -255,7 +256,9 @@ def run_ours(config: str, *, nproc: int, max_steps: int, target: float, window: 
                     if t0 is None:
                         t0 = now - row["perf/step_time_s"]
                         curve.setup_s = t0 - t_launch
-                    curve.add(row["reward/mean"], now - t0, entropy=row.get("actor/entropy", math.nan),
+                    # the policy's reward: with algo.dynamic_sampling, reward/mean is that of the kept groups only
+                    reward = row.get("sampling/reward_mean_drawn", row["reward/mean"])
+                    curve.add(reward, now - t0, entropy=row.get("actor/entropy", math.nan),
                               frac_zero_std=row.get("reward/frac_zero_std", math.nan))
                     seen += 1
                 if stop_at_target and first_crossing(curve.rewards, target, window) is not None:

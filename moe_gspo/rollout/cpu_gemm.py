@@ -149,10 +149,16 @@ def sdpa_fp32_for_bf16(module, query, key, value, attention_mask, **kwargs):
 
 
 def _register_attention() -> None:
+    """Register `sdpa_fp32_for_bf16` with transformers, and `sdpa`'s mask builder under the same name:
+    transformers builds NO attention mask for a name without one (it assumes a backend that masks by
+    itself), which would let left-padded prompts attend to their padding."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     if ATTENTION_FP32 not in AttentionInterface._global_mapping:
         AttentionInterface.register(ATTENTION_FP32, sdpa_fp32_for_bf16)
+    if ATTENTION_FP32 not in AttentionMaskInterface._global_mapping:
+        AttentionMaskInterface.register(ATTENTION_FP32, sdpa_mask)
 
 
 @contextlib.contextmanager

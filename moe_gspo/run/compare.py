@@ -91,14 +91,14 @@ def prompt_rows(P_B, group_ids=None) -> tuple[np.ndarray, np.ndarray]:
 def flipped_response_mask(routes_a, routes_b, response_mask_BS: torch.Tensor) -> torch.Tensor:
     """bool [B, S]: response tokens whose producing position (t-1) is routed differently in >= 1 layer."""
     B, S = response_mask_BS.shape
-    out = torch.zeros(B, S, dtype=torch.bool)
-    for b, (ra, rb) in enumerate(zip(routes_a, routes_b)):
-        n = min(len(ra), len(rb), S - 1)
-        if n <= 0:
-            continue
-        flips = torch.from_numpy(per_token_flip_mask(np.asarray(ra[:n]), np.asarray(rb[:n])))
-        out[b, 1:n + 1] = flips
-    return out & response_mask_BS.cpu().bool()
+    out = np.zeros((B, S), dtype=bool)
+    n_B = np.array([max(0, min(len(ra), len(rb), S - 1)) for ra, rb in zip(routes_a, routes_b)], dtype=np.int64)
+    if n_B.sum():  # every sequence's rows in one comparison, scattered back to [b, 1 .. n_b]
+        a, b = stack_rows(routes_a, routes_b, np.zeros_like(n_B), n_B)
+        rows = np.repeat(np.arange(len(n_B)), n_B)
+        cols = np.arange(len(rows)) - np.repeat(np.cumsum(n_B) - n_B, n_B) + 1
+        out[rows, cols] = per_token_flip_mask(a, b)
+    return torch.from_numpy(out) & response_mask_BS.cpu().bool()
 
 
 def variance_attribution(logp_b_BS: torch.Tensor, logp_a_BS: torch.Tensor, mask_BS: torch.Tensor,

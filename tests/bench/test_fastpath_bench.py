@@ -17,9 +17,10 @@ def test_interleaved_alternates_the_variants_and_takes_medians():
 def test_the_benchmark_runs_on_the_default_config(capsys):
     out = main(["--repeats", "1"])
     text = capsys.readouterr().out
-    assert "identical samples: True" in text  # the scoped fp32 GEMMs give the mode's samples exactly
-    assert {"rollout/scoped", "rollout/whole-model mode", "old_pass/sdpa", "old_pass/megatron local",
-            "train_step/sdpa", "train_step/megatron local"} == set(out)
+    same = int(text.split("identical samples: ")[1].split(" of ")[0])
+    assert same >= 0.9 * 128  # the engine's fp32 kernels draw what torch's bf16 kernels draw, but for rare rounding
+    assert {"rollout/engine", "rollout/native bf16"} | {f"{what}/{v}" for what in ("old_pass", "train_step")
+                                                        for v in ("default", "loop experts", "local attention")} == set(out)
     assert all(v > 0 for v in out.values())
 
 

@@ -63,8 +63,9 @@ def test_engine_rollouts_match_the_native_bf16_kernels():
     within bf16 rounding of torch's native bf16 kernels, routes equal but for rare flips, and the same
     gap to the fp32 model (the train-inference mismatch the drift metrics measure)."""
     model = build_tiny_model(seed=0)
-    prompts = [[2, 5, 6, 7, 8, 9, 10, 11], [2, 9, 12, 13, 14, 15, 16, 17], [2, 3, 4, 5, 3, 4, 5, 6],
-               [2, 17, 16, 15, 14, 13, 12, 11]]
+    # prompts of different lengths: the shorter ones are left-padded, so the attention mask matters
+    prompts = [[2, 5, 6, 7, 8, 9, 10, 11], [2, 9, 12], [2, 3, 4, 5, 3, 4, 5, 6, 7, 8, 9, 10],
+               [2, 17, 16, 15, 14]]
     sampling = SamplingParams(n=8, max_new_tokens=12, seed=3)
     native = HFEngine(model, dtype="bfloat16", device="cpu", fp32_gemm=False).generate(prompts, sampling)
     ours = HFEngine(model, dtype="bfloat16", device="cpu", fp32_gemm=True).generate(prompts, sampling)
@@ -86,23 +87,27 @@ def test_scoped_fp32_gemms_equal_the_mode_over_the_whole_model_and_restore_the_f
     directly, cached fp32 weights) computes exactly what the mode over the whole forward computes with
     the same attention: same logits bit for bit; forwards and attention implementation restored."""
     model = build_tiny_model(seed=0).to(torch.bfloat16)
-    ids = torch.tensor([[2, 5, 6, 7, 8, 9, 10, 11], [2, 9, 12, 13, 14, 15, 16, 17]])
+    ids = torch.tensor([[2, 5, 6, 7, 8, 9, 10, 11], [0, 0, 0, 2, 9, 12, 13, 14]])  # row 1 left-padded
+    mask = (ids != 0).long()
     assert model.config._attn_implementation == "sdpa"
     with torch.inference_mode():
         x = _bf16(64, model.config.hidden_size, seed=1)
         weights = Fp32Weights()
         with fp32_gemms_in(model, weights):
             assert model.config._attn_implementation == ATTENTION_FP32
-            scoped = model(input_ids=ids).logits
-            again = model(input_ids=ids).logits  # the cached fp32 weights: same numbers
+            scoped = model(input_ids=ids, attention_mask=mask).logits
+            again = model(input_ids=ids, attention_mask=mask).logits  # the cached fp32 weights: same numbers
+            alone = model(input_ids=ids[1:, 3:]).logits  # the padded row computed without its padding
             head = model.lm_head(x)
         model.config._attn_implementation = ATTENTION_FP32
         try:
             with Fp32GemmForBf16():
-                whole = model(input_ids=ids).logits
+                whole = model(input_ids=ids, attention_mask=mask).logits
         finally:
             model.config._attn_implementation = "sdpa"
     assert torch.equal(whole, scoped) and torch.equal(scoped, again)
+    # the padding is masked out: the padded row's real positions are what they are alone (bf16 rounding)
+    assert (scoped[1, 3:].float() - alone[0].float()).abs().max() < 0.05
     assert torch.equal(head, F.linear(x.float(), model.lm_head.weight.float()).bfloat16())
     assert not any("forward" in m.__dict__ for m in model.modules())
     assert model.config._attn_implementation == "sdpa"

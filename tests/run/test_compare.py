@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from moe_gspo.run.compare import (policy_update_drift, prompt_rows, replayed_mismatch, response_rows,
-                                  response_spans, rollout_vs_learner)
+from moe_gspo.run.compare import (flipped_response_mask, policy_update_drift, prompt_rows, replayed_mismatch,
+                                  response_rows, response_spans, rollout_vs_learner)
 
 # Three sequences, one MoE layer, top-1 of 4 experts. Groups: seqs 0 and 1 share a prompt (P = 3),
 # seq 2 has its own (P = 2). Responses R = 2, 1, 2. Padded length S = 5.
@@ -116,3 +116,26 @@ def test_replayed_mismatch_keys():
     m = replayed_mismatch(rollout_logp_BS=a, replayed_logp_BS=a - 0.1 * mask, response_mask_BS=mask)
     assert set(m) == {k.replace("mismatch/", "mismatch_replayed/") for k in _metrics([]) if k.startswith("mismatch/")}
     assert m["mismatch_replayed/k1_kl"] == pytest.approx(0.1)
+
+
+def test_flipped_response_mask_marks_the_token_each_flipped_row_produces():
+    """Row t of a sequence produces token t + 1: a flip at row t marks [b, t + 1], only on response
+    tokens, and rows that only one side has (or past the padded length) count as no flip."""
+    rollout = _routes(ROLLOUT_ROWS)
+    # seq 0: rows 1 (prompt token 2 predicted: not a response token) and 3 (-> token 4, response);
+    # seq 1: row 2 (-> token 3, its only response token); seq 2: row 3, which the rollout side lacks
+    learner = _routes(LEARNER_ROWS, flips=[(0, 1), (0, 3), (1, 2), (2, 3)])
+    got = flipped_response_mask(rollout, learner, _mask())
+    want = torch.zeros(3, S, dtype=torch.bool)
+    want[0, 4] = want[1, 3] = True
+    assert torch.equal(got, want)
+    # a sequence without rows on one side, and a multi-layer top-2 routing differing in one layer only
+    empty = [np.zeros((0, 1, 1), np.uint8)] + rollout[1:]
+    assert torch.equal(flipped_response_mask(empty, learner, _mask())[0], torch.zeros(S, dtype=torch.bool))
+    a = [np.tile(np.array([[[0, 1], [2, 3]]], np.uint8), (4, 1, 1))]
+    b = [a[0].copy()]
+    b[0][2, 1] = [3, 1]  # layer 1 of row 2 differs as a set; row 1's slots swap order only (same set)
+    b[0][1, 0] = [1, 0]
+    m = torch.zeros(1, 5, dtype=torch.bool)
+    m[0, 1:] = True
+    assert flipped_response_mask(a, b, m).tolist() == [[False, False, False, True, False]]

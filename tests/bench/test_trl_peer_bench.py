@@ -79,10 +79,37 @@ def test_trl_two_rl_steps(tmp_path):
 
     cfg = load_config(bench.ROOT / bench.DEFAULT_CONFIG, ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=4",
                                                           "train.num_minibatches=2"])
-    curve = bench.run_trl(cfg, max_steps=2, target=2.0, window=1, out_dir=tmp_path)
+    from moe_gspo.bench.trl_worker import run_trl
+
+    curve = run_trl(cfg, max_steps=2, target=2.0, window=1, out_dir=tmp_path)
     assert len(curve.rewards) == 2  # one reward per RL step (generation), not per optimizer step
     assert all(0.0 <= r <= 1.0 for r in curve.rewards)
     assert 0 < curve.times_s[0] < curve.times_s[1]
     # TRL's entropy (mean over the RL step's optimizer steps) and its frac_reward_zero_std, per RL step
     assert len(curve.entropy) == len(curve.frac_zero_std) == 2
     assert all(0.0 < e < 4.0 for e in curve.entropy) and all(0.0 <= z <= 1.0 for z in curve.frac_zero_std)
+
+
+def test_both_sides_run_in_turn_end_to_end(tmp_path, capsys):
+    """The bench as a user runs it, tiny: TRL's worker and `torchrun -m moe_gspo.train` take turns, one RL
+    step each, and each side's curve has its steps with increasing charged times."""
+    pytest.importorskip("trl")
+    from moe_gspo.bench import interleave
+
+    if not interleave.supported():
+        pytest.skip("needs Linux /proc process trees")
+    out = tmp_path / "out"
+    assert bench.main(["--seeds", "0", "--max-steps", "3", "--full", "--out", str(out), "--json", str(out / "r.json"),
+                       "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "train.num_minibatches=2"]) == 0
+    text = capsys.readouterr().out
+    assert "one RL step each in turn" in text
+    import json
+
+    res = json.loads((out / "r.json").read_text())["per_seed"][0]
+    for side in ("trl", "ours"):
+        curve = res[f"{side}_curve"]
+        assert len(curve["rewards"]) == 3 and res[side]["steps_run"] == 3
+        assert 0 < curve["times_s"][0] < curve["times_s"][1] < curve["times_s"][2] < 30
+        assert all(0.0 <= r <= 1.0 for r in curve["rewards"])
+    assert len((out / "seed0" / "trl" / "rl_steps.jsonl").read_text().splitlines()) >= 3  # the worker's records
+    assert res["ratio_time"] > 0

@@ -1,12 +1,12 @@
-"""Two training jobs run one RL step at a time in alternation, each charged only the wall time it ran.
+"""Two training jobs run in alternation, a few RL steps at a time, each charged only the wall time it ran.
 
 Timings on a shared machine drift by tens of percent within minutes (`moe_gspo.bench.fastpath_bench`,
 README), more than the per-step difference a peer comparison looks for, and two jobs run back to back
 meet different machine states. `alternate` removes that drift from the comparison: each job is a
 process tree (its launcher and workers) that is stopped (`SIGSTOP`) except during its turn; a turn
-lasts one RL step, from continuing the job (`SIGCONT`) until it reports the step, and that wall time is
-charged to the job. Every step of either job thus runs under the machine state of its neighbours'
-steps, and neither job competes with the other for the cores.
+lasts `steps_per_turn` RL steps, and the wall time from continuing the job (`SIGCONT`) until it reports
+each step is charged to the job. Every step of either job thus runs under the machine state of its
+neighbours' steps, and neither job competes with the other for the cores.
 
 A job reports a finished RL step by appending one JSON object per line to a file (`JsonLinesTail`
 reads what was appended since its last read); both jobs are read by the same polling loop, so the
@@ -163,11 +163,15 @@ def _next_record(job: Job, poll_s: float, timeout_s: float) -> dict | None:
     return job.pending.pop(0) if job.pending else None
 
 
-def alternate(jobs: list[Job], *, poll_s: float = 0.001, step_timeout_s: float = 600.0) -> None:
+def alternate(jobs: list[Job], *, steps_per_turn: int = 1, poll_s: float = 0.001,
+              step_timeout_s: float = 600.0) -> None:
     """Run `jobs` (already launched) to their ends: each one alone through its first RL step, stopped
-    after it, then one RL step each in turn (a single job just runs). Every job is ended (killed) on
-    return; a job that exits without a record, or takes more than `step_timeout_s` for one step, leaves
-    the rotation (the caller reads its exit code)."""
+    after it, then `steps_per_turn` RL steps each in turn (a single job just runs). Longer turns spread
+    the cost of a switch (the incoming job finds the caches cold) over more steps; they still follow drift
+    that takes minutes. Every job is ended (killed) on return; a job that exits without a record, or takes
+    more than `step_timeout_s` for one step, leaves the rotation (the caller reads its exit code)."""
+    if steps_per_turn < 1:
+        raise ValueError(f"steps_per_turn={steps_per_turn} must be >= 1")
     try:
         active, t_enter = [], time.perf_counter()
         for job in jobs:
@@ -192,18 +196,22 @@ def alternate(jobs: list[Job], *, poll_s: float = 0.001, step_timeout_s: float =
             for job in list(active):
                 alone = len(active) == 1  # nobody to take turns with: no stop and continue around its steps
                 job.cont()
-                t0 = time.perf_counter()
-                record = _next_record(job, poll_s, step_timeout_s)
-                if not alone:
+                t_last = time.perf_counter()
+                for _ in range(steps_per_turn):
+                    record = _next_record(job, poll_s, step_timeout_s)
+                    if record is None:
+                        active.remove(job)
+                        break
+                    now = time.perf_counter()
+                    job.charged_s += now - t_last
+                    t_last = now
+                    job.steps += 1
+                    if not job.on_step(record, job.charged_s):
+                        active.remove(job)
+                        job.kill()
+                        break
+                if not alone and job.alive():
                     job.stop()
-                if record is None:
-                    active.remove(job)
-                    continue
-                job.charged_s += time.perf_counter() - t0
-                job.steps += 1
-                if not job.on_step(record, job.charged_s):
-                    active.remove(job)
-                    job.kill()
     finally:
         for job in jobs:
             job.kill()

@@ -68,6 +68,8 @@ from moe_gspo.bench.interleave import Job, JsonLinesTail, alternate, supported
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = "configs/tiny_cpu.yaml"
+STEPS_PER_TURN = 5
+"""RL steps of a side per turn when the sides take turns (see the module docstring)."""
 
 
 @dataclass(kw_only=True)
@@ -201,12 +203,12 @@ def trl_side(config: str, *, seed: int, max_steps: int, target: float, window: i
                  record_to_point=lambda rec: (rec["reward"], rec["entropy"], rec["frac_zero_std"]))
 
 
-def race(builders: list[Callable[[], Side]], *, interleave: bool) -> list[Curve]:
-    """Launch and run the sides: together, one RL step each in turn (`interleave`), or each alone, one
-    after the other (a side is launched only when its turn comes); their curves, in order."""
+def race(builders: list[Callable[[], Side]], *, interleave: bool, steps_per_turn: int = 1) -> list[Curve]:
+    """Launch and run the sides: together, `steps_per_turn` RL steps each in turn (`interleave`), or each
+    alone, one after the other (a side is launched only when its turn comes); their curves, in order."""
     if interleave:
         sides = [build() for build in builders]
-        alternate([s.job for s in sides])
+        alternate([s.job for s in sides], steps_per_turn=steps_per_turn)
         return [s.result() for s in sides]
     curves = []
     for build in builders:
@@ -269,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="processes of our torchrun job (default 1: at this model size a second rank costs more than "
                         "it saves)")
     p.add_argument("--only", choices=["trl", "ours"], help="run one side only")
+    p.add_argument("--steps-per-turn", type=int, default=STEPS_PER_TURN,
+                   help=f"RL steps of a side per turn (default {STEPS_PER_TURN}; see moe_gspo.bench.interleave)")
     p.add_argument("--sequential", action="store_true",
                    help="run the two sides of a seed one after the other instead of one RL step each in turn "
                         "(the default, which charges each side only the time it ran: see moe_gspo.bench.interleave)")
@@ -338,8 +342,11 @@ def main(argv: list[str] | None = None) -> int:
     if interleave and not supported():
         print("note: this machine has no /proc process trees (Linux); the sides run one after the other", flush=True)
         interleave = False
-    print("timing: " + ("both sides in turn, one RL step each, the other stopped (SIGSTOP); each charged the wall "
-                        "time it ran" if interleave else "one side after the other, wall time"), flush=True)
+    if args.steps_per_turn < 1:
+        p.error(f"--steps-per-turn {args.steps_per_turn} must be >= 1")
+    print("timing: " + (f"both sides in turn, {args.steps_per_turn} RL steps each, the other stopped (SIGSTOP); each "
+                        "charged the wall time it ran" if interleave else "one side after the other, wall time"),
+          flush=True)
     per_seed = []
     try:
         for seed in args.seeds:
@@ -358,10 +365,11 @@ def main(argv: list[str] | None = None) -> int:
                     config, nproc=args.nproc, max_steps=args.max_steps, target=args.target, window=args.window,
                     out_dir=seed_out, overrides=[*args.overrides, f"train.seed={seed}"],
                     stop_at_target=not args.full))
-            how = "one RL step each in turn" if interleave and len(builders) > 1 else "one after the other"
+            how = (f"{args.steps_per_turn} RL step{'s' if args.steps_per_turn > 1 else ''} each in turn"
+                   if interleave and len(builders) > 1 else "one after the other")
             print(f"seed {seed}: running {' and '.join('TRL' if n == 'trl' else 'moe-gspo' for n in names)} "
                   f"({how}) ...", flush=True)
-            for name, curve in zip(names, race(builders, interleave=interleave)):
+            for name, curve in zip(names, race(builders, interleave=interleave, steps_per_turn=args.steps_per_turn)):
                 res[name] = summarize(curve, args.target, args.window)
                 res[f"{name}_curve"] = dataclasses.asdict(curve)
                 print("  " + _fmt(res[name], args.target, args.window), flush=True)

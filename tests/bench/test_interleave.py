@@ -144,3 +144,14 @@ def test_a_single_job_just_runs(tmp_path):
     a = _launch(tmp_path, "a", steps=3, busy_s=0.01)
     alternate([a])
     assert a.steps == 3 and a.proc.poll() == 0
+
+
+def test_turns_of_several_steps(tmp_path):
+    seen = []
+    a = _launch(tmp_path, "a", steps=7, busy_s=0.01, seen=seen)
+    b = _launch(tmp_path, "b", steps=5, busy_s=0.01, seen=seen)
+    alternate([a, b], steps_per_turn=3)
+    # first steps alone, then three each in turn; b ends after its 5th, a runs its last step alone
+    assert "".join(name for name, _, _ in seen) == "ab" + "aaa" + "bbb" + "aaa" + "b"
+    with pytest.raises(ValueError, match="steps_per_turn=0"):
+        alternate([], steps_per_turn=0)

@@ -28,11 +28,12 @@ prompts, sampling, TRL's seed), both sides:
    subprocess (the main job exactly as a user runs it, checkpoints and traces included; N = `--nproc`,
    default 1: on this model a second data-parallel rank costs more than it saves).
 
-Timing: by default the two sides of a seed run together, **one RL step each in turn** — the side whose
-turn it is runs while the other is stopped (`SIGSTOP`), and each is charged only the wall time of its
-own turns (`moe_gspo.bench.interleave`). This machine's speed drifts by tens of percent within minutes,
-more than the per-step difference being measured; taking turns every RL step puts both sides under the
-same drift. Each side's first RL step (start-up) runs alone and is charged as the side itself timed it.
+Timing: by default the two sides of a seed run together, **taking turns of `--steps-per-turn` RL steps**
+(default 5, a few seconds) — the side whose turn it is runs while the other is stopped (`SIGSTOP`), and
+each is charged only the wall time of its own turns (`moe_gspo.bench.interleave`). This machine's speed
+drifts by tens of percent within minutes, more than the per-step difference being measured; turns of a
+few seconds put both sides under the same drift. Each side's first RL step (start-up) runs alone and is
+charged as the side itself timed it.
 `--sequential` runs the sides one after the other instead (wall time; also where there are no Linux
 `/proc` process trees, and with `--only`).
 
@@ -310,6 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     cfg = cfgs[args.seeds[0]]
+    if cfg.model.path is not None:
+        p.error(f"model.path={cfg.model.path}: the comparison runs on the tiny random model (model.path=null)")
+    if cfg.train.micro_batch_size:
+        p.error(f"train.micro_batch_size={cfg.train.micro_batch_size}: the comparison takes a whole mini-batch per "
+                "pass, as TRL does here; set train.micro_batch_size=0")
     if cfg.algo.routing_replay != "none" or cfg.algo.name not in ("gspo", "grpo"):
         p.error(f"algo.name={cfg.algo.name}, algo.routing_replay={cfg.algo.routing_replay}: TRL has gspo "
                 "(importance_sampling_level=sequence) and grpo, without routing replay")

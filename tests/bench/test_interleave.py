@@ -105,7 +105,9 @@ def test_two_jobs_take_turns_and_are_charged_their_own_time(tmp_path):
     seen, turns = [], []
     a = _launch(tmp_path, "a", steps=6, busy_s=0.04, seen=seen, turns=turns)
     b = _launch(tmp_path, "b", steps=6, busy_s=0.08, seen=seen, turns=turns)
+    t0 = time.perf_counter()
     alternate([a, b])
+    wall_s = time.perf_counter() - t0
     assert a.proc.poll() is not None and b.proc.poll() is not None
     assert a.steps == b.steps == 6
     # turns: a's first step alone, b's first step alone, then a, b, a, b, ...
@@ -123,9 +125,10 @@ def test_two_jobs_take_turns_and_are_charged_their_own_time(tmp_path):
         beats = _heartbeats(tmp_path, other)
         assert len(windows) >= 5 and len(beats) > 50
         assert not [t for t in beats for lo, hi in windows if lo < t < hi]
-    # each job is charged about the CPU time of its steps (plus a few ms a turn for detection and signals)
-    assert 6 * 0.04 * 0.9 <= a.charged_s < 6 * 0.04 + 6 * 0.03
-    assert 6 * 0.08 * 0.9 <= b.charged_s < 6 * 0.08 + 6 * 0.03
+    # each job is charged at least the CPU time of its steps, and together no more than the whole run took
+    # (the turns do not overlap, and neither job is charged the other's), whatever else loads the machine
+    assert 6 * 0.04 * 0.9 <= a.charged_s and 6 * 0.08 * 0.9 <= b.charged_s
+    assert a.charged_s + b.charged_s <= wall_s
     charged_b = [c for name, _, c in seen if name == "b"]
     assert charged_b == sorted(charged_b)  # cumulative
 

@@ -57,6 +57,9 @@ def test_seeds_come_from_the_seeds_flag(monkeypatch):
     (["train.steps=5"], "set the run length with --max-steps, not train.steps="),
     (["--max-steps", "0"], "--max-steps 0 must be >= 1"),
     (["--max-steps", "50", "train.lr_decay_steps=100"], "train.lr_decay_steps=100 do not fit in train.steps=50"),
+    (["model.path=/some/checkpoint"], "the comparison runs on the tiny random model (model.path=null)"),
+    (["train.micro_batch_size=8"], "set train.micro_batch_size=0"),
+    (["--steps-per-turn", "0"], "--steps-per-turn 0 must be >= 1"),
 ])
 def test_the_run_length_is_max_steps_and_is_checked_with_the_schedule(monkeypatch, capsys, argv, msg):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())  # as if TRL were installed
@@ -102,7 +105,7 @@ def test_both_sides_run_in_turn_end_to_end(tmp_path, capsys):
     assert bench.main(["--seeds", "0", "--max-steps", "3", "--full", "--out", str(out), "--json", str(out / "r.json"),
                        "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "train.num_minibatches=2"]) == 0
     text = capsys.readouterr().out
-    assert "one RL step each in turn" in text
+    assert "5 RL steps each in turn" in text
     import json
 
     res = json.loads((out / "r.json").read_text())["per_seed"][0]

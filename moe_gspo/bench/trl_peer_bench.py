@@ -275,8 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps-per-turn", type=int, default=STEPS_PER_TURN,
                    help=f"RL steps of a side per turn (default {STEPS_PER_TURN}; see moe_gspo.bench.interleave)")
     p.add_argument("--sequential", action="store_true",
-                   help="run the two sides of a seed one after the other instead of one RL step each in turn "
-                        "(the default, which charges each side only the time it ran: see moe_gspo.bench.interleave)")
+                   help="run the two sides of a seed one after the other instead of in turns of --steps-per-turn RL "
+                        "steps (the default, which charges each side only the time it ran: see "
+                        "moe_gspo.bench.interleave)")
     p.add_argument("--full", action="store_true",
                    help="run every side for --max-steps RL steps instead of stopping at the target (to compare how "
                         "well each learns: the last-40-step mean reward, entropy and zero-variance share)")
@@ -332,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"work: {cfg.task.name} ({cfg.task.num_symbols} symbols), {cfg.rollout.prompts_per_step} prompts x "
           f"{cfg.rollout.samples_per_prompt} samples, {cfg.rollout.max_new_tokens} new tokens, lr {cfg.train.lr}, "
           f"{cfg.algo.name} clip {cfg.algo.clip_range()}, {cfg.train.num_minibatches} optimizer steps per RL step; "
-          f"TRL {trl_version}; seeds {args.seeds}, each pair back to back", flush=True)
+          f"TRL {trl_version}; seeds {args.seeds}", flush=True)
     a, t = cfg.algo, cfg.train
     # the configs carry train.steps = --max-steps, the horizon both sides run
     lr_sched = (f"{t.lr_decay} decay over the last {t.resolved_lr_decay_steps()} of {t.steps} RL steps"

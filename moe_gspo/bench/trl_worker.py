@@ -4,7 +4,7 @@
 [--router-aux-loss] [section.key=value ...]` runs `run_trl` (TRL's `GRPOTrainer` in GSPO mode on the
 config's tiny model and task, with the settings `moe_gspo.bench.trl_peer_bench` describes) for N RL steps and appends one JSON line per RL step to FILE:
 `reward`, `entropy`, `frac_zero_std` and `t_s` (seconds since the training loop began). The peer
-benchmark reads these lines to run TRL and `moe_gspo.train` one RL step each in turn
+benchmark reads these lines to run TRL and `moe_gspo.train` in turns of a few RL steps each
 (`moe_gspo.bench.interleave`) and stops this process when TRL reaches the target. Not a user entry point.
 """
 

@@ -126,6 +126,22 @@ def summarize(curve: Curve, target: float, window: int, *, last: int = 40) -> di
             f"frac_zero_std_last{last}": tail_mean(curve.frac_zero_std, last)}
 
 
+def comparison_problem(cfg) -> str | None:
+    """What in `cfg` the two sides cannot both run (the message names the field and the fix), or None."""
+    if cfg.model.path is not None:
+        return f"model.path={cfg.model.path}: the comparison runs on the tiny random model (model.path=null)"
+    if cfg.train.micro_batch_size:
+        return (f"train.micro_batch_size={cfg.train.micro_batch_size}: the comparison takes a whole mini-batch "
+                "per pass, as TRL does here; set train.micro_batch_size=0")
+    if cfg.algo.routing_replay != "none" or cfg.algo.name not in ("gspo", "grpo"):
+        return (f"algo.name={cfg.algo.name}, algo.routing_replay={cfg.algo.routing_replay}: TRL has gspo "
+                "(importance_sampling_level=sequence) and grpo, without routing replay")
+    if cfg.algo.resolved_loss_agg_mode() not in ("seq-mean-token-mean", "token-mean") or cfg.algo.kl_coef:
+        return (f"algo.loss_agg_mode={cfg.algo.resolved_loss_agg_mode()}, algo.kl_coef={cfg.algo.kl_coef}: the "
+                "comparison maps seq-mean-token-mean and token-mean onto TRL's loss types, without a KL term")
+    return None
+
+
 # ------------------------------------------------------------------------------------ both sides as jobs
 @dataclass(kw_only=True)
 class Side:
@@ -312,17 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     cfg = cfgs[args.seeds[0]]
-    if cfg.model.path is not None:
-        p.error(f"model.path={cfg.model.path}: the comparison runs on the tiny random model (model.path=null)")
-    if cfg.train.micro_batch_size:
-        p.error(f"train.micro_batch_size={cfg.train.micro_batch_size}: the comparison takes a whole mini-batch per "
-                "pass, as TRL does here; set train.micro_batch_size=0")
-    if cfg.algo.routing_replay != "none" or cfg.algo.name not in ("gspo", "grpo"):
-        p.error(f"algo.name={cfg.algo.name}, algo.routing_replay={cfg.algo.routing_replay}: TRL has gspo "
-                "(importance_sampling_level=sequence) and grpo, without routing replay")
-    if cfg.algo.resolved_loss_agg_mode() not in ("seq-mean-token-mean", "token-mean") or cfg.algo.kl_coef:
-        p.error(f"algo.loss_agg_mode={cfg.algo.resolved_loss_agg_mode()}, algo.kl_coef={cfg.algo.kl_coef}: the "
-                "comparison maps seq-mean-token-mean and token-mean onto TRL's loss types, without a KL term")
+    problem = comparison_problem(cfg)
+    if problem:
+        p.error(problem)
     tmp = None
     if args.out:
         out = Path(args.out)

@@ -20,8 +20,7 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
-from moe_gspo.bench.trl_peer_bench import Curve, first_crossing
-
+from moe_gspo.bench.trl_peer_bench import Curve, comparison_problem, first_crossing
 
 
 # ---------------------------------------------------------------------------------------------- TRL
@@ -63,10 +62,9 @@ def run_trl(cfg, *, max_steps: int, target: float, window: int, out_dir: Path, s
 
     t_setup = time.perf_counter()
     r, tr, algo = cfg.rollout, cfg.train, cfg.algo
-    if cfg.model.path is not None:
-        raise ValueError("trl_peer_bench compares on the tiny random model: the config needs model.path=null")
-    if tr.micro_batch_size:
-        raise ValueError("trl_peer_bench: set train.micro_batch_size=0 (a whole mini-batch per pass, as in TRL here)")
+    problem = comparison_problem(cfg)
+    if problem:
+        raise ValueError(f"trl_peer_bench: {problem}")
     group = r.prompts_per_step * r.samples_per_prompt
     per_step = group // tr.num_minibatches
     task = make_task(cfg.task)

@@ -94,8 +94,8 @@ def test_trl_two_rl_steps(tmp_path):
 
 
 def test_both_sides_run_in_turn_end_to_end(tmp_path, capsys):
-    """The bench as a user runs it, tiny: TRL's worker and `torchrun -m moe_gspo.train` take turns, one RL
-    step each, and each side's curve has its steps with increasing charged times."""
+    """The bench as a user runs it, tiny: TRL's worker and `torchrun -m moe_gspo.train` take turns (of the
+    default 5 RL steps), and each side's curve has its steps with increasing charged times."""
     pytest.importorskip("trl")
     from moe_gspo.bench import interleave
 

@@ -1,6 +1,6 @@
 """Per-step cost profile of the main job: where an RL step's wall time goes.
 
-`python -m moe_gspo.bench.step_profile [--config CONFIG ...] [--steps 40] [--skip 5] [--nproc 2] [overrides]`
+`python -m moe_gspo.bench.step_profile [--config CONFIG ...] [--steps 40] [--skip 5] [--nproc 2] [--trl] [overrides]`
 
 Runs `torchrun --standalone --nproc-per-node N -m moe_gspo.train` on each config (default: the
 default `configs/tiny_cpu.yaml` and the 2-token `configs/tiny_cpu_copy_first.yaml` of the TRL peer
@@ -10,11 +10,18 @@ averaged over the steps after the first `--skip` (warm-up). Phases that run ever
 probe, traces, checkpoints) are averaged over all steps, so the split is the amortised cost. "loop,
 untimed" is the step time not inside any phase (bookkeeping, the progress bar, the metrics file).
 Timings on a shared machine are contended: compare figures taken back to back on a quiet box.
+
+`--trl` also runs TRL's `GRPOTrainer` on each config as the TRL peer benchmark sets it up
+(`moe_gspo.bench.trl_worker`, one process) for the same steps and prints its split the same way: its
+phases (`trl_worker.TRL_PHASES`: generate, old_logp, score, update) are wall times of its own methods,
+not a profiler's (cProfile inflates Python-heavy code), and "trainer loop, untimed" is the rest of its
+RL step (gradient clipping, optimizer steps, scheduler, callbacks).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -38,6 +45,48 @@ def run_job(config: str, *, steps: int, nproc: int, run_dir: Path, overrides: li
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def run_trl_job(config: str, *, steps: int, out_dir: Path, overrides: list[str]) -> list[dict]:
+    """The per-RL-step records of TRL's worker on `config` (RuntimeError with the log tail if it fails)."""
+    from moe_gspo.config import load_config
+
+    seed = load_config(config, overrides).train.seed
+    records = out_dir / "rl_steps.jsonl"
+    cmd = [sys.executable, "-m", "moe_gspo.bench.trl_worker", "--config", config, "--seed", str(seed),
+           "--max-steps", str(steps), "--out", str(out_dir), "--records", str(records), *overrides]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
+
+
+def trl_profile(records: list[dict], *, skip: int) -> dict:
+    """Mean seconds per RL step of each of TRL's phases over `records[skip:]`; an RL step's wall time is
+    the difference of consecutive `t_s` (so at least one step is skipped)."""
+    from moe_gspo.bench.trl_worker import TRL_PHASES
+
+    skip = max(skip, 1)
+    if len(records) <= skip:
+        raise ValueError(f"no TRL steps left after --skip {skip}; raise --steps")
+    n = len(records) - skip
+    out = {p: sum(r["phases"][p] for r in records[skip:]) / n for p in TRL_PHASES}
+    out["total"] = (records[-1]["t_s"] - records[skip - 1]["t_s"]) / n
+    out["trainer loop, untimed"] = out["total"] - sum(out[p] for p in TRL_PHASES)
+    out["num_steps"] = n
+    return out
+
+
+def format_trl_profile(name: str, prof: dict) -> str:
+    from moe_gspo.bench.trl_worker import TRL_PHASES
+
+    total = prof["total"]
+    lines = [f"{name}, TRL GRPOTrainer: {total:.3f} s per RL step (mean of {prof['num_steps']} steps)",
+             f"  {'phase':<21} {'s/step':>8} {'share':>7}"]
+    for p in (*TRL_PHASES, "trainer loop, untimed"):
+        lines.append(f"  {p:<21} {prof[p]:8.4f} {100 * prof[p] / total:6.1f}%")
+    return "\n".join(lines)
 
 
 def profile(rows: list[dict], *, skip: int) -> dict:
@@ -73,11 +122,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=40, help="RL steps per run (default 40)")
     p.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the means (default 5)")
     p.add_argument("--nproc", type=int, default=2, help="torchrun processes (default 2)")
+    p.add_argument("--trl", action="store_true",
+                   help="also profile TRL's GRPOTrainer on each config (see below; needs the dev extra's trl)")
     p.add_argument("--json", default=None, help="also write the profiles to this JSON file")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides for every run")
     args = p.parse_args(argv)
     if args.steps <= args.skip:
         p.error(f"--steps {args.steps} must exceed --skip {args.skip}")
+    if args.trl and importlib.util.find_spec("trl") is None:
+        p.error("--trl needs TRL: pip install -e '.[dev]' (README, Install)")
     results = {}
     with tempfile.TemporaryDirectory(prefix="step_profile_") as tmp:
         for i, config in enumerate(args.config or DEFAULT_CONFIGS):
@@ -86,6 +139,14 @@ def main(argv: list[str] | None = None) -> int:
                            overrides=args.overrides)
             results[config] = profile(rows, skip=args.skip)
             print(format_profile(config, results[config]), flush=True)
+            if args.trl:
+                print(f"running TRL's GRPOTrainer on {config} for {args.steps} RL steps ...", flush=True)
+                out = Path(tmp) / f"trl{i}"
+                out.mkdir()
+                trl = trl_profile(run_trl_job(config, steps=args.steps, out_dir=out, overrides=args.overrides),
+                                  skip=args.skip)
+                results[f"{config} (TRL)"] = trl
+                print(format_trl_profile(config, trl), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

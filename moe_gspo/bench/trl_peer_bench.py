@@ -86,6 +86,8 @@ class Curve:
     frac_zero_std: list[float] = field(default_factory=list)
     """Share of prompt groups whose rewards are all equal (ours: `reward/frac_zero_std`; TRL:
     `frac_reward_zero_std`)."""
+    phases: list[dict] = field(default_factory=list)
+    """TRL only: seconds of each RL step in each of its phases (`trl_worker.TRL_PHASES`)."""
     setup_s: float = 0.0
     """Wall time before the training loop (process start, model build, engine setup)."""
     note: str = ""
@@ -178,6 +180,8 @@ def _side(name: str, what: str, cmd: list[str], log: Path, records: Path, *, max
     def on_step(record: dict, charged_s: float) -> bool:
         reward, entropy, zero_std = record_to_point(record)
         curve.add(reward, charged_s, entropy=entropy, frac_zero_std=zero_std)
+        if "phases" in record:  # TRL's worker
+            curve.phases.append(record["phases"])
         return not done()
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))

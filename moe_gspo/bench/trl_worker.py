@@ -3,7 +3,8 @@
 `python -m moe_gspo.bench.trl_worker --config C --seed S --max-steps N --out DIR --records FILE
 [--router-aux-loss] [section.key=value ...]` runs `run_trl` (TRL's `GRPOTrainer` in GSPO mode on the
 config's tiny model and task, with the settings `moe_gspo.bench.trl_peer_bench` describes) for N RL steps and appends one JSON line per RL step to FILE:
-`reward`, `entropy`, `frac_zero_std` and `t_s` (seconds since the training loop began). The peer
+`reward`, `entropy`, `frac_zero_std`, `t_s` (seconds since the training loop began) and `phases` (seconds of
+the RL step in each of TRL's phases, `TRL_PHASES`; `moe_gspo.bench.step_profile --trl` prints them). The peer
 benchmark reads these lines to run TRL and `moe_gspo.train` in turns of a few RL steps each
 (`moe_gspo.bench.interleave`) and stops this process when TRL reaches the target. Not a user entry point.
 """
@@ -24,6 +25,52 @@ from moe_gspo.bench.trl_peer_bench import Curve, comparison_problem, first_cross
 
 
 # ---------------------------------------------------------------------------------------------- TRL
+TRL_PHASES = ("generate", "old_logp", "score", "update")
+"""Where TRL's RL step goes, timed by `TrlPhaseTimer` (wall seconds, no profiler):
+generate = `GRPOTrainer._generate` (sampling with `model.generate`, decoding);
+old_logp = the no-grad `_get_per_token_logps_and_entropies` passes of `_generate_and_score_completions` (pi_old);
+score = the rest of `_generate_and_score_completions` (rewards, advantages, batching);
+update = `training_step` without the generation (per optimizer step: the loss forward and its backward).
+The rest of an RL step (gradient clipping, `optimizer.step`, the scheduler, callbacks, logging) is what the
+Trainer's loop does outside `training_step`."""
+
+
+class TrlPhaseTimer:
+    """Wraps a `GRPOTrainer` instance's methods (instance attributes: the class is not touched) to add up
+    the wall time of each of `TRL_PHASES`; `take()` returns and clears them."""
+
+    def __init__(self, trainer):
+        self.seconds = dict.fromkeys(TRL_PHASES, 0.0)
+        self._in_scoring = False
+        self._wrap(trainer, "_generate", "generate")
+        self._wrap(trainer, "_get_per_token_logps_and_entropies", "old_logp", only_in_scoring=True)
+        self._wrap(trainer, "_generate_and_score_completions", "score", scoring=True)
+        self._wrap(trainer, "training_step", "update")
+
+    def _wrap(self, trainer, name: str, phase: str, *, only_in_scoring: bool = False, scoring: bool = False):
+        inner = getattr(trainer, name)
+
+        def timed(*args, **kwargs):
+            if only_in_scoring and not self._in_scoring:
+                return inner(*args, **kwargs)
+            before = dict(self.seconds)  # the nested phases' time is taken out of this one
+            self._in_scoring = self._in_scoring or scoring
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                if scoring:
+                    self._in_scoring = False
+                nested = sum(self.seconds[p] - before[p] for p in TRL_PHASES)
+                self.seconds[phase] += time.perf_counter() - t0 - nested
+
+        setattr(trainer, name, timed)
+
+    def take(self) -> dict[str, float]:
+        out, self.seconds = self.seconds, dict.fromkeys(TRL_PHASES, 0.0)
+        return out
+
+
 def trl_lr_schedule(tr, max_steps: int) -> dict:
     """Our learning-rate schedule (train.lr_*, moe_gspo/learner/lr_schedule.py) as transformers' Trainer
     arguments, in TRL's optimizer steps (`train.num_minibatches` per RL step, as `max_steps` is given to
@@ -112,6 +159,7 @@ def run_trl(cfg, *, max_steps: int, target: float, window: int, out_dir: Path, s
                 reward, zero_std = self.pending
                 ent = sum(self.entropies) / len(self.entropies) if self.entropies else math.nan
                 curve.add(reward, time.perf_counter() - self.t0, entropy=ent, frac_zero_std=zero_std)
+                curve.phases.append(timer.take())
                 self.pending, self.entropies = None, []
                 if on_rl_step is not None:
                     on_rl_step(curve)
@@ -129,6 +177,7 @@ def run_trl(cfg, *, max_steps: int, target: float, window: int, out_dir: Path, s
 
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=dataset,
                           processing_class=tok, callbacks=[Recorder()])
+    timer = TrlPhaseTimer(trainer)
     for cb in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(cb)
     trainer.train()
@@ -154,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.records, "a") as f:
         def report(curve) -> None:
             f.write(json.dumps({"reward": curve.rewards[-1], "entropy": curve.entropy[-1],
-                                "frac_zero_std": curve.frac_zero_std[-1], "t_s": curve.times_s[-1]}) + "\n")
+                                "frac_zero_std": curve.frac_zero_std[-1], "t_s": curve.times_s[-1],
+                                "phases": curve.phases[-1]}) + "\n")
             f.flush()
 
         run_trl(cfg, max_steps=args.max_steps, target=float("inf"), window=1, out_dir=Path(args.out),

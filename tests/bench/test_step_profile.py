@@ -1,6 +1,6 @@
 import pytest
 
-from moe_gspo.bench.step_profile import format_profile, profile
+from moe_gspo.bench.step_profile import format_profile, format_trl_profile, profile, trl_profile
 
 
 def _row(step_time, **phases):
@@ -26,3 +26,18 @@ def test_profile_amortises_periodic_phases_and_counts_untimed_time():
 def test_profile_needs_steps_after_the_warm_up():
     with pytest.raises(ValueError, match="raise --steps"):
         profile([_row(1.0)], skip=1)
+
+
+def test_trl_profile_takes_step_times_from_consecutive_records():
+    def rec(t_s, generate, update):
+        return {"t_s": t_s, "phases": {"generate": generate, "old_logp": 0.1, "score": 0.0, "update": update}}
+
+    records = [rec(5.0, 3.0, 1.0), rec(6.0, 0.2, 0.5), rec(7.5, 0.4, 0.8)]  # the first: warm-up
+    prof = trl_profile(records, skip=1)
+    assert prof["num_steps"] == 2 and prof["total"] == pytest.approx(1.25)
+    assert prof["generate"] == pytest.approx(0.3) and prof["update"] == pytest.approx(0.65)
+    assert prof["trainer loop, untimed"] == pytest.approx(1.25 - 0.3 - 0.1 - 0.65)
+    assert trl_profile(records, skip=0)["num_steps"] == 2  # a step's time needs the record before it
+    assert "trainer loop, untimed" in format_trl_profile("cfg", prof)
+    with pytest.raises(ValueError, match="raise --steps"):
+        trl_profile(records[:1], skip=1)

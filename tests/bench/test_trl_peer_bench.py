@@ -91,6 +91,13 @@ def test_trl_two_rl_steps(tmp_path):
     # TRL's entropy (mean over the RL step's optimizer steps) and its frac_reward_zero_std, per RL step
     assert len(curve.entropy) == len(curve.frac_zero_std) == 2
     assert all(0.0 < e < 4.0 for e in curve.entropy) and all(0.0 <= z <= 1.0 for z in curve.frac_zero_std)
+    # where each RL step's time went (step_profile --trl): TRL computes pi_old in a pass of its own here
+    # (steps_per_generation 2 > gradient_accumulation_steps 1); nested phases are not counted twice
+    from moe_gspo.bench.trl_worker import TRL_PHASES
+
+    assert len(curve.phases) == 2 and all(set(p) == set(TRL_PHASES) for p in curve.phases)
+    assert all(p["generate"] > 0 and p["old_logp"] > 0 and p["update"] > 0 and p["score"] > 0 for p in curve.phases)
+    assert sum(curve.phases[1].values()) < curve.times_s[1] - curve.times_s[0]
 
 
 def test_both_sides_run_in_turn_end_to_end(tmp_path, capsys):

@@ -11,7 +11,8 @@ median of each (after one warm-up call each) and their ratio:
   `rollout.samples_per_prompt`, `rollout.max_new_tokens`) in bf16 as the engine runs it on a CPU without
   bf16 kernels (`moe_gspo.rollout.cpu_gemm.fp32_gemms_in`: fp32 GEMMs of the bf16 values with cached fp32
   weights, fp32-compute attention) vs torch's own bf16 kernels (`fp32_gemm=False`); also counts the
-  identical samples (the same draws but for rare rounding-decided ones);
+  identical samples (the same draws but for rare rounding-decided ones); and, for scale, the same engine in
+  fp32 (what a rollout without the bf16 mismatch costs: TRL's peer benchmark samples in fp32);
 - **learner**: the old-policy pass (`compute_logprobs`, routes and entropies recorded, as the train loop
   calls it) and one `train_step` (`train.num_minibatches` optimizer steps) on a batch of the step's size,
   three learners with the same weights, one process (EP=1): the default (`model.batched_experts=true`:
@@ -63,7 +64,8 @@ def bench_rollout(cfg, repeats: int) -> dict[str, float]:
     model = build_tiny_model(tiny_qwen3_moe_config(**cfg.model.tiny), seed=cfg.model.init_seed,
                              router_scale=cfg.model.router_scale)
     engines = {"engine": HFEngine(model, dtype="bfloat16", device="cpu", fp32_gemm=True),
-               "native bf16": HFEngine(model, dtype="bfloat16", device="cpu", fp32_gemm=False)}
+               "native bf16": HFEngine(model, dtype="bfloat16", device="cpu", fp32_gemm=False),
+               "fp32": HFEngine(model, dtype="float32", device="cpu")}
     sampling = SamplingParams(n=r.samples_per_prompt, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                               top_p=r.top_p, seed=0)
     outs = {}
@@ -77,6 +79,7 @@ def bench_rollout(cfg, repeats: int) -> dict[str, float]:
     same = sum(np.array_equal(a.response_ids, b.response_ids) for a, b in zip(outs["engine"], outs["native bf16"]))
     _print(f"rollout ({len(prompts)} prompts x {r.samples_per_prompt}, bf16; identical samples: {same} of "
            f"{len(outs['engine'])})", medians, "engine", "native bf16")
+    _print("rollout, the same engine in bf16 vs in fp32 (no train-inference mismatch)", medians, "engine", "fp32")
     return medians
 
 

@@ -19,8 +19,8 @@ def test_the_benchmark_runs_on_the_default_config(capsys):
     text = capsys.readouterr().out
     same = int(text.split("identical samples: ")[1].split(" of ")[0])
     assert same >= 0.9 * 128  # the engine's fp32 kernels draw what torch's bf16 kernels draw, but for rare rounding
-    assert {"rollout/engine", "rollout/native bf16"} | {f"{what}/{v}" for what in ("old_pass", "train_step")
-                                                        for v in ("default", "loop experts", "local attention")} == set(out)
+    assert {"rollout/engine", "rollout/native bf16", "rollout/fp32"} | {f"{what}/{v}" for what in ("old_pass", "train_step")
+                                                                        for v in ("default", "loop experts", "local attention")} == set(out)
     assert all(v > 0 for v in out.values())
 
 

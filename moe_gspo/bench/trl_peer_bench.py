@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import Callable
 
 from moe_gspo.bench.interleave import Job, JsonLinesTail, alternate, supported
+from moe_gspo.run.timing import PHASES
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = "configs/tiny_cpu.yaml"
@@ -87,7 +88,9 @@ class Curve:
     """Share of prompt groups whose rewards are all equal (ours: `reward/frac_zero_std`; TRL:
     `frac_reward_zero_std`)."""
     phases: list[dict] = field(default_factory=list)
-    """TRL only: seconds of each RL step in each of its phases (`trl_worker.TRL_PHASES`)."""
+    """Seconds of each RL step in each phase the side times itself (ours: `perf/<phase>_s`,
+    `moe_gspo.run.timing.PHASES`; TRL: `trl_worker.TRL_PHASES`); wall times, so a step during which the
+    side was stopped carries the stop (`phase_split` leaves those steps out)."""
     setup_s: float = 0.0
     """Wall time before the training loop (process start, model build, engine setup)."""
     note: str = ""
@@ -126,6 +129,22 @@ def summarize(curve: Curve, target: float, window: int, *, last: int = 40) -> di
             "s_per_step": t / n if n else float("nan"), "setup_s": curve.setup_s, "note": curve.note,
             f"reward_last{last}": tail_mean(curve.rewards, last), f"entropy_last{last}": tail_mean(curve.entropy, last),
             f"frac_zero_std_last{last}": tail_mean(curve.frac_zero_std, last)}
+
+
+def phase_split(curve: Curve, *, steps_per_turn: int | None) -> dict[str, float]:
+    """Mean seconds per RL step of each of the side's phases, and `rest` (charged time not in a phase),
+    over its RL steps after the first in which it was not stopped: in turns of `steps_per_turn` (None:
+    the side ran alone) the stop after a turn lands in the next turn's first step (RL steps 1, 1 + k, ...).
+    Empty when no step qualifies."""
+    steps = [i for i in range(1, len(curve.phases))
+             if steps_per_turn is None or (i - 1) % steps_per_turn != 0]
+    if not steps:
+        return {}
+    names = list(dict.fromkeys(p for i in steps for p in curve.phases[i]))  # in the order the side logs them
+    out = {p: sum(curve.phases[i].get(p, 0.0) for i in steps) / len(steps) for p in names}
+    charged = sum(curve.times_s[i] - curve.times_s[i - 1] for i in steps) / len(steps)
+    out["rest"] = charged - sum(out.values())
+    return out
 
 
 def comparison_problem(cfg) -> str | None:
@@ -168,9 +187,10 @@ class Side:
 
 
 def _side(name: str, what: str, cmd: list[str], log: Path, records: Path, *, max_steps: int, target: float,
-          window: int, stop_at_target: bool, first_step_s, record_to_point) -> Side:
+          window: int, stop_at_target: bool, first_step_s, record_to_point, record_to_phases) -> Side:
     """Launch `cmd` (a new session, output to `log`) as a job whose records (JSON lines appended to
-    `records`) become curve points through `record_to_point(record) -> (reward, entropy, frac_zero_std)`."""
+    `records`) become curve points through `record_to_point(record) -> (reward, entropy, frac_zero_std)`
+    and `record_to_phases(record) -> {phase: seconds}`."""
     curve = Curve(name=name)
 
     def done() -> bool:
@@ -180,8 +200,7 @@ def _side(name: str, what: str, cmd: list[str], log: Path, records: Path, *, max
     def on_step(record: dict, charged_s: float) -> bool:
         reward, entropy, zero_std = record_to_point(record)
         curve.add(reward, charged_s, entropy=entropy, frac_zero_std=zero_std)
-        if "phases" in record:  # TRL's worker
-            curve.phases.append(record["phases"])
+        curve.phases.append(record_to_phases(record))
         return not done()
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
@@ -205,7 +224,8 @@ def ours_side(config: str, *, nproc: int, max_steps: int, target: float, window:
 
     return _side(f"moe-gspo ({nproc} processes, torchrun)", "moe_gspo.train", cmd, out_dir / "moe_gspo_train.log",
                  run_dir / "metrics.jsonl", max_steps=max_steps, target=target, window=window,
-                 stop_at_target=stop_at_target, first_step_s=lambda row: row["perf/step_time_s"], record_to_point=point)
+                 stop_at_target=stop_at_target, first_step_s=lambda row: row["perf/step_time_s"], record_to_point=point,
+                 record_to_phases=lambda row: {p: row[f"perf/{p}_s"] for p in PHASES if f"perf/{p}_s" in row})
 
 
 def trl_side(config: str, *, seed: int, max_steps: int, target: float, window: int, out_dir: Path,
@@ -221,7 +241,8 @@ def trl_side(config: str, *, seed: int, max_steps: int, target: float, window: i
     return _side("TRL GRPOTrainer (GSPO)", "TRL's GRPOTrainer", cmd, out_dir / "trl.log", records,
                  max_steps=max_steps, target=target, window=window, stop_at_target=stop_at_target,
                  first_step_s=lambda rec: rec["t_s"],
-                 record_to_point=lambda rec: (rec["reward"], rec["entropy"], rec["frac_zero_std"]))
+                 record_to_point=lambda rec: (rec["reward"], rec["entropy"], rec["frac_zero_std"]),
+                 record_to_phases=lambda rec: rec["phases"])
 
 
 def race(builders: list[Callable[[], Side]], *, interleave: bool, steps_per_turn: int = 1) -> list[Curve]:
@@ -391,7 +412,12 @@ def main(argv: list[str] | None = None) -> int:
             for name, curve in zip(names, race(builders, interleave=interleave, steps_per_turn=args.steps_per_turn)):
                 res[name] = summarize(curve, args.target, args.window)
                 res[f"{name}_curve"] = dataclasses.asdict(curve)
+                res[f"{name}_split"] = phase_split(curve, steps_per_turn=args.steps_per_turn
+                                                   if interleave and len(builders) > 1 else None)
                 print("  " + _fmt(res[name], args.target, args.window), flush=True)
+                if res[f"{name}_split"]:
+                    print("    s/RL step by phase (steps run without a stop inside): " + ", ".join(
+                        f"{k} {v:.3f}" for k, v in res[f"{name}_split"].items() if abs(v) >= 5e-4), flush=True)
             if "trl" in res and "ours" in res:
                 res["ratio_time"] = _time_or_bound(res["ours"]) / _time_or_bound(res["trl"])
                 exact = res["ours"]["reached"] and res["trl"]["reached"]

@@ -27,6 +27,23 @@ def test_summarize_time_and_seconds_per_step():
     assert not s["reached"] and s["time_s"] is None and s["s_per_step"] == 2.0 and s["time_run_s"] == 8.0
 
 
+def test_phase_split_leaves_out_the_steps_a_stop_landed_in():
+    curve = bench.Curve(name="x")
+    phases = [{"rollout": 9.0}, {"rollout": 5.0}, {"rollout": 0.2, "drift": 0.1}, {"rollout": 0.4},
+              {"rollout": 7.0, "drift": 0.1}, {"rollout": 0.3}]
+    for t, ph in zip([9.0, 14.0, 14.5, 15.0, 22.5, 23.0], phases):
+        curve.add(0.0, t)
+        curve.phases.append(ph)
+    # turns of 3 steps after the first: the stops land in steps 1 and 4
+    split = bench.phase_split(curve, steps_per_turn=3)
+    assert list(split) == ["rollout", "drift", "rest"]
+    assert split["rollout"] == pytest.approx(0.3) and split["drift"] == pytest.approx(0.1 / 3)
+    assert split["rest"] == pytest.approx((0.5 + 0.5 + 0.5) / 3 - 0.3 - 0.1 / 3)
+    alone = bench.phase_split(curve, steps_per_turn=None)  # ran alone: every step but the first
+    assert alone["rollout"] == pytest.approx((5.0 + 0.2 + 0.4 + 7.0 + 0.3) / 5)
+    assert bench.phase_split(bench.Curve(name="empty"), steps_per_turn=3) == {}
+
+
 def test_median_over_seeds_counts_a_miss_as_a_lower_bound():
     def side(reached, t, step, run_t, steps_run=300):
         return {"reached": reached, "time_s": t if reached else None, "step": step, "time_run_s": run_t,
@@ -123,3 +140,7 @@ def test_both_sides_run_in_turn_end_to_end(tmp_path, capsys):
         assert all(0.0 <= r <= 1.0 for r in curve["rewards"])
     assert len((out / "seed0" / "trl" / "rl_steps.jsonl").read_text().splitlines()) >= 3  # the worker's records
     assert res["ratio_time"] > 0
+    # each side's split by phase (ours perf/<phase>_s, TRL's own phases), from RL step 2: step 0 ran alone
+    # and the stop after it landed in step 1
+    assert "rollout" in res["ours_split"] and "update" in res["ours_split"]
+    assert "generate" in res["trl_split"] and "s/RL step by phase" in text

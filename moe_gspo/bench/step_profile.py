@@ -40,11 +40,17 @@ def run_job(config: str, *, steps: int, nproc: int, run_dir: Path, overrides: li
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", "moe_gspo.train", "--config", config, "--run-dir", str(run_dir), f"train.steps={steps}",
            "logging.wandb_mode=disabled", "logging.progress=false", "train.export_hf=false", *overrides]
+    return _run_for_json_lines(cmd, run_dir / "metrics.jsonl")
+
+
+def _run_for_json_lines(cmd: list[str], path: Path) -> list[dict]:
+    """Run `cmd` from the repository root; the JSON lines it wrote to `path` (RuntimeError with the log tail
+    if it fails)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def run_trl_job(config: str, *, steps: int, out_dir: Path, overrides: list[str]) -> list[dict]:
@@ -55,11 +61,7 @@ def run_trl_job(config: str, *, steps: int, out_dir: Path, overrides: list[str])
     records = out_dir / "rl_steps.jsonl"
     cmd = [sys.executable, "-m", "moe_gspo.bench.trl_worker", "--config", config, "--seed", str(seed),
            "--max-steps", str(steps), "--out", str(out_dir), "--records", str(records), *overrides]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
+    return _run_for_json_lines(cmd, records)
 
 
 def trl_profile(records: list[dict], *, skip: int) -> dict:
@@ -81,11 +83,14 @@ def trl_profile(records: list[dict], *, skip: int) -> dict:
 def format_trl_profile(name: str, prof: dict) -> str:
     from moe_gspo.bench.trl_worker import TRL_PHASES
 
-    total = prof["total"]
-    lines = [f"{name}, TRL GRPOTrainer: {total:.3f} s per RL step (mean of {prof['num_steps']} steps)",
-             f"  {'phase':<21} {'s/step':>8} {'share':>7}"]
-    for p in (*TRL_PHASES, "trainer loop, untimed"):
-        lines.append(f"  {p:<21} {prof[p]:8.4f} {100 * prof[p] / total:6.1f}%")
+    return _table(f"{name}, TRL GRPOTrainer", prof, (*TRL_PHASES, "trainer loop, untimed"))
+
+
+def _table(title: str, prof: dict, phases) -> str:
+    total, width = prof["total"], max(16, *map(len, phases))
+    lines = [f"{title}: {total:.3f} s per RL step (mean of {prof['num_steps']} steps)",
+             f"  {'phase':<{width}} {'s/step':>8} {'share':>7}"]
+    lines += [f"  {p:<{width}} {prof[p]:8.4f} {100 * prof[p] / total:6.1f}%" for p in phases]
     return "\n".join(lines)
 
 
@@ -105,13 +110,8 @@ def profile(rows: list[dict], *, skip: int) -> dict:
 
 
 def format_profile(name: str, prof: dict) -> str:
-    total = prof["total"]
-    lines = [f"{name}: {total:.3f} s per RL step (mean of {prof['num_steps']} steps)",
-             f"  {'phase':<16} {'s/step':>8} {'share':>7}"]
-    for p in (*PHASES, "loop, untimed"):
-        if prof[p] > 0 or p in ("rollout", "old_logp", "update", "sync"):
-            lines.append(f"  {p:<16} {prof[p]:8.4f} {100 * prof[p] / total:6.1f}%")
-    return "\n".join(lines)
+    return _table(name, prof, [p for p in (*PHASES, "loop, untimed")
+                               if prof[p] > 0 or p in ("rollout", "old_logp", "update", "sync")])
 
 
 def main(argv: list[str] | None = None) -> int:

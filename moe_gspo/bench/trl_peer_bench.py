@@ -44,7 +44,8 @@ RL step is the mean reward of its completions (ours: of every completion drawn,
 dropped). The figure of merit is the time charged to a side from the start of its training loop to the
 end of the first RL step at which the moving average of the last `--window` RL steps' rewards reaches
 `--target` (a full window is required). s/step is the mean time per RL step up to that point. Each
-side stops once it reaches the target or after `--max-steps` RL steps. The summary is the median over
+side stops once it reaches the target or after `--max-steps` RL steps. Under each side's line: its s/RL
+step by phase (`phase_split`: the phases it times itself, over the steps without a stop inside). The summary is the median over
 seeds of each side's time and the ratio of the medians (the steps needed vary ~2x between seeds, and a
 side's trajectory changes with any change of float rounding in its code).
 """

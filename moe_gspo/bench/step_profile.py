@@ -67,16 +67,16 @@ def run_trl_job(config: str, *, steps: int, out_dir: Path, overrides: list[str])
 def trl_profile(records: list[dict], *, skip: int) -> dict:
     """Mean seconds per RL step of each of TRL's phases over `records[skip:]`; an RL step's wall time is
     the difference of consecutive `t_s` (so at least one step is skipped)."""
-    from moe_gspo.bench.trl_worker import TRL_PHASES
+    from moe_gspo.bench.trl_peer_bench import Curve, phase_split
 
     skip = max(skip, 1)
     if len(records) <= skip:
         raise ValueError(f"no TRL steps left after --skip {skip}; raise --steps")
-    n = len(records) - skip
-    out = {p: sum(r["phases"][p] for r in records[skip:]) / n for p in TRL_PHASES}
-    out["total"] = (records[-1]["t_s"] - records[skip - 1]["t_s"]) / n
-    out["trainer loop, untimed"] = out["total"] - sum(out[p] for p in TRL_PHASES)
-    out["num_steps"] = n
+    curve = Curve(name="TRL", times_s=[r["t_s"] for r in records], phases=[r["phases"] for r in records])
+    out = phase_split(curve, steps_per_turn=None, skip=skip)
+    out["trainer loop, untimed"] = out.pop("rest")
+    out["total"] = sum(out.values())
+    out["num_steps"] = len(records) - skip
     return out
 
 

@@ -132,12 +132,12 @@ def summarize(curve: Curve, target: float, window: int, *, last: int = 40) -> di
             f"frac_zero_std_last{last}": tail_mean(curve.frac_zero_std, last)}
 
 
-def phase_split(curve: Curve, *, steps_per_turn: int | None) -> dict[str, float]:
+def phase_split(curve: Curve, *, steps_per_turn: int | None, skip: int = 1) -> dict[str, float]:
     """Mean seconds per RL step of each of the side's phases, and `rest` (charged time not in a phase),
-    over its RL steps after the first in which it was not stopped: in turns of `steps_per_turn` (None:
-    the side ran alone) the stop after a turn lands in the next turn's first step (RL steps 1, 1 + k, ...).
-    Empty when no step qualifies."""
-    steps = [i for i in range(1, len(curve.phases))
+    over its RL steps from `skip` on (at least 1: a step's time is the difference of consecutive times) in
+    which it was not stopped: in turns of `steps_per_turn` (None: the side ran alone) the stop after a turn
+    lands in the next turn's first step (RL steps 1, 1 + k, ...). Empty when no step qualifies."""
+    steps = [i for i in range(max(skip, 1), len(curve.phases))
              if steps_per_turn is None or (i - 1) % steps_per_turn != 0]
     if not steps:
         return {}

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from moe_gspo.rollout.base import RolloutEngine, RolloutSample, SamplingParams
+from moe_gspo.rollout.compact_decode import CompactDecoder, unsupported_reason
 from moe_gspo.rollout.cpu_gemm import Fp32Weights, fp32_gemms_in, needs_fp32_gemm
 from moe_gspo.rollout.hf_router_hooks import HFRouterRecorder, find_routers
 from moe_gspo.rollout.weights_sync import load_named_tensors_
@@ -134,12 +135,17 @@ class HFEngine(RolloutEngine):
             attention in fp32 from the bf16 inputs (`moe_gspo.rollout.cpu_gemm`: the same rounding
             points, faster on CPUs without bf16 kernels; the fp32 copies of the weights are kept
             between generations); None = when that applies (bf16 on such a CPU).
+        compact_decode: decode steps by `moe_gspo.rollout.compact_decode.CompactDecoder` (the same
+            numbers as transformers' forward in a fraction of the calls; the prefill stays
+            transformers'); None = when the model is supported, True = required (ValueError if not),
+            False = transformers' forward for every step.
     """
 
     def __init__(self, model_or_dir, *, dtype: str | torch.dtype = "bfloat16",
                  device: str | torch.device | None = None, record_routes: bool = True,
                  record_probs: bool = True, pad_token_id: int | None = None,
-                 eos_token_id: int | list[int] | None = None, fp32_gemm: bool | None = None):
+                 eos_token_id: int | list[int] | None = None, fp32_gemm: bool | None = None,
+                 compact_decode: bool | None = None):
         self.dtype = _parse_dtype(dtype)
         self.device = torch.device(device if device is not None
                                    else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -166,12 +172,22 @@ class HFEngine(RolloutEngine):
         self.record_probs = bool(record_routes and record_probs)
         self.recorder: HFRouterRecorder | None = (
             HFRouterRecorder(self._model, record_probs=self.record_probs) if record_routes else None)
+        if compact_decode is None:
+            compact_decode = unsupported_reason(self._model) is None
+        self._compact: CompactDecoder | None = (
+            CompactDecoder(self._model, fp32_gemm=self.fp32_gemm, record_probs=self.record_probs,
+                           fp32_weights=self._fp32_weights) if compact_decode else None)
 
     # ----------------------------------------------------------------------------- properties
     @property
     def model(self) -> nn.Module:
         """The engine's own model (do not train it; use `update_weights`)."""
         return self._model
+
+    @property
+    def compact_decode(self) -> bool:
+        """True when decode steps run `CompactDecoder` instead of transformers' forward."""
+        return self._compact is not None
 
     @property
     def records_routes(self) -> bool:
@@ -271,6 +287,10 @@ class HFEngine(RolloutEngine):
         mask = mask.repeat_interleave(n, dim=0)
         next_pos_B = positions[:, -1].repeat_interleave(n, dim=0) + 1
 
+        compact = self._compact
+        if compact is not None:
+            compact.start(cache, mask, sampling.max_new_tokens)
+            del cache  # the compact decoder holds the keys and values from here on
         tokens, logprobs, decode_ids, decode_probs = [], [], [], []
         finished_B = torch.zeros(batch, dtype=torch.bool, device=device)
         for step in range(sampling.max_new_tokens):
@@ -283,14 +303,19 @@ class HFEngine(RolloutEngine):
             finished_B = finished_B | torch.isin(tok_B, eos_ids)
             if step == sampling.max_new_tokens - 1 or bool(finished_B.all()):
                 break
-            mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=1)
-            out = self._model(input_ids=tok_B[:, None], attention_mask=mask,
-                              position_ids=next_pos_B[:, None], past_key_values=cache,
-                              use_cache=True, output_router_logits=False)
+            if compact is not None:
+                logits_BV, ids, probs = compact.step(tok_B, next_pos_B)
+                ids = ids[:, None] if self.recorder is not None else None
+                probs = probs[:, None] if probs is not None else None
+            else:
+                mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=1)
+                out = self._model(input_ids=tok_B[:, None], attention_mask=mask,
+                                  position_ids=next_pos_B[:, None], past_key_values=cache,
+                                  use_cache=True, output_router_logits=False)
+                logits_BV = out.logits[:, -1].float()
+                ids, probs = self._pop_routes(batch, 1) if self.recorder is not None else (None, None)
             next_pos_B = next_pos_B + 1
-            logits_BV = out.logits[:, -1].float()
-            if self.recorder is not None:
-                ids, probs = self._pop_routes(batch, 1)
+            if ids is not None:
                 decode_ids.append(ids[:, 0])
                 decode_probs.append(probs[:, 0] if probs is not None else None)
 

@@ -1,0 +1,262 @@
+"""A compact decode step for transformers' Qwen3-MoE: the same numbers in a fraction of the calls.
+
+At the tiny model's sizes a decode step is bound by per-call overhead, not arithmetic: transformers'
+`Qwen3MoeForCausalLM.forward` spends most of a step in Python (output capturing, mask building, the
+`DynamicCache`, per-module dispatch, a sort-based expert dispatch), ~6 ms per step for 128 rows of a
+3-layer model on this project's CPU. `CompactDecoder.step` computes one decode step (one new token per
+row) from the same modules' parameters with ~a third of the tensor calls, and returns the same logits:
+
+- the same operations in the same dtypes at every rounding point as the modules it replaces (RMSNorm
+  in fp32 rounded to the engine dtype before its weight, rotary embedding in the engine dtype, SDPA
+  attention, bf16 residual adds, router softmax in fp32, top-k weights renormalised then rounded);
+- q/k/v projections as one GEMM of the concatenated weights (each output element is the same dot
+  product), the q and k norms and rotary embedding applied to the q and k heads together;
+- a static KV cache: the prefill's keys and values are copied once into buffers that hold the whole
+  generation, in the attention's compute dtype (fp32 when bf16 GEMMs run as fp32 GEMMs,
+  `moe_gspo.rollout.cpu_gemm`: the bf16 values, cast once instead of at every step);
+- the experts, when there are few of them per chosen one (`num_experts <= DENSE_EXPERTS_RATIO *
+  top_k`, the tiny model: 8 and 2), computed for every token as two GEMMs (all experts' gate/up
+  projections, then one batched GEMM per expert for the down projection) and gathered at the chosen
+  experts: more arithmetic, far fewer calls. Otherwise the model's own experts module runs.
+
+Each output element is the same dot product of the same values as in transformers' forward; only
+the order of fp32 additions inside a GEMM kernel may differ with the operand shapes, so a logit can
+differ by one rounding in rare cases (tests/rollout: identical tokens, log-probs and routes on the tiny
+models). The prefill still runs transformers' forward. Modules' forward hooks do not run in the
+compact step; the routes it returns are what `HFRouterRecorder` records (full-softmax probabilities at
+the top-k experts, before renormalisation).
+
+Supported: `Qwen3MoeForCausalLM` with `sdpa` attention (or the project's fp32 variant), no attention
+bias, no sliding window, a rotary embedding that does not change with the sequence length, SiLU
+activations. `unsupported_reason(model)` names what is not; the engine then decodes with transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_gspo.rollout.cpu_gemm import ATTENTION_FP32, Fp32GemmForBf16, Fp32Weights
+
+DENSE_EXPERTS_RATIO = 4
+"""Compute every expert for every token when num_experts <= this x top_k (see the module docstring)."""
+
+_DYNAMIC_ROPE = ("dynamic", "longrope")
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why `CompactDecoder` cannot decode `model` exactly as transformers does, or None if it can."""
+    from transformers import Qwen3MoeForCausalLM
+
+    if not isinstance(model, Qwen3MoeForCausalLM):
+        return f"{type(model).__name__} is not a Qwen3MoeForCausalLM"
+    config = model.config
+    if config._attn_implementation not in ("sdpa", ATTENTION_FP32):
+        return f"attention implementation {config._attn_implementation!r} (only 'sdpa')"
+    if getattr(config, "attention_bias", False):
+        return "attention_bias=True"
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        return "a sliding window"
+    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope in _DYNAMIC_ROPE:
+        return f"rope_type {rope!r} (its frequencies change with the sequence length)"
+    if config.hidden_act != "silu":
+        return f"hidden_act {config.hidden_act!r} (only 'silu')"
+    return None
+
+
+class _Derived:
+    """Tensors derived from parameters (concatenations, fp32 copies), rebuilt when one of the source
+    parameters has changed in place since (version counter or storage, as `cpu_gemm.Fp32Weights`)."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, tuple[list, torch.Tensor]] = {}
+
+    def __call__(self, key: str, sources: list[torch.Tensor], build) -> torch.Tensor:
+        stamp = [(id(t), t._version, t.data_ptr()) for t in sources]
+        hit = self._cache.get(key)
+        if hit is not None and hit[0] == stamp:
+            return hit[1]
+        with torch.inference_mode(False), torch.no_grad():
+            value = build(*[t.detach() for t in sources])
+        self._cache[key] = (stamp, value)
+        return value
+
+
+class CompactDecoder:
+    """Decode steps of a transformers Qwen3-MoE model from its own parameters (see the module docstring).
+
+    Args:
+        model: the engine's `Qwen3MoeForCausalLM` (its parameters are read at every step, so weight
+            updates apply at once).
+        fp32_gemm: the engine's bf16 GEMMs run as fp32 GEMMs of the bf16 values rounded back to bf16,
+            and attention in fp32 (`moe_gspo.rollout.cpu_gemm`); False: GEMMs and attention in the
+            model's dtype.
+        record_probs: also return the router probabilities of the chosen experts.
+        fp32_weights: the engine's cached fp32 copies of its weights (for the experts module, when it
+            runs; `cpu_gemm.Fp32Weights`).
+    """
+
+    def __init__(self, model: nn.Module, *, fp32_gemm: bool, record_probs: bool = True,
+                 fp32_weights: Fp32Weights | None = None):
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"compact decoding does not support this model: {reason}; decode with "
+                             "transformers instead (HFEngine(compact_decode=False))")
+        self.model = model
+        config = model.config
+        self.dtype = model.model.embed_tokens.weight.dtype
+        self.fp32_gemm = fp32_gemm and self.dtype == torch.bfloat16
+        self.compute_dtype = torch.float32 if self.fp32_gemm else self.dtype
+        self.record_probs = record_probs
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.eps = config.rms_norm_eps
+        self.layers = list(model.model.layers[: config.num_hidden_layers])
+        self._derived = _Derived()
+        self._fp32_weights = fp32_weights if fp32_weights is not None else Fp32Weights()
+        self._K: list[torch.Tensor] = []
+        self._V: list[torch.Tensor] = []
+        self._slot = 0
+
+    # ----------------------------------------------------------------------------- numerics
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """transformers' Qwen3MoeRMSNorm: fp32 statistics, rounded to the input dtype, times the weight."""
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(x.dtype)
+
+    def _weight(self, key: str, sources: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+        """The concatenation of `sources` along `dim` in the GEMMs' compute dtype (cached)."""
+        dtype = self.compute_dtype
+        if len(sources) == 1 and sources[0].dtype == dtype:
+            return sources[0]
+        return self._derived(key, sources, lambda *ts: torch.cat([t.to(dtype) for t in ts], dim))
+
+    def _gemm(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ w.T (+ bias) in the model dtype; with fp32_gemm an fp32 GEMM of the bf16 values, rounded once."""
+        if self.fp32_gemm:
+            bias = None if bias is None else self._weight(f"bias.{id(bias)}", [bias])
+            return F.linear(x.float(), w, bias).to(self.dtype)
+        return F.linear(x, w, bias)
+
+    # ----------------------------------------------------------------------------- state
+    def start(self, cache, attention_mask_BT: torch.Tensor, max_new_tokens: int) -> None:
+        """Take over a prefilled transformers `DynamicCache` (already repeated to the batch) and its
+        0/1 attention mask [B, P]; room is made for `max_new_tokens` more positions."""
+        num_rows, num_prompt = attention_mask_BT.shape
+        total = num_prompt + max_new_tokens
+        self._K, self._V = [], []
+        for index in range(len(self.layers)):
+            layer = cache.layers[index]
+            shape = (num_rows, self.num_kv_heads, total, self.head_dim)
+            K = torch.empty(shape, dtype=self.compute_dtype, device=attention_mask_BT.device)
+            V = torch.empty_like(K)
+            K[:, :, :num_prompt] = layer.keys
+            V[:, :, :num_prompt] = layer.values
+            self._K.append(K)
+            self._V.append(V)
+        self._slot = num_prompt
+        padded = not bool(attention_mask_BT.all())
+        self._mask_B11T = None
+        if padded:  # prompt padding stays masked; every generated position is attended to
+            keep_BT = torch.ones((num_rows, total), dtype=torch.bool, device=attention_mask_BT.device)
+            keep_BT[:, :num_prompt] = attention_mask_BT.bool()
+            self._mask_B11T = keep_BT[:, None, None, :]
+        rotary = self.model.model.rotary_emb
+        positions = torch.arange(total, device=attention_mask_BT.device)[None]
+        probe = torch.empty(0, dtype=self.dtype, device=attention_mask_BT.device)
+        cos, sin = rotary(probe, positions)
+        self._cos_TD, self._sin_TD = cos[0], sin[0]
+
+    # ----------------------------------------------------------------------------- one step
+    def step(self, tokens_B: torch.Tensor, positions_B: torch.Tensor):
+        """Feed one token per row at its position; returns `(logits_BV float32, ids_BLK, probs_BLK)`
+        with the top-k expert ids (int16) and their full-softmax probabilities (float32, or None) of
+        every MoE layer."""
+        assert self._K, "call start() after the prefill first"
+        slot = self._slot
+        assert slot < self._K[0].shape[2], "more decode steps than start() made room for"
+        num_rows = tokens_B.shape[0]
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        h_BH = F.embedding(tokens_B, self.model.model.embed_tokens.weight)
+        cos_B1D = self._cos_TD[positions_B][:, None]
+        sin_B1D = self._sin_TD[positions_B][:, None]
+        ids, probs = [], []
+        for index, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = self._rms(h_BH, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
+            qkv = self._gemm(x, self._weight(f"{index}.qkv", [attn.q_proj.weight, attn.k_proj.weight,
+                                                              attn.v_proj.weight]))
+            # q and k heads together: their norms (each head its own weight) and rotary embedding
+            qk_BND = qkv[:, : (nh + nkv) * hd].view(num_rows, nh + nkv, hd)
+            qk_norm = self._derived(f"{index}.qk_norm", [attn.q_norm.weight, attn.k_norm.weight],
+                                    lambda q, k: torch.cat([q.expand(nh, hd), k.expand(nkv, hd)]))
+            qk_BND = self._rms(qk_BND, qk_norm, attn.q_norm.variance_epsilon)
+            half = hd // 2
+            rotated = torch.cat([-qk_BND[..., half:], qk_BND[..., :half]], dim=-1)
+            qk_BND = qk_BND * cos_B1D + rotated * sin_B1D
+            K, V = self._K[index], self._V[index]
+            K[:, :, slot] = qk_BND[:, nh:]
+            V[:, :, slot] = qkv[:, (nh + nkv) * hd:].view(num_rows, nkv, hd)
+            mask = None if self._mask_B11T is None else self._mask_B11T[..., : slot + 1]
+            out = F.scaled_dot_product_attention(
+                qk_BND[:, :nh, None].to(self.compute_dtype), K[:, :, : slot + 1], V[:, :, : slot + 1],
+                attn_mask=mask, scale=attn.scaling, enable_gqa=nh != nkv)
+            out_BH = out.to(self.dtype).reshape(num_rows, nh * hd)
+            h_BH = h_BH + self._gemm(out_BH, self._weight(f"{index}.o", [attn.o_proj.weight]))
+            norm = layer.post_attention_layernorm
+            x = self._rms(h_BH, norm.weight, norm.variance_epsilon)
+            mlp = layer.mlp
+            if hasattr(mlp, "experts"):
+                y_BH, ids_BK, probs_BK = self._moe(index, mlp, x)
+                ids.append(ids_BK)
+                probs.append(probs_BK)
+            else:
+                gate_up = self._gemm(x, self._weight(f"{index}.gate_up", [mlp.gate_proj.weight,
+                                                                          mlp.up_proj.weight]))
+                gate, up = gate_up.chunk(2, dim=-1)
+                y_BH = self._gemm(F.silu(gate) * up, self._weight(f"{index}.down", [mlp.down_proj.weight]))
+            h_BH = h_BH + y_BH
+        self._slot = slot + 1
+        final = self.model.model.norm
+        h_BH = self._rms(h_BH, final.weight, final.variance_epsilon)
+        head = self.model.lm_head
+        logits = self._gemm(h_BH, self._weight("lm_head", [head.weight]), head.bias)
+        ids_BLK = torch.stack(ids, dim=1).to(self._id_dtype())
+        probs_BLK = torch.stack(probs, dim=1) if self.record_probs else None
+        return logits.float(), ids_BLK, probs_BLK
+
+    def _id_dtype(self) -> torch.dtype:
+        num_experts = self.model.config.num_experts
+        return torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
+
+    def _moe(self, index: int, mlp: nn.Module, x_BH: torch.Tensor):
+        """The sparse MoE block: router as transformers' `Qwen3MoeTopKRouter`, then the experts."""
+        router, experts = mlp.gate, mlp.experts
+        logits_BE = self._gemm(x_BH, self._weight(f"{index}.router", [router.weight]))
+        probs_BE = torch.softmax(logits_BE, dim=-1, dtype=torch.float32)
+        top_BK, ids_BK = torch.topk(probs_BE, router.top_k, dim=-1)
+        recorded = top_BK if self.record_probs else None
+        weights_BK = top_BK / top_BK.sum(dim=-1, keepdim=True) if router.norm_topk_prob else top_BK
+        weights_BK = weights_BK.to(logits_BE.dtype)
+        if experts.num_experts > DENSE_EXPERTS_RATIO * router.top_k:
+            if self.fp32_gemm:
+                with Fp32GemmForBf16(self._fp32_weights):
+                    return experts(x_BH, ids_BK, weights_BK), ids_BK, recorded
+            return experts(x_BH, ids_BK, weights_BK), ids_BK, recorded
+        num_rows, num_experts = x_BH.shape[0], experts.num_experts
+        gate_up_w = self._derived(f"{index}.experts_gate_up", [experts.gate_up_proj],
+                                  lambda w: w.to(self.compute_dtype).reshape(-1, w.shape[-1]))
+        gate_up = self._gemm(x_BH, gate_up_w).view(num_rows, num_experts, -1)
+        gate, up = gate_up.chunk(2, dim=-1)
+        act_BEI = F.silu(gate) * up
+        down_w = self._derived(f"{index}.experts_down", [experts.down_proj],
+                               lambda w: w.to(self.compute_dtype).transpose(1, 2).contiguous())
+        out_EBH = torch.bmm(act_BEI.transpose(0, 1).to(self.compute_dtype), down_w).to(self.dtype)
+        hidden = out_EBH.shape[-1]
+        chosen_BKH = out_EBH.transpose(0, 1).gather(1, ids_BK[:, :, None].expand(-1, -1, hidden))
+        y_BH = (chosen_BKH * weights_BK[..., None]).sum(dim=1).to(x_BH.dtype)
+        return y_BH, ids_BK, recorded

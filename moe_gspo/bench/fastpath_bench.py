@@ -11,13 +11,16 @@ median of each (after one warm-up call each) and their ratio:
   `rollout.samples_per_prompt`, `rollout.max_new_tokens`) in bf16 as the engine runs it on a CPU without
   bf16 kernels (`moe_gspo.rollout.cpu_gemm.fp32_gemms_in`: fp32 GEMMs of the bf16 values with cached fp32
   weights, fp32-compute attention) vs torch's own bf16 kernels (`fp32_gemm=False`); also counts the
-  identical samples (the same draws but for rare rounding-decided ones); and, for scale, the same engine in
-  fp32 (what a rollout without the bf16 mismatch costs: TRL's peer benchmark samples in fp32);
+  identical samples (the same draws but for rare rounding-decided ones); the engine's decode steps by
+  `moe_gspo.rollout.compact_decode` vs transformers' forward (`compact_decode=False`; identical samples
+  counted too); and, for scale, the same engine in fp32 (what a rollout without the bf16 mismatch costs:
+  TRL's peer benchmark samples in fp32);
 - **learner**: the old-policy pass (`compute_logprobs`, routes and entropies recorded, as the train loop
   calls it) and one `train_step` (`train.num_minibatches` optimizer steps) on a batch of the step's size,
-  three learners with the same weights, one process (EP=1): the default (`model.batched_experts=true`:
-  grouped expert GEMMs; `model.sdpa_attention=true`: attention as one fused SDPA call), the loop over
-  experts (Megatron's `SequentialMLP`), and Megatron's local attention.
+  four learners with the same weights, one process (EP=1): the default (`model.batched_experts=true`:
+  grouped expert GEMMs; `model.sdpa_attention=true`: attention as one fused SDPA call; RoPE as one
+  autograd function, `moe_gspo.mcore.fused_rope`), the loop over experts (Megatron's `SequentialMLP`),
+  Megatron's local attention, and Megatron's unfused RoPE.
 
 Not a test; about a minute on 2 CPU cores.
 """
@@ -65,6 +68,8 @@ def bench_rollout(cfg, repeats: int) -> dict[str, float]:
                              router_scale=cfg.model.router_scale)
     engines = {"engine": HFEngine(model, dtype="bfloat16", device="cpu", fp32_gemm=True),
                "native bf16": HFEngine(model, dtype="bfloat16", device="cpu", fp32_gemm=False),
+               "transformers decode": HFEngine(model, dtype="bfloat16", device="cpu", fp32_gemm=True,
+                                               compact_decode=False),
                "fp32": HFEngine(model, dtype="float32", device="cpu")}
     sampling = SamplingParams(n=r.samples_per_prompt, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                               top_p=r.top_p, seed=0)
@@ -79,6 +84,10 @@ def bench_rollout(cfg, repeats: int) -> dict[str, float]:
     same = sum(np.array_equal(a.response_ids, b.response_ids) for a, b in zip(outs["engine"], outs["native bf16"]))
     _print(f"rollout ({len(prompts)} prompts x {r.samples_per_prompt}, bf16; identical samples: {same} of "
            f"{len(outs['engine'])})", medians, "engine", "native bf16")
+    same = sum(np.array_equal(a.response_ids, b.response_ids)
+               for a, b in zip(outs["engine"], outs["transformers decode"]))
+    _print(f"rollout, compact decode steps vs transformers' forward (identical samples: {same} of "
+           f"{len(outs['engine'])})", medians, "engine", "transformers decode")
     _print("rollout, the same engine in bf16 vs in fp32 (no train-inference mismatch)", medians, "engine", "fp32")
     return medians
 
@@ -107,9 +116,9 @@ def bench_learner(cfg, repeats: int) -> dict[str, float]:
                                  response_logprobs=np.full(int(n), -2.0, np.float32)) for i, n in enumerate(lens)]
         batch = PackedBatch.from_samples(samples, rng.standard_normal(num), pad_id=0)
         learners = {}
-        for name, batched, sdpa in (("default", True, True), ("loop experts", False, True),
-                                    ("local attention", True, False)):
-            model = build_gpt_model(hf_cfg, batched_experts=batched, sdpa_attention=sdpa)
+        for name, batched, sdpa, rope in (("default", True, True, True), ("loop experts", False, True, True),
+                                          ("local attention", True, False, True), ("unfused RoPE", True, True, False)):
+            model = build_gpt_model(hf_cfg, batched_experts=batched, sdpa_attention=sdpa, fused_rope=rope)
             load_hf_model_into_megatron(model, hf)
             learners[name] = Learner(model, hf_cfg, parallel=info, algo=cfg.algo, train=cfg.train, replay="none")
         old = learners["default"].compute_logprobs(batch).logp_BS
@@ -119,7 +128,7 @@ def bench_learner(cfg, repeats: int) -> dict[str, float]:
         steps = interleaved({k: (lambda L=L: L.train_step(batch, old)) for k, L in learners.items()}, repeats)
         for what, medians in ((f"learner old-policy pass ({num} sequences, routes + entropies)", passes),
                               (f"learner train_step ({cfg.train.num_minibatches} optimizer steps)", steps)):
-            for other in ("loop experts", "local attention"):
+            for other in ("loop experts", "local attention", "unfused RoPE"):
                 _print(what, medians, "default", other)
         return {**{f"old_pass/{k}": v for k, v in passes.items()}, **{f"train_step/{k}": v for k, v in steps.items()}}
     finally:

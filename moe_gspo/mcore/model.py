@@ -170,6 +170,7 @@ def build_gpt_model(
     recompute: bool = False,
     batched_experts: bool = False,
     sdpa_attention: bool = True,
+    fused_rope: bool = True,
     device: torch.device | str | None = None,
     **config_overrides: Any,
 ):
@@ -179,6 +180,8 @@ def build_gpt_model(
     (same parameters; local spec only). `sdpa_attention`: core attention as one fused
     `scaled_dot_product_attention` call (`moe_gspo.mcore.sdpa_attention`) where the spec has upstream's
     local `DotProductAttention` (no Transformer Engine); no parameters, same maths up to rounding.
+    `fused_rope`: Megatron's `apply_rope_fusion` (TE's fused RoPE kernel, or without TE
+    `moe_gspo.mcore.fused_rope`: one autograd function, bit-identical to the unfused RoPE).
 
     Requires `moe_gspo.mcore.parallel.init_distributed` to have run in this process. The model's
     `vocab_size` attribute is the padded size; `model.hf_vocab_size` the true one.
@@ -190,6 +193,10 @@ def build_gpt_model(
     from moe_gspo.mcore.shims import apply_shims, have_transformer_engine
 
     apply_shims()
+    if fused_rope and "apply_rope_fusion" not in config_overrides:
+        from moe_gspo.mcore.shims import install_torch_fused_rope
+
+        config_overrides["apply_rope_fusion"] = install_torch_fused_rope()
     config = transformer_config_from_hf(
         hf_config, ep_size=ep_size, params_dtype=params_dtype,
         enable_routing_replay=enable_routing_replay, token_dispatcher=token_dispatcher,

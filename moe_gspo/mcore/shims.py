@@ -18,6 +18,14 @@ math. `apply_shims()` is idempotent and applies only what the current machine ne
 
 On CUDA machines with Transformer Engine none of these are applied.
 
+One opt-in fill-in for Transformer Engine's absence, installed by `build_gpt_model(fused_rope=True)`
+rather than by `apply_shims()`:
+
+- `install_torch_fused_rope()`: Megatron's `config.apply_rope_fusion` calls TE's
+  `fused_apply_rotary_pos_emb`, which `rope_utils` sets to `None` when TE does not import; this puts
+  `moe_gspo.mcore.fused_rope.rope_bshd` (one autograd function, bit-identical forward and gradients to
+  Megatron's unfused RoPE) in that slot. With TE present, TE's own kernel stays.
+
 Besides those shims, two decisions are taken here the way Megatron-core 0.16.1 takes them:
 
 - `have_transformer_engine()`: Transformer Engine counts as present only when it *imports*
@@ -134,6 +142,19 @@ def _cuda_rng_state_io_shim() -> bool:
     mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
     mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
     return True
+
+
+def install_torch_fused_rope() -> bool:
+    """Fill Megatron's `fused_apply_rotary_pos_emb` slot with `fused_rope.rope_bshd` where TE left it
+    empty (see the module docstring); True when the slot holds a fused RoPE afterwards."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from moe_gspo.mcore.fused_rope import rope_bshd
+
+    if rope_utils.fused_apply_rotary_pos_emb is None:
+        rope_utils.fused_apply_rotary_pos_emb = rope_bshd
+        _APPLIED.add("torch_fused_rope")
+    return rope_utils.fused_apply_rotary_pos_emb is not None
 
 
 def apply_shims() -> list[str]:

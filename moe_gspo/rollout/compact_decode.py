@@ -33,6 +33,8 @@ activations. `unsupported_reason(model)` names what is not; the engine then deco
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -84,12 +86,30 @@ class _Derived:
         return value
 
 
+@dataclass
+class _Layer:
+    """One decoder layer's tensors for a generation (resolved by `CompactDecoder.start`)."""
+
+    norm1: tuple[torch.Tensor, float]
+    qkv: torch.Tensor
+    qk_norm: tuple[torch.Tensor, float]
+    scaling: float
+    o: torch.Tensor
+    norm2: tuple[torch.Tensor, float]
+    gate_up: torch.Tensor  # the dense MLP's, or every expert's [E * 2I, H] (dense experts)
+    down: torch.Tensor  # the dense MLP's [H, I], or every expert's transposed [E, I, H] (dense experts)
+    router: torch.Tensor | None = None
+    top_k: int = 0
+    norm_topk_prob: bool = True
+    experts: nn.Module | None = None  # the model's experts module, when it runs (many experts)
+
+
 class CompactDecoder:
     """Decode steps of a transformers Qwen3-MoE model from its own parameters (see the module docstring).
 
     Args:
-        model: the engine's `Qwen3MoeForCausalLM` (its parameters are read at every step, so weight
-            updates apply at once).
+        model: the engine's `Qwen3MoeForCausalLM`; its parameters are read at every `start()`, so weight
+            updates between generations apply.
         fp32_gemm: the engine's bf16 GEMMs run as fp32 GEMMs of the bf16 values rounded back to bf16,
             and attention in fp32 (`moe_gspo.rollout.cpu_gemm`); False: GEMMs and attention in the
             model's dtype.
@@ -113,62 +133,97 @@ class CompactDecoder:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.eps = config.rms_norm_eps
-        self.layers = list(model.model.layers[: config.num_hidden_layers])
+        self.id_dtype = torch.int16 if config.num_experts <= torch.iinfo(torch.int16).max else torch.int32
         self._derived = _Derived()
         self._fp32_weights = fp32_weights if fp32_weights is not None else Fp32Weights()
+        self._layers: list[_Layer] = []
         self._K: list[torch.Tensor] = []
         self._V: list[torch.Tensor] = []
         self._slot = 0
 
     # ----------------------------------------------------------------------------- numerics
-    def _rms(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    @staticmethod
+    def _rms(x: torch.Tensor, weight_eps: tuple[torch.Tensor, float]) -> torch.Tensor:
         """transformers' Qwen3MoeRMSNorm: fp32 statistics, rounded to the input dtype, times the weight."""
+        weight, eps = weight_eps
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
         return weight * x32.to(x.dtype)
 
-    def _weight(self, key: str, sources: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
-        """The concatenation of `sources` along `dim` in the GEMMs' compute dtype (cached)."""
-        dtype = self.compute_dtype
-        if len(sources) == 1 and sources[0].dtype == dtype:
-            return sources[0]
-        return self._derived(key, sources, lambda *ts: torch.cat([t.to(dtype) for t in ts], dim))
-
     def _gemm(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ w.T (+ bias) in the model dtype; with fp32_gemm an fp32 GEMM of the bf16 values, rounded once."""
         if self.fp32_gemm:
-            bias = None if bias is None else self._weight(f"bias.{id(bias)}", [bias])
             return F.linear(x.float(), w, bias).to(self.dtype)
         return F.linear(x, w, bias)
+
+    # ----------------------------------------------------------------------------- weights
+    def _weight(self, key: str, sources: list[torch.Tensor]) -> torch.Tensor:
+        """The concatenation of `sources` (dim 0) in the GEMMs' compute dtype (cached)."""
+        dtype = self.compute_dtype
+        if len(sources) == 1 and sources[0].dtype == dtype:
+            return sources[0].detach()
+        return self._derived(key, sources, lambda *ts: torch.cat([t.to(dtype) for t in ts]))
+
+    def _resolve_layer(self, index: int, layer: nn.Module) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        norm = lambda m: (m.weight.detach(), m.variance_epsilon)  # noqa: E731
+        qk_norm = self._derived(f"{index}.qk_norm", [attn.q_norm.weight, attn.k_norm.weight],
+                                lambda q, k: torch.cat([q.expand(nh, hd), k.expand(nkv, hd)]))
+        common = dict(norm1=norm(layer.input_layernorm),
+                      qkv=self._weight(f"{index}.qkv", [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                      qk_norm=(qk_norm, attn.q_norm.variance_epsilon), scaling=attn.scaling,
+                      o=self._weight(f"{index}.o", [attn.o_proj.weight]), norm2=norm(layer.post_attention_layernorm))
+        if not hasattr(mlp, "experts"):
+            return _Layer(**common, gate_up=self._weight(f"{index}.gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight]),
+                          down=self._weight(f"{index}.down", [mlp.down_proj.weight]))
+        router, experts = mlp.gate, mlp.experts
+        moe = dict(router=self._weight(f"{index}.router", [router.weight]), top_k=router.top_k,
+                   norm_topk_prob=router.norm_topk_prob)
+        if experts.num_experts > DENSE_EXPERTS_RATIO * router.top_k:
+            empty = torch.empty(0)
+            return _Layer(**common, **moe, gate_up=empty, down=empty, experts=experts)
+        dtype = self.compute_dtype
+        gate_up = self._derived(f"{index}.experts_gate_up", [experts.gate_up_proj],
+                                lambda w: w.to(dtype).reshape(-1, w.shape[-1]))
+        down = self._derived(f"{index}.experts_down", [experts.down_proj],
+                             lambda w: w.to(dtype).transpose(1, 2).contiguous())
+        return _Layer(**common, **moe, gate_up=gate_up, down=down)
 
     # ----------------------------------------------------------------------------- state
     def start(self, cache, attention_mask_BT: torch.Tensor, max_new_tokens: int) -> None:
         """Take over a prefilled transformers `DynamicCache` (already repeated to the batch) and its
-        0/1 attention mask [B, P]; room is made for `max_new_tokens` more positions."""
+        0/1 attention mask [B, P]; room is made for `max_new_tokens` more positions. The weights are
+        read here, once per generation."""
+        model = self.model
+        self._layers = [self._resolve_layer(i, layer)
+                        for i, layer in enumerate(model.model.layers[: model.config.num_hidden_layers])]
+        self._embed = model.model.embed_tokens.weight.detach()
+        self._final_norm = (model.model.norm.weight.detach(), model.model.norm.variance_epsilon)
+        head = model.lm_head
+        self._head = self._weight("lm_head", [head.weight])
+        self._head_bias = None if head.bias is None else self._weight("lm_head.bias", [head.bias])
         num_rows, num_prompt = attention_mask_BT.shape
         total = num_prompt + max_new_tokens
+        device = attention_mask_BT.device
         self._K, self._V = [], []
-        for index in range(len(self.layers)):
+        for index in range(len(self._layers)):
             layer = cache.layers[index]
             shape = (num_rows, self.num_kv_heads, total, self.head_dim)
-            K = torch.empty(shape, dtype=self.compute_dtype, device=attention_mask_BT.device)
+            K = torch.empty(shape, dtype=self.compute_dtype, device=device)
             V = torch.empty_like(K)
             K[:, :, :num_prompt] = layer.keys
             V[:, :, :num_prompt] = layer.values
             self._K.append(K)
             self._V.append(V)
         self._slot = num_prompt
-        padded = not bool(attention_mask_BT.all())
         self._mask_B11T = None
-        if padded:  # prompt padding stays masked; every generated position is attended to
-            keep_BT = torch.ones((num_rows, total), dtype=torch.bool, device=attention_mask_BT.device)
+        if not bool(attention_mask_BT.all()):  # prompt padding stays masked; generated positions are attended
+            keep_BT = torch.ones((num_rows, total), dtype=torch.bool, device=device)
             keep_BT[:, :num_prompt] = attention_mask_BT.bool()
             self._mask_B11T = keep_BT[:, None, None, :]
-        rotary = self.model.model.rotary_emb
-        positions = torch.arange(total, device=attention_mask_BT.device)[None]
-        probe = torch.empty(0, dtype=self.dtype, device=attention_mask_BT.device)
-        cos, sin = rotary(probe, positions)
+        positions = torch.arange(total, device=device)[None]
+        cos, sin = model.model.rotary_emb(torch.empty(0, dtype=self.dtype, device=device), positions)
         self._cos_TD, self._sin_TD = cos[0], sin[0]
 
     # ----------------------------------------------------------------------------- one step
@@ -181,81 +236,56 @@ class CompactDecoder:
         assert slot < self._K[0].shape[2], "more decode steps than start() made room for"
         num_rows = tokens_B.shape[0]
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        h_BH = F.embedding(tokens_B, self.model.model.embed_tokens.weight)
+        half, gqa, rms, gemm = hd // 2, nh != nkv, self._rms, self._gemm
+        h_BH = F.embedding(tokens_B, self._embed)
         cos_B1D = self._cos_TD[positions_B][:, None]
         sin_B1D = self._sin_TD[positions_B][:, None]
+        mask = None if self._mask_B11T is None else self._mask_B11T[..., : slot + 1]
         ids, probs = [], []
-        for index, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = self._rms(h_BH, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
-            qkv = self._gemm(x, self._weight(f"{index}.qkv", [attn.q_proj.weight, attn.k_proj.weight,
-                                                              attn.v_proj.weight]))
+        for layer, K, V in zip(self._layers, self._K, self._V):
+            qkv = gemm(rms(h_BH, layer.norm1), layer.qkv)
             # q and k heads together: their norms (each head its own weight) and rotary embedding
-            qk_BND = qkv[:, : (nh + nkv) * hd].view(num_rows, nh + nkv, hd)
-            qk_norm = self._derived(f"{index}.qk_norm", [attn.q_norm.weight, attn.k_norm.weight],
-                                    lambda q, k: torch.cat([q.expand(nh, hd), k.expand(nkv, hd)]))
-            qk_BND = self._rms(qk_BND, qk_norm, attn.q_norm.variance_epsilon)
-            half = hd // 2
+            qk_BND = rms(qkv[:, : (nh + nkv) * hd].view(num_rows, nh + nkv, hd), layer.qk_norm)
             rotated = torch.cat([-qk_BND[..., half:], qk_BND[..., :half]], dim=-1)
             qk_BND = qk_BND * cos_B1D + rotated * sin_B1D
-            K, V = self._K[index], self._V[index]
             K[:, :, slot] = qk_BND[:, nh:]
             V[:, :, slot] = qkv[:, (nh + nkv) * hd:].view(num_rows, nkv, hd)
-            mask = None if self._mask_B11T is None else self._mask_B11T[..., : slot + 1]
             out = F.scaled_dot_product_attention(
                 qk_BND[:, :nh, None].to(self.compute_dtype), K[:, :, : slot + 1], V[:, :, : slot + 1],
-                attn_mask=mask, scale=attn.scaling, enable_gqa=nh != nkv)
-            out_BH = out.to(self.dtype).reshape(num_rows, nh * hd)
-            h_BH = h_BH + self._gemm(out_BH, self._weight(f"{index}.o", [attn.o_proj.weight]))
-            norm = layer.post_attention_layernorm
-            x = self._rms(h_BH, norm.weight, norm.variance_epsilon)
-            mlp = layer.mlp
-            if hasattr(mlp, "experts"):
-                y_BH, ids_BK, probs_BK = self._moe(index, mlp, x)
+                attn_mask=mask, scale=layer.scaling, enable_gqa=gqa)
+            h_BH = h_BH + gemm(out.to(self.dtype).reshape(num_rows, nh * hd), layer.o)
+            x = rms(h_BH, layer.norm2)
+            if layer.router is None:
+                gate, up = gemm(x, layer.gate_up).chunk(2, dim=-1)
+                y_BH = gemm(F.silu(gate) * up, layer.down)
+            else:
+                y_BH, ids_BK, probs_BK = self._moe(layer, x)
                 ids.append(ids_BK)
                 probs.append(probs_BK)
-            else:
-                gate_up = self._gemm(x, self._weight(f"{index}.gate_up", [mlp.gate_proj.weight,
-                                                                          mlp.up_proj.weight]))
-                gate, up = gate_up.chunk(2, dim=-1)
-                y_BH = self._gemm(F.silu(gate) * up, self._weight(f"{index}.down", [mlp.down_proj.weight]))
             h_BH = h_BH + y_BH
         self._slot = slot + 1
-        final = self.model.model.norm
-        h_BH = self._rms(h_BH, final.weight, final.variance_epsilon)
-        head = self.model.lm_head
-        logits = self._gemm(h_BH, self._weight("lm_head", [head.weight]), head.bias)
-        ids_BLK = torch.stack(ids, dim=1).to(self._id_dtype())
+        logits = gemm(rms(h_BH, self._final_norm), self._head, self._head_bias)
+        ids_BLK = torch.stack(ids, dim=1).to(self.id_dtype)
         probs_BLK = torch.stack(probs, dim=1) if self.record_probs else None
         return logits.float(), ids_BLK, probs_BLK
 
-    def _id_dtype(self) -> torch.dtype:
-        num_experts = self.model.config.num_experts
-        return torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
-
-    def _moe(self, index: int, mlp: nn.Module, x_BH: torch.Tensor):
+    def _moe(self, layer: _Layer, x_BH: torch.Tensor):
         """The sparse MoE block: router as transformers' `Qwen3MoeTopKRouter`, then the experts."""
-        router, experts = mlp.gate, mlp.experts
-        logits_BE = self._gemm(x_BH, self._weight(f"{index}.router", [router.weight]))
+        logits_BE = self._gemm(x_BH, layer.router)
         probs_BE = torch.softmax(logits_BE, dim=-1, dtype=torch.float32)
-        top_BK, ids_BK = torch.topk(probs_BE, router.top_k, dim=-1)
+        top_BK, ids_BK = torch.topk(probs_BE, layer.top_k, dim=-1)
         recorded = top_BK if self.record_probs else None
-        weights_BK = top_BK / top_BK.sum(dim=-1, keepdim=True) if router.norm_topk_prob else top_BK
+        weights_BK = top_BK / top_BK.sum(dim=-1, keepdim=True) if layer.norm_topk_prob else top_BK
         weights_BK = weights_BK.to(logits_BE.dtype)
-        if experts.num_experts > DENSE_EXPERTS_RATIO * router.top_k:
+        if layer.experts is not None:
             if self.fp32_gemm:
                 with Fp32GemmForBf16(self._fp32_weights):
-                    return experts(x_BH, ids_BK, weights_BK), ids_BK, recorded
-            return experts(x_BH, ids_BK, weights_BK), ids_BK, recorded
-        num_rows, num_experts = x_BH.shape[0], experts.num_experts
-        gate_up_w = self._derived(f"{index}.experts_gate_up", [experts.gate_up_proj],
-                                  lambda w: w.to(self.compute_dtype).reshape(-1, w.shape[-1]))
-        gate_up = self._gemm(x_BH, gate_up_w).view(num_rows, num_experts, -1)
-        gate, up = gate_up.chunk(2, dim=-1)
+                    return layer.experts(x_BH, ids_BK, weights_BK), ids_BK, recorded
+            return layer.experts(x_BH, ids_BK, weights_BK), ids_BK, recorded
+        num_rows, num_experts = x_BH.shape[0], layer.down.shape[0]
+        gate, up = self._gemm(x_BH, layer.gate_up).view(num_rows, num_experts, -1).chunk(2, dim=-1)
         act_BEI = F.silu(gate) * up
-        down_w = self._derived(f"{index}.experts_down", [experts.down_proj],
-                               lambda w: w.to(self.compute_dtype).transpose(1, 2).contiguous())
-        out_EBH = torch.bmm(act_BEI.transpose(0, 1).to(self.compute_dtype), down_w).to(self.dtype)
+        out_EBH = torch.bmm(act_BEI.transpose(0, 1).to(self.compute_dtype), layer.down).to(self.dtype)
         hidden = out_EBH.shape[-1]
         chosen_BKH = out_EBH.transpose(0, 1).gather(1, ids_BK[:, :, None].expand(-1, -1, hidden))
         y_BH = (chosen_BKH * weights_BK[..., None]).sum(dim=1).to(x_BH.dtype)

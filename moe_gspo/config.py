@@ -309,15 +309,17 @@ class TrainConfig:
     micro_batch_size: int = 0
     """Sequences per forward/backward on each rank; 0 = a whole mini-batch at once."""
     fuse_old_logp_pass: bool = False
-    """Run the old-policy log-prob pass with autograd and back-propagate the first mini-batch through
-    it, instead of a second forward on the same weights: one forward pass less per RL step, at the cost of
-    holding the whole batch's activations (not one mini-batch's) until the first optimizer step and of a
-    backward through the whole batch's graph (a mini-batch's rows carry the loss, the others zero). Whether it
-    pays depends on the model: on the tiny default model on a 2-core CPU the update was slower with it
-    (0.27 -> 0.32 s per RL step, one thread, side by side), so the default config leaves it off. Same maths
-    (tests/learner: the same update). Applies where it can: with train.micro_batch_size=0, model.recompute=false and algo.routing_replay none or r2; under R3
-    (whose update replays the rollout routes, not the old pass's) or micro-batches the passes stay separate.
-    The kept pass also keeps its token entropies' graph, so the entropy bonus (algo.entropy_coef) works with it."""
+    """Run the old-policy log-prob pass in two pieces, the first mini-batch's rows with autograd and the
+    others without, and back-propagate the first mini-batch through the kept piece instead of running its
+    forward again: one mini-batch forward less per RL step, for one more (smaller) forward call in the
+    pass; the kept graph holds one mini-batch's activations until the first optimizer step. The same
+    maths up to kernel rounding (tests/learner), and the first mini-batch's ratios are exactly 1 as the
+    on-policy maths says (the plain path computes its old log-probs in a larger batch, which may round
+    differently). On the tiny default model on a 2-core CPU it saved ~3% of the learner's time per RL step
+    (`bench.fastpath_bench`); the default config leaves it off. Applies with train.micro_batch_size=0,
+    model.recompute=false and algo.routing_replay none or r2; under R3 (whose update replays the rollout
+    routes, not the old pass's) or micro-batches the passes stay separate. The kept piece also keeps its
+    token entropies' graph, so the entropy bonus (algo.entropy_coef) works with it."""
     checkpoint_every: int = 0
     """Save a resumable checkpoint every N steps (0 = only at the end)."""
     keep_checkpoints: int = 2

@@ -20,7 +20,8 @@ median of each (after one warm-up call each) and their ratio:
   four learners with the same weights, one process (EP=1): the default (`model.batched_experts=true`:
   grouped expert GEMMs; `model.sdpa_attention=true`: attention as one fused SDPA call; RoPE as one
   autograd function, `moe_gspo.mcore.fused_rope`), the loop over experts (Megatron's `SequentialMLP`),
-  Megatron's local attention, and Megatron's unfused RoPE.
+  Megatron's local attention, and Megatron's unfused RoPE; and the default learner's old-policy pass
+  followed by its `train_step` with and without `train.fuse_old_logp_pass`.
 
 Not a test; about a minute on 2 CPU cores.
 """
@@ -126,11 +127,25 @@ def bench_learner(cfg, repeats: int) -> dict[str, float]:
                                                                  with_entropy=True)) for k, L in learners.items()},
                              repeats)
         steps = interleaved({k: (lambda L=L: L.train_step(batch, old)) for k, L in learners.items()}, repeats)
+        default = learners["default"]
+
+        def old_pass_and_update(fuse: bool):
+            def call():
+                result = default.compute_logprobs(batch, record_routes=True, no_replay=True, with_entropy=True,
+                                                  keep_graph=fuse)
+                default.train_step(batch, result.logp_BS)
+            return call
+
+        both = interleaved({"fused old pass": old_pass_and_update(True), "separate passes": old_pass_and_update(False)},
+                           repeats)
         for what, medians in ((f"learner old-policy pass ({num} sequences, routes + entropies)", passes),
                               (f"learner train_step ({cfg.train.num_minibatches} optimizer steps)", steps)):
             for other in ("loop experts", "local attention", "unfused RoPE"):
                 _print(what, medians, "default", other)
-        return {**{f"old_pass/{k}": v for k, v in passes.items()}, **{f"train_step/{k}": v for k, v in steps.items()}}
+        _print("learner old-policy pass + train_step (train.fuse_old_logp_pass)", both, "fused old pass",
+               "separate passes")
+        return {**{f"old_pass/{k}": v for k, v in passes.items()}, **{f"train_step/{k}": v for k, v in steps.items()},
+                **{f"old_pass_and_update/{k}": v for k, v in both.items()}}
     finally:
         destroy_distributed()
 

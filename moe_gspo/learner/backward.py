@@ -15,25 +15,26 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moe_gspo.learner.batch import PackedBatch, ShardPlan, plan_shards
+from moe_gspo.learner.batch import PackedBatch, plan_shards
 from moe_gspo.learner.logprobs import token_logprobs
 
 
 @dataclass
 class FusedPass:
-    """An old-policy pass kept with its graph (`compute_logprobs(keep_graph=True)`)."""
+    """The first-mini-batch piece of an old-policy pass, kept with its graph (`compute_logprobs(keep_graph=True)`)."""
 
     batch: PackedBatch
     """The caller's batch object (identity identifies the train_step that may use it)."""
-    plan: ShardPlan
-    logp_local: torch.Tensor
-    """[rows, S_0] this rank's token log-probs with their graph (one micro-batch)."""
+    graph_rows: np.ndarray
+    """Global row of each real row of the graph piece (this rank's rows of the first mini-batch)."""
+    logp_graph: torch.Tensor
+    """[rows + padding rows, S_0] the piece's token log-probs with their graph."""
     logp_BS: torch.Tensor
-    """[B, S] the global log-probs of the pass (detached, host)."""
-    ent_local: torch.Tensor | None = None
-    """[rows, S_0] this rank's token entropies with their graph (a pass with `with_entropy=True`)."""
+    """[B, S] the global log-probs of the whole pass (detached, host)."""
+    ent_graph: torch.Tensor | None = None
+    """[rows + padding rows, S_0] the piece's token entropies with their graph (a pass with `with_entropy=True`)."""
     entropy_BS: torch.Tensor | None = None
-    """[B, S] the global entropies of the pass (detached, host), with `ent_local`."""
+    """[B, S] the global entropies of the pass (detached, host), with `ent_graph`."""
 
 
 def backward_minibatch(learner, mini: PackedBatch, routes, mask_all, loss_on):
@@ -78,23 +79,23 @@ def backward_minibatch(learner, mini: PackedBatch, routes, mask_all, loss_on):
 
 
 def backward_fused(learner, fused: FusedPass, idx: np.ndarray, mask_all, loss_on):
-    """Backward of the first mini-batch (global rows `idx`) through the kept old-policy pass: this
-    rank's rows of its shard that belong to the mini-batch (possibly none: a zero loss, still
+    """Backward of the first mini-batch (global rows `idx`) through the kept piece of the old-policy pass:
+    this rank's rows of its shard that belong to the mini-batch (possibly none: a zero loss, still
     back-propagated, as expert parallelism's backward is collective)."""
-    pos = {int(g): j for j, g in enumerate(fused.plan.indices)}
+    pos = {int(g): j for j, g in enumerate(fused.graph_rows)}
     sel = [(k, pos[int(g)]) for k, g in enumerate(idx) if int(g) in pos]
-    S0 = fused.logp_local.shape[1]
-    with_entropy = fused.ent_local is not None and learner.algo.entropy_coef > 0
+    S0 = fused.logp_graph.shape[1]
+    with_entropy = fused.ent_graph is not None and learner.algo.entropy_coef > 0
     m_all = None
     if sel:
         k_rows = torch.as_tensor([k for k, _ in sel], dtype=torch.long, device=learner.device)
         j_rows = torch.as_tensor([j for _, j in sel], dtype=torch.long, device=learner.device)
-        ent = fused.ent_local[j_rows] if with_entropy else None
-        loss, scaled, m = loss_on(fused.logp_local[j_rows], k_rows, S0, mask_all[k_rows, :S0], ent)
+        ent = fused.ent_graph[j_rows] if with_entropy else None
+        loss, scaled, m = loss_on(fused.logp_graph[j_rows], k_rows, S0, mask_all[k_rows, :S0], ent)
         if learner.parallel.dp_size == 1:
             m_all = m
     else:
-        loss = scaled = fused.logp_local.sum() * 0.0
+        loss = scaled = fused.logp_graph.sum() * 0.0
     scaled.backward()
     rows = torch.as_tensor(idx, dtype=torch.long)
     logp_all = fused.logp_BS[rows].to(learner.device)

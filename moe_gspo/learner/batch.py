@@ -236,3 +236,38 @@ def plan_shards(seq_lens_B, *, dp_rank: int, dp_size: int, micro_batch_size: int
                              max(1, int(padded[:, start:start + mbs].max())))
                   for start in range(0, num_rows, mbs))
     return ShardPlan(indices=shards[dp_rank], num_rows=num_rows, micro_batches=micro)
+
+
+@dataclass(frozen=True)
+class PassPiece:
+    """One forward of a rank's old-policy pass in pieces: `rows` of its padded shard (positions, not global
+    indices), then `num_pad` rows of padding tokens, so that every rank runs the same shapes."""
+
+    rows: np.ndarray
+    num_pad: int
+    seq_len: int
+
+
+def split_first_minibatch(seq_lens_B, first_rows, *, dp_rank: int, dp_size: int) -> tuple[PassPiece, PassPiece | None]:
+    """This rank's shard (`plan_shards`, micro_batch_size 0) cut into the rows of the first mini-batch
+    (global rows `first_rows`) and the others, for `Learner.compute_logprobs(keep_graph=True)`: the first
+    piece's forward keeps its graph for that mini-batch's update. Both pieces have the same row count and
+    padded length on every rank (the most any rank holds, the longest sequence of the piece over all
+    ranks); the second is None when the first mini-batch is the whole batch."""
+    lens = np.asarray(seq_lens_B, dtype=np.int64).reshape(-1)
+    first = np.zeros(lens.shape[0], dtype=bool)
+    first[np.asarray(first_rows, dtype=np.int64)] = True
+    shards = np.array_split(np.arange(lens.shape[0]), dp_size)
+    counts = [(int(first[ix].sum()), int((~first[ix]).sum())) for ix in shards]
+    mine = shards[dp_rank]
+    pieces = []
+    for k, in_first in enumerate((True, False)):
+        most = max(c[k] for c in counts)
+        if most == 0:
+            pieces.append(None)
+            continue
+        rows = np.flatnonzero(first[mine] == in_first)
+        seq_len = max(1, int(lens[first == in_first].max()))
+        pieces.append(PassPiece(rows=rows, num_pad=most - len(rows), seq_len=seq_len))
+    assert pieces[0] is not None, "the first mini-batch has no rows"
+    return pieces[0], pieces[1]

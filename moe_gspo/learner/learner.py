@@ -42,7 +42,7 @@ from moe_gspo.algos import policy_loss
 from moe_gspo.algos.aggregation import num_units
 from moe_gspo.config import AlgoConfig, TrainConfig
 from moe_gspo.learner.backward import FusedPass, backward_fused, backward_minibatch
-from moe_gspo.learner.batch import PackedBatch, ShardPlan, plan_shards
+from moe_gspo.learner.batch import PackedBatch, ShardPlan, plan_shards, split_first_minibatch
 from moe_gspo.learner.logprobs import token_logprobs
 from moe_gspo.learner.offload import LearnerOffload
 from moe_gspo.learner.optim import LearnerOptimizer, any_rank, resolve_optimizer_options
@@ -131,6 +131,14 @@ class Learner:
     def _forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
         return forward_logits(self.ddp, ids_BS)[..., :self.vocab_size]
 
+    def _minibatch_indices(self, num_seqs: int) -> list[np.ndarray]:
+        """The global rows of each mini-batch of the next `train_step` (`train.shuffle_minibatches`: a
+        permutation seeded by `train.seed` and the number of `train_step` calls so far)."""
+        order = np.arange(num_seqs)
+        if self.train is not None and self.train.shuffle_minibatches and self.train.num_minibatches > 1:
+            order = np.random.default_rng([self.train.seed, self.num_train_steps]).permutation(num_seqs)
+        return np.array_split(order, self.train.num_minibatches if self.train is not None else 1)
+
     def _replay_ctx(self, routes: list[np.ndarray] | None, seq_lens, seq_len: int):
         if routes is None:
             return contextlib.nullcontext(None)
@@ -200,12 +208,13 @@ class Learner:
         `batch.rollout_routes` by default). `micro_batch_size` 0 = `train.micro_batch_size`.
         `no_replay=True`: the learner's natural routing even under R3 (for drift measurement); R2 still
         records. `with_entropy`: also return each token's predictive entropy (`entropy_BS`, no gradient).
-        `keep_graph=True` (the old-policy pass of `train.fuse_old_logp_pass`): the pass runs with
-        autograd in train mode (the same numbers: the model has no dropout and no auxiliary router
-        loss) and keeps its graph, so that the next `train_step` on this same batch object back-propagates
-        its first mini-batch through it instead of running that forward again. Needs the natural (or R2)
-        routing and one micro-batch per rank; the graph holds this rank's whole shard's activations
-        until that `train_step`.
+        `keep_graph=True` (the old-policy pass of `train.fuse_old_logp_pass`): the pass runs in train mode
+        (the same numbers: the model has no dropout and no auxiliary router loss) in two pieces, this
+        rank's rows of the next `train_step`'s first mini-batch with autograd, the other rows without;
+        the first piece's graph is kept, so that the next `train_step` on this same batch object
+        back-propagates the first mini-batch through it instead of running that forward again. Needs the
+        natural (or R2) routing and one micro-batch per rank; the graph holds one mini-batch's activations
+        (at most) until that `train_step`.
         """
         if no_replay and replay_routes is not None:
             raise ValueError("compute_logprobs: pass either replay_routes or no_replay=True, not both")
@@ -217,12 +226,8 @@ class Learner:
                            dp_size=self.parallel.dp_size, micro_batch_size=mbs)
         if keep_graph:
             self._check_fusable(routes_in, plan)
-        with torch.set_grad_enabled(keep_graph):
-            result, (graph_logp, graph_ent) = self._logprob_pass(batch, plan, routes_in, record, record_routes,
-                                                                 keep_graph, with_entropy)
-        if keep_graph:
-            self._fused = FusedPass(batch=batch, plan=plan, logp_local=graph_logp, logp_BS=result.logp_BS,
-                                     ent_local=graph_ent, entropy_BS=result.entropy_BS)
+        result, kept = self._logprob_pass(batch, plan, routes_in, record, record_routes, keep_graph, with_entropy)
+        self._fused = kept
         return result
 
     def _check_fusable(self, routes_in, plan: ShardPlan) -> None:
@@ -239,7 +244,7 @@ class Learner:
                              f"{len(plan.micro_batches)}: set train.micro_batch_size=0 (or fuse_old_logp_pass=false)")
 
     def _logprob_pass(self, batch: PackedBatch, plan: ShardPlan, routes_in, record: bool, record_routes: bool,
-                      keep_graph: bool, with_entropy: bool = False) -> tuple[LogprobResult, torch.Tensor | None]:
+                      keep_graph: bool, with_entropy: bool = False) -> tuple[LogprobResult, FusedPass | None]:
         local, local_routes, _ = self._local(batch.to(self.device), plan, routes_in)
         S = batch.seq_len_padded
         L, K = len(self.layer_ids), self.top_k
@@ -247,33 +252,43 @@ class Learner:
         ent_local = torch.zeros((plan.num_rows, S), dtype=torch.float32, device=self.device) if with_entropy else None
         ids_local = torch.zeros((plan.num_rows, S, L, K), dtype=torch.int32, device=self.device) if record else None
         probs_local = torch.zeros((plan.num_rows, S, L, K), dtype=torch.float32, device=self.device) if record else None
-        graph_logp = graph_ent = None
+        kept = None
+        if keep_graph:  # the first mini-batch's rows with autograd (kept for its update), the rest without
+            first, rest = split_first_minibatch(batch.seq_lens_B.tolist(), self._minibatch_indices(batch.num_seqs)[0],
+                                                dp_rank=self.parallel.dp_rank, dp_size=self.parallel.dp_size)
+            pieces = [(p.rows, p.num_pad, p.seq_len, grad) for p, grad in ((first, True), (rest, False)) if p is not None]
+        else:
+            pieces = [(np.arange(mb.start, mb.stop), 0, mb.seq_len, False) for mb in plan.micro_batches]
         if self.ddp.training != keep_graph:  # switching walks every module (~2 ms on the tiny model)
             self.ddp.train(keep_graph)
         self.recorder.clear()
         self.recorder.enabled = record
         try:
-            for mb in plan.micro_batches:
-                rows, S_i = slice(mb.start, mb.stop), mb.seq_len
+            for rows_np, num_pad, S_i, grad in pieces:
+                rows = torch.as_tensor(rows_np, dtype=torch.long, device=self.device)
                 ids = local.input_ids_BS[rows, :S_i]
-                seq_lens = local.seq_lens_B[rows].tolist()
-                mb_routes = None if local_routes is None else local_routes[rows]
-                with self._replay_ctx(mb_routes, seq_lens, S_i):
+                if num_pad:  # rows of padding tokens: the same shapes on every rank
+                    ids = torch.cat([ids, ids.new_full((num_pad, S_i), local.pad_id)])
+                seq_lens = local.seq_lens_B[rows].tolist() + [0] * num_pad
+                mb_routes = None if local_routes is None else [local_routes[int(j)] for j in rows_np]
+                with torch.set_grad_enabled(grad), self._replay_ctx(mb_routes, seq_lens, S_i):
                     logits = self._forward(ids)
-                logp, ent = token_logprobs(logits, ids, with_entropy=with_entropy)
+                    logp, ent = token_logprobs(logits, ids, with_entropy=with_entropy)
+                n = len(rows_np)
                 if ent is not None:
-                    ent_local[rows, :S_i] = ent.detach()
-                if keep_graph:
-                    graph_logp, graph_ent = logp, ent
-                    logp = logp.detach()
-                logp_local[rows, :S_i] = logp
+                    ent_local[rows, :S_i] = ent[:n].detach()
+                if grad:
+                    kept = FusedPass(batch=batch, graph_rows=plan.indices[rows_np], logp_graph=logp,
+                                     ent_graph=ent, logp_BS=torch.empty(0))
+                logp_local[rows, :S_i] = logp[:n].detach()
                 if record:
                     assert self.recorder.num_calls() == 1, self.recorder.num_calls()
-                    B_i = mb.stop - mb.start
+                    B_i = n + num_pad
                     for stacked, what in ((ids_local, False), (probs_local, True)):
-                        seqs = self.recorder.to_sequences([S_i] * B_i, B_i, S_i, probs=what)
-                        stacked[rows, :S_i] = torch.from_numpy(np.stack(seqs).astype(
-                            np.float32 if what else np.int32)).to(self.device)
+                        seqs = self.recorder.to_sequences([S_i] * B_i, B_i, S_i, probs=what)[:n]
+                        if n:
+                            stacked[rows, :S_i] = torch.from_numpy(np.stack(seqs).astype(
+                                np.float32 if what else np.int32)).to(self.device)
                     self.recorder.clear()
         finally:
             self.recorder.enabled = False
@@ -296,7 +311,9 @@ class Learner:
                 self._recorded = (batch.input_ids_BS.cpu().clone(), routes)
             if record_routes:
                 result.routes, result.probs = routes, probs
-        return result, (graph_logp, graph_ent)
+        if kept is not None:
+            kept.logp_BS, kept.entropy_BS = result.logp_BS, result.entropy_BS
+        return result, kept
 
     # ------------------------------------------------------------------ update
     def train_step(self, batch: PackedBatch, old_logp_BS: torch.Tensor, *, replay_routes=None,
@@ -334,7 +351,7 @@ class Learner:
         # mini-batch's forward: the weights have not changed since (any other pass clears it).
         fused = self._fused if self._fused is not None and self._fused.batch is batch else None
         self._fused = None
-        if fused is not None and self.algo.entropy_coef > 0 and fused.ent_local is None:
+        if fused is not None and self.algo.entropy_coef > 0 and fused.ent_graph is None:
             raise ValueError("train_step: algo.entropy_coef > 0 needs the entropies of the first mini-batch's forward; "
                              "run the fused old-policy pass with them: compute_logprobs(keep_graph=True, with_entropy=True)")
         if fused is not None and replay_routes is not None:
@@ -347,11 +364,11 @@ class Learner:
         is_w = None if is_weights_BS is None else is_weights_BS.to(self.device, torch.float32)
         keep = None if rs_keep_BS is None else rs_keep_BS.to(self.device, torch.bool)
         results = []
-        order = np.arange(B)
-        if self.train.shuffle_minibatches and self.train.num_minibatches > 1:
-            order = np.random.default_rng([self.train.seed, self.num_train_steps]).permutation(B)
+        minibatches = self._minibatch_indices(B)
+        if fused is not None and sorted(fused.graph_rows.tolist()) != sorted(minibatches[0].tolist()):
+            fused = None  # kept for another mini-batch split (num_minibatches changed since): a plain forward
         self.num_train_steps += 1
-        for i, idx in enumerate(np.array_split(order, self.train.num_minibatches)):
+        for i, idx in enumerate(minibatches):
             t_idx = torch.as_tensor(idx, device=self.device)
             mini_routes = None if routes is None else [routes[int(j)] for j in idx]
             rows = [None if t is None else t[t_idx] for t in (ref, is_w, keep)]

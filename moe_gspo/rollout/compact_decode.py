@@ -1,19 +1,22 @@
-"""A compact decode step for transformers' Qwen3-MoE: the same numbers in a fraction of the calls.
+"""Compact prefill and decode steps for transformers' Qwen3-MoE: the same numbers in a fraction of the calls.
 
 At the tiny model's sizes a decode step is bound by per-call overhead, not arithmetic: transformers'
 `Qwen3MoeForCausalLM.forward` spends most of a step in Python (output capturing, mask building, the
 `DynamicCache`, per-module dispatch, a sort-based expert dispatch), ~6 ms per step for 128 rows of a
-3-layer model on this project's CPU. `CompactDecoder.step` computes one decode step (one new token per
-row) from the same modules' parameters with ~a third of the tensor calls, and returns the same logits:
+3-layer model on this project's CPU. `CompactDecoder.prefill` (the prompts, once each) and
+`CompactDecoder.step` (one new token per row) compute the forward from the same modules' parameters with
+~a third of the tensor calls, and return the same logits:
 
 - the same operations in the same dtypes at every rounding point as the modules it replaces (RMSNorm
   in fp32 rounded to the engine dtype before its weight, rotary embedding in the engine dtype, SDPA
   attention, bf16 residual adds, router softmax in fp32, top-k weights renormalised then rounded);
 - q/k/v projections as one GEMM of the concatenated weights (each output element is the same dot
   product), the q and k norms and rotary embedding applied to the q and k heads together;
-- a static KV cache: the prefill's keys and values are copied once into buffers that hold the whole
-  generation, in the attention's compute dtype (fp32 when bf16 GEMMs run as fp32 GEMMs,
-  `moe_gspo.rollout.cpu_gemm`: the bf16 values, cast once instead of at every step);
+- a static KV cache that holds the whole generation, `n` rows per prompt, in the attention's compute
+  dtype (fp32 when bf16 GEMMs run as fp32 GEMMs, `moe_gspo.rollout.cpu_gemm`: the bf16 values, cast
+  once instead of at every step); the prefill builds its attention mask with transformers' own
+  `create_causal_mask` and calls SDPA as transformers' `sdpa` attention does (causal flag without a
+  mask, key/value heads repeated with one);
 - the experts, when there are few of them per chosen one (`num_experts <= DENSE_EXPERTS_RATIO *
   top_k`, the tiny model: 8 and 2), computed for every token as two GEMMs (all experts' gate/up
   projections, then one batched GEMM per expert for the down projection) and gathered at the chosen
@@ -22,9 +25,9 @@ row) from the same modules' parameters with ~a third of the tensor calls, and re
 Each output element is the same dot product of the same values as in transformers' forward; only
 the order of fp32 additions inside a GEMM kernel may differ with the operand shapes, so a logit can
 differ by one rounding in rare cases (tests/rollout: identical tokens, log-probs and routes on the tiny
-models). The prefill still runs transformers' forward. Modules' forward hooks do not run in the
-compact step; the routes it returns are what `HFRouterRecorder` records (full-softmax probabilities at
-the top-k experts, before renormalisation).
+models, bit for bit in bf16). Modules' forward hooks do not run in the compact passes; the routes they
+return are what `HFRouterRecorder` records (full-softmax probabilities at the top-k experts, before
+renormalisation).
 
 Supported: `Qwen3MoeForCausalLM` with `sdpa` attention (or the project's fp32 variant), no attention
 bias, no sliding window, a rotary embedding that does not change with the sequence length, SiLU
@@ -88,7 +91,7 @@ class _Derived:
 
 @dataclass
 class _Layer:
-    """One decoder layer's tensors for a generation (resolved by `CompactDecoder.start`)."""
+    """One decoder layer's tensors for a generation (resolved by `CompactDecoder.prefill`)."""
 
     norm1: tuple[torch.Tensor, float]
     qkv: torch.Tensor
@@ -108,7 +111,7 @@ class CompactDecoder:
     """Decode steps of a transformers Qwen3-MoE model from its own parameters (see the module docstring).
 
     Args:
-        model: the engine's `Qwen3MoeForCausalLM`; its parameters are read at every `start()`, so weight
+        model: the engine's `Qwen3MoeForCausalLM`; its parameters are read at every `prefill()`, so weight
             updates between generations apply.
         fp32_gemm: the engine's bf16 GEMMs run as fp32 GEMMs of the bf16 values rounded back to bf16,
             and attention in fp32 (`moe_gspo.rollout.cpu_gemm`); False: GEMMs and attention in the
@@ -190,11 +193,17 @@ class CompactDecoder:
                              lambda w: w.to(dtype).transpose(1, 2).contiguous())
         return _Layer(**common, **moe, gate_up=gate_up, down=down)
 
-    # ----------------------------------------------------------------------------- state
-    def start(self, cache, attention_mask_BT: torch.Tensor, max_new_tokens: int) -> None:
-        """Take over a prefilled transformers `DynamicCache` (already repeated to the batch) and its
-        0/1 attention mask [B, P]; room is made for `max_new_tokens` more positions. The weights are
-        read here, once per generation."""
+    # ----------------------------------------------------------------------------- prefill
+    def prefill(self, input_ids_PT: torch.Tensor, attention_mask_PT: torch.Tensor, positions_PT: torch.Tensor,
+                repeat: int, max_new_tokens: int):
+        """The prefill forward of the left-padded prompts (each distinct prompt once), as transformers runs
+        it (its own causal-mask builder and attention dispatch, so the same kernel calls), writing the keys
+        and values into a static cache of `repeat` rows per prompt with room for `max_new_tokens` more
+        positions. Returns `(logits_PV float32 at the last position, ids_PTLK int16, probs_PTLK float32 or
+        None)`. The weights are read here, once per generation."""
+        from transformers import DynamicCache
+        from transformers.masking_utils import create_causal_mask
+
         model = self.model
         self._layers = [self._resolve_layer(i, layer)
                         for i, layer in enumerate(model.model.layers[: model.config.num_hidden_layers])]
@@ -203,37 +212,73 @@ class CompactDecoder:
         head = model.lm_head
         self._head = self._weight("lm_head", [head.weight])
         self._head_bias = None if head.bias is None else self._weight("lm_head.bias", [head.bias])
-        num_rows, num_prompt = attention_mask_BT.shape
-        total = num_prompt + max_new_tokens
-        device = attention_mask_BT.device
-        self._K, self._V = [], []
-        for index in range(len(self._layers)):
-            layer = cache.layers[index]
-            shape = (num_rows, self.num_kv_heads, total, self.head_dim)
-            K = torch.empty(shape, dtype=self.compute_dtype, device=device)
-            V = torch.empty_like(K)
-            K[:, :, :num_prompt] = layer.keys
-            V[:, :, :num_prompt] = layer.values
-            self._K.append(K)
-            self._V.append(V)
+
+        num_prompts, num_prompt = input_ids_PT.shape
+        num_rows, total, device = num_prompts * repeat, num_prompt + max_new_tokens, input_ids_PT.device
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        shape = (num_rows, nkv, total, hd)
+        self._K = [torch.empty(shape, dtype=self.compute_dtype, device=device) for _ in self._layers]
+        self._V = [torch.empty(shape, dtype=self.compute_dtype, device=device) for _ in self._layers]
         self._slot = num_prompt
         self._mask_B11T = None
-        if not bool(attention_mask_BT.all()):  # prompt padding stays masked; generated positions are attended
+        if not bool(attention_mask_PT.all()):  # prompt padding stays masked; generated positions are attended
             keep_BT = torch.ones((num_rows, total), dtype=torch.bool, device=device)
-            keep_BT[:, :num_prompt] = attention_mask_BT.bool()
+            keep_BT[:, :num_prompt] = attention_mask_PT.bool().repeat_interleave(repeat, dim=0)
             self._mask_B11T = keep_BT[:, None, None, :]
         positions = torch.arange(total, device=device)[None]
         cos, sin = model.model.rotary_emb(torch.empty(0, dtype=self.dtype, device=device), positions)
         self._cos_TD, self._sin_TD = cos[0], sin[0]
+
+        h = F.embedding(input_ids_PT, self._embed)  # [P, T, H]
+        mask = create_causal_mask(config=model.config, inputs_embeds=h, attention_mask=attention_mask_PT,
+                                  past_key_values=DynamicCache(config=model.config), position_ids=positions_PT)
+        cos_P1TD, sin_P1TD = (x[:, None] for x in model.model.rotary_emb(h, positions_PT))
+        rms, gemm, half = self._rms, self._gemm, hd // 2
+        ids, probs = [], []
+        for layer, K, V in zip(self._layers, self._K, self._V):
+            qkv = gemm(rms(h, layer.norm1), layer.qkv)
+            qk = rms(qkv[..., : (nh + nkv) * hd].view(num_prompts, num_prompt, nh + nkv, hd), layer.qk_norm)
+            qk = qk.transpose(1, 2)  # [P, heads, T, hd], as transformers' attention
+            rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
+            qk = qk * cos_P1TD + rotated * sin_P1TD
+            q, k = qk[:, :nh], qk[:, nh:]
+            v = qkv[..., (nh + nkv) * hd:].view(num_prompts, num_prompt, nkv, hd).transpose(1, 2)
+            K.view(num_prompts, repeat, *shape[1:])[:, :, :, :num_prompt] = k[:, None]
+            V.view(num_prompts, repeat, *shape[1:])[:, :, :, :num_prompt] = v[:, None]
+            q, k, v = (t.to(self.compute_dtype) for t in (q, k, v))
+            if mask is None:  # transformers' sdpa dispatch: causal flag and grouped-query kernel without a mask
+                out = F.scaled_dot_product_attention(q, k, v, scale=layer.scaling, is_causal=num_prompt > 1,
+                                                     enable_gqa=nh != nkv)
+            else:  # with a mask: the key/value heads repeated, the mask as given
+                k, v = (t.repeat_interleave(nh // nkv, dim=1) for t in (k, v))
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask.float() if mask.is_floating_point() else mask, scale=layer.scaling)
+            out = out.to(self.dtype).transpose(1, 2).reshape(num_prompts, num_prompt, nh * hd)
+            h = h + gemm(out, layer.o)
+            x = rms(h, layer.norm2)
+            if layer.router is None:
+                gate, up = gemm(x, layer.gate_up).chunk(2, dim=-1)
+                y = gemm(F.silu(gate) * up, layer.down)
+            else:
+                y, ids_NK, probs_NK = self._moe(layer, x.reshape(num_prompts * num_prompt, -1))
+                y = y.view_as(h)
+                ids.append(ids_NK)
+                probs.append(probs_NK)
+            h = h + y
+        logits = gemm(rms(h[:, -1], self._final_norm), self._head, self._head_bias)
+        ids_PTLK = torch.stack(ids, dim=1).to(self.id_dtype).view(num_prompts, num_prompt, len(ids), -1)
+        probs_PTLK = (torch.stack(probs, dim=1).view(num_prompts, num_prompt, len(probs), -1)
+                      if self.record_probs else None)
+        return logits.float(), ids_PTLK, probs_PTLK
 
     # ----------------------------------------------------------------------------- one step
     def step(self, tokens_B: torch.Tensor, positions_B: torch.Tensor):
         """Feed one token per row at its position; returns `(logits_BV float32, ids_BLK, probs_BLK)`
         with the top-k expert ids (int16) and their full-softmax probabilities (float32, or None) of
         every MoE layer."""
-        assert self._K, "call start() after the prefill first"
+        assert self._K, "call prefill() first"
         slot = self._slot
-        assert slot < self._K[0].shape[2], "more decode steps than start() made room for"
+        assert slot < self._K[0].shape[2], "more decode steps than prefill() made room for"
         num_rows = tokens_B.shape[0]
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         half, gqa, rms, gemm = hd // 2, nh != nkv, self._rms, self._gemm

@@ -8,6 +8,10 @@ so that router captures map one-to-one onto token positions:
   repeated `n` times) gives the routes of every prompt token;
 - each decode forward feeds one sampled token per row and gives that token's routes.
 
+Both forwards run `moe_gspo.rollout.compact_decode.CompactDecoder` when it supports the model (the same
+numbers as the model's own forward, in about a third of the tensor calls; the routes come from it
+directly), else the model's forward with `HFRouterRecorder` hooks (`compact_decode=False`).
+
 Position ids come from the attention mask (`cumsum - 1`), so left padding does not shift positions
 and a padded row computes what it would compute alone. The last sampled token of a row is never fed
 back, hence `routes_TLK` has `T = P + R - 1` rows (see `moe_gspo.rollout.base`). Rows that sampled
@@ -135,10 +139,9 @@ class HFEngine(RolloutEngine):
             attention in fp32 from the bf16 inputs (`moe_gspo.rollout.cpu_gemm`: the same rounding
             points, faster on CPUs without bf16 kernels; the fp32 copies of the weights are kept
             between generations); None = when that applies (bf16 on such a CPU).
-        compact_decode: decode steps by `moe_gspo.rollout.compact_decode.CompactDecoder` (the same
-            numbers as transformers' forward in a fraction of the calls; the prefill stays
-            transformers'); None = when the model is supported, True = required (ValueError if not),
-            False = transformers' forward for every step.
+        compact_decode: prefill and decode steps by `moe_gspo.rollout.compact_decode.CompactDecoder`
+            (the same numbers as transformers' forward in a fraction of the calls); None = when the
+            model is supported, True = required (ValueError if not), False = transformers' forward.
     """
 
     def __init__(self, model_or_dir, *, dtype: str | torch.dtype = "bfloat16",
@@ -186,7 +189,7 @@ class HFEngine(RolloutEngine):
 
     @property
     def compact_decode(self) -> bool:
-        """True when decode steps run `CompactDecoder` instead of transformers' forward."""
+        """True when the prefill and decode steps run `CompactDecoder` instead of transformers' forward."""
         return self._compact is not None
 
     @property
@@ -276,21 +279,22 @@ class HFEngine(RolloutEngine):
             self.recorder.clear()
 
         # Prefill each distinct prompt once, then repeat the cache for the n samples.
-        cache = DynamicCache(config=self._model.config)
-        out = self._model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                          past_key_values=cache, use_cache=True, logits_to_keep=1,
-                          output_router_logits=False)
-        prefill_routes = self._pop_routes(num_prompts, max_len) if self.recorder is not None else None
-        if n > 1:
-            cache.batch_repeat_interleave(n)
-        logits_BV = out.logits[:, -1].float().repeat_interleave(n, dim=0)
+        compact, cache = self._compact, None
+        if compact is not None:  # its own static cache, n rows per prompt
+            last_logits, pre_ids, pre_probs = compact.prefill(input_ids, mask, positions, n, sampling.max_new_tokens)
+            prefill_routes = (pre_ids, pre_probs) if self.recorder is not None else None
+        else:
+            cache = DynamicCache(config=self._model.config)
+            out = self._model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                              past_key_values=cache, use_cache=True, logits_to_keep=1,
+                              output_router_logits=False)
+            prefill_routes = self._pop_routes(num_prompts, max_len) if self.recorder is not None else None
+            if n > 1:
+                cache.batch_repeat_interleave(n)
+            last_logits = out.logits[:, -1].float()
+        logits_BV = last_logits.repeat_interleave(n, dim=0)
         mask = mask.repeat_interleave(n, dim=0)
         next_pos_B = positions[:, -1].repeat_interleave(n, dim=0) + 1
-
-        compact = self._compact
-        if compact is not None:
-            compact.start(cache, mask, sampling.max_new_tokens)
-            del cache  # the compact decoder holds the keys and values from here on
         tokens, logprobs, decode_ids, decode_probs = [], [], [], []
         finished_B = torch.zeros(batch, dtype=torch.bool, device=device)
         for step in range(sampling.max_new_tokens):

@@ -57,6 +57,17 @@ def test_compact_decode_samples_what_transformers_samples(model_name, engine_nam
     _assert_same_rollouts(ref, ours, exact=kw["dtype"] == "bfloat16")
 
 
+@pytest.mark.parametrize("engine_name", ["bf16 as fp32 GEMMs", "fp32"])
+def test_unpadded_prompts(engine_name):
+    """Prompts of one length: no padding mask, so transformers' prefill takes SDPA's causal flag instead."""
+    model = _model("default")
+    kw = ENGINES[engine_name]
+    prompts = [[2, 5, 6, 7, 8], [2, 9, 12, 3, 4], [2, 17, 16, 15, 14]]
+    ref = HFEngine(model, device="cpu", compact_decode=False, **kw).generate(prompts, SAMPLING)
+    ours = HFEngine(model, device="cpu", **kw).generate(prompts, SAMPLING)
+    _assert_same_rollouts(ref, ours, exact=kw["dtype"] == "bfloat16")
+
+
 def test_both_expert_paths_are_exercised():
     dense = _model("default").config
     assert dense.num_experts <= DENSE_EXPERTS_RATIO * dense.num_experts_per_tok

@@ -51,18 +51,20 @@ class _RotaryBshd(torch.autograd.Function):
 
 
 class _CosSinCache:
-    """`cos(freqs)` and `sin(freqs)` in a dtype for the last frequency tensor seen (same object, unchanged)."""
+    """`cos(freqs)` and `sin(freqs)` in a dtype for the last frequency tensor seen: the same tensor object
+    (held here, so its id cannot be reused by another tensor) at the same version."""
 
     def __init__(self) -> None:
-        self._key = None
+        self._freqs: Tensor | None = None
+        self._key: tuple | None = None
         self._value: tuple[Tensor, Tensor] | None = None
 
     def __call__(self, freqs: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        key = (id(freqs), freqs._version, freqs.data_ptr(), freqs.shape, dtype)
-        if key != self._key or self._value is None:
+        key = (freqs._version, dtype)
+        if freqs is not self._freqs or key != self._key:
             with torch.no_grad():
                 self._value = (torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype))
-            self._key = key
+            self._freqs, self._key = freqs, key
         return self._value
 
 

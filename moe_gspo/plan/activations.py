@@ -13,7 +13,9 @@ layer spec, and checked against the bytes autograd really saves on the tiny mode
   attention of the local spec, the softmax `b a s^2 (4 + p)` (fp32 softmax output and the bf16
   probabilities; `4` alone in fp32). The `3h` are the input RMSNorm's input and normalised output and
   the QKV projection's input; `(a+2g)d` the QKV output, `gd + 2ad` the QK-norm tensors, `4ad` the
-  query / GQA-expanded key and value / context; `16 s d` the RoPE tables.
+  query / GQA-expanded key and value / context; `16 s d` the RoPE tables (Megatron's unfused RoPE keeps
+  them per layer; the CPU default `moe_gspo.mcore.fused_rope` keeps one pair for the whole model, an
+  over-count of `16 s d` per layer that the plan keeps).
   With Transformer Engine's fused attention (flash) the `s^2` term disappears and the kernel keeps
   `q, k, v, O` and a log-sum-exp: `N [p (3h + (a+2g)d + 2 g d + 4 a d) + 4 (1 + 2a + g)]` — estimated
   from the same inventory, not measured here (no GPU).

@@ -19,8 +19,13 @@ def test_the_benchmark_runs_on_the_default_config(capsys):
     text = capsys.readouterr().out
     same = int(text.split("identical samples: ")[1].split(" of ")[0])
     assert same >= 0.9 * 128  # the engine's fp32 kernels draw what torch's bf16 kernels draw, but for rare rounding
-    assert {"rollout/engine", "rollout/native bf16", "rollout/fp32"} | {f"{what}/{v}" for what in ("old_pass", "train_step")
-                                                                        for v in ("default", "loop experts", "local attention")} == set(out)
+    compact_same = int(text.split("compact decode steps vs transformers' forward (identical samples: ")[1].split(" of ")[0])
+    assert compact_same == 128  # the compact passes compute transformers' numbers bit for bit
+    rollout = {"rollout/engine", "rollout/native bf16", "rollout/fp32", "rollout/transformers decode"}
+    learner = {f"{what}/{v}" for what in ("old_pass", "train_step")
+               for v in ("default", "loop experts", "local attention", "unfused RoPE")}
+    fused = {"old_pass_and_update/fused old pass", "old_pass_and_update/separate passes"}
+    assert rollout | learner | fused == set(out)
     assert all(v > 0 for v in out.values())
 
 

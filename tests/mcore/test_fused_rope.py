@@ -47,6 +47,9 @@ def test_new_frequencies_are_not_served_from_the_cache():
         assert torch.equal(rope_bshd(t, freqs), _apply_rotary_pos_emb_bshd(t, freqs))
     a.mul_(2.0)  # changed in place: same object, new version
     assert torch.equal(rope_bshd(t, a), _apply_rotary_pos_emb_bshd(t, a))
+    for value in (0.3, 0.7, 1.1):  # fresh tensors of one shape, each freed after use (the cache holds the last)
+        assert torch.equal(rope_bshd(t, torch.full((7, 1, 1, 8), value)),
+                           _apply_rotary_pos_emb_bshd(t, torch.full((7, 1, 1, 8), value)))
 
 
 def test_model_with_fused_rope_matches_the_unfused_model_exactly():

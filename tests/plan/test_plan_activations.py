@@ -60,7 +60,9 @@ def test_formula_matches_saved_tensors(dist1, recompute):
 
     hf = tiny_qwen3_moe_config()
     geom = Geometry.from_hf(hf)
-    model = build_gpt_model(hf, recompute=recompute, sdpa_attention=False)  # the formula's Megatron local attention
+    # the formula's layer spec: Megatron's local attention and unfused RoPE (its per-layer RoPE tables, `16 s d`;
+    # moe_gspo.mcore.fused_rope, the default, keeps one table pair for the whole model)
+    model = build_gpt_model(hf, recompute=recompute, sdpa_attention=False, fused_rope=False)
     mb = MicroBatch(num_seqs=2, seq_len=64)
     ids = torch.randint(3, hf.vocab_size, (mb.num_seqs, mb.seq_len))
     measured = saved_bytes_by_block(model, ids)
@@ -71,7 +73,7 @@ def test_formula_matches_saved_tensors(dist1, recompute):
     if not recompute:
         # the SDPA attention (model.sdpa_attention, the default without TE) saves no [s, s] scores: the plan's
         # "unfused" count stays an upper bound for it, and the "flash" count is within 5% below it here
-        sdpa = sum(saved_bytes_by_block(build_gpt_model(hf), ids).values())
+        sdpa = sum(saved_bytes_by_block(build_gpt_model(hf, fused_rope=False), ids).values())
         flash = activation_estimate(geom, mb, act_bytes=4, attention="flash", recompute=False, vocab_padded=hf.vocab_size)
         assert flash.stored_bytes <= sdpa < est.stored_bytes
         assert sdpa <= 1.05 * flash.stored_bytes

@@ -76,16 +76,17 @@ class _Derived:
     parameters has changed in place since (version counter or storage, as `cpu_gemm.Fp32Weights`)."""
 
     def __init__(self) -> None:
-        self._cache: dict[str, tuple[list, torch.Tensor]] = {}
+        self._cache: dict[str, tuple[list, list, torch.Tensor]] = {}
 
     def __call__(self, key: str, sources: list[torch.Tensor], build) -> torch.Tensor:
-        stamp = [(id(t), t._version, t.data_ptr()) for t in sources]
-        hit = self._cache.get(key)
-        if hit is not None and hit[0] == stamp:
-            return hit[1]
+        stamp = [(t._version, t.data_ptr()) for t in sources]
+        hit = self._cache.get(key)  # (the sources themselves, held so that their ids stay theirs; stamp; value)
+        if hit is not None and len(hit[0]) == len(sources) and all(a is b for a, b in zip(hit[0], sources)) \
+                and hit[1] == stamp:
+            return hit[2]
         with torch.inference_mode(False), torch.no_grad():
             value = build(*[t.detach() for t in sources])
-        self._cache[key] = (stamp, value)
+        self._cache[key] = (list(sources), stamp, value)
         return value
 
 

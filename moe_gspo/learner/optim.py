@@ -280,6 +280,10 @@ class LearnerOptimizer:
         weights at build) back into the model; weights loaded before that would silently become the
         initial ones again (issue 20). The loaded masters then reach the HDO's fp32 copies through
         `moe_gspo.mcore.shims.sync_hybrid_optimizer_after_load` (a Megatron-core 0.16.1 gap)."""
+        with torch.no_grad():  # Megatron copies into main params that may be views of the model's (fp32) weights
+            self._load_state_dict(state, load_weights)
+
+    def _load_state_dict(self, state: dict, load_weights: Callable[[], None]) -> None:
         distributed = isinstance(state, dict) and bool(state.get("megatron_distributed_optimizer", False))
         if distributed != bool(self.use_megatron and self.options.distributed_optimizer):
             raise ValueError("checkpoint optimizer state was saved with train.distributed_optimizer="
@@ -288,7 +292,7 @@ class LearnerOptimizer:
             self.opt.load_state_dict(state)
             load_weights()
             return
-        from moe_gspo.mcore.shims import sync_hybrid_optimizer_after_load
+        from moe_gspo.mcore.shims import sync_hybrid_optimizer_after_load, untie_adam_steps_after_load
 
         chained = self._chained()
         entries = state.get("optimizers")
@@ -302,6 +306,7 @@ class LearnerOptimizer:
                                  "only (this one has optimizer state already)")
             if entry is not None:
                 o.load_state_dict(entry["common"])  # may overwrite the model's weights (HDO dummy step)
+                untie_adam_steps_after_load(o)
                 o.load_parameter_state_from_dp_reshardable(entry["param_state"])
                 sync_hybrid_optimizer_after_load(o)
         load_weights()

@@ -39,6 +39,11 @@ Besides those shims, two decisions are taken here the way Megatron-core 0.16.1 t
   sub-optimizers actually step (`param_to_fp32_param`) keep the values of the optimizer's build (or of
   its load-time dummy step). `load_parameter_state_from_fs_model_space` calls the HDO's own
   `_sync_hdo_state_to_sub_optimizers()` for this; the dp_reshardable path does not, so we do.
+- `untie_adam_steps_after_load(dist_opt)`: another Megatron-core 0.16.1 bug. Without Apex or Transformer
+  Engine, `DistributedOptimizer.load_state_dict` gives every parameter's torch-Adam state the *same* `step`
+  tensor; torch's Adam increments each parameter's `step` in place, so after a resume the shared counter
+  advances once per parameter per optimizer step and the bias corrections go wrong (a resumed run on a GPU
+  without TE diverged from the uninterrupted one at its first update). Each state gets its own copy.
 """
 
 from __future__ import annotations
@@ -74,6 +79,23 @@ def sync_hybrid_optimizer_after_load(dist_opt) -> bool:
         return False
     hdo._sync_hdo_state_to_sub_optimizers()
     return True
+
+
+def untie_adam_steps_after_load(dist_opt) -> int:
+    """After `dist_opt.load_state_dict(...)`, give every torch-optimizer state its own `step` tensor (see the
+    module docstring); returns how many were untied."""
+    state = getattr(getattr(dist_opt, "optimizer", None), "state", None)
+    if not isinstance(state, dict):
+        return 0
+    seen, untied = set(), 0
+    for entry in state.values():
+        step = entry.get("step") if isinstance(entry, dict) else None
+        if isinstance(step, torch.Tensor):
+            if id(step) in seen:
+                entry["step"] = step.detach().clone()
+                untied += 1
+            seen.add(id(step))
+    return untied
 
 
 def _te_general_gemm_shim() -> bool:

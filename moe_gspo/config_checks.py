@@ -105,6 +105,7 @@ def validate(cfg: Config) -> Config:
             "algo.routing_replay=r3 replays the rollout engine's routes, but rollout.record_routes=false; "
             "set rollout.record_routes=true or choose algo.routing_replay=r2/none"
         )
+    _check_quantization(r)
     if r.engine == "vllm" and r.record_probs:
         # vLLM returns expert ids only; silently dropping probs would surprise in reports.
         r.record_probs = False
@@ -188,6 +189,22 @@ def _validate_algo(a: AlgoConfig, r: RolloutConfig) -> None:
                          "algo.dynamic_sampling=false; set algo.dynamic_sampling=true or drop it")
     _check_positive("algo.max_num_gen_batches", a.max_num_gen_batches)
     _validate_rollout_correction(a)
+
+
+def _check_quantization(r: RolloutConfig) -> None:
+    """rollout.quantization / rollout.fp8_scale (moe_gspo/rollout/fp8.py; vLLM on CPU: check_rollout_machine)."""
+    if r.quantization is None:
+        if r.fp8_scale is not None or not r.fp8_router:
+            field = f"fp8_scale={r.fp8_scale}" if r.fp8_scale is not None else "fp8_router=false"
+            raise ValueError(f"rollout.{field} applies to rollout.quantization=fp8 only; set "
+                             "rollout.quantization=fp8 or drop it")
+        return
+    if r.engine == "vllm" and not r.fp8_router:
+        raise ValueError("rollout.fp8_router=false is for the hf engine; vLLM's online FP8 quantizes the router "
+                         "gates (keep rollout.fp8_router=true, or use rollout.engine=hf)")
+    if r.dtype != "bfloat16":
+        raise ValueError(f"rollout.quantization={r.quantization} with rollout.dtype={r.dtype}: FP8 rollouts keep "
+                         "activations in bf16, as vLLM's FP8 weight path does; set rollout.dtype=bfloat16")
 
 
 def _validate_rollout_correction(a: AlgoConfig) -> None:

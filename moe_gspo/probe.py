@@ -13,8 +13,8 @@ Keys match the training loop's metrics.jsonl (there `ratio/*` of this file is `m
 Settings come as in `moe_gspo.train`: an optional `--config FILE` (a run config; the probe uses the
 fields listed by `--help`), then `section.key=value` overrides, e.g. `rollout.max_model_len=4096
 rollout.kv_cache_gib=2 model.tokenizer=DIR` for vLLM; `--model`, `--engine`, `--dtype`,
-`--max-new-tokens`, `--temperature` and `--seed` are shortcuts for model.path, rollout.engine,
-rollout.dtype, rollout.max_new_tokens, rollout.temperature and train.seed. Every prompt plus
+`--quantization`, `--max-new-tokens`, `--temperature` and `--seed` are shortcuts for model.path,
+rollout.engine, rollout.dtype, rollout.quantization, rollout.max_new_tokens, rollout.temperature and train.seed. Every prompt plus
 rollout.max_new_tokens must fit the engine's context (checked before any model is loaded).
 """
 
@@ -58,7 +58,8 @@ PROG = "python -m moe_gspo.probe"
 PROBE_DEFAULTS = {"rollout": {"max_new_tokens": 32}}
 """The probe's config without --config: the built-in defaults, except 32-token responses."""
 PROBE_KEYS = ("model.path", "model.tokenizer", "model.params_dtype", "model.vocab_pad_multiple",
-              "parallel.collective_timeout_s", "rollout.engine", "rollout.dtype", "rollout.temperature",
+              "parallel.collective_timeout_s", "rollout.engine", "rollout.dtype", "rollout.quantization",
+              "rollout.fp8_scale", "rollout.fp8_router", "rollout.temperature",
               "rollout.top_p", "rollout.max_new_tokens", "rollout.gpu_memory_utilization", "rollout.max_model_len",
               "rollout.kv_cache_gib", "train.seed", "logging.progress")
 """The config fields the probe uses; an override of any other is refused (it would have no effect)."""
@@ -76,6 +77,8 @@ def build_parser(*, add_help: bool = True):
     p.add_argument("--out", required=True, help="output JSON path")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="rollout.dtype")
     p.add_argument("--engine", choices=["hf", "vllm"], default=None, help="rollout.engine")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="rollout.quantization: fp8 rollout weights (moe_gspo/rollout/fp8.py)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="rollout.max_new_tokens")
     p.add_argument("--temperature", type=float, default=None, help="rollout.temperature")
     p.add_argument("--seed", type=int, default=None, help="train.seed (the sampling seed)")
@@ -96,7 +99,8 @@ def probe_config(args: argparse.Namespace, *, need_model: bool = True):
                              "(and --samples-per-prompt)")
     overrides = shortcut_overrides(args.overrides, [
         ("--model", "model.path", args.model), ("--engine", "rollout.engine", args.engine),
-        ("--dtype", "rollout.dtype", args.dtype), ("--max-new-tokens", "rollout.max_new_tokens", args.max_new_tokens),
+        ("--dtype", "rollout.dtype", args.dtype), ("--quantization", "rollout.quantization", args.quantization),
+        ("--max-new-tokens", "rollout.max_new_tokens", args.max_new_tokens),
         ("--temperature", "rollout.temperature", args.temperature), ("--seed", "train.seed", args.seed)])
     cfg = config_from_dict(_probe_fields(args.config) if args.config else PROBE_DEFAULTS, overrides)
     if cfg.model.path is None and need_model:
@@ -205,7 +209,8 @@ def probe(args: argparse.Namespace, cfg=None) -> dict:
     m["num_tokens"] = int(batch.response_mask_BS.sum())
     m["num_routed_tokens"] = int(sum(min(len(a), len(b)) for a, b in zip(batch.rollout_routes, learner_routes)))
     m["num_sequences"] = len(samples)
-    out = {"model": str(model_dir), "engine": r.engine, "dtype": r.dtype,
+    out = {"model": str(model_dir), "engine": r.engine, "dtype": r.dtype, "quantization": r.quantization,
+           "fp8_scale": r.fp8_scale,
            "learner_dtype": str(learner_dtype(cfg)).replace("torch.", ""), "world_size": info.world_size,
            "layer_ids": moe_layer_ids(hf_config)}
     for k, v in sorted(m.items()):
@@ -227,7 +232,10 @@ def _num(v) -> str:
 
 
 def summary_text(res: dict) -> str:
-    lines = [f"probe of {res['model']}  (rollout: {res['engine']} engine in {res['dtype']}; learner: Megatron-core in "
+    from moe_gspo.rollout.fp8 import rollout_precision
+
+    precision = rollout_precision(res["dtype"], res.get("quantization"), res.get("fp8_scale"), res["engine"])
+    lines = [f"probe of {res['model']}  (rollout: {res['engine']} engine in {precision}; learner: Megatron-core in "
              f"{res.get('learner_dtype', '?')}; {res['num_sequences']} sequences, {res['num_tokens']} response tokens)",
              "routing disagreement rollout vs learner (fraction of tokens whose top-k set differs):"]
     for lid, v in zip(res["layer_ids"], res["routing/layer_disagree"]):

@@ -37,6 +37,7 @@ from torch import nn
 from moe_gspo.rollout.base import RolloutEngine, RolloutSample, SamplingParams
 from moe_gspo.rollout.compact_decode import CompactDecoder, unsupported_reason
 from moe_gspo.rollout.cpu_gemm import Fp32Weights, fp32_gemms_in, needs_fp32_gemm
+from moe_gspo.rollout.fp8 import QUANTIZATIONS, Fp8WeightQuantizer
 from moe_gspo.rollout.hf_router_hooks import HFRouterRecorder, find_routers
 from moe_gspo.rollout.weights_sync import load_named_tensors_
 from moe_gspo.routing.trace import ids_dtype
@@ -142,19 +143,32 @@ class HFEngine(RolloutEngine):
         compact_decode: prefill and decode steps by `moe_gspo.rollout.compact_decode.CompactDecoder`
             (the same numbers as transformers' forward in a fraction of the calls); None = when the
             model is supported, True = required (ValueError if not), False = transformers' forward.
+        quantization: None, or "fp8": the engine's linear weights (attention, dense MLP, experts; not
+            the router or lm_head) are kept on the float8 e4m3 grid, quantized at start and again after
+            every `update_weights` (`moe_gspo.rollout.fp8`: what it emulates of vLLM's FP8 and what not).
+        fp8_scale: "channel" (one scale per output channel) or "tensor" (per matrix) for `quantization="fp8"`.
+        fp8_router: with `quantization="fp8"`, quantize the MoE routers' gates too (vLLM's online FP8 does).
     """
 
     def __init__(self, model_or_dir, *, dtype: str | torch.dtype = "bfloat16",
                  device: str | torch.device | None = None, record_routes: bool = True,
                  record_probs: bool = True, pad_token_id: int | None = None,
                  eos_token_id: int | list[int] | None = None, fp32_gemm: bool | None = None,
-                 compact_decode: bool | None = None):
+                 compact_decode: bool | None = None, quantization: str | None = None,
+                 fp8_scale: str = "channel", fp8_router: bool = True):
         self.dtype = _parse_dtype(dtype)
+        if quantization is not None and quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={quantization!r} is not supported; use None or one of {QUANTIZATIONS}")
+        self.quantization = quantization
         self.device = torch.device(device if device is not None
                                    else ("cuda" if torch.cuda.is_available() else "cpu"))
         self.fp32_gemm = needs_fp32_gemm(self.device, self.dtype) if fp32_gemm is None else bool(fp32_gemm)
         self._fp32_weights = Fp32Weights()  # refreshed per weight as update_weights changes it
         self._model = _load_model(model_or_dir, self.dtype, self.device)
+        self._fp8: Fp8WeightQuantizer | None = None
+        if quantization == "fp8":
+            self._fp8 = Fp8WeightQuantizer(self._model, granularity=fp8_scale, router=fp8_router)
+            self._fp8.quantize_changed_()
         config = self._model.config
         self.vocab_size: int = config.vocab_size
         eos = eos_token_id if eos_token_id is not None else config.eos_token_id
@@ -224,8 +238,13 @@ class HFEngine(RolloutEngine):
         Accepts the in-memory fused names and the on-disk per-expert names (see `weights_sync`).
         Unknown names or shape mismatches raise `ValueError` and leave the weights unchanged; a stream
         with `specs` (`Learner.hf_weight_stream()`) is checked from its specs, then copied tensor by tensor.
+        With `quantization="fp8"` the weights written are quantized again (the others keep their grid values).
         """
-        load_named_tensors_(self._model, named_tensors)
+        try:
+            load_named_tensors_(self._model, named_tensors)
+        finally:  # a stream that failed midway has written its earlier tensors
+            if self._fp8 is not None:
+                self._fp8.quantize_changed_()
 
     # ----------------------------------------------------------------------------- generation
     def _check_prompts(self, prompts: list[list[int]]) -> None:

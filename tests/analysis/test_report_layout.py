@@ -120,3 +120,13 @@ def test_headers_name_both_sides_and_the_counts_are_explained(tmp_path):
     assert "| rollout side | hf engine, bfloat16 |" in md and "| learner side | Megatron-core, float32 |" in md
     assert "response tokens probed" in PROBE_LABELS["num_tokens"]
     assert "prompt and response rows" in PROBE_LABELS["num_routed_tokens"]
+
+
+def test_header_names_the_rollout_quantization(tmp_path):
+    run = _one_step_run(tmp_path, "rollout:\n  engine: hf\n  dtype: bfloat16\n  quantization: fp8\n  fp8_scale: tensor\n")
+    md = build_report(run, tmp_path / "out").markdown.read_text()
+    assert "Rollout: hf engine in bfloat16 with FP8 (e4m3) weights, per-tensor scales (emulated); learner" in md
+    probe = tmp_path / "drift.json"
+    probe.write_text(json.dumps(dict(synthetic_probe(), quantization="fp8", fp8_scale=None)))
+    md = build_report(probe, tmp_path / "probe_out").markdown.read_text()
+    assert "| rollout side | hf engine, bfloat16 with FP8 (e4m3) weights, per-channel scales (emulated) |" in md

@@ -20,6 +20,8 @@ The ablation YAML:
       - {algo: gspo_token, routing_replay: r2}
     extra_args: []                       # optional; extra train CLI flags, placed before overrides
     arm_timeout_s: null                  # optional; kill an arm (its process group) after this long
+    parallel_arms: 1                     # optional; arms run at a time (each gets OMP_NUM_THREADS =
+                                         # cores // (parallel_arms * nproc), at least 1)
 
 Dotted overrides on the command line (anywhere among the flags) are added to `overrides`.
 Relative paths are resolved against the current directory (run from the repository root).
@@ -52,8 +54,6 @@ import json
 import os
 import re
 import shlex
-import signal
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,10 +62,11 @@ from typing import Any, Callable
 from tqdm import tqdm
 
 from moe_gspo.config import ALGOS, REPLAYS
+from moe_gspo.run.arm_runner import SubprocessArmRunner, run_concurrently
 from moe_gspo.run.rundir import move_aside
 
 _SPEC_KEYS = {"base_config", "algos", "routing_replay", "seeds", "overrides", "nproc", "out_dir",
-              "exclude", "extra_args", "arm_timeout_s", "variants"}
+              "exclude", "extra_args", "arm_timeout_s", "variants", "parallel_arms"}
 _VARIANT_RE = re.compile(r"^[A-Za-z0-9_.]+$")
 _AXIS_OVERRIDES = {"algo.name": "list it under 'algos'", "algo.routing_replay": "list it under 'routing_replay'"}
 _REQUIRED = ("base_config", "algos", "routing_replay", "seeds")
@@ -81,6 +82,7 @@ class AblationSpec:
     seeds: list[int]
     overrides: dict[str, Any] = field(default_factory=dict)
     nproc: int = 1
+    parallel_arms: int = 1
     out_dir: Path = Path("runs/ablation")
     exclude: list[dict[str, Any]] = field(default_factory=list)
     extra_args: list[str] = field(default_factory=list)
@@ -163,9 +165,10 @@ def parse_spec(raw: Any, out_dir: str | Path | None = None) -> AblationSpec:
             raise ValueError(f"ablation spec: override key {k!r} must be dotted, like 'train.steps'")
         if k in _RESERVED_OVERRIDES:
             raise ValueError(f"ablation spec: override {k!r} is set per arm; {_RESERVED_OVERRIDES[k]}")
-    nproc = raw.get("nproc", 1)
-    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
-        raise ValueError(f"ablation spec: 'nproc' must be a positive int, got {nproc!r}")
+    nproc, parallel = raw.get("nproc", 1), raw.get("parallel_arms", 1)
+    for key, val in (("nproc", nproc), ("parallel_arms", parallel)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise ValueError(f"ablation spec: '{key}' must be a positive int, got {val!r}")
     variants = _parse_variants(raw.get("variants"))
     exclude = raw.get("exclude") or []
     fields = {"algo", "routing_replay", "seed"} | ({"variant"} if variants else set())
@@ -184,7 +187,7 @@ def parse_spec(raw: Any, out_dir: str | Path | None = None) -> AblationSpec:
         base_config=Path(raw["base_config"]),
         algos=_str_list(raw, "algos", ALGOS),
         routing_replay=_str_list(raw, "routing_replay", REPLAYS),
-        seeds=list(seeds), overrides=dict(overrides), nproc=nproc,
+        seeds=list(seeds), overrides=dict(overrides), nproc=nproc, parallel_arms=parallel,
         out_dir=Path(out_dir if out_dir is not None else raw.get("out_dir", "runs/ablation")),
         exclude=list(exclude), extra_args=list(extra),
         arm_timeout_s=float(timeout) if timeout is not None else None, variants=variants)
@@ -310,44 +313,6 @@ def arm_config_error(spec: AblationSpec, arm: Arm) -> str | None:
     return None
 
 
-class SubprocessArmRunner:
-    """Runs the command in its own process group, output appended to the log; on timeout or
-    Ctrl-C the whole group (torchrun and its workers) is terminated, then killed."""
-
-    def __init__(self, timeout_s: float | None = None):
-        self.timeout_s = timeout_s
-
-    def __call__(self, arm: Arm, command: list[str], log_path: Path) -> int:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        with open(log_path, "ab") as log:
-            log.write(f"$ {shlex.join(command)}\n".encode())
-            log.flush()
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
-            try:
-                return proc.wait(timeout=self.timeout_s)
-            except subprocess.TimeoutExpired:
-                self._stop(proc)
-                log.write(f"\n[ablate] killed after {self.timeout_s} s\n".encode())
-                return 124
-            except BaseException:
-                self._stop(proc)
-                raise
-
-    @staticmethod
-    def _stop(proc: subprocess.Popen) -> None:
-        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                proc.wait(timeout=wait_s)
-                return
-            except subprocess.TimeoutExpired:
-                continue
-
-
 def run_arm(spec: AblationSpec, arm: Arm, arm_runner: ArmRunner) -> ArmResult:
     """Run (or skip, or resume) one arm; never raises for a failing arm."""
     log_path = arm.run_dir / "train.log"
@@ -374,19 +339,27 @@ def run_arm(spec: AblationSpec, arm: Arm, arm_runner: ArmRunner) -> ArmResult:
 
 def run_ablation(spec: AblationSpec, arm_runner: ArmRunner | None = None, progress: bool = True,
                  compare: bool = True) -> list[ArmResult]:
-    """Run every arm in order, then (if `compare`) write `{out_dir}/comparison/`."""
-    arm_runner = arm_runner if arm_runner is not None else SubprocessArmRunner(spec.arm_timeout_s)
+    """Run every arm (in order; `spec.parallel_arms` at a time), then (if `compare`) write
+    `{out_dir}/comparison/`. Results come in the arms' order."""
+    if arm_runner is None:
+        threads = max(1, (os.cpu_count() or 1) // (spec.parallel_arms * spec.nproc))
+        arm_runner = SubprocessArmRunner(spec.arm_timeout_s,
+                                         env={"OMP_NUM_THREADS": str(threads)} if spec.parallel_arms > 1 else None)
     arms = expand_arms(spec)
-    results = []
-    bar = tqdm(arms, desc="ablation", unit="arm", file=sys.stderr, disable=not progress)
-    for arm in bar:
-        bar.set_postfix_str(arm.name)
+    bar = tqdm(total=len(arms), desc="ablation", unit="arm", file=sys.stderr, disable=not progress)
+
+    def one(arm: Arm) -> ArmResult:
         res = run_arm(spec, arm, arm_runner)
-        results.append(res)
+        bar.set_postfix_str(arm.name)
+        bar.update()
         if res.status == "failed":
-            tqdm.write(f"[ablate] {arm.name} FAILED ({res.message}); log: {res.log_path}",
-                       file=sys.stderr)
-    bar.close()
+            tqdm.write(f"[ablate] {arm.name} FAILED ({res.message}); log: {res.log_path}", file=sys.stderr)
+        return res
+
+    try:
+        results = run_concurrently(one, arms, spec.parallel_arms, stop=getattr(arm_runner, "stop_all", None))
+    finally:
+        bar.close()
     if compare:
         write_comparison(spec, arms)
     return results

@@ -339,8 +339,9 @@ def run_arm(spec: AblationSpec, arm: Arm, arm_runner: ArmRunner) -> ArmResult:
 
 def run_ablation(spec: AblationSpec, arm_runner: ArmRunner | None = None, progress: bool = True,
                  compare: bool = True) -> list[ArmResult]:
-    """Run every arm (in order; `spec.parallel_arms` at a time), then (if `compare`) write
-    `{out_dir}/comparison/`. Results come in the arms' order."""
+    """Run every arm (`spec.parallel_arms` at a time), then (if `compare`) write `{out_dir}/comparison/`.
+    Arms run seed by seed (every arm's first seed, then every arm's second, ...), so a matrix stopped
+    midway has whole seeds of every arm; results come in `expand_arms` order."""
     if arm_runner is None:
         threads = max(1, (os.cpu_count() or 1) // (spec.parallel_arms * spec.nproc))
         arm_runner = SubprocessArmRunner(spec.arm_timeout_s,
@@ -356,10 +357,14 @@ def run_ablation(spec: AblationSpec, arm_runner: ArmRunner | None = None, progre
             tqdm.write(f"[ablate] {arm.name} FAILED ({res.message}); log: {res.log_path}", file=sys.stderr)
         return res
 
+    seed_rank = {s: i for i, s in enumerate(spec.seeds)}
+    order = sorted(range(len(arms)), key=lambda i: (seed_rank[arms[i].seed], i))
     try:
-        results = run_concurrently(one, arms, spec.parallel_arms, stop=getattr(arm_runner, "stop_all", None))
+        ran = run_concurrently(one, [arms[i] for i in order], spec.parallel_arms,
+                               stop=getattr(arm_runner, "stop_all", None))
     finally:
         bar.close()
+    results = [res for _, res in sorted(zip(order, ran))]
     if compare:
         write_comparison(spec, arms)
     return results

@@ -79,3 +79,13 @@ def test_stop_all_ends_every_running_command(tmp_path):
     assert time.time() - start < 15 and codes == {0: -15, 1: -15}  # SIGTERM, long before the sleep ends
     with pytest.raises(KeyboardInterrupt):  # no new command after stop_all
         runner(Arm("grpo", "none", 3, tmp_path), [sys.executable, "-c", "pass"], tmp_path / "log3")
+
+
+def test_arms_run_seed_by_seed(tmp_path):
+    spec = load_spec(_write_spec(tmp_path))
+    fake = FakeRunner()
+    results = run_ablation(spec, fake, progress=False, compare=False)
+    assert [name for name, _ in fake.calls] == ["gspo-none-s0", "grpo-none-s0", "grpo-r2-s0",
+                                                "gspo-none-s1", "grpo-none-s1", "grpo-r2-s1"]
+    assert [r.arm.name for r in results] == ["gspo-none-s0", "gspo-none-s1", "grpo-none-s0", "grpo-none-s1",
+                                            "grpo-r2-s0", "grpo-r2-s1"]

@@ -14,7 +14,11 @@ pass that replays the rollout routes (`mismatch_replayed/*`, R3 arms only); from
 against response length per arm (seeds pooled, the same length bins for every arm); and routing
 change per MoE layer (`update/layer_change`, `routing/layer_disagree`) per arm as grouped bars.
 Tables per arm: steps logged, final reward (per seed the mean of reward/mean over its last 10% of
-steps, then mean ± std over seeds, std with ddof=0, and the min–max across seeds) and per-seed means
+steps, then the interquartile mean over seeds with a 95% stratified-bootstrap CI, and the min–max
+across seeds); seed statistics that can rank arms (`analysis.seed_stats`: final reward, reward AUC,
+steps to a reward threshold, collapse rate, mismatch k3 KL as IQM [95% CI]) and pairwise verdicts
+(IQM difference and probability of improvement with CIs; every pair up to 6 arms, else the pairs
+whose names differ in one '-' component, or the pairs given); per-seed means
 over steps of the drift / clip / gate / variance metrics, of the policy entropy and the share of groups
 without signal (`actor/entropy`, `reward/frac_zero_std`) and of the generation rounds per step
 (`sampling/num_gen_batches`, > 1 with dynamic sampling), averaged over seeds; mismatch vs mismatch_replayed
@@ -47,6 +51,8 @@ from analysis.load import (
     ReportInputError, RunData, RunDataWarning, finite_mean, headline_numbers, load_run, series,
 )
 from analysis.report import Page, ReportPaths, Table, fmt_number, write_page
+from analysis.seed_report import arm_seed_statistics, fmt_estimate, seed_notes, seed_tables
+from analysis.seed_stats import DEFAULT_COLLAPSE_DROP, DEFAULT_REPS, DEFAULT_REWARD_THRESHOLD, SeedStatistics
 
 
 @dataclass
@@ -311,7 +317,7 @@ COMPARE_FIGURES: list[FigureSpec] = [
                fig_layer_change),
 ]
 
-TABLE_COLUMNS = ["arm", "seeds", "steps", "final reward (mean ± std)", "final reward seed range (min–max)",
+TABLE_COLUMNS = ["arm", "seeds", "steps", "final reward IQM [95% CI]", "final reward seed range (min–max)",
                  "any-layer flip", "update expert change",
                  "clip token frac (binding)", "clip out-of-range frac", "gate weight mean (sapo)",
                  "gate frac < 0.5 (sapo)", "ratio/token_var", "ratio/seq_var", "actor/entropy",
@@ -350,7 +356,6 @@ def arm_summary(runs: list[tuple[int, RunData]]) -> dict[str, float]:
     out = {k: finite_mean(np.asarray([s[k] for s in per_seed])) for k in _SUMMARY_KEYS}
     finals = np.asarray([s["final_reward"] for s in per_seed], np.float64)
     finals = finals[np.isfinite(finals)]
-    out["final_reward_std"] = float(finals.std()) if finals.size else math.nan
     out["final_reward_min"] = float(finals.min()) if finals.size else math.nan
     out["final_reward_max"] = float(finals.max()) if finals.size else math.nan
     steps = [s["num_steps"] for s in per_seed]
@@ -368,20 +373,20 @@ def _range(lo: float, hi: float, integer: bool = False) -> str:
     return f"{fmt_number(lo, integer)}–{fmt_number(hi, integer)}"
 
 
-def comparison_tables(arms: Arms) -> list[Table]:
+def comparison_tables(arms: Arms, stats: SeedStatistics | None = None) -> list[Table]:
+    stats = stats if stats is not None else arm_seed_statistics(arms.runs)
     rows, mismatch_rows = [], []
     for arm, runs in arms.runs.items():
         s = arm_summary(runs)
-        reward = ("n/a" if not math.isfinite(s["final_reward"])
-                  else f"{fmt_number(s['final_reward'])} ± {fmt_number(s['final_reward_std'])}")
+        reward = fmt_estimate(stats.arms[arm]["final_reward"]) if arm in stats.arms else "n/a"
         rows.append([arm, f"{len(runs)}/{arms.expected[arm]}",
                      _range(s["num_steps_min"], s["num_steps_max"], integer=True), reward,
                      _range(s["final_reward_min"], s["final_reward_max"])]
                     + [fmt_number(s[k]) for k in _ROW_KEYS])
         mismatch_rows.append([arm] + [fmt_number(s[k]) for k in _MISMATCH_KEYS])
-    return [Table("Arms (means over steps, then over seeds)", TABLE_COLUMNS, rows),
-            Table("Train-inference mismatch: learner with natural routing vs replaying the rollout routes "
-                  "(R3 arms; n/a elsewhere)", MISMATCH_COLUMNS, mismatch_rows)] + layer_table(arms)
+    return ([Table("Arms (means over steps, then over seeds)", TABLE_COLUMNS, rows)] + seed_tables(stats)
+            + [Table("Train-inference mismatch: learner with natural routing vs replaying the rollout routes "
+                     "(R3 arms; n/a elsewhere)", MISMATCH_COLUMNS, mismatch_rows)] + layer_table(arms))
 
 
 MAX_TABLE_LAYERS = 12
@@ -422,14 +427,21 @@ def layer_table(arms: Arms) -> list[Table]:
 
 
 def build_comparison(arm_runs: list[ArmRun], out_dir: str | Path,
-                     title: str = "Ablation comparison") -> ReportPaths:
-    """Write the comparison report of `arm_runs` into `out_dir`. Raises `ReportInputError` when
-    no run has metric records."""
+                     title: str = "Ablation comparison", *,
+                     reward_threshold: float = DEFAULT_REWARD_THRESHOLD,
+                     collapse_drop: float = DEFAULT_COLLAPSE_DROP,
+                     pairs: list[tuple[str, str]] | None = None, reps: int = DEFAULT_REPS) -> ReportPaths:
+    """Write the comparison report of `arm_runs` into `out_dir`. Seed statistics: see
+    `analysis.seed_stats` (`pairs` None: `arm_pairs`). Raises `ReportInputError` when no run has
+    metric records or `pairs` names an arm without a readable run."""
     arms = load_arms(arm_runs)
     if not any(arms.runs.values()):
         raise ReportInputError("no run of the comparison has metric records; nothing to compare")
-    page = Page(title=title, intro=[f"{sum(map(len, arms.runs.values()))} runs in {len(arms.runs)} arms"])
-    page.tables += comparison_tables(arms)
+    stats = arm_seed_statistics(arms.runs, reward_threshold=reward_threshold, collapse_drop=collapse_drop,
+                                pairs=pairs, reps=reps)
+    page = Page(title=title, intro=[f"{sum(map(len, arms.runs.values()))} runs in {len(arms.runs)} arms",
+                                    *seed_notes(stats, reward_threshold, collapse_drop)])
+    page.tables += comparison_tables(arms, stats)
     page.figures = render_figures(COMPARE_FIGURES, arms)
     page.notes = arms.notes
     return write_page(page, out_dir)
@@ -452,9 +464,24 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Compare training runs grouped by arm.")
     parser.add_argument("out_dir")
     parser.add_argument("run_dirs", nargs="+")
+    parser.add_argument("--reward-threshold", type=float, default=DEFAULT_REWARD_THRESHOLD,
+                        help="reward the smoothed reward/mean must reach for 'steps to threshold' (default %(default)s)")
+    parser.add_argument("--collapse-drop", type=float, default=DEFAULT_COLLAPSE_DROP,
+                        help="drop below the running best of the smoothed reward that counts as a collapse "
+                             "(default %(default)s)")
+    parser.add_argument("--bootstrap-reps", type=int, default=DEFAULT_REPS,
+                        help="bootstrap resamples per arm and per pair (default %(default)s)")
+    parser.add_argument("--pair", action="append", metavar="ARM_A,ARM_B",
+                        help="compare these two arms (repeatable); default: every pair up to 6 arms, else the "
+                             "pairs whose names differ in one '-' component")
     args = parser.parse_args(argv)
+    pairs = [tuple(p.split(",", 1)) for p in args.pair] if args.pair else None
+    if pairs and any(len(p) != 2 for p in pairs):
+        parser.error("--pair takes ARM_A,ARM_B")
     try:
-        paths = build_comparison(arm_runs_from_dirs(args.run_dirs), args.out_dir)
+        paths = build_comparison(arm_runs_from_dirs(args.run_dirs), args.out_dir,
+                                 reward_threshold=args.reward_threshold, collapse_drop=args.collapse_drop,
+                                 pairs=pairs, reps=args.bootstrap_reps)
     except ReportInputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from analysis.compare import (
-    COMPARE_FIGURES, MAX_TABLE_LAYERS, ArmRun, arm_runs_from_dirs, build_comparison, seed_band,
+    COMPARE_FIGURES, MAX_TABLE_LAYERS, ArmRun, arm_runs_from_dirs, build_comparison, main, seed_band,
 )
 from analysis.load import ReportInputError, RunData
 from synth_run import NUM_STEPS, assert_real_png, write_degenerate_run, write_synthetic_run
@@ -43,7 +43,8 @@ def _final_reward(run_dir: Path) -> float:
 
 def test_comparison_report(tmp_path):
     """Runs without traces: every figure but the length one (skipped, with its reason); the arms table
-    has the steps, final reward mean ± std and its min–max across seeds."""
+    has the steps, final reward IQM [95% CI] and its min–max across seeds; the seed-statistics and
+    pairwise-verdict tables follow."""
     arm_runs = []
     for i, arm in enumerate(("gspo-none", "grpo-r2")):
         for seed in (0, 1):
@@ -59,16 +60,56 @@ def test_comparison_report(tmp_path):
     for p in paths.figures:
         assert_real_png(p)
     md = paths.markdown.read_text()
-    arms_table = md.split("## Train-inference mismatch")[0]
-    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in arms_table.splitlines()
-            if line.startswith("| gspo-none") or line.startswith("| grpo-r2")}
+    rows = _table_rows(md, "Arms")
     assert rows["gspo-none"][1] == "2/2" and rows["grpo-r2"][1] == "2/3"
     finals = [_final_reward(tmp_path / f"gspo-none-s{s}") for s in (0, 1)]
-    mean, std = np.mean(finals), np.std(finals)
     assert rows["gspo-none"][2] == str(NUM_STEPS) and rows["grpo-r2"][2] == str(NUM_STEPS)
-    assert rows["gspo-none"][3] == f"{mean:.4g} ± {std:.4g}"
+    # 2 seeds: the IQM is their mean; a quarter of the resamples is each seed twice, so the CI is [min, max]
+    assert rows["gspo-none"][3] == f"{np.mean(finals):.4g} [{min(finals):.4g}, {max(finals):.4g}]"
     assert rows["gspo-none"][4] == f"{min(finals):.4g}–{max(finals):.4g}"
     assert "grpo-r2 seed 2: left out" in md
+    seeds = _table_rows(md, "Seed statistics")
+    assert seeds["header"] == ["arm", "seeds", "final reward", "reward AUC", "steps to threshold", "collapse rate",
+                               "mismatch k3 KL"]
+    assert seeds["gspo-none"][2] == rows["gspo-none"][3] and seeds["grpo-r2"][1] == "2"
+    assert seeds["gspo-none"][4] == "13 [13, 13]; 2/2 not reached"  # synthetic rewards stay below 0.8
+    section = md.split("## Pairwise verdicts")[1].split("\n## ")[0]
+    verdicts = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines()
+                if line.startswith("| gspo-none vs grpo-r2 |")]
+    assert [v[1] for v in verdicts] == ["final reward", "reward AUC", "steps to threshold", "collapse rate",
+                                        "mismatch k3 KL"]
+    assert verdicts[3][2:] == ["0 [0, 0]", "0.5 [0.5, 0.5]", "not decided at 2 seeds; no difference measured"]
+
+
+def _curve_run(run_dir: Path, rewards: list[float], k3_kl: float) -> Path:
+    return _write_run(run_dir, [{"step": i, "reward/mean": r, "mismatch/k3_kl": k3_kl}
+                                for i, r in enumerate(rewards)])
+
+
+def test_seed_statistics_options_from_the_command_line(tmp_path, capsys):
+    """--reward-threshold and --collapse-drop reach the per-run quantities; --pair picks the pairs."""
+    curves = {"up": [0.1, 0.3, 0.5, 0.7, 0.9, 0.9], "peak": [0.1, 0.6, 0.9, 0.7, 0.5, 0.4],
+              "flat": [0.3] * 6}
+    dirs = [str(_curve_run(tmp_path / f"{arm}-s{s}", [r + 0.01 * s for r in curve], 1e-3 * (s + 1)))
+            for arm, curve in curves.items() for s in range(3)]
+    out = tmp_path / "cmp"
+    assert main([str(out), *dirs, "--reward-threshold", "0.6", "--collapse-drop", "0.4",
+                 "--pair", "up,peak", "--bootstrap-reps", "200"]) == 0
+    md = (out / "report.md").read_text()
+    rows = _table_rows(md, "Seed statistics")
+    # 6 steps, window 1: up reaches 0.6 at its 4th step (0.7), peak at its 2nd (0.6 + 0.01 s: seed 0 at 0.6)
+    assert rows["up"][4] == "4 [4, 4]" and rows["peak"][4] == "2 [2, 2]"
+    assert rows["flat"][4] == "7 [7, 7]; 3/3 not reached"
+    assert [rows[a][5] for a in ("up", "peak", "flat")] == ["0 [0, 0]", "1 [1, 1]", "0 [0, 0]"]  # 0.9 -> 0.4
+    assert rows["up"][6].startswith("0.002 [")  # k3 KL per seed 1e-3, 2e-3, 3e-3
+    verdicts = _table_rows(md, "Pairwise verdicts")
+    assert set(verdicts) - {"header"} == {"up vs peak"}
+    assert "reaches 0.6" in md and "≥ 0.4 below" in md
+    assert main([str(out), *dirs, "--collapse-drop", "0.6", "--bootstrap-reps", "50"]) == 0
+    rows = _table_rows((out / "report.md").read_text(), "Seed statistics")
+    assert rows["peak"][5] == "0 [0, 0]" and rows["up"][4] == "5 [5, 5]"  # defaults: threshold 0.8
+    assert main([str(out), *dirs, "--pair", "up,nope"]) == 2
+    assert "unknown arm(s) nope" in capsys.readouterr().err
 
 
 def test_comparison_without_any_metrics_is_an_error(tmp_path):
@@ -83,7 +124,7 @@ def test_comparison_of_degenerate_runs(tmp_path):
     assert len(paths.figures) == len(COMPARE_FIGURES) - 2
     assert [s.name for s in paths.skipped] == ["cmp_gate", "cmp_ratio_var_length"]  # no sapo arm, no traces
     row = [l for l in paths.markdown.read_text().splitlines() if l.startswith("| a |")][0]  # arms table first
-    assert "0 ± 0" in row  # the null seed has no finite reward; the zero seed gives 0
+    assert "| 0 (1 seed) |" in row  # the null seed has no finite reward; the zero seed gives 0
 
 
 def test_mismatch_table_shows_natural_and_replayed_side_by_side(tmp_path):

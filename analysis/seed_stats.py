@@ -170,8 +170,8 @@ def _aggregate_columns(x_NK: np.ndarray, use_mean: np.ndarray) -> np.ndarray:
     return np.where(use_mean, x_NK.sum(axis=0) / n, x_NK[cut:n - cut].sum(axis=0) / (n - 2 * cut))
 
 
-def _point(values: np.ndarray, key: str) -> float:
-    agg = metrics.aggregate_mean if QUANTITY[key].aggregate == "mean" else metrics.aggregate_iqm
+def _point(values: np.ndarray, key: str, quantities: Mapping[str, Quantity] = QUANTITY) -> float:
+    agg = metrics.aggregate_mean if quantities[key].aggregate == "mean" else metrics.aggregate_iqm
     return float(agg(values[:, None])) if values.size else math.nan
 
 
@@ -192,18 +192,19 @@ class Estimate:
 
 
 def arm_estimates(scores: Mapping[str, Sequence[float]], *, reps: int = DEFAULT_REPS,
-                  seed: int = DEFAULT_SEED, confidence: float = 0.95) -> dict[str, Estimate]:
-    """Per quantity (a key of QUANTITY) of one arm: the IQM (the mean for a rate) over its seeds'
-    finite values and the stratified-bootstrap CI. Quantities with the same number of finite seeds
-    go through one bootstrap, as separate rliable tasks (resampled independently)."""
+                  seed: int = DEFAULT_SEED, confidence: float = 0.95,
+                  quantities: Mapping[str, Quantity] = QUANTITY) -> dict[str, Estimate]:
+    """Per quantity (a key of `quantities`, default QUANTITY) of one arm: the IQM (the mean for a rate)
+    over its seeds' finite values and the stratified-bootstrap CI. Quantities with the same number of
+    finite seeds go through one bootstrap, as separate rliable tasks (resampled independently)."""
     finite = {k: _finite(v) for k, v in scores.items()}
-    out = {k: Estimate(_point(v, k), math.nan, math.nan, v.size) for k, v in finite.items()}
+    out = {k: Estimate(_point(v, k, quantities), math.nan, math.nan, v.size) for k, v in finite.items()}
     groups: dict[int, list[str]] = {}
     for k, v in finite.items():
         if v.size >= 2:
             groups.setdefault(v.size, []).append(k)
     for keys in groups.values():
-        use_mean = np.asarray([QUANTITY[k].aggregate == "mean" for k in keys])
+        use_mean = np.asarray([quantities[k].aggregate == "mean" for k in keys])
         ci = _interval(np.stack([finite[k] for k in keys], 1), lambda x: _aggregate_columns(x, use_mean),
                        reps, seed, confidence)
         for i, k in enumerate(keys):
@@ -264,17 +265,18 @@ def verdict(arm_a: str, arm_b: str, diff: Estimate, n_a: int, n_b: int, higher_i
 
 def compare_arms(arm_a: str, arm_b: str, scores_a: Mapping[str, Sequence[float]],
                  scores_b: Mapping[str, Sequence[float]], *, reps: int = DEFAULT_REPS,
-                 seed: int = DEFAULT_SEED, confidence: float = 0.95) -> list[PairComparison]:
+                 seed: int = DEFAULT_SEED, confidence: float = 0.95,
+                 quantities: Mapping[str, Quantity] = QUANTITY) -> list[PairComparison]:
     """Each quantity both arms have finite values of (in QUANTITIES order): IQM difference and
     probability of improvement with stratified-bootstrap CIs (each arm resampled on its own), and
     the verdict. Quantities with the same seed counts share one bootstrap (as separate tasks)."""
-    keys = [q.key for q in QUANTITIES if q.key in scores_a and q.key in scores_b]
+    keys = [k for k in quantities if k in scores_a and k in scores_b]
     fa = {k: _finite(scores_a[k]) for k in keys}
     fb = {k: _finite(scores_b[k]) for k in keys}
     keys = [k for k in keys if fa[k].size and fb[k].size]
-    sign = {k: 1.0 if QUANTITY[k].higher_is_better else -1.0 for k in keys}
+    sign = {k: 1.0 if quantities[k].higher_is_better else -1.0 for k in keys}
     n = {k: min(fa[k].size, fb[k].size) for k in keys}
-    diff = {k: Estimate(_point(fa[k], k) - _point(fb[k], k), math.nan, math.nan, n[k]) for k in keys}
+    diff = {k: Estimate(_point(fa[k], k, quantities) - _point(fb[k], k, quantities), math.nan, math.nan, n[k]) for k in keys}
     poi = {k: Estimate(float(metrics.probability_of_improvement(sign[k] * fa[k][:, None],
                                                                 sign[k] * fb[k][:, None])),
                        math.nan, math.nan, n[k]) for k in keys}
@@ -283,7 +285,7 @@ def compare_arms(arm_a: str, arm_b: str, scores_a: Mapping[str, Sequence[float]]
         if n[k] >= 2:
             groups.setdefault((fa[k].size, fb[k].size), []).append(k)
     for ks in groups.values():
-        use_mean = np.asarray([QUANTITY[k].aggregate == "mean" for k in ks])
+        use_mean = np.asarray([quantities[k].aggregate == "mean" for k in ks])
         s = np.asarray([sign[k] for k in ks])
 
         def func(a, b, use_mean=use_mean, s=s):
@@ -297,7 +299,7 @@ def compare_arms(arm_a: str, arm_b: str, scores_a: Mapping[str, Sequence[float]]
             poi[k].lo, poi[k].hi = float(ci[0, len(ks) + i]), float(ci[1, len(ks) + i])
     return [PairComparison(arm_a, arm_b, k, diff[k], poi[k],
                            verdict(arm_a, arm_b, diff[k], fa[k].size, fb[k].size,
-                                   QUANTITY[k].higher_is_better, confidence)) for k in keys]
+                                   quantities[k].higher_is_better, confidence)) for k in keys]
 
 
 def arm_pairs(arms: Sequence[str], max_all_pairs: int = MAX_ALL_PAIRS_ARMS) -> list[tuple[str, str]]:

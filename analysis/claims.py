@@ -51,6 +51,8 @@ EXTRA = {q.key: q for q in (
     Quantity("any_layer_flip", "tokens routed differently in >= 1 layer", False),
     Quantity("var_quotient", "median over steps of token_var / seq_var", True),
     Quantity("update_change", "update/expert_change_frac", False),
+    Quantity("final_entropy", "entropy, last 10% of steps (nats/token)", True),
+    Quantity("final_zero_std", "groups with all-equal rewards, last 10%", False),
     Quantity("update_any_layer", "update/any_layer_change", False),
 )}
 QUANTITIES = {**QUANTITY, **EXTRA}
@@ -59,6 +61,11 @@ PRECISIONS = ("bf16", "fp8")
 
 def _mean(run, key: str) -> float:
     return finite_mean(series(run.records, key)[1])
+
+
+def _last10(run, key: str) -> float:
+    vals = series(run.records, key)[1]
+    return finite_mean(vals[-max(1, vals.size // 10):]) if vals.size else math.nan
 
 
 DEFAULT_THRESHOLD = 0.5
@@ -86,6 +93,7 @@ def run_scores(run, reward_threshold: float = DEFAULT_THRESHOLD) -> dict[str, fl
         "var_quotient": float(np.median(tok[ok] / seq[ok])) if ok.any() else math.nan,
         "update_change": _mean(run, "update/expert_change_frac"),
         "update_any_layer": _mean(run, "update/any_layer_change"),
+        "final_entropy": _last10(run, "actor/entropy"), "final_zero_std": _last10(run, "reward/frac_zero_std"),
     }
 
 
@@ -156,12 +164,13 @@ def claims_page(arms: Mapping[str, list[dict[str, float]]], reps: int = 2000,
                            reps) + [""]
     lines += pair_table(arms, [(a("grpo", "r3", p), a("grpo", "none", p)) for p in PRECISIONS], ["k3_loss"], reps)
     lines += ["", "### (b) Stability when routing drifts", ""]
-    lines += arm_table(arms, ["final_reward", "reward_auc", "steps_to_threshold", "collapsed"], reps) + [""]
+    lines += arm_table(arms, ["final_reward", "reward_auc", "steps_to_threshold", "collapsed", "final_entropy",
+                              "final_zero_std"], reps) + [""]
     pairs = [(a("grpo", "r3", "fp8"), a("grpo", "none", "fp8")), (a("gspo", "none", "fp8"), a("grpo", "none", "fp8")),
              (a("grpo", "r2", "fp8"), a("grpo", "none", "fp8")), (a("grpo", "r3", "bf16"), a("grpo", "none", "bf16")),
              (a("gspo", "none", "bf16"), a("grpo", "none", "bf16")), (a("grpo", "none", "bf16"), a("grpo", "none", "fp8")),
              (a("grpo", "r3", "bf16"), a("grpo", "r3", "fp8"))]
-    lines += pair_table(arms, pairs, ["final_reward", "reward_auc", "collapsed"], reps)
+    lines += pair_table(arms, pairs, ["final_reward", "reward_auc", "collapsed", "final_entropy"], reps)
     lines += ["", "### (c) GSPO: token vs sequence ratio variance, and FP8 against bf16", ""]
     lines += arm_table(arms, ["var_quotient"], reps) + [""]
     lines += pair_table(arms, [(a("gspo", "none", "bf16"), a("gspo", "none", "fp8"))],

@@ -21,7 +21,8 @@ def _write_run(d: Path, *, k3: float, k3_replayed: float | None = None, reward=(
         row = {"step": step, "reward/mean": r, "mismatch/k3_kl": k3 * (1 + step % 2),  # k3, 2k3, k3, 2k3
                "mismatch/extreme_frac_ln2": 0.01, "routing/layer_disagree": [0.02, 0.04],
                "routing/any_layer_flip": 0.05, "ratio/token_var": [4.0, 9.0, 30.0, 1.0][step],
-               "ratio/seq_var": [2.0, 1.0, 3.0, 1.0][step]}  # quotients 2, 9, 10, 1: median 5.5
+               "ratio/seq_var": [2.0, 1.0, 3.0, 1.0][step],  # quotients 2, 9, 10, 1: median 5.5
+               "actor/entropy": [4.0, 3.0, 2.0, 1.5][step], "reward/frac_zero_std": 0.25 * step}
         if k3_replayed is not None:
             row["mismatch_replayed/k3_kl"] = k3_replayed
         if step % 2 == 0:
@@ -42,6 +43,7 @@ def test_run_scores_by_hand(tmp_path):
     assert s["layer_disagree"] == pytest.approx(0.03) and s["any_layer_flip"] == pytest.approx(0.05)
     assert s["var_quotient"] == pytest.approx(5.5)
     assert s["update_change"] == pytest.approx(0.15)
+    assert s["final_entropy"] == pytest.approx(1.5) and s["final_zero_std"] == pytest.approx(0.75)  # last step
     assert s["reward_auc"] == pytest.approx(0.25) and s["final_reward"] == pytest.approx(0.4)
     s = run_scores(load_run(_write_run(tmp_path / "grpo-none-fp8-s0", k3=2e-5)))
     assert np.isnan(s["k3_replayed"]) and np.isnan(s["k3_reduction"]) and s["k3_loss"] == pytest.approx(3e-5)

@@ -353,7 +353,7 @@ def run_ablation(spec: AblationSpec, arm_runner: ArmRunner | None = None, progre
         res = run_arm(spec, arm, arm_runner)
         bar.set_postfix_str(arm.name)
         bar.update()
-        if res.status == "failed":
+        if res.status == "failed" and not getattr(arm_runner, "stopping", False):  # not when Ctrl-C ended it
             tqdm.write(f"[ablate] {arm.name} FAILED ({res.message}); log: {res.log_path}", file=sys.stderr)
         return res
 

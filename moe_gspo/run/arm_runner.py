@@ -59,6 +59,11 @@ class SubprocessArmRunner:
                 with self._lock:
                     self._live.discard(proc)
 
+    @property
+    def stopping(self) -> bool:
+        """True once `stop_all` was called (the arms it ended did not fail on their own)."""
+        return self._stopping
+
     def stop_all(self) -> None:
         """Stop every running command (their `__call__`s then return the signal's exit code) and start
         no new one."""

@@ -89,3 +89,18 @@ def test_arms_run_seed_by_seed(tmp_path):
                                                 "gspo-none-s1", "grpo-none-s1", "grpo-r2-s1"]
     assert [r.arm.name for r in results] == ["gspo-none-s0", "gspo-none-s1", "grpo-none-s0", "grpo-none-s1",
                                             "grpo-r2-s0", "grpo-r2-s1"]
+
+
+def test_arms_ended_by_an_interrupt_are_not_reported_as_failures(tmp_path, capsys):
+    spec = load_spec(_write_spec(tmp_path, parallel_arms=2, nproc=1))
+
+    class Stopping:
+        stopping = True
+
+        def __call__(self, arm, cmd, log):
+            return -15
+
+    run_ablation(spec, Stopping(), progress=False, compare=False)
+    assert "FAILED" not in capsys.readouterr().err
+    run_ablation(spec, lambda arm, cmd, log: 3, progress=False, compare=False)
+    assert capsys.readouterr().err.count("FAILED") == 6

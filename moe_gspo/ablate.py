@@ -22,6 +22,7 @@ The ablation YAML:
     arm_timeout_s: null                  # optional; kill an arm (its process group) after this long
     parallel_arms: 1                     # optional; arms run at a time (each gets OMP_NUM_THREADS =
                                          # cores // (parallel_arms * nproc), at least 1)
+    reward_threshold: 0.8                # optional; the comparison report's "steps to threshold" level
 
 Dotted overrides on the command line (anywhere among the flags) are added to `overrides`.
 Relative paths are resolved against the current directory (run from the repository root).
@@ -51,6 +52,7 @@ Implementation: the arm runner is a parameter of `run_ablation` so tests can rep
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shlex
@@ -66,7 +68,7 @@ from moe_gspo.run.arm_runner import SubprocessArmRunner, run_concurrently
 from moe_gspo.run.rundir import move_aside
 
 _SPEC_KEYS = {"base_config", "algos", "routing_replay", "seeds", "overrides", "nproc", "out_dir",
-              "exclude", "extra_args", "arm_timeout_s", "variants", "parallel_arms"}
+              "exclude", "extra_args", "arm_timeout_s", "variants", "parallel_arms", "reward_threshold"}
 _VARIANT_RE = re.compile(r"^[A-Za-z0-9_.]+$")
 _AXIS_OVERRIDES = {"algo.name": "list it under 'algos'", "algo.routing_replay": "list it under 'routing_replay'"}
 _REQUIRED = ("base_config", "algos", "routing_replay", "seeds")
@@ -83,6 +85,7 @@ class AblationSpec:
     overrides: dict[str, Any] = field(default_factory=dict)
     nproc: int = 1
     parallel_arms: int = 1
+    reward_threshold: float = 0.8
     out_dir: Path = Path("runs/ablation")
     exclude: list[dict[str, Any]] = field(default_factory=list)
     extra_args: list[str] = field(default_factory=list)
@@ -181,6 +184,9 @@ def parse_spec(raw: Any, out_dir: str | Path | None = None) -> AblationSpec:
     timeout = raw.get("arm_timeout_s")
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         raise ValueError(f"ablation spec: 'arm_timeout_s' must be a positive number, got {timeout!r}")
+    threshold = raw.get("reward_threshold", 0.8)
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold):
+        raise ValueError(f"ablation spec: 'reward_threshold' must be a number, got {threshold!r}")
     if not isinstance(raw["base_config"], str):
         raise ValueError("ablation spec: 'base_config' must be a path string")
     return AblationSpec(
@@ -190,7 +196,8 @@ def parse_spec(raw: Any, out_dir: str | Path | None = None) -> AblationSpec:
         seeds=list(seeds), overrides=dict(overrides), nproc=nproc, parallel_arms=parallel,
         out_dir=Path(out_dir if out_dir is not None else raw.get("out_dir", "runs/ablation")),
         exclude=list(exclude), extra_args=list(extra),
-        arm_timeout_s=float(timeout) if timeout is not None else None, variants=variants)
+        arm_timeout_s=float(timeout) if timeout is not None else None, variants=variants,
+        reward_threshold=float(threshold))
 
 
 def _parse_variants(raw: Any) -> dict[str, dict[str, Any]]:
@@ -376,7 +383,7 @@ def write_comparison(spec: AblationSpec, arms: list[Arm]) -> Path | None:
     from analysis.load import ReportInputError
     try:
         paths = build_comparison([ArmRun(a.group, a.seed, a.run_dir) for a in arms],
-                                 spec.out_dir / "comparison")
+                                 spec.out_dir / "comparison", reward_threshold=spec.reward_threshold)
     except ReportInputError as e:
         print(f"[ablate] no comparison report: {e}", file=sys.stderr)
         return None

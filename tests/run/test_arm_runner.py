@@ -104,3 +104,17 @@ def test_arms_ended_by_an_interrupt_are_not_reported_as_failures(tmp_path, capsy
     assert "FAILED" not in capsys.readouterr().err
     run_ablation(spec, lambda arm, cmd, log: 3, progress=False, compare=False)
     assert capsys.readouterr().err.count("FAILED") == 6
+
+
+def test_reward_threshold_reaches_the_comparison(tmp_path, monkeypatch):
+    import analysis.compare
+
+    seen = {}
+    monkeypatch.setattr(analysis.compare, "build_comparison",
+                        lambda runs, out, **kw: seen.update(kw) or (_ for _ in ()).throw(
+                            analysis.compare.ReportInputError("stop here")))
+    spec = load_spec(_write_spec(tmp_path, reward_threshold=0.5))
+    run_ablation(spec, FakeRunner(), progress=False, compare=True)
+    assert seen == {"reward_threshold": 0.5}
+    with pytest.raises(ValueError, match="'reward_threshold' must be a number"):
+        parse_spec(_spec_dict(tmp_path, reward_threshold="high"))

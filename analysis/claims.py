@@ -25,6 +25,8 @@ Pure reading and statistics (no plotting); numbers per run come from `metrics.js
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
 import math
 import re
 import sys
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.load import ReportInputError, finite_mean, load_run, matrix_series, series
+from analysis.load import ReportInputError, RunData, finite_mean, load_run, matrix_series, series
 from analysis.report import fmt_number
 from analysis.seed_report import fmt_estimate, run_quantities
 from analysis.seed_stats import QUANTITY, Quantity, arm_estimates, compare_arms
@@ -97,17 +99,60 @@ def run_scores(run, reward_threshold: float = DEFAULT_THRESHOLD) -> dict[str, fl
     }
 
 
-def load_arms(runs_dir: str | Path, reward_threshold: float = DEFAULT_THRESHOLD) -> dict[str, list[dict[str, float]]]:
-    """{arm name: per-seed scores} of the finished runs (with done.json) under `runs_dir`."""
+CLAIM_KEYS = ("step", "reward/mean", "mismatch/k3_kl", "mismatch_replayed/k3_kl", "mismatch/extreme_frac_ln2",
+              "mismatch_replayed/extreme_frac_ln2", "routing/layer_disagree", "routing/any_layer_flip",
+              "ratio/token_var", "ratio/seq_var", "update/expert_change_frac", "update/any_layer_change",
+              "update/layer_change", "actor/entropy", "reward/frac_zero_std")
+"""The metrics the claims read: `--save-metrics` keeps only these (a few % of metrics.jsonl)."""
+
+
+def _finished_runs(runs_dir: Path) -> list[RunData]:
+    runs = []
+    for d in sorted(runs_dir.iterdir()):
+        if _RUN_RE.match(d.name) and (d / "done.json").is_file():
+            runs.append(load_run(d))
+    return runs
+
+
+def _saved_runs(path: Path) -> list[RunData]:
+    with gzip.open(path, "rt") as f:
+        return [RunData(source=Path(row["run"]), records=row["records"], traces={}) for row in map(json.loads, f)]
+
+
+def load_runs(source: str | Path) -> list[RunData]:
+    """The finished runs (with done.json) of a matrix directory, or those saved by `save_metrics`."""
+    source = Path(source)
+    if not source.exists():
+        raise ReportInputError(f"{str(source)!r} does not exist; pass the matrix's out_dir or a .jsonl.gz file "
+                               "written by --save-metrics")
+    runs = _saved_runs(source) if source.is_file() else _finished_runs(source)
+    if not runs:
+        raise ReportInputError(f"no finished run named <algo>-<replay>-<precision>-s<seed> under {source}")
+    return runs
+
+
+def save_metrics(runs: list[RunData], path: str | Path) -> None:
+    """One gzip'd JSON line per run with the `CLAIM_KEYS` of its records (temp file, then rename)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with gzip.open(tmp, "wt") as f:
+        for run in runs:
+            recs = [{k: r[k] for k in CLAIM_KEYS if k in r} for r in run.records]
+            f.write(json.dumps({"run": run.source.name, "records": recs}) + "\n")
+    tmp.replace(path)
+
+
+def load_arms(source: str | Path | list[RunData],
+              reward_threshold: float = DEFAULT_THRESHOLD) -> dict[str, list[dict[str, float]]]:
+    """{arm name: per-seed scores} of the finished runs of `source` (see `load_runs`)."""
+    runs = load_runs(source) if not isinstance(source, list) else source
     arms: dict[str, list[dict[str, float]]] = {}
-    for d in sorted(Path(runs_dir).iterdir()):
-        m = _RUN_RE.match(d.name)
-        if not m or not (d / "done.json").is_file():
-            continue
-        arms.setdefault(f"{m['algo']}-{m['replay']}-{m['precision']}", []).append(run_scores(load_run(d), reward_threshold))
-    if not arms:
-        raise ReportInputError(f"no finished run named <algo>-<replay>-<precision>-s<seed> under {runs_dir}")
-    return arms
+    for run in runs:
+        m = _RUN_RE.match(run.source.name)
+        if m:
+            arms.setdefault(f"{m['algo']}-{m['replay']}-{m['precision']}", []).append(
+                run_scores(run, reward_threshold))
+    return dict(sorted(arms.items()))
 
 
 def _columns(seeds: list[dict[str, float]]) -> dict[str, list[float]]:
@@ -182,13 +227,18 @@ def claims_page(arms: Mapping[str, list[dict[str, float]]], reps: int = 2000,
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m analysis.claims", description=__doc__.split("\n\n")[0])
-    p.add_argument("runs_dir")
+    p.add_argument("runs_dir", help="the matrix's out_dir, or a .jsonl.gz written by --save-metrics")
+    p.add_argument("--save-metrics", default=None, metavar="FILE.jsonl.gz",
+                   help="also save the metrics the claims read, per finished run (to regenerate the page)")
     p.add_argument("--out", default=None, help="write the Markdown here (temp file, then rename); else stdout")
     p.add_argument("--bootstrap-reps", type=int, default=2000)
     p.add_argument("--reward-threshold", type=float, default=DEFAULT_THRESHOLD)
     args = p.parse_args(argv)
     try:
-        text = claims_page(load_arms(args.runs_dir, args.reward_threshold), reps=args.bootstrap_reps,
+        runs = load_runs(args.runs_dir)
+        if args.save_metrics:
+            save_metrics(runs, args.save_metrics)
+        text = claims_page(load_arms(runs, args.reward_threshold), reps=args.bootstrap_reps,
                            reward_threshold=args.reward_threshold)
     except (ReportInputError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

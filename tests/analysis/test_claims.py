@@ -72,3 +72,14 @@ def test_cli_errors_and_writes(tmp_path, capsys):
     out = tmp_path / "claims.md"
     assert main([str(tmp_path), "--out", str(out), "--bootstrap-reps", "50"]) == 0
     assert "### (c) GSPO" in out.read_text()
+
+
+def test_saved_metrics_give_the_same_page(tmp_path):
+    for seed in range(2):
+        _write_run(tmp_path / "runs" / f"grpo-r3-bf16-s{seed}", k3=2e-5 * (seed + 1), k3_replayed=1e-5)
+    out = tmp_path / "m.jsonl.gz"
+    assert main([str(tmp_path / "runs"), "--save-metrics", str(out), "--out", str(tmp_path / "a.md"),
+                 "--bootstrap-reps", "50"]) == 0
+    assert main([str(out), "--out", str(tmp_path / "b.md"), "--bootstrap-reps", "50"]) == 0
+    assert (tmp_path / "a.md").read_text() == (tmp_path / "b.md").read_text()
+    assert "grpo-r3-bf16 | 2 |" in (tmp_path / "a.md").read_text()

@@ -159,3 +159,18 @@ def test_probe_help_lists_the_fields_it_uses_with_their_values(capsys):
     assert "rollout.max_model_len = 64 (built-in default null)" in out
     assert "rollout.max_new_tokens = 32 (built-in default 8)" in out
     assert "train.lr" not in out and "model.tokenizer = null" in out
+
+
+def test_quantization_reaches_the_probe_config(tmp_path):
+    args = probe.parse_args(["--prompts", "p", "--out", "o.json", "--model", str(tmp_path), "--quantization", "fp8",
+                             "rollout.fp8_scale=tensor"])
+    cfg = probe.probe_config(args)
+    assert (cfg.rollout.quantization, cfg.rollout.fp8_scale) == ("fp8", "tensor")
+    res = {k: 0.0 for k in ("routing/any_layer_flip", "mismatch/k1_kl", "mismatch/k3_kl", "mismatch/logp_abs_diff_mean",
+                            "mismatch/logp_abs_diff_max", "mismatch/extreme_frac_ln2", "mismatch/extreme_frac_ln5",
+                            "ratio/token_var", "ratio/seq_var", "ratio/token_var_share_flipped",
+                            "ratio/token_var_share_agreed")}
+    summary = probe.summary_text(dict(res, model="m", engine="hf", dtype="bfloat16", quantization="fp8",
+                                      fp8_scale="tensor", num_sequences=1, num_tokens=1, layer_ids=[],
+                                      **{"routing/layer_disagree": []}))
+    assert "rollout: hf engine in bfloat16 with FP8 (e4m3) weights, per-tensor scales (emulated)" in summary

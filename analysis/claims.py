@@ -56,6 +56,7 @@ EXTRA = {q.key: q for q in (
     Quantity("final_entropy", "entropy, last 10% of steps (nats/token)", True),
     Quantity("final_zero_std", "groups with all-equal rewards, last 10%", False),
     Quantity("update_any_layer", "update/any_layer_change", False),
+    Quantity("update_layer_change", "update/layer_change (mean over layers)", False),
 )}
 QUANTITIES = {**QUANTITY, **EXTRA}
 PRECISIONS = ("bf16", "fp8")
@@ -79,6 +80,7 @@ def run_scores(run, reward_threshold: float = DEFAULT_THRESHOLD) -> dict[str, fl
     q = run_quantities(run, reward_threshold=reward_threshold)
     k3_nat, k3_rep = _mean(run, "mismatch/k3_kl"), _mean(run, "mismatch_replayed/k3_kl")
     _, ld = matrix_series(run.records, "routing/layer_disagree")
+    _, lc = matrix_series(run.records, "update/layer_change")
     _, tok = series(run.records, "ratio/token_var")
     _, seq = series(run.records, "ratio/seq_var")
     ok = np.isfinite(tok) & np.isfinite(seq) & (seq > 0)
@@ -95,6 +97,7 @@ def run_scores(run, reward_threshold: float = DEFAULT_THRESHOLD) -> dict[str, fl
         "var_quotient": float(np.median(tok[ok] / seq[ok])) if ok.any() else math.nan,
         "update_change": _mean(run, "update/expert_change_frac"),
         "update_any_layer": _mean(run, "update/any_layer_change"),
+        "update_layer_change": finite_mean(lc.mean(axis=1)) if lc.size else math.nan,
         "final_entropy": _last10(run, "actor/entropy"), "final_zero_std": _last10(run, "reward/frac_zero_std"),
     }
 
@@ -221,7 +224,7 @@ def claims_page(arms: Mapping[str, list[dict[str, float]]], reps: int = 2000,
     lines += pair_table(arms, [(a("gspo", "none", "bf16"), a("gspo", "none", "fp8"))],
                         ["final_reward", "reward_auc", "collapsed"], reps)
     lines += ["", "### (d) Experts changed by one optimizer step", ""]
-    lines += arm_table(arms, ["update_change", "update_any_layer"], reps)
+    lines += arm_table(arms, ["update_change", "update_layer_change", "update_any_layer"], reps)
     return "\n".join(lines) + "\n"
 
 

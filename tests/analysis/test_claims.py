@@ -27,6 +27,7 @@ def _write_run(d: Path, *, k3: float, k3_replayed: float | None = None, reward=(
             row["mismatch_replayed/k3_kl"] = k3_replayed
         if step % 2 == 0:
             row["update/expert_change_frac"] = 0.1 if step == 0 else 0.2
+            row["update/layer_change"] = [0.1, 0.3] if step == 0 else [0.2, 0.2]
         rows.append(row)
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     if done:
@@ -42,7 +43,7 @@ def test_run_scores_by_hand(tmp_path):
     assert s["k3_loss"] == pytest.approx(1e-5)  # R3's loss uses the replayed pass
     assert s["layer_disagree"] == pytest.approx(0.03) and s["any_layer_flip"] == pytest.approx(0.05)
     assert s["var_quotient"] == pytest.approx(5.5)
-    assert s["update_change"] == pytest.approx(0.15)
+    assert s["update_change"] == pytest.approx(0.15) and s["update_layer_change"] == pytest.approx(0.2)
     assert s["final_entropy"] == pytest.approx(1.5) and s["final_zero_std"] == pytest.approx(0.75)  # last step
     assert s["reward_auc"] == pytest.approx(0.25) and s["final_reward"] == pytest.approx(0.4)
     s = run_scores(load_run(_write_run(tmp_path / "grpo-none-fp8-s0", k3=2e-5)))

@@ -173,7 +173,7 @@ def resume_hint(run_dir: str | os.PathLike) -> str:
     p = Path(run_dir)
     last = latest_checkpoint(p) if p.is_dir() else None
     if last is not None:
-        return f"rerun the same command with --resume to continue from {p / last.name} (its newest checkpoint)"
+        return f"rerun the same command with --resume to continue from its newest checkpoint, {last}"
     if p.is_dir() and run_outputs(p):
         return (f"{p} holds no checkpoint yet (train.checkpoint_every sets how often one is written): rerun the same "
                 "command with --overwrite to start afresh (the old directory is moved aside)")

@@ -127,7 +127,7 @@ def check_updated_policy(learner, new_logp_BS: torch.Tensor | None, response_mas
     what = ("its weights hold NaN/Inf" if not weights_ok else
             f"its log-probs are NaN/Inf on {num_bad} of {logp.numel()} response tokens: the weights overflow")
     last = latest_checkpoint(run_dir)
-    hint = (f"then --resume continues from {last.name}" if last is not None else
+    hint = (f"then --resume continues from {last}" if last is not None else
             "no checkpoint was written yet: rerun with --overwrite")
     raise ValueError(f"step {step}: the update made the policy non-finite ({what}); stopped before the rollout "
                      f"engine or a checkpoint received it. Lower train.lr (now {cfg.train.lr:g}) or set "

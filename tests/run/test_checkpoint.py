@@ -156,3 +156,14 @@ def test_checkpoint_on_a_full_disk_is_one_error_and_leaves_nothing_half_written(
                     "checkpoints/step_000001/rank_00000.pt"], left
     assert _latest(tiny_fs) == "step_000001"
     assert json.loads((tiny_fs / "checkpoints" / "step_000001" / "meta.json").read_text())["train_state"]["step"] == 1
+
+
+def test_resume_hint_names_the_checkpoint_path_that_exists(tmp_path):
+    """Issue 32, defect 4: the hint named `<run_dir>/step_N`; checkpoints live in `<run_dir>/checkpoints/`."""
+    from moe_gspo.run.rundir import resume_hint
+
+    _save(tmp_path, 10)
+    hint = resume_hint(tmp_path)
+    named = [w.rstrip(",.") for w in hint.split() if "step_000010" in w]
+    assert named and Path(named[0]).is_dir(), hint
+    assert named[0] == str(tmp_path / "checkpoints" / "step_000010")

@@ -587,13 +587,32 @@ def config_from_dict(data: dict | None, overrides: list[str] = ()) -> Config:
     return validate(cfg)
 
 
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+"""The checkout's shipped configs (`configs/` beside the package; the README installs it editable)."""
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """`path` if it is a file; else, for a relative `configs/NAME`, the shipped config of that name, so
+    that `--config configs/tiny_cpu.yaml` (and the train default) work from any directory. Raises one
+    ValueError naming the shipped configs otherwise."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    if not p.is_absolute() and p.parts[:1] == ("configs",) and (CONFIG_DIR / Path(*p.parts[1:])).is_file():
+        return CONFIG_DIR / Path(*p.parts[1:])
+    shipped = sorted(q.name for q in CONFIG_DIR.glob("*.yaml") if not q.name.startswith("ablation_")) if CONFIG_DIR.is_dir() else []
+    where = f" (nor in the shipped {CONFIG_DIR})" if shipped and not p.is_absolute() else ""
+    fix = (f"pass --config FILE with an existing file, or one of the shipped configs/{{{', '.join(shipped)}}}"
+           if shipped else "pass --config FILE with an existing file")
+    raise ValueError(f"config file {str(p)!r} does not exist{where}; {fix}")
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    """Load a YAML config file (or the defaults when path is None) and apply overrides."""
+    """Load a YAML config file (or the defaults when path is None) and apply overrides; a relative
+    `configs/NAME` path falls back to the shipped config of that name (`resolve_config_path`)."""
     data: dict = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"config file {str(p)!r} does not exist; pass --config configs/tiny_cpu.yaml or a valid path")
+        p = resolve_config_path(path)
         data = load_yaml_file(p, what="config file") or {}
         if not isinstance(data, dict):
             raise ValueError(f"config file {str(p)!r} must hold a mapping of sections, got {type(data).__name__}")

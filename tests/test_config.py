@@ -203,3 +203,23 @@ def test_non_utf8_config_names_file_and_line(tmp_path):
     f.write_bytes(b"train:\n  steps: 3\n# caf\xe9\n")
     with pytest.raises(ValueError, match=r"c.yaml' line 3: not valid UTF-8"):
         load_config(f)
+
+
+def test_default_and_shipped_configs_resolve_outside_the_checkout(tmp_path, monkeypatch):
+    """Issue 32, defect 1: `configs/NAME` (the train default included) is found from any directory, and
+    --help lists the default config's values, not the dataclass defaults."""
+    from moe_gspo.config import CONFIG_DIR, load_config
+    from moe_gspo.run.cli import TRAIN_DEFAULT_CONFIG, _train_help
+
+    monkeypatch.chdir(tmp_path)
+    shipped = yaml.safe_load((CONFIG_DIR / "tiny_cpu.yaml").read_text())
+    cfg = load_config(TRAIN_DEFAULT_CONFIG)
+    assert cfg.train.steps == shipped["train"]["steps"] != Config().train.steps
+    help_text = _train_help([])
+    assert f"train.steps = {shipped['train']['steps']}" in help_text and "does not load" not in help_text
+    with pytest.raises(ValueError, match=r"'configs/nope.yaml' does not exist .*tiny_cpu.yaml"):
+        load_config("configs/nope.yaml")
+    # a file of the user's own in the working directory wins over the shipped one of the same name
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "tiny_cpu.yaml").write_text("train:\n  steps: 3\n")
+    assert load_config(TRAIN_DEFAULT_CONFIG).train.steps == 3

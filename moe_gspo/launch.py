@@ -26,6 +26,7 @@ import signal
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 PROG = "python -m moe_gspo.launch"
@@ -121,6 +122,26 @@ def _rendezvous_lost(args: argparse.Namespace, since: float) -> int:
     return EXIT_RANK_FAILURE
 
 
+def check_train_command(args: argparse.Namespace) -> int:
+    """For `-m moe_gspo.train`: validate its command line and config here, before any worker starts, so
+    that a config error is one `error: ...` line (exit code 2) with nothing around it; 0 = go on
+    (`--help` and everything else are left to the workers)."""
+    from moe_gspo.run.cli import check_train_args, help_requested
+    from moe_gspo.run.errors import EXIT_USER_ERROR
+
+    worker_args = list(args.training_script_args)
+    if not args.module or args.training_script != "moe_gspo.train" or help_requested(worker_args):
+        return 0
+    try:
+        with warnings.catch_warnings():  # config warnings: the workers print them once, on rank 0
+            warnings.simplefilter("ignore")
+            check_train_args(worker_args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -128,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import run
 
     args = build_parser().parse_args(argv if argv is not None else sys.argv[1:])
+    code = check_train_command(args)
+    if code:
+        return code
     # The agent logs every worker it stops ("Sending process N closing signal SIGTERM") and the
     # failure again; the workers' own output and the line below say what matters.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)

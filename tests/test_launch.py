@@ -68,3 +68,26 @@ def test_old_records_in_a_named_log_dir_are_not_read(tmp_path):
     old.write_text('{"message": {"message": "error: old", "extraInfo": {"exitcode": 2, "rank": 0, "timestamp": "1"}}}')
     assert [r["message"] for r in launch.local_records(tmp_path, since=0)] == ["error: old"]
     assert launch.local_records(tmp_path, since=old.stat().st_mtime + 10) == []
+
+
+@pytest.mark.parametrize("train_args, msg", [
+    (["train.lr=abc"], "error: train.lr='abc' must be a number"),
+    (["--algo", "ppo"], "error: argument --algo: invalid choice: 'ppo'"),
+    (["--resume", "--overwrite"], "error: --resume continues the run"),
+])
+def test_a_train_config_error_is_one_line_before_any_worker_starts(monkeypatch, capsys, train_args, msg):
+    """Issue 32, defect 2: the launcher checks `-m moe_gspo.train`'s command line itself; no worker (no
+    torchrun agent) starts, and stderr is that one line."""
+    started = []
+    monkeypatch.setattr(torchrun, "run", lambda args: started.append(args))
+    code = launch.main(["--standalone", "--nproc-per-node", "2", "-m", "moe_gspo.train", *train_args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (code, started, len(err)) == (2, [], 1) and err[0].startswith(msg), err
+
+
+def test_a_valid_train_command_and_help_go_to_the_workers(monkeypatch):
+    started = []
+    monkeypatch.setattr(torchrun, "run", lambda args: started.append(args.training_script_args))
+    assert launch.main(["--standalone", "--nproc-per-node", "2", "-m", "moe_gspo.train", "train.steps=2"]) == 0
+    assert launch.main(["--standalone", "-m", "moe_gspo.train", "train.lr=abc", "--help"]) == 0
+    assert started == [["train.steps=2"], ["train.lr=abc", "--help"]]

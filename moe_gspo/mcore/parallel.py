@@ -10,6 +10,7 @@ and a full copy of the dense weights, and each rank processes its own share of t
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
@@ -119,11 +120,34 @@ def init_distributed(*, ep_size: int, num_experts: int, seed: int = 0,
     )
 
 
-def destroy_distributed() -> None:
-    """Tear down Megatron's parallel state and the process group (tests, end of runs)."""
-    from megatron.core import parallel_state as ps
+def _loaded(name: str):
+    """The module `name` if an import of it has completed in this process, else None; imports nothing.
 
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    An import that a signal (KeyboardInterrupt) broke off leaves its package half-built: the modules it
+    was executing are dropped from `sys.modules`, the submodules that finished stay behind, and a
+    second import of the same chain then fails (`module 'sympy' has no attribute 'printing'`). A module
+    still executing (`__spec__._initializing`) counts as not loaded either."""
+    module = sys.modules.get(name)
+    if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
+        return None
+    return module
+
+
+def destroy_distributed() -> None:
+    """Tear down Megatron's parallel state and the process group (tests, end of runs).
+
+    Safe as the `finally:` of an entry point that a signal interrupted at any point: it uses only
+    modules already imported (never imports torch.distributed or Megatron, which a broken-off import
+    cannot be repeated for), does nothing when neither was initialised, and turns a failure of the
+    teardown itself into a one-line warning instead of a traceback over the run's own exit."""
+    try:
+        ps = _loaded("megatron.core.parallel_state")
+        is_init = getattr(ps, "model_parallel_is_initialized", None)
+        if is_init is not None and is_init():
+            ps.destroy_model_parallel()
+        pg = _loaded("torch.distributed")
+        if pg is not None and pg.is_available() and pg.is_initialized():
+            pg.destroy_process_group()
+    except Exception as e:  # cleanup: the run's own outcome (and exit code) matters more
+        print(f"warning: tearing down torch.distributed failed ({type(e).__name__}: {e})",
+              file=sys.stderr, flush=True)

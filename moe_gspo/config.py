@@ -1,7 +1,7 @@
 """Typed run configuration: one dataclass per component, loaded from YAML, overridden from the CLI.
 
-A config file has one mapping per section (`model`, `parallel`, `rollout`, `algo`, `task`, `train`,
-`logging`); every field is documented below, and `python -m moe_gspo.train --help` lists them.
+A config file has one mapping per section (`model`, `parallel`, `rollout`, `algo`, `task`, `eval`,
+`train`, `logging`); every field is documented below, and `python -m moe_gspo.train --help` lists them.
 Overrides use dotted keys: `train.lr=3e-4 rollout.max_new_tokens=8`; values are parsed as YAML scalars.
 Unknown keys, wrong types, out-of-range values and invalid combinations raise one `ValueError` that
 names the field and the fix. Validation happens once, at config time (`moe_gspo/config_checks.py`).
@@ -274,6 +274,39 @@ class TaskConfig:
     partial_credit: float | None = None
     """Synthetic tasks: weight of the partial credit of an inexact response (an exact match scores 1.0;
     0 = exact match only); null = 1.0 for copy/reverse/sort, 0.5 for copy_first/add."""
+    chat_template: Literal["none", "tokenizer"] = "none"
+    """How a prompt's text becomes token ids: none = the text as it is; tokenizer = the tokenizer's own
+    chat template (real Qwen3 checkpoints), the text as one user message plus the generation prompt
+    (`moe_gspo/tasks/encoding.py`)."""
+    system_prompt: str | None = None
+    """With task.chat_template=tokenizer: a system message put before every prompt; null = none."""
+    reward: str | None = None
+    """A reward function of your own instead of the task's: `package.module:function` or
+    `path/to/file.py:function`, called as `function(prompt=str, response=str, answer=str)` and returning
+    a number (`moe_gspo/tasks/plugin.py`); null = the task's reward."""
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Held-out evaluation of the policy during training (`moe_gspo/run/evaluation.py`)."""
+
+    every: int = 0
+    """Evaluate the policy after every N updates (and the initial and final policies); 0 = never."""
+    path: str | None = None
+    """JSONL file of `prompt`/`answer` lines to evaluate on; null = a held-out split of the task: for
+    task.name=jsonl the eval.holdout prompts kept out of task.path, for a synthetic task its own
+    prompt stream (seeded apart from training's)."""
+    holdout: int = 0
+    """task.name=jsonl without eval.path: hold this many of task.path's prompts (a fixed random choice,
+    the same for every train.seed) out of training and evaluate on them."""
+    num_prompts: int | None = None
+    """Prompts per evaluation; null = the whole eval file or held-out split, 64 for a synthetic task."""
+    greedy: bool = True
+    """Greedy decoding; false = sample like the rollout (rollout.temperature, rollout.top_p)."""
+    samples_per_prompt: int = 1
+    """Samples per prompt k; k > 1 (needs eval.greedy=false) also gives eval/pass_at_k."""
+    max_new_tokens: int | None = None
+    """Maximum response length of an eval response; null = rollout.max_new_tokens."""
 
 
 @dataclass(kw_only=True)
@@ -402,6 +435,11 @@ class LoggingConfig:
     """Run name (defaults to the run directory's name)."""
     progress: bool = True
     """Show a progress bar on the console (rank 0)."""
+    samples_every: int = 10
+    """Every N steps, save logging.num_samples of the step's prompts with their responses, rewards,
+    advantages and per-token routing flips to RUN_DIR/samples.jsonl (0 = never)."""
+    num_samples: int = 4
+    """Samples saved per saving step (the first sample of that many prompt groups)."""
     update_drift_every: int = 10
     """Measure update/* (old->new learner routing after the first optimizer step of the step) and
     update_all_minibatches/* (after all of them) every N steps (0 = never; 1 = every step). Each costs
@@ -417,6 +455,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 

@@ -100,6 +100,9 @@ def validate(cfg: Config) -> Config:
     # Cross-section combinations, checked once here.
     if t.name == "jsonl" and not t.path:
         raise ValueError("task.name=jsonl needs task.path=FILE.jsonl (lines with 'prompt' and 'answer')")
+    _check_task_io(cfg)
+    _check_positive("logging.samples_every", lg.samples_every, allow_zero=True)
+    _check_positive("logging.num_samples", lg.num_samples)
     if a.routing_replay == "r3" and not r.record_routes:
         raise ValueError(
             "algo.routing_replay=r3 replays the rollout engine's routes, but rollout.record_routes=false; "
@@ -231,3 +234,29 @@ def _validate_rollout_correction(a: AlgoConfig) -> None:
     if lower is not None and not 0.0 < lower < 1.0:
         raise ValueError(f"algo.rollout_rs_threshold_lower={lower} must be in (0, 1) (null = 1 / "
                          "algo.rollout_rs_threshold)")
+
+
+def _check_task_io(cfg: Config) -> None:
+    """task.chat_template / system_prompt / reward and the eval section (their files and functions are
+    opened at start-up, `moe_gspo.tasks.make_task` and `moe_gspo.run.evaluation.eval_prompts`)."""
+    t, e = cfg.task, cfg.eval
+    if t.system_prompt is not None and t.chat_template != "tokenizer":
+        raise ValueError("task.system_prompt is put into the chat template; set task.chat_template=tokenizer as "
+                         "well, or task.system_prompt=null")
+    if t.reward is not None and (t.reward.count(":") != 1 or not all(t.reward.split(":"))):
+        raise ValueError(f"task.reward={t.reward!r} must look like package.module:function or "
+                         "path/to/file.py:function")
+    _check_positive("eval.every", e.every, allow_zero=True)
+    _check_positive("eval.holdout", e.holdout, allow_zero=True)
+    for k in ("num_prompts", "samples_per_prompt", "max_new_tokens"):
+        _check_positive(f"eval.{k}", getattr(e, k))
+    if e.samples_per_prompt > 1 and e.greedy:
+        raise ValueError(f"eval.samples_per_prompt={e.samples_per_prompt} with eval.greedy=true would give k "
+                         "identical responses; set eval.greedy=false for pass@k, or eval.samples_per_prompt=1")
+    if e.holdout and (t.name != "jsonl" or e.path is not None):
+        raise ValueError(f"eval.holdout={e.holdout} holds prompts of task.path out of training: it needs "
+                         "task.name=jsonl and eval.path=null (a synthetic task evaluates on its own prompt "
+                         "stream); set eval.holdout=0")
+    if e.every and t.name == "jsonl" and e.path is None and not e.holdout:
+        raise ValueError("eval.every > 0 with task.name=jsonl needs prompts to evaluate on: set eval.path=FILE.jsonl, "
+                         "or eval.holdout=N to hold N prompts of task.path out of training")

@@ -22,6 +22,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, *, overwrite: bool =
     """Run (or continue) a training run in `run_dir`; see `moe_gspo.run.rundir` for what may happen to it."""
     from moe_gspo.plan.startup import check_before_loading
     from moe_gspo.run.activity import Activity
+    from moe_gspo.run.evaluation import eval_prompts
     from moe_gspo.run.learner_passes import ReferencePolicy
     from moe_gspo.run.rundir import check_same_run_dir, plan_run_dir
     from moe_gspo.run.setup import build_policy, check_prompts_fit, init_run
@@ -29,8 +30,9 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, *, overwrite: bool =
     from moe_gspo.tasks import make_task
 
     plan = plan_run_dir(run_dir, resume=resume, overwrite=overwrite)  # output path: before any compute
-    task = make_task(cfg.task)  # data errors: before any compute
-    check_prompts_fit(cfg, task)  # prompt + rollout.max_new_tokens within the engine's context
+    task = make_task(cfg.task, holdout=cfg.eval.holdout)  # data errors: before any compute
+    evals = eval_prompts(cfg, task)  # the held-out eval set (eval.*); [] when off
+    check_prompts_fit(cfg, task, evals)  # prompt + max_new_tokens within the engine's context; <unk> warning
     info = init_run(cfg)
     check_same_run_dir(plan, rank=info.rank, world_size=info.world_size)  # multi-node: one shared RUN_DIR
     check_before_loading(cfg, info)  # optimizer options for this device; the memory plan on GPU (moe_gspo.plan)
@@ -42,16 +44,18 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, *, overwrite: bool =
         reference = ReferencePolicy(cfg, info, policy.learner) if cfg.algo.kl_coef > 0 else None
         act("preparing the run directory")
         state = start_run(cfg, plan, info, policy, resume_asked=resume)
-        return {} if state is None else loop(cfg, plan.path, info, policy, task, state, act, reference)
+        return {} if state is None else loop(cfg, plan.path, info, policy, task, evals, state, act, reference)
 
 
-def loop(cfg: Config, run_dir: Path, info, policy, task, state, act, reference) -> dict:
+def loop(cfg: Config, run_dir: Path, info, policy, task, evals, state, act, reference) -> dict:
     from tqdm import tqdm
 
     from moe_gspo.learner.batch import PackedBatch
     from moe_gspo.run import sampling, steps
     from moe_gspo.run.checkpoint import save_checkpoint
+    from moe_gspo.run.evaluation import maybe_evaluate
     from moe_gspo.run.learner_passes import learner_update
+    from moe_gspo.run.samples import sample_rows
     from moe_gspo.run.sinks import MetricsSink
     from moe_gspo.run.start import check_updated_policy, fingerprint
     from moe_gspo.run.timing import PhaseTimer
@@ -67,6 +71,8 @@ def loop(cfg: Config, run_dir: Path, info, policy, task, state, act, reference) 
     t_start, wall_before = time.time(), state.wall_s
     timer = PhaseTimer()  # perf/<phase>_s: where a step's time goes (moe_gspo.bench.step_profile)
     for step in bar:
+        act(f"evaluation, step {step}")  # eval.every: the policy after `step` updates (perf/eval_s, not in step time)
+        eval_metrics = maybe_evaluate(cfg, policy, task, evals, info, sink, step, timer=timer)
         t0 = time.time()
         act(f"rollout, step {step}")
         with timer("rollout"):
@@ -93,9 +99,14 @@ def loop(cfg: Config, run_dir: Path, info, policy, task, state, act, reference) 
             if info.is_main and cfg.logging.trace_every and step % cfg.logging.trace_every == 0:
                 steps.save_step_traces(run_dir, step, policy, samples, batch, passes.old, passes.new, rewards,
                                        replayed_logp_BS=passes.replayed_logp_BS)
+            if info.is_main and cfg.logging.samples_every and step % cfg.logging.samples_every == 0:
+                sink.log_samples(sample_rows(step, policy.tokenizer, drawn.prompts, samples, rewards, batch.advantages_B,
+                                             rollout_routes=batch.rollout_routes, learner_routes=passes.old.routes,
+                                             num_groups=cfg.logging.num_samples))
         with timer("metrics"):
             metrics.update(steps.sample_metrics(rewards, samples, batch.advantages_B, cfg.rollout.samples_per_prompt))
             metrics.update(drawn.metrics)  # sampling/*
+            metrics.update(eval_metrics)  # eval/*, on eval steps
             state.step, state.prompts_consumed = step + 1, state.prompts_consumed + drawn.num_prompts_drawn
             state.wall_s = wall_before + time.time() - t_start
             dt = time.time() - t0
@@ -111,6 +122,8 @@ def loop(cfg: Config, run_dir: Path, info, policy, task, state, act, reference) 
                                 keep=cfg.train.keep_checkpoints, fingerprint=fingerprint(cfg, policy, info))
         bar.set_postfix({"reward": f"{metrics['reward/mean']:.3f}", "entropy": f"{metrics.get('actor/entropy', 0):.3f}",
                          "flip": f"{metrics.get('routing/any_layer_flip', 0):.3f}", "clip": f"{metrics.get('clip/token_frac', 0):.3f}"})
+    act("final evaluation")
+    maybe_evaluate(cfg, policy, task, evals, info, sink, state.step, timer=None)  # the final policy: eval.jsonl
     sink.close()
     engine.close()
     act("finishing")

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-RUN_OUTPUTS = ("metrics.jsonl", "done.json", "config.yaml", "checkpoints", "hf_export", "traces", "wandb")
+RUN_OUTPUTS = ("metrics.jsonl", "done.json", "config.yaml", "run.json", "eval.jsonl", "samples.jsonl", "checkpoints",
+               "hf_export", "traces", "wandb")
 
 
 def _ancestors_ok(path: Path, flag: str) -> None:

@@ -8,6 +8,8 @@ over EP per layer, `Learner.hf_weight_stream`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,13 +95,33 @@ def check_tokenizer_fits(tok, hf_config, *, tokenizer_dir: str, model: str) -> N
             f"(model.tokenizer=null) or a model trained with this tokenizer")
 
 
-def check_prompts_fit(cfg: Config, task) -> None:
-    """Start-up check, before anything is written: every prompt of `task` plus rollout.max_new_tokens
-    fits the rollout engine's context (`moe_gspo.tasks.lengths`); reads only config and tokenizer files."""
+def check_prompts_fit(cfg: Config, task, eval_prompts=()) -> None:
+    """Start-up check, before anything is written: every prompt of `task` (and of the eval set) plus
+    rollout.max_new_tokens fits the rollout engine's context (`moe_gspo.tasks.lengths`), encoded as the
+    rollout encodes them (task.chat_template); prompts with text the tokenizer maps to its unknown token
+    get one warning naming them (rank 0). Reads only config and tokenizer files."""
+    import os
+
+    from moe_gspo.run.errors import warn_once
+    from moe_gspo.tasks.encoding import check_chat_template, encode_prompts, unknown_token_report
     from moe_gspo.tasks.lengths import check_prompt_lengths
 
     hf_config, tok = _hf_config_and_tokenizer(cfg)
-    check_prompt_lengths(task.longest_prompts(), tok, hf_config, cfg.rollout)
+    t = cfg.task
+    check_chat_template(tok, t.chat_template, tokenizer_name=repr(cfg.model.tokenizer or cfg.model.path or "shipped"))
+    enc = dict(chat_template=t.chat_template, system_prompt=t.system_prompt)
+    prompts = list(task.longest_prompts())
+    check_prompt_lengths(prompts, tok, hf_config, cfg.rollout, **enc)
+    if eval_prompts:
+        room = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
+        check_prompt_lengths(eval_prompts, tok, hf_config, dataclasses.replace(cfg.rollout, max_new_tokens=room),
+                             max_new_tokens_flag="eval.max_new_tokens" if cfg.eval.max_new_tokens else
+                             "rollout.max_new_tokens", **enc)
+    if cfg.task.name == "jsonl" or eval_prompts:  # synthetic prompts use the tokenizer's own symbols
+        everything = prompts + list(eval_prompts)
+        report = unknown_token_report(tok, everything, encode_prompts(tok, [p.text for p in everything], **enc))
+        if report:
+            warn_once(report, is_main=int(os.environ.get("RANK", "0")) == 0)
 
 
 def init_run(cfg: Config) -> ParallelInfo:

@@ -1,8 +1,9 @@
 """Where per-step metrics go: RUN_DIR/metrics.jsonl, wandb (offline by default), the console.
 
 Only rank 0 writes. `metrics.jsonl` holds one JSON object per step, appended and flushed after each
-step; on resume, lines of steps at or after the resumed step are dropped first (atomically), so the
-file equals that of an uninterrupted run.
+step (`eval.jsonl` one per evaluation, `samples.jsonl` one per saved sample); on resume, lines of steps
+at or after the resumed step are dropped first (atomically), so each file equals that of an
+uninterrupted run.
 """
 
 from __future__ import annotations
@@ -55,17 +56,46 @@ def truncate_metrics(path: Path, keep_before_step: int) -> None:
     atomic_write_text(path, "".join(l + "\n" for l in kept))
 
 
+def append_jsonl_line(path: Path, rec: dict[str, Any], what: str) -> None:
+    """Append one JSON line and fsync it; on any failure (a full disk, an interrupt) the file is cut
+    back to where it was, so no torn line is left behind."""
+    from moe_gspo.run.errors import writing
+
+    data = memoryview((json.dumps({k: _jsonable(v) for k, v in rec.items()}, ensure_ascii=False) + "\n").encode())
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)  # no descriptor held between steps
+    end = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        with writing(path, what):
+            while data:
+                data = data[os.write(fd, data):]
+            os.fsync(fd)
+    except BaseException:
+        try:
+            os.ftruncate(fd, end)
+        except OSError:
+            pass
+        raise
+    finally:
+        os.close(fd)
+
+
 class MetricsSink:
-    """Appends metrics to metrics.jsonl and wandb; a no-op on ranks other than 0."""
+    """Rank 0's writer of metrics.jsonl (one row per step), eval.jsonl (one row per evaluation,
+    `moe_gspo.run.evaluation`), samples.jsonl (saved samples, `moe_gspo.run.samples`) and wandb. On
+    resume every file first loses its rows of steps >= the resumed step (they are produced again)."""
+
+    FILES = ("metrics.jsonl", "eval.jsonl", "samples.jsonl")
 
     def __init__(self, run_dir: Path, *, enabled: bool, wandb_mode: str, project: str, run_name: str,
                  config: dict, start_step: int):
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
+        self.eval_path, self.samples_path = run_dir / "eval.jsonl", run_dir / "samples.jsonl"
         self._wandb = None
         if not enabled:
             return
-        truncate_metrics(self.path, start_step)
+        for path in (self.path, self.eval_path, self.samples_path):
+            truncate_metrics(path, start_step)
         self.path.touch()
         if wandb_mode != "disabled":
             os.environ.setdefault("WANDB_SILENT", "true")
@@ -77,31 +107,29 @@ class MetricsSink:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        from moe_gspo.run.errors import writing
-
         rec = {"step": step, **{k: _jsonable(v) for k, v in sorted(metrics.items())}}
-        data = memoryview((json.dumps(rec) + "\n").encode())
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)  # no descriptor held between steps
-        end = os.lseek(fd, 0, os.SEEK_END)
-        try:
-            with writing(self.path, "metrics"):
-                while data:
-                    data = data[os.write(fd, data):]
-                os.fsync(fd)
-        except BaseException:  # no torn line left behind (a full disk, an interrupt)
-            try:
-                os.ftruncate(fd, end)
-            except OSError:
-                pass
-            raise
-        finally:
-            os.close(fd)
+        append_jsonl_line(self.path, rec, "metrics")
         if self._wandb is not None:
             scalars = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step"}
             for k, v in rec.items():  # per-layer lists become layer-indexed scalars
                 if isinstance(v, list) and v and isinstance(v[0], (int, float)):
                     scalars.update({f"{k}/{i}": x for i, x in enumerate(v)})
             self._wandb.log(scalars, step=step)
+
+    def log_eval(self, version: int, metrics: dict[str, Any], *, in_step_row: bool) -> None:
+        """An evaluation of the policy after `version` updates; `in_step_row`: its numbers also go into
+        step `version`'s metrics row (and so to wandb with it), else to wandb here (the final one)."""
+        if not self.enabled:
+            return
+        append_jsonl_line(self.eval_path, {"step": version, **metrics}, "eval results")
+        if self._wandb is not None and not in_step_row:
+            self._wandb.log(dict(metrics), step=version)
+
+    def log_samples(self, rows: list[dict[str, Any]]) -> None:
+        if not self.enabled:
+            return
+        for row in rows:
+            append_jsonl_line(self.samples_path, row, "samples")
 
     def close(self) -> None:
         if not self.enabled:

@@ -8,6 +8,8 @@ on the weights after an update.
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import torch
@@ -106,8 +108,26 @@ def start_run(cfg: Config, plan: RunDirPlan, info, policy, *, resume_asked: bool
     state.segments += 1
     if info.is_main:
         atomic_write_text(run_dir / "config.yaml", cfg.to_yaml())
+        atomic_write_text(run_dir / "run.json", json.dumps(run_facts(cfg, info), indent=1))
         print(cfg.to_yaml() if state.step == 0 else f"resuming at step {state.step} from {run_dir}", flush=True)
     return state
+
+
+def run_facts(cfg: Config, info) -> dict:
+    """What the config leaves to the machine, as this segment resolved it (RUN_DIR/run.json, rewritten at
+    every start): the learner's parameter dtype, device type and world size, library versions."""
+    import megatron.core
+    import transformers
+
+    from moe_gspo.rollout.fp8 import rollout_precision
+    from moe_gspo.run.setup import learner_dtype
+
+    r = cfg.rollout
+    return {"learner_dtype": str(learner_dtype(cfg)).removeprefix("torch."), "device": torch.device(info.device).type,
+            "world_size": info.world_size, "expert_parallel_size": cfg.parallel.expert_parallel_size,
+            "rollout": f"{r.engine} engine in {rollout_precision(r.dtype, r.quantization, r.fp8_scale, r.engine)}",
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                         "megatron-core": megatron.core.__version__}}
 
 
 def check_updated_policy(learner, new_logp_BS: torch.Tensor | None, response_mask_BS: torch.Tensor, *, cfg: Config,

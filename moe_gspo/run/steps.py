@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from moe_gspo.rollout.base import RolloutSample, SamplingParams
 from moe_gspo.run.errors import writing
 from moe_gspo.run.setup import Policy, derive_seed
 from moe_gspo.tasks import Prompt, Task
+from moe_gspo.tasks.encoding import encode_prompts
 
 
 def rollout_share(info: ParallelInfo, tensor_parallel_size: int = 1) -> tuple[int, int]:
@@ -37,23 +39,32 @@ def rollout(policy: Policy, prompts: list[Prompt], cfg: Config, info: ParallelIn
     `round_index` > 0: a further generation round of the step (dynamic sampling, `run.sampling`), with
     its own seed; round 0 uses the seed a step without dynamic sampling uses."""
     r = cfg.rollout
-    share, num_shares = rollout_share(info, r.tensor_parallel_size if r.engine == "vllm" else 1)
-    per_rank = len(prompts) // num_shares
-    mine = prompts[share * per_rank:(share + 1) * per_rank]
-    tok = policy.tokenizer
-    ids = [tok(p.text, add_special_tokens=False)["input_ids"] for p in mine]
-    seed_parts = (cfg.train.seed, step, share) + ((round_index,) if round_index else ())
     sampling = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
-                              max_new_tokens=r.max_new_tokens, seed=derive_seed(*seed_parts))
+                              max_new_tokens=r.max_new_tokens)
+    rounds = (round_index,) if round_index else ()
     try:
-        local = policy.engine.generate(ids, sampling)
+        return generate(policy, prompts, cfg, info, sampling,
+                        seed_of_share=lambda share: derive_seed(cfg.train.seed, step, share, *rounds))
     except RuntimeError as e:
         if "probability tensor contains" not in str(e):
             raise
         raise ValueError(f"step {step}: the rollout engine's next-token probabilities are NaN/Inf: the policy "
                          f"weights overflow in rollout.dtype={r.dtype}. Lower train.lr (now {cfg.train.lr:g}) or set "
                          f"train.grad_clip > 0, then --resume from an earlier checkpoint") from None
-    return gather_samples(local, info, prompt_offset=share * per_rank)
+
+
+def generate(policy: Policy, prompts: list[Prompt], cfg: Config, info: ParallelInfo, sampling: SamplingParams, *,
+             seed_of_share) -> list[RolloutSample]:
+    """`sampling.n` samples of every prompt, each rollout engine generating a contiguous share of the
+    prompts (sizes differ by at most one; a share may be empty) with the seed `seed_of_share(share)`;
+    every rank receives all samples, in prompt order (collective: every rank calls it)."""
+    share, num_shares = rollout_share(info, cfg.rollout.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1)
+    lo, hi = len(prompts) * share // num_shares, len(prompts) * (share + 1) // num_shares
+    ids = encode_prompts(policy.tokenizer, [p.text for p in prompts[lo:hi]], chat_template=cfg.task.chat_template,
+                         system_prompt=cfg.task.system_prompt)
+    sampling = dataclasses.replace(sampling, seed=seed_of_share(share))
+    local = policy.engine.generate(ids, sampling) if ids else []
+    return gather_samples(local, info, prompt_offset=lo)
 
 
 def gather_samples(samples: list[RolloutSample], info: ParallelInfo, *, prompt_offset: int) -> list[RolloutSample]:

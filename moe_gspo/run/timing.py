@@ -1,4 +1,4 @@
-"""Wall time per phase of one RL step, logged as `perf/<phase>_s` (see README, "Metrics").
+"""Wall time per phase of one RL step, logged as `perf/<phase>_s` (see docs/metrics.md).
 
 `moe_gspo.bench.step_profile` reads these columns to print where a step's time goes. On CUDA a phase
 ends with `torch.cuda.synchronize()`, so that asynchronous kernels are charged to the phase that
@@ -12,9 +12,10 @@ from contextlib import contextmanager
 
 import torch
 
-PHASES = ("rollout", "score", "old_logp", "compare", "replayed_logp", "reference", "update", "drift", "guard", "sync",
-          "metrics", "traces", "log", "checkpoint")
-"""The phases `moe_gspo.train` times, in step order. `log` (writing the metrics row: metrics.jsonl,
+PHASES = ("eval", "rollout", "score", "old_logp", "compare", "replayed_logp", "reference", "update", "drift", "guard",
+          "sync", "metrics", "traces", "log", "checkpoint")
+"""The phases `moe_gspo.train` times, in step order. `eval` (eval.every: the held-out evaluation at the
+start of a step) is not part of perf/step_time_s. `log` (writing the metrics row: metrics.jsonl,
 wandb) and `checkpoint` happen after a step's row is assembled, so each row carries those of the
 PREVIOUS step."""
 

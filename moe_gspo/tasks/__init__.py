@@ -6,13 +6,20 @@ from moe_gspo.tasks.math_answer import extract_answer, math_reward
 from moe_gspo.tasks.synthetic import SyntheticTask
 
 
-def make_task(cfg) -> Task:
-    """Build the task described by a `moe_gspo.config.TaskConfig`."""
+def make_task(cfg, *, holdout: int = 0) -> Task:
+    """Build the task described by a `moe_gspo.config.TaskConfig` (`holdout`: `eval.holdout`), scored by
+    `task.reward` when one is given."""
     if cfg.name == "jsonl":
-        return JsonlTask(cfg.path)
-    return SyntheticTask(cfg.name, prompt_len=cfg.prompt_len, num_symbols=cfg.num_symbols,
-                         prompt_len_max=cfg.prompt_len_max, pad_prompts=cfg.pad_prompts,
-                         partial_credit=cfg.partial_credit)
+        task: Task = JsonlTask(cfg.path, holdout=holdout)
+    else:
+        task = SyntheticTask(cfg.name, prompt_len=cfg.prompt_len, num_symbols=cfg.num_symbols,
+                             prompt_len_max=cfg.prompt_len_max, pad_prompts=cfg.pad_prompts,
+                             partial_credit=cfg.partial_credit)
+    if cfg.reward is not None:
+        from moe_gspo.tasks.plugin import PluginRewardTask
+
+        task = PluginRewardTask(task, cfg.reward)
+    return task
 
 
 __all__ = ["Prompt", "Task", "JsonlTask", "SyntheticTask", "make_task", "read_prompt_file",

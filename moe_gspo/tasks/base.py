@@ -36,3 +36,7 @@ class Task(abc.ABC):
     def longest_prompts(self) -> list[Prompt]:
         """Prompts at least as long as any the task can yield, for the start-up length check
         (`moe_gspo.tasks.lengths`): every prompt of a file, or the longest a generator can make."""
+
+    def eval_prompts(self, count: int | None) -> list[Prompt]:
+        """The task's held-out evaluation prompts (the first `count`; None = all or the task's default)."""
+        raise ValueError(f"{type(self).__name__} has no held-out prompts to evaluate on; set eval.path=FILE.jsonl")

@@ -42,10 +42,11 @@ def iter_prompt_objects(p: Path):
         yield lineno, obj
 
 
-def read_prompt_file(path: str | Path) -> list[Prompt]:
+def read_prompt_file(path: str | Path, *, field: str = "task.path") -> list[Prompt]:
+    """The prompts of a JSONL prompt/answer file; errors name `field` (the config key that gave it)."""
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"task.path={str(p)!r} does not exist; point it at a JSONL file of prompt/answer lines")
+        raise ValueError(f"{field}={str(p)!r} does not exist; point it at a JSONL file of prompt/answer lines")
     items: list[Prompt] = []
     for lineno, obj in iter_prompt_objects(p):
         ans = obj.get("answer")
@@ -53,15 +54,35 @@ def read_prompt_file(path: str | Path) -> list[Prompt]:
             raise ValueError(f"{p}:{lineno}: needs an 'answer' field (string or number)")
         items.append(Prompt(text=obj["prompt"], answer=str(ans), where=f"{p}:{lineno}"))
     if not items:
-        raise ValueError(f"task.path={str(p)!r} holds no prompts (only blank lines, or nothing); write one JSON "
-                         'object per line, e.g. {"prompt": "What is 2+3?", "answer": "5"}, or point task.path '
+        raise ValueError(f"{field}={str(p)!r} holds no prompts (only blank lines, or nothing); write one JSON "
+                         'object per line, e.g. {"prompt": "what is 2+3?", "answer": "5"}, or point it '
                          "at another file")
     return items
 
 
+HOLDOUT_SEED = "moe_gspo.eval.holdout"
+"""Seed of the held-out choice: the same prompts for every train.seed, so seeds share one eval set."""
+
+
 class JsonlTask(Task):
-    def __init__(self, path: str | Path):
-        self.items = read_prompt_file(path)
+    """The prompts of a JSONL file, scored by the math answer checker. `holdout` = N keeps N prompts (a
+    fixed random choice) out of the training stream as the eval set (`eval.holdout`)."""
+
+    def __init__(self, path: str | Path, *, holdout: int = 0):
+        items = read_prompt_file(path)
+        if holdout and holdout >= len(items):
+            raise ValueError(f"eval.holdout={holdout} leaves no training prompts: task.path={str(path)!r} holds "
+                             f"{len(items)}; hold out fewer (e.g. {max(1, len(items) // 10)})")
+        order = list(range(len(items)))
+        random.Random(HOLDOUT_SEED).shuffle(order)
+        held = set(order[:holdout])
+        self.held_out = [items[i] for i in sorted(held)]
+        self.items = [x for i, x in enumerate(items) if i not in held]
+
+    def eval_prompts(self, count: int | None) -> list[Prompt]:
+        if not self.held_out:
+            raise ValueError("task.name=jsonl has no held-out prompts: set eval.holdout=N or eval.path=FILE.jsonl")
+        return self.held_out[:count]
 
     def prompts(self, start: int, count: int, seed: int) -> list[Prompt]:
         n = len(self.items)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from moe_gspo.tasks.base import Prompt
+from moe_gspo.tasks.encoding import encode_prompts
 
 # vLLM leaves max_position_embeddings as it is for these RoPE types (already scaled in the config)
 # and multiplies it by `factor` for the others (`_get_and_verify_max_len`).
@@ -55,10 +56,11 @@ def context_limit(hf_config, rollout) -> tuple[int, str]:
 
 
 def check_prompt_lengths(prompts: Sequence[Prompt], tokenizer, hf_config, rollout, *,
-                         max_new_tokens_flag: str = "rollout.max_new_tokens") -> int:
+                         max_new_tokens_flag: str = "rollout.max_new_tokens", chat_template: str = "none",
+                         system_prompt: str | None = None) -> int:
     """Raise one ValueError when a prompt plus `rollout.max_new_tokens` does not fit the context
     (`context_limit`); returns the longest prompt's token count. Prompts are tokenized as the
-    rollout does (`add_special_tokens=False`)."""
+    rollout does (`moe_gspo.tasks.encoding.encode_prompts`)."""
     if not prompts:
         return 0
     limit, what = context_limit(hf_config, rollout)
@@ -67,7 +69,7 @@ def check_prompt_lengths(prompts: Sequence[Prompt], tokenizer, hf_config, rollou
     if longest < 1:
         raise ValueError(f"{max_new_tokens_flag}={room} leaves no room for a prompt in the {rollout.engine} engine's "
                          f"context of {limit} tokens ({what}); lower {max_new_tokens_flag}")
-    ids = tokenizer([p.text for p in prompts], add_special_tokens=False)["input_ids"]
+    ids = encode_prompts(tokenizer, [p.text for p in prompts], chat_template=chat_template, system_prompt=system_prompt)
     counts = [len(x) for x in ids]
     bad = [i for i, n in enumerate(counts) if n > longest]
     if not bad:

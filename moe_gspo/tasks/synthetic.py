@@ -153,6 +153,11 @@ class SyntheticTask(Task):
     def prompts(self, start: int, count: int, seed: int) -> list[Prompt]:
         return [self._one(random.Random(f"{self.name}:{seed}:{i}")) for i in range(start, start + count)]
 
+    def eval_prompts(self, count: int | None) -> list[Prompt]:
+        """`count` (None = 64) prompts of the task's own eval stream, seeded apart from every train.seed
+        (generated, so not disjoint from training's prompts when the task has few distinct ones)."""
+        return [self._one(random.Random(f"{self.name}:eval:{i}")) for i in range(64 if count is None else count)]
+
     def longest_prompts(self) -> list[Prompt]:
         """One prompt of the most symbols the task draws (every prompt of a task has the same
         characters up to the symbols drawn, and a padded one the same length whatever it draws)."""

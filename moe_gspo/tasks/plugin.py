@@ -1,0 +1,111 @@
+"""A reward function of your own (`task.reward`), in place of the task's built-in one.
+
+`task.reward: package.module:function` (importable from the working directory or the environment) or
+`task.reward: path/to/file.py:function` (a file, loaded by path). The function is called once per
+response, on every rank, as
+
+    function(prompt=str, response=str, answer=str) -> float
+
+- `prompt`: the prompt text as the task wrote it (before any chat template);
+- `response`: the decoded response, final EOS removed, special tokens kept (`moe_gspo.run.steps.response_text`);
+- `answer`: the task's reference answer (a JSONL line's `answer`, as a string);
+- returns a finite number (an int or a bool counts); group-relative advantages only need rewards to be
+  comparable within a prompt's group, so any scale works, but `eval/accuracy` and `eval/pass_at_k`
+  count a response as correct when its reward is >= 1.
+
+Errors are one ValueError naming `task.reward`: the module or file cannot be imported, the name is not
+a callable, it raises (the message names the exception and the line of your file), or it returns a
+non-number / NaN / inf (the message names the prompt).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import math
+import sys
+import traceback
+from pathlib import Path
+from typing import Callable
+
+from moe_gspo.tasks.base import Prompt, Task
+
+RewardFn = Callable[..., float]
+
+
+def load_reward_function(spec: str) -> RewardFn:
+    """The callable `spec` (`module:function` or `file.py:function`) names; ValueError otherwise."""
+    where, _, name = spec.partition(":")
+    try:
+        if where.endswith(".py"):
+            path = Path(where)
+            if not path.is_file():
+                raise ValueError(f"task.reward={spec!r}: file {where!r} does not exist; give a path to a .py file "
+                                 "(relative to the working directory) or package.module:function")
+            mod_name = f"moe_gspo_reward_{hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]}"
+            loader = importlib.util.spec_from_file_location(mod_name, path)
+            module = importlib.util.module_from_spec(loader)
+            sys.modules[mod_name] = module  # dataclasses and pickling inside the file need it
+            loader.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's module: any failure to import is a user error
+        raise ValueError(f"task.reward={spec!r}: cannot import {where!r}: {type(e).__name__}: {e}"
+                         f"{_user_frame(e)}") from None
+    fn = getattr(module, name, None)
+    if fn is None:
+        public = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise ValueError(f"task.reward={spec!r}: {where!r} has no {name!r}; its functions: {', '.join(public) or 'none'}")
+    if not callable(fn):
+        raise ValueError(f"task.reward={spec!r}: {name!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def _user_frame(e: BaseException) -> str:
+    """` (at FILE:LINE)` of the innermost frame outside this module, or ""."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename != __file__]
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+
+
+def call_reward(fn: RewardFn, spec: str, *, prompt: Prompt, response: str) -> float:
+    """`fn`'s reward of one response, checked to be a finite number."""
+    try:
+        value = fn(prompt=prompt.text, response=response, answer=prompt.answer)
+    except Exception as e:  # noqa: BLE001 - the user's function
+        where = prompt.where or repr(prompt.text[:60])
+        raise ValueError(f"task.reward={spec!r} raised {type(e).__name__}: {e}{_user_frame(e)} on the prompt "
+                         f"{where}") from None
+    if isinstance(value, bool):
+        return float(value)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = None
+    if number is None or not math.isfinite(number) or isinstance(value, (str, bytes)):
+        where = prompt.where or repr(prompt.text[:60])
+        raise ValueError(f"task.reward={spec!r} returned {value!r} ({type(value).__name__}) for the prompt {where}; "
+                         "it must return a finite number")
+    return number
+
+
+class PluginRewardTask(Task):
+    """`task`'s prompts, scored by the `task.reward` function instead of the task's own reward."""
+
+    def __init__(self, task: Task, spec: str):
+        self.task, self.spec = task, spec
+        self.fn = load_reward_function(spec)
+
+    def prompts(self, start: int, count: int, seed: int) -> list[Prompt]:
+        return self.task.prompts(start, count, seed)
+
+    def reward(self, response: str, prompt: Prompt) -> float:
+        return call_reward(self.fn, self.spec, prompt=prompt, response=response)
+
+    def longest_prompts(self) -> list[Prompt]:
+        return self.task.longest_prompts()
+
+    def eval_prompts(self, count: int | None) -> list[Prompt]:
+        return self.task.eval_prompts(count)

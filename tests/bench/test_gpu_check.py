@@ -1,6 +1,6 @@
 """`python -m moe_gspo.bench.gpu_check` on the CPU box: it refuses at once, and its non-CUDA pieces (MFU and
 FLOP arithmetic, the plan-vs-measured rows, the verdicts, the summary files, the parity check on the tiny
-model, the job's config) work. The GPU run itself needs a GPU (README, "Validating a GPU machine")."""
+model, the job's config) work. The GPU run itself needs a GPU (docs/gpu.md, "Validating a GPU machine")."""
 
 from __future__ import annotations
 

@@ -86,3 +86,23 @@ def test_eval_and_samples_leave_training_unchanged(tmp_path):
         assert 0.0 <= s["reward"] <= 1.0 and s["finish_reason"] in ("stop", "length")
     assert not (tmp_path / "b" / "samples.jsonl").exists() and not (tmp_path / "b" / "eval.jsonl").exists()
     assert json.loads((tmp_path / "a" / "run.json").read_text())["learner_dtype"] == "float32"
+
+
+def test_a_run_with_the_tokenizers_chat_template(tmp_path):
+    """task.chat_template=tokenizer on a tokenizer directory that has a template: the rollout's prompts are
+    the template's token ids (longer than the raw prompt by the template's tokens)."""
+    from moe_gspo.tokenizer import load_tiny_tokenizer
+
+    tok = load_tiny_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{{ '<bos>' + m['role'][0] + ':' + m['content'] + '<eos>' }}{% endfor %}"
+                         "{% if add_generation_prompt %}{{ 'a:' }}{% endif %}")
+    tok.save_pretrained(tmp_path / "tok")
+    common = [*SMALL, "train.steps=1", "logging.trace_every=1", f"model.tokenizer={tmp_path / 'tok'}"]
+    assert train.main([*common, "--run-dir", str(tmp_path / "chat"), "task.chat_template=tokenizer"]) == 0
+    assert train.main([*common, "--run-dir", str(tmp_path / "raw")]) == 0
+    lens = {}
+    for d in ("chat", "raw"):
+        with np.load(tmp_path / d / "traces" / "step_000000_rollout.npz") as z:
+            lens[d] = z["prompt_lens"]
+    # <bos> u : ... <eos> a : = 6 tokens around the text
+    assert (lens["chat"] - lens["raw"] == 6).all(), lens

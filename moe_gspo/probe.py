@@ -164,6 +164,7 @@ def probe(args: argparse.Namespace, cfg=None) -> dict:
     from moe_gspo.run.setup import build_engine, check_tokenizer_fits, derive_seed, learner_dtype, quiet_progress_bars
     from moe_gspo.run.steps import gather_samples
     from moe_gspo.tasks import Prompt
+    from moe_gspo.tasks.encoding import check_chat_template, encode_prompts
     from moe_gspo.tasks.lengths import check_prompt_lengths
 
     cfg = probe_config(args) if cfg is None else cfg
@@ -174,8 +175,10 @@ def probe(args: argparse.Namespace, cfg=None) -> dict:
     prompt_lines = read_prompt_file(args.prompts)
     tok = _tokenizer(cfg)
     check_tokenizer_fits(tok, hf_config, tokenizer_dir=cfg.model.tokenizer or model_dir, model=model_dir)
+    enc = dict(chat_template=cfg.task.chat_template, system_prompt=cfg.task.system_prompt)  # as training encodes
+    check_chat_template(tok, cfg.task.chat_template, tokenizer_name=repr(cfg.model.tokenizer or model_dir))
     check_prompt_lengths([Prompt(text=t, answer="", where=w) for w, t in prompt_lines], tok, hf_config, r,
-                         max_new_tokens_flag="--max-new-tokens (rollout.max_new_tokens)")
+                         max_new_tokens_flag="--max-new-tokens (rollout.max_new_tokens)", **enc)
     prompts = [t for _, t in prompt_lines]
     quiet_progress_bars(cfg)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -191,7 +194,7 @@ def probe(args: argparse.Namespace, cfg=None) -> dict:
     learner = Learner(model, hf_config, parallel=info, algo=AlgoConfig(), train=None)  # inference only
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     engine = build_engine(cfg, model_dir, tok)
-    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in mine]
+    ids = encode_prompts(tok, mine, **enc)
     try:
         local = engine.generate(ids, SamplingParams(n=args.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
                                                     max_new_tokens=r.max_new_tokens,

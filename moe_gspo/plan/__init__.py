@@ -21,7 +21,8 @@ def make_plan(cfg, *, num_gpus: int, gpu_mem_gib: float, model_config: str | Non
               allowances: Allowances = Allowances(), with_knobs: bool = True) -> PlanResult:
     """The plan of `cfg`, with the knob to turn when it does not fit."""
     from moe_gspo.plan.from_config import default_attention
-    from moe_gspo.plan.knobs import suggest
+    from moe_gspo.plan.knobs import layout_fixes, suggest
+    from moe_gspo.plan.params import Geometry
 
     hf_config, source = resolve_hf_config(cfg, model_config)
     attention = attention or default_attention()
@@ -29,6 +30,15 @@ def make_plan(cfg, *, num_gpus: int, gpu_mem_gib: float, model_config: str | Non
               host_mem_gib=host_mem_gib, allowances=allowances)
     result = plan_for_config(cfg, num_gpus=num_gpus, gpu_mem_gib=gpu_mem_gib, **kw)
     if with_knobs and not result.fits:
-        result.knobs = suggest(cfg, result, lambda c, n: plan_for_config(c, num_gpus=n, gpu_mem_gib=gpu_mem_gib, **kw),
-                               num_gpus=num_gpus, gpus_per_node=gpus_per_node)
+        def plan_fn(c, n):
+            return plan_for_config(c, num_gpus=n, gpu_mem_gib=gpu_mem_gib, **kw)
+
+        # a layout that does not work on this GPU count: first the layouts that do (and fit)
+        knobs, note = layout_fixes(cfg, result, plan_fn, Geometry.from_hf(hf_config), num_gpus=num_gpus,
+                                   gpus_per_node=gpus_per_node)
+        if note:
+            result.notes.insert(0, note)
+        knobs += [k for k in suggest(cfg, result, plan_fn, num_gpus=num_gpus, gpus_per_node=gpus_per_node)
+                  if k not in knobs and not (knobs and k.startswith("no combination"))]
+        result.knobs = knobs
     return result

@@ -7,16 +7,24 @@ offload (precision-aware, all of the shard), freeing gradients / offloading the 
 rollout, bf16 gradient reduction, a larger EP, more GPUs. Every
 single change that makes the plan fit is listed (preference order); if none does alone, the changes are
 combined greedily (each time the one that lowers the peak most) until the plan fits or nothing helps.
+
+When the config's process layout does not work on the GPU count at all (`PlanResult.layout_problems`:
+EP or rollout TP not dividing it, say), `layout_fixes` first tries every layout that does work there
+(`valid_layouts`) and names those that fit, with their overrides; if none fits alone, the usual knobs
+are tried on the valid layout with the lowest peak.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
+from itertools import product
 from typing import Callable
 
 from moe_gspo.config import Config
 from moe_gspo.plan.from_config import setups, with_overrides
-from moe_gspo.plan.memory import PlanResult
+from moe_gspo.plan.memory import PlanResult, layout_problems
+from moe_gspo.plan.params import Geometry
 
 
 def candidates(cfg: Config, *, num_gpus: int, gpus_per_node: int = 8) -> list[list[str]]:
@@ -110,3 +118,70 @@ def suggest(cfg: Config, result: PlanResult, plan_fn: Callable[[Config, int], Pl
     return [f"no combination of the usual knobs fits; closest: {' '.join(chosen) or '(none)'} "
             f"(peak {current.per_rank_gib:.1f} GiB): use more or larger GPUs, or shorter sequences "
             "(rollout.max_model_len)"]
+
+
+def valid_layouts(cfg: Config, geom: Geometry, *, num_gpus: int, gpus_per_node: int = 8) -> list[list[str]]:
+    """Override sets that give `cfg` a process layout working on `num_gpus` GPUs (`layout_problems`),
+    closest to the config first; empty when the config's own layout works.
+
+    The config's EP (rollout TP) is kept when it works; otherwise every value that does is tried: EP
+    dividing the GPU count and the experts, vLLM TP dividing the GPU count and the heads (at most one
+    node, `gpus_per_node`; 1 only with `rollout.record_routes`, which needs TP = 1)."""
+    ep0, r = cfg.parallel.expert_parallel_size, cfg.rollout
+    tp0 = r.tensor_parallel_size
+
+    def ep_ok(e: int) -> bool:
+        return not layout_problems(geom, num_gpus=num_gpus, ep=e, engine="hf")
+
+    def tp_ok(t: int) -> bool:
+        return not layout_problems(geom, num_gpus=num_gpus, ep=1, engine=r.engine, tp=t)
+
+    divisors = [d for d in range(1, num_gpus + 1) if num_gpus % d == 0]
+    eps = [ep0] if ep_ok(ep0) else [e for e in divisors if ep_ok(e)]
+    tps = [tp0] if tp_ok(tp0) else [t for t in divisors if tp_ok(t) and t <= max(gpus_per_node, 1)
+                                    and (t == 1 or not r.record_routes)]
+    if eps == [ep0] and tps == [tp0]:
+        return []
+
+    def distance(v: int, v0: int) -> float:
+        return abs(math.log2(v / v0)) if v0 > 0 else float(v)
+
+    combos = sorted(product(eps, tps), key=lambda et: (distance(et[0], ep0) + distance(et[1], tp0), -et[0], -et[1]))
+    return [[f"parallel.expert_parallel_size={e}"] * (e != ep0) + [f"rollout.tensor_parallel_size={t}"] * (t != tp0)
+            for e, t in combos]
+
+
+def layout_fixes(cfg: Config, result: PlanResult, plan_fn: Callable[[Config, int], PlanResult], geom: Geometry, *,
+                 num_gpus: int, gpus_per_node: int = 8) -> tuple[list[str], str | None]:
+    """(suggestions like `suggest`'s, a note on what was tried) when the config's layout does not work on
+    `num_gpus` GPUs: every valid layout that fits, else the usual knobs on the valid layout with the
+    lowest peak; ([], None) when the layout works."""
+    if not result.layout_problems:
+        return [], None
+    scored = []
+    for ovs in valid_layouts(cfg, geom, num_gpus=num_gpus, gpus_per_node=gpus_per_node):
+        try:
+            c, n = _apply(cfg, ovs, num_gpus)
+            res = plan_fn(c, n)
+        except ValueError:
+            continue
+        scored.append((ovs, c, res))
+    if not scored:
+        return [], f"no process layout works on {num_gpus} GPUs (EP must divide the GPU count and the experts)"
+    fitting = [f"{' '.join(o)}  (peak {res.per_rank_gib:.1f} GiB; a layout that works on {num_gpus} GPUs)"
+               for o, _, res in scored if res.fits]
+    tried = f"{len(scored)} layout{'s' if len(scored) != 1 else ''} that work{'s' if len(scored) == 1 else ''} on {num_gpus} GPUs"
+    if fitting:
+        return fitting, f"{tried} tried; {len(fitting)} fit{'s' if len(fitting) == 1 else ''} (knob to turn)"
+    ovs, c, res = min(scored, key=lambda x: (len(x[2].layout_problems), len(x[2].problems), x[2].per_rank_gib))
+    head = " ".join(ovs)
+    note = (f"{tried} tried; none fits alone: the lowest peak is {head}'s {res.per_rank_gib:.1f} GiB (phase "
+            f"'{res.peak_phase.name}'), so the knobs below combine it with the usual knobs")
+    out = []
+    for s in suggest(c, res, plan_fn, num_gpus=num_gpus, gpus_per_node=gpus_per_node):
+        if s.startswith("--gpus"):
+            continue  # more GPUs: the plain suggestion on the config's own layout says it
+        out.append(f"{head} {s}" if not s.startswith("no combination") else
+                   f"{head} (the layout for {num_gpus} GPUs with the lowest peak, {res.per_rank_gib:.1f} GiB) and "
+                   f"then {s}")
+    return out, note

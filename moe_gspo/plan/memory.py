@@ -51,7 +51,9 @@ samples (`transients.sample_gather_bytes`).
 `rollout` (engine awake, samples gathered), `logprobs` (old-policy / reference no-grad passes),
 `update` (forward + backward of a micro-batch), `optimizer_step`, `weight_sync` (also the first sync),
 `hf_export` (`train.export_hf`: the streamed export at the end of the run, engine closed). The peak
-is the largest phase; the plan fits when the peak is at most the GPU memory and vLLM can start.
+is the largest phase; the plan fits when the process layout works on the GPU count (`layout_problems`),
+the peak is at most the GPU memory and vLLM can start. With an invalid layout the figures are counted
+as configured (e.g. num_experts / EP experts per rank) and only say what that layout would need.
 """
 
 from __future__ import annotations
@@ -163,6 +165,9 @@ class PlanResult:
     params: dict[str, float]
     host_per_node_gib: float
     knobs: list[str] = field(default_factory=list)
+    layout_problems: list[str] = field(default_factory=list)
+    """The subset of `problems` that is the process layout (EP, rollout TP) not working on `num_gpus` GPUs:
+    then the run cannot start at all, whatever the memory (see `layout_problems`)."""
 
     @property
     def peak_phase(self) -> Phase:
@@ -181,9 +186,34 @@ class PlanResult:
             "host_per_node_gib": round(self.host_per_node_gib, 3),
             "phases": {p.name: {**{k: round(v, 3) for k, v in p.parts_gib.items()}, "total": round(p.total_gib, 3)}
                        for p in self.phases},
-            "params": self.params, "problems": self.problems, "knobs": self.knobs, "notes": self.notes,
+            "params": self.params, "problems": self.problems, "layout_problems": self.layout_problems,
+            "knobs": self.knobs, "notes": self.notes,
             "assumptions": self.assumptions, "status": "counted, not measured",
         }
+
+
+def layout_problems(geom: Geometry, *, num_gpus: int, ep: int, engine: str = "vllm", tp: int = 1) -> list[str]:
+    """Why the process layout cannot run on `num_gpus` GPUs; empty when it can.
+
+    The learner's EP must divide the GPU count (world = EP x EDP) and the number of experts; a vLLM
+    engine's TP must divide the GPU count (engines of TP consecutive ranks) and the query heads, and
+    divide or be a multiple of the KV heads (vLLM replicates KV heads when TP exceeds them)."""
+    out = []
+    ep_fails = [w for w, bad in ((f"the {num_gpus} GPUs", ep < 1 or num_gpus % ep),
+                                 (f"the {geom.num_experts} experts", ep < 1 or geom.num_experts % ep)) if bad]
+    if ep_fails:
+        out.append(f"parallel.expert_parallel_size={ep} does not divide {' nor '.join(ep_fails)} "
+                   f"(it must divide the GPU count and the number of experts)")
+    if engine == "vllm":
+        tp_fails = [w for w, bad in ((f"the {num_gpus} GPUs", tp < 1 or num_gpus % tp),
+                                     (f"the {geom.num_heads} query heads", tp > 1 and geom.num_heads % tp))
+                    if bad]
+        if tp > 1 and geom.num_kv_heads % tp and tp % geom.num_kv_heads:
+            tp_fails.append(f"the {geom.num_kv_heads} KV heads (nor is it a multiple of them)")
+        if tp_fails:
+            out.append(f"rollout.tensor_parallel_size={tp} does not divide {' nor '.join(tp_fails)} (it must divide "
+                       f"the GPU count and the query heads, and divide or be a multiple of the KV heads)")
+    return out
 
 
 def _optimizer_bytes(s: LearnerSetup, local: float, shard: float) -> tuple[float, float, float]:
@@ -211,9 +241,8 @@ def count_plan(geom: Geometry, learner: LearnerSetup, rollout: RolloutSetup, *, 
     problems: list[str] = []
     notes: list[str] = []
     counts = megatron_counts(geom, vocab_pad_multiple=s.vocab_pad_multiple)
-    if s.num_gpus % s.ep or geom.num_experts % s.ep:
-        problems.append(f"parallel.expert_parallel_size={s.ep} must divide the {s.num_gpus} GPUs and the "
-                        f"{geom.num_experts} experts")
+    layout = layout_problems(geom, num_gpus=s.num_gpus, ep=s.ep, engine=r.engine, tp=r.tp)
+    problems += layout
     local = counts.dense + counts.expert / s.ep
     shard = counts.dense / s.dp + counts.expert / s.ep / max(s.edp, 1)
     opt_gpu, opt_host, step_transient = _optimizer_bytes(s, local, shard)
@@ -228,10 +257,6 @@ def count_plan(geom: Geometry, learner: LearnerSetup, rollout: RolloutSetup, *, 
     rt = al.vllm_runtime_gib * GIB
     asleep = 0.0
     if r.engine == "vllm":
-        if s.num_gpus % r.tp or (r.tp > 1 and (geom.num_heads % r.tp or
-                                                (geom.num_kv_heads % r.tp and r.tp % geom.num_kv_heads))):
-            problems.append(f"rollout.tensor_parallel_size={r.tp} must divide the {s.num_gpus} GPUs, the "
-                            f"{geom.num_heads} query heads and divide or be a multiple of the {geom.num_kv_heads} KV heads")
         if r.tp > gpus_per_node:
             notes.append(f"rollout.tensor_parallel_size={r.tp} spans more than one node ({gpus_per_node} GPUs each)")
         weights = rollout_params_per_rank(geom, r.tp) * r.dtype_bytes
@@ -323,7 +348,7 @@ def count_plan(geom: Geometry, learner: LearnerSetup, rollout: RolloutSetup, *, 
                         f"engines' weights, offloaded learner) > {host_mem_gib:g} GiB")
     result = PlanResult(
         fits=False, gpu_mem_gib=gpu_mem_gib, num_gpus=s.num_gpus, phases=phases, problems=problems, notes=notes,
-        assumptions=[], host_per_node_gib=host_node,
+        assumptions=[], host_per_node_gib=host_node, layout_problems=layout,
         components_gib={
             "learner_params_gib": params_b / GIB, "learner_grads_gib": grads_b / GIB,
             "optimizer_gpu_gib": opt_gpu / GIB, "optimizer_host_gib": opt_host / GIB,

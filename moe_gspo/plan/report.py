@@ -44,17 +44,38 @@ def describe_setup(result: PlanResult, cfg) -> list[str]:
         opt.append("reference policy (algo.kl_coef > 0)")
     r = cfg.rollout
     n = result.num_gpus
+    edp = (f"EDP={n // ep}" if ep >= 1 and n % ep == 0 else
+           f"EDP=none (EDP = GPUs / EP, and EP={ep} does not divide the {n} GPUs)")
     learner = (f"learner: {'fp32' if cfg.model.params_dtype == 'float32' else 'bf16'}, EP={ep} DP={n} "
-               f"EDP={n // ep if ep and n % ep == 0 else '?'}, {_b(p['per_rank'])} params per rank; " + ", ".join(opt))
+               f"{edp}, {_b(p['per_rank'])} params per rank; " + ", ".join(opt))
     if r.engine == "vllm":
         kv = f"KV {r.kv_cache_gib:g} GiB/GPU" if r.kv_cache_gib is not None else \
             f"KV from gpu_memory_utilization={r.gpu_memory_utilization:g}"
-        engines = n // max(r.tensor_parallel_size, 1)
-        rollout = (f"rollout: vLLM {r.dtype}, TP={r.tensor_parallel_size} ({engines} engine{'s' if engines != 1 else ''}, "
+        tp = r.tensor_parallel_size
+        engines = n // tp if tp >= 1 and n % tp == 0 else None
+        engines_text = (f"{engines} engine{'s' if engines != 1 else ''}" if engines is not None else
+                        f"no engine layout: TP={tp} does not divide the {n} GPUs")
+        rollout = (f"rollout: vLLM {r.dtype}, TP={tp} ({engines_text}, "
                    f"{_b(p['rollout_per_gpu'])} params per GPU), sleep level {r.sleep_level}, {kv}")
     else:
         rollout = f"rollout: transformers engine {r.dtype}, a full copy per rank"
     return [learner, rollout]
+
+
+def verdict(result: PlanResult) -> str:
+    """What the plan concludes, saying what fails: the layout, the peak, or another limit (the problems)."""
+    spare = result.gpu_mem_gib - result.per_rank_gib
+    if result.fits:
+        return f"FITS ({spare:.1f} GiB to spare)"
+    if result.layout_problems:
+        fields = ", ".join(p.split(" ", 1)[0] for p in result.layout_problems)
+        return (f"CANNOT RUN on {result.num_gpus} GPUs: the process layout does not work there ({fields}; see problems), "
+                f"whatever the memory; the figures above count that layout as configured")
+    if spare < 0:
+        return f"DOES NOT FIT ({-spare:.1f} GiB over)"
+    n = len(result.problems)
+    return (f"DOES NOT FIT: not the peak but {'another limit' if n == 1 else f'{n} other limits'} "
+            f"(see problems)")
 
 
 def render(result: PlanResult, cfg, *, config_name: str) -> str:
@@ -74,11 +95,8 @@ def render(result: PlanResult, cfg, *, config_name: str) -> str:
         lines.append(row.ljust(w0) + "".join(c.rjust(w) for c, w in zip(cells, widths)))
     lines.append("total".ljust(w0) + "".join(f"{ph.total_gib:.2f}".rjust(w) for ph, w in zip(result.phases, widths)))
     peak = result.peak_phase
-    spare = result.gpu_mem_gib - peak.total_gib
     lines.append("")
-    lines.append(f"peak: {peak.name} {peak.total_gib:.1f} GiB of {result.gpu_mem_gib:g} GiB -> "
-                 + ("FITS" if result.fits else "DOES NOT FIT")
-                 + (f" ({spare:.1f} GiB to spare)" if spare >= 0 else ""))
+    lines.append(f"peak: {peak.name} {peak.total_gib:.1f} GiB of {result.gpu_mem_gib:g} GiB -> {verdict(result)}")
     lines.append(f"host memory per node (offloaded optimizer state, sleeping engines' weights): "
                  f"{result.host_per_node_gib:.0f} GiB")
     for title, items in (("problems", result.problems), ("knob to turn", result.knobs), ("notes", result.notes),
@@ -96,7 +114,8 @@ def one_line(result: PlanResult) -> str:
             f"{result.gpu_mem_gib:g} GiB")
     if result.fits:
         return head + " - fits"
-    msg = head + " - does not fit: " + "; ".join(result.problems)
+    what = (f"cannot run on {result.num_gpus} GPUs (process layout)" if result.layout_problems else "does not fit")
+    msg = head + f" - {what}: " + "; ".join(result.problems)
     if result.knobs:
         msg += ". Knob to turn: " + result.knobs[0]
     return msg + ". Details: python -m moe_gspo.plan CONFIG --gpus N --gpu-mem-gib G"

@@ -148,7 +148,7 @@ class AlgoConfig:
     """gspo = sequence ratio (Zheng et al. 2025); gspo_token = its token-wise variant; grpo = token ratio, PPO
     clip; gmpo = geometric mean of token ratios clipped in log space (Zhao et al. 2025); cispo = clipped,
     detached token weights times grad log pi (MiniMax-M1); sapo = soft sigmoid gate instead of a clip (Qwen
-    team 2025). README "Algorithm variants"; moe_gspo/algos/."""
+    team 2025). docs/algorithms.md, "Algorithm variants"; moe_gspo/algos/."""
     routing_replay: Literal["none", "r2", "r3"] = "none"
     """none; r2 = replay old-policy routing in the update (GSPO paper §5.3); r3 = replay rollout routing."""
     clip_low: float | None = None
@@ -167,7 +167,7 @@ class AlgoConfig:
     """Entropy bonus: entropy_coef x the current policy's mean token entropy over the response tokens
     (aggregated like the policy loss) is subtracted from the loss in every update (verl's
     entropy_coeff, TRL's entropy_coef; 0 = off). Keeps the policy from collapsing onto deterministic,
-    partly wrong answers whose groups then carry no signal (README: "Learning parity with TRL")."""
+    partly wrong answers whose groups then carry no signal (docs/results.md: "Learning parity with TRL")."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """Per-token estimator of KL(pi_theta || pi_ref) for the penalty (Schulman 2020; verl/slime names):
     k1 = log ratio, k2 = squared log ratio / 2, k3 = the low-variance one (verl low_var_kl)."""
@@ -341,7 +341,7 @@ class TrainConfig:
     """Adam beta1."""
     adam_beta2: float = 0.999
     """Adam beta2 (0.999: Adam's, and TRL's, verl's and Megatron's default). On the default work 0.99 kept
-    the step size near lr while the signal thinned out and learned less steadily (README, "Learning parity
+    the step size near lr while the signal thinned out and learned less steadily (docs/results.md, "Learning parity
     with TRL")."""
     grad_clip: float = 1.0
     """Global gradient-norm clip (0 = off)."""
@@ -351,7 +351,7 @@ class TrainConfig:
     """Deal the batch's sequences into the mini-batches in a random order (seeded by train.seed and the
     RL step, the same on every rank), as TRL's GRPOTrainer does; false = contiguous slices in rollout
     order, so each optimizer step sees whole prompt groups. On the copy_first peer work (10 seeds,
-    README) 1 run stalled on a deterministic plateau with shuffling, 3 in order."""
+    docs/results.md) 1 run stalled on a deterministic plateau with shuffling, 3 in order."""
     micro_batch_size: int = 0
     """Sequences per forward/backward on each rank; 0 = a whole mini-batch at once."""
     fuse_old_logp_pass: bool = False

@@ -164,7 +164,7 @@ def check_same_run_dir(plan: RunDirPlan, *, rank: int, world_size: int) -> None:
         raise ValueError(
             f"--run-dir {str(path)!r} is not the same directory on every rank: {where} cannot see the file rank 0 "
             f"(on {rank0_host}) wrote to {views[0][2]}. Put RUN_DIR on a filesystem every node mounts at the same "
-            "path (NFS, Lustre, ...) and pass that absolute path as --run-dir on every node (README: Multi-node)")
+            "path (NFS, Lustre, ...) and pass that absolute path as --run-dir on every node (docs/multinode.md)")
 
 
 def resume_hint(run_dir: str | os.PathLike) -> str:

@@ -50,9 +50,7 @@ def test_a_run_dir_the_nodes_do_not_share_stops_every_rank_with_one_line(tmp_pat
     errors = [line for o in outs for line in o.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, errors
     assert "is not the same directory on every rank" in errors[0] and "every node mounts" in errors[0]
-    # points at the page that explains it (moe_gspo/run/rundir.py; "README: Multi-node" until that message
-    # is moved to the docs page)
-    assert "docs/multinode.md" in errors[0] or "README: Multi-node" in errors[0]
+    assert "docs/multinode.md" in errors[0]  # points at the page that explains it
     assert not any("Traceback" in o for o in outs)
     # the node where no rank printed the error repeats it in the launcher's line
     launcher = [line for o in outs for line in o.splitlines() if line.startswith("[moe_gspo.launch]")]

@@ -11,8 +11,8 @@ when a subset is empty).
 Keys match the training loop's metrics.jsonl (there `ratio/*` of this file is `mismatch_ratio/*`).
 
 Settings come as in `moe_gspo.train`: an optional `--config FILE` (a run config; the probe uses the
-fields listed by `--help`), then `section.key=value` overrides, e.g. `rollout.max_model_len=4096
-rollout.kv_cache_gib=2 model.tokenizer=DIR` for vLLM; `--model`, `--engine`, `--dtype`,
+fields listed by `--help`), then `section.key=value` overrides, e.g. `rollout.engine=vllm
+rollout.max_model_len=4096 rollout.kv_cache_gib=2 model.tokenizer=DIR`; `--model`, `--engine`, `--dtype`,
 `--quantization`, `--max-new-tokens`, `--temperature` and `--seed` are shortcuts for model.path,
 rollout.engine, rollout.dtype, rollout.quantization, rollout.max_new_tokens, rollout.temperature and train.seed. Every prompt plus
 rollout.max_new_tokens must fit the engine's context (checked before any model is loaded).
@@ -63,6 +63,9 @@ PROBE_KEYS = ("model.path", "model.tokenizer", "model.params_dtype", "model.voca
               "rollout.top_p", "rollout.max_new_tokens", "rollout.gpu_memory_utilization", "rollout.max_model_len",
               "rollout.kv_cache_gib", "train.seed", "logging.progress")
 """The config fields the probe uses; an override of any other is refused (it would have no effect)."""
+OVERRIDES_HELP = ("dotted overrides of the config fields listed below (others are refused), e.g. "
+                  "rollout.max_new_tokens=64 rollout.dtype=float32")
+"""The probe's own help for its overrides: the shared `moe_gspo.run.cli.OVERRIDES_HELP` names train fields."""
 
 
 def build_parser(*, add_help: bool = True):
@@ -72,6 +75,7 @@ def build_parser(*, add_help: bool = True):
     add_config_arguments(p, default=None, what="YAML run config whose fields listed below the probe uses (it "
                                                "ignores the others); without it the built-in defaults, 32-token "
                                                "responses")
+    next(a for a in p._actions if a.dest == "overrides").help = OVERRIDES_HELP
     p.add_argument("--model", default=None, help="local Hugging Face Qwen3-MoE checkpoint directory (model.path)")
     p.add_argument("--prompts", required=True, help="text file (one prompt per line) or .jsonl with 'prompt'")
     p.add_argument("--out", required=True, help="output JSON path")

@@ -174,3 +174,37 @@ def test_quantization_reaches_the_probe_config(tmp_path):
                                       fp8_scale="tensor", num_sequences=1, num_tokens=1, layer_ids=[],
                                       **{"routing/layer_disagree": []}))
     assert "rollout: hf engine in bfloat16 with FP8 (e4m3) weights, per-tensor scales (emulated)" in summary
+
+
+def test_every_override_the_help_shows_is_accepted(tmp_path, capsys):
+    """`--help` used to show the train CLI's example `train.steps=20`, which the probe refuses (issue 32,
+    defect 6): every `section.key=value` the probe's help shows must pass the probe's own checks, each
+    example together with the overrides written next to it (e.g. the vLLM ones after rollout.engine=vllm)."""
+    import re
+
+    with pytest.raises(SystemExit) as e:
+        probe.parse_args(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    groups: list[list[str]] = []
+    end = None
+    for m in re.finditer(r"(?<![\w.])([a-z_0-9]+\.[a-z_0-9]+)=([^\s`,;)]+)", text):
+        if m.group(1) == "section.key":
+            continue
+        override = f"{m.group(1)}={m.group(2).rstrip('.:')}".replace("=DIR", f"={tmp_path}")  # a placeholder
+        if end is not None and not text[end:m.start()].strip():
+            groups[-1].append(override)  # written next to the previous one: one example
+        else:
+            groups.append([override])
+        end = m.end()
+    shown = [o for g in groups for o in g]
+    assert [o for o in shown if o.split("=")[0] not in probe.PROBE_KEYS] == []
+    assert "rollout.max_new_tokens=64" in shown  # the overrides' own example
+    assert ["rollout.engine=vllm", "rollout.max_model_len=4096", "rollout.kv_cache_gib=2", f"model.tokenizer={tmp_path}"] in groups
+    for group in groups:
+        args = probe.build_parser().parse_intermixed_args(["--prompts", "-", "--out", "-", *group])
+        probe.probe_config(args, need_model=False)  # raises ValueError when refused
+    # the check is the one that refused the old example
+    args = probe.build_parser().parse_intermixed_args(["--prompts", "-", "--out", "-", "train.steps=20"])
+    with pytest.raises(ValueError, match="the probe does not use train.steps"):
+        probe.probe_config(args, need_model=False)

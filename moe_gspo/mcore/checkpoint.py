@@ -271,12 +271,14 @@ def _write_dir(tmp: Path, hf_sd: dict[str, torch.Tensor], hf_config, tokenizer_d
 
 
 def _write_atomically(out: Path, hf_sd, hf_config, tokenizer_dir, max_shard_size) -> None:
+    from moe_gspo.run.atomic import publish_mode
+
     _check_complete(hf_sd, hf_config)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=str(out.parent)))
     try:
         _write_dir(tmp, hf_sd, hf_config, tokenizer_dir, max_shard_size)
-        os.chmod(tmp, 0o755)
+        publish_mode(tmp, recursive=True)  # mkdtemp's 0700, safetensors' 0600 -> what open() / mkdir give
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f"{out.name}.old-", dir=str(out.parent)))
             os.replace(out, old / out.name)

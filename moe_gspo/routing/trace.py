@@ -281,12 +281,15 @@ def save_trace(path: str | os.PathLike, trace: RoutingTrace) -> Path:
     }
     if trace.router_probs is not None:
         arrays["router_probs"] = trace.router_probs
+    from moe_gspo.run.atomic import publish_mode
+
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **arrays)
             f.flush()
             os.fsync(f.fileno())
+        publish_mode(tmp)  # mkstemp's 0600 -> what open() gives (others may read the run dir)
         os.replace(tmp, path)
     except BaseException:
         try:

@@ -14,7 +14,7 @@ pass that replays the rollout routes (`mismatch_replayed/*`, R3 arms only); from
 against response length per arm (seeds pooled, the same length bins for every arm); and routing
 change per MoE layer (`update/layer_change`, `routing/layer_disagree`) per arm as grouped bars.
 Tables per arm: steps logged, final reward (per seed the mean of reward/mean over its last 10% of
-steps, then the interquartile mean over seeds with a 95% stratified-bootstrap CI, and the min–max
+steps, as in the run report and done.json, then the interquartile mean over seeds with a 95% stratified-bootstrap CI, and the min–max
 across seeds); seed statistics that can rank arms (`analysis.seed_stats`: final reward, reward AUC,
 steps to a reward threshold, collapse rate, mismatch k3 KL as IQM [95% CI]) and pairwise verdicts
 (IQM difference and probability of improvement with CIs; every pair up to 6 arms, else the pairs
@@ -22,7 +22,8 @@ whose names differ in one '-' component, or the pairs given); per-seed means
 over steps of the drift / clip / gate / variance metrics, of the policy entropy and the share of groups
 without signal (`actor/entropy`, `reward/frac_zero_std`) and of the generation rounds per step
 (`sampling/num_gen_batches`, > 1 with dynamic sampling), averaged over seeds; mismatch vs mismatch_replayed
-side by side; the per-layer routing change. Steps where a metric is null/NaN (e.g. a variance share
+side by side, with the rollout/learner token- and sequence-ratio variances (`mismatch_ratio/*`); the
+per-layer routing change. Steps where a metric is null/NaN (e.g. a variance share
 of an empty subset) are left out of its means. A figure whose inputs no run has is listed under
 "Skipped" with the reason.
 """
@@ -48,7 +49,7 @@ from analysis.figures import (
     read_logprob_sets, render_figures,
 )
 from analysis.load import (
-    ReportInputError, RunData, RunDataWarning, finite_mean, headline_numbers, load_run, series,
+    FINAL_REWARD_LABEL, ReportInputError, RunData, RunDataWarning, finite_mean, headline_numbers, load_run, series,
 )
 from analysis.report import Page, ReportPaths, Table, fmt_number, write_page
 from analysis.seed_report import arm_seed_statistics, fmt_estimate, seed_notes, seed_tables
@@ -317,16 +318,17 @@ COMPARE_FIGURES: list[FigureSpec] = [
                fig_layer_change),
 ]
 
-TABLE_COLUMNS = ["arm", "seeds", "steps", "final reward IQM [95% CI]", "final reward seed range (min–max)",
-                 "any-layer flip", "update expert change",
+TABLE_COLUMNS = ["arm", "seeds", "steps", f"{FINAL_REWARD_LABEL}: IQM over seeds [95% CI]",
+                 f"{FINAL_REWARD_LABEL}: seed range (min–max)", "any-layer flip", "update expert change",
                  "clip token frac (binding)", "clip out-of-range frac", "gate weight mean (sapo)",
-                 "gate frac < 0.5 (sapo)", "ratio/token_var", "ratio/seq_var", "actor/entropy",
+                 "gate frac < 0.5 (sapo)", "new/old ratio/token_var", "new/old ratio/seq_var", "actor/entropy",
                  "reward/frac_zero_std", "gen batches/step"]
 MISMATCH_COLUMNS = ["arm", "k3 KL natural", "k3 KL replayed", "|Δ log p| > ln 2 natural",
-                    "|Δ log p| > ln 2 replayed", "mean |Δ log p| natural", "mean |Δ log p| replayed"]
+                    "|Δ log p| > ln 2 replayed", "mean |Δ log p| natural", "mean |Δ log p| replayed",
+                    "rollout/learner mismatch_ratio/token_var natural", "rollout/learner mismatch_ratio/seq_var natural"]
 _MISMATCH_KEYS = ["mismatch/k3_kl", "mismatch_replayed/k3_kl", "mismatch/extreme_frac_ln2",
                   "mismatch_replayed/extreme_frac_ln2", "mismatch/logp_abs_diff_mean",
-                  "mismatch_replayed/logp_abs_diff_mean"]
+                  "mismatch_replayed/logp_abs_diff_mean", "mismatch_ratio/token_var", "mismatch_ratio/seq_var"]
 _MEAN_KEYS = {"gate_weight_mean": "gate/weight_mean", "gate_below_half": "gate/token_frac_below_half",
               "token_var": "ratio/token_var", "seq_var": "ratio/seq_var", "entropy": "actor/entropy",
               "frac_zero_std": "reward/frac_zero_std", "num_gen_batches": "sampling/num_gen_batches"}
@@ -365,10 +367,10 @@ def arm_summary(runs: list[tuple[int, RunData]]) -> dict[str, float]:
 
 
 def _range(lo: float, hi: float, integer: bool = False) -> str:
-    """'lo–hi', or one number when they are equal; 'n/a' when unknown."""
+    """'lo–hi', or one number when they are equal (one seed); 'n/a' when unknown."""
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return "n/a"
-    if lo == hi and integer:
+    if lo == hi:
         return fmt_number(lo, integer)
     return f"{fmt_number(lo, integer)}–{fmt_number(hi, integer)}"
 

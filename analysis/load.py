@@ -3,7 +3,8 @@
 Everything the report and the ablation comparison know about a run comes through this module:
 - `load_run(run_dir)` reads what `python -m moe_gspo.train` writes: `metrics.jsonl` (skipping lines
   that are not JSON objects with an integer `step`, e.g. the last line cut by a kill, with a
-  `RunDataWarning` naming the line number), `config.yaml`, `done.json`, and the list of
+  `RunDataWarning` naming the line number), `eval.jsonl` (the same way), `config.yaml`, `done.json`,
+  `run.json` (learner dtype, device, world size of the last (re)start), and the list of
   `traces/step_XXXXXX_{rollout,learner,updated,logprobs}[_rank{r}].npz` files (one per rank when
   the run had several processes).
 - `series` / `matrix_series` turn the per-step records into step-indexed numpy arrays.
@@ -55,6 +56,12 @@ class RunData:
     multi-process run wrote `step_XXXXXX_{kind}_rank{r}.npz` (each rank traces its own samples)."""
     config: dict[str, Any] | None = None
     done: dict[str, Any] | None = None
+    run_info: dict[str, Any] | None = None
+    """run.json: what the last (re)start actually used (`learner_dtype`, `device`, `world_size`); None
+    for runs that predate it."""
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    """eval.jsonl records sorted by step (one per evaluation; `eval/policy_step` = updates the evaluated
+    policy had); empty when the run has no eval.jsonl."""
     warnings: list[str] = field(default_factory=list)
     """Human-readable notes about what was skipped while reading (also emitted as warnings)."""
 
@@ -150,9 +157,15 @@ def load_run(run_dir: str | Path) -> RunData:
                                "traces/step_*.npz files; is this a training run directory?")
     config = _read_optional(run_dir / "config.yaml", yaml.safe_load, notes)
     done = _read_optional(run_dir / "done.json", json.load, notes)
+    run_info = _read_optional(run_dir / "run.json", json.load, notes)
+    evals: list[dict[str, Any]] = []
+    if (run_dir / "eval.jsonl").is_file():
+        evals, eval_notes = read_jsonl(run_dir / "eval.jsonl")
+        notes += eval_notes
     return RunData(source=run_dir, records=records, traces=traces,
                    config=config if isinstance(config, dict) else None,
-                   done=done if isinstance(done, dict) else None, warnings=notes)
+                   done=done if isinstance(done, dict) else None,
+                   run_info=run_info if isinstance(run_info, dict) else None, evals=evals, warnings=notes)
 
 
 def load_probe(path: str | Path) -> dict[str, Any]:
@@ -344,14 +357,25 @@ def ratio_variance_by_length(logprob_sets: list[dict[str, np.ndarray]], num_bins
 
 # --------------------------------------------------------------------------- headline numbers
 
+FINAL_REWARD_LABEL = "final reward (mean reward/mean over the last 10% of steps)"
+"""The one definition of a run's final reward, in the run report, the comparison report, the seed
+statistics and the training's done.json summary (`reward_last10`)."""
+
 HEADLINE_LABELS: dict[str, str] = {
     "num_steps": "training steps logged",
-    "reward_final": "final reward (last step's reward/mean)",
-    "reward_last10_mean": "reward/mean, mean over the last 10% of steps",
+    "reward_last10_mean": FINAL_REWARD_LABEL,
     "reward_first10_mean": "reward/mean, mean over the first 10% of steps",
+    "reward_last_step": "reward/mean at the last logged step (one batch)",
     "any_layer_flip_mean": "rollout vs learner (natural routing): response tokens routed differently in ≥1 layer",
     "k3_kl_mean": "rollout vs learner k3 KL, natural routing (mismatch/k3_kl, nats/token)",
     "k3_kl_replayed_mean": "rollout vs learner k3 KL, pass replaying the rollout routes (mismatch_replayed/k3_kl, R3)",
+    "mismatch_token_var_mean": "rollout/learner token-ratio variance, natural routing (mismatch_ratio/token_var)",
+    "mismatch_seq_var_mean": "rollout/learner sequence-ratio variance, natural routing (mismatch_ratio/seq_var)",
+    "mismatch_token_seq_var_ratio": "rollout/learner: mean mismatch_ratio/token_var ÷ mean mismatch_ratio/seq_var",
+    "flipped_var_share_mean": "share of rollout/learner token-ratio variance on routing-flipped tokens",
+    "update_token_var_mean": "new/old policy token-ratio variance, inside the update (ratio/token_var)",
+    "update_seq_var_mean": "new/old policy sequence-ratio variance, inside the update (ratio/seq_var)",
+    "update_token_seq_var_ratio": "new/old policy: mean ratio/token_var ÷ mean ratio/seq_var",
     "clip_token_frac_mean": "tokens whose clip binds (clip/token_frac)",
     "clip_out_of_range_frac_mean": "tokens with a ratio outside the clip range, either sign of A (clip/out_of_range_frac)",
     "update_expert_change_mean": "old→new expert change after the first optimizer step (update/expert_change_frac), "
@@ -359,9 +383,8 @@ HEADLINE_LABELS: dict[str, str] = {
     "update_all_expert_change_mean": "old→new expert change after all mini-batches "
                                      "(update_all_minibatches/expert_change_frac), mean over the same steps",
     "num_update_steps": "steps that measured the old→new change (one every logging.update_drift_every steps)",
-    "flipped_var_share_mean": "share of learner/rollout token-ratio variance on routing-flipped tokens",
-    "token_seq_var_ratio": "mean ratio/token_var ÷ mean ratio/seq_var",
 }
+"""Per-step metrics are means over the steps that logged a finite value, except where a label says otherwise."""
 
 
 def _edge_window(n: int) -> int:
@@ -373,36 +396,45 @@ def _mean_of(records: list[dict[str, Any]], key: str) -> float:
     return finite_mean(series(records, key)[1])
 
 
+def ratio_of_means(num: float, den: float) -> float:
+    """num / den when both are finite and den > 0, else NaN."""
+    return num / den if math.isfinite(num) and math.isfinite(den) and den > 0 else math.nan
+
+
 def headline_numbers(records: list[dict[str, Any]]) -> dict[str, float]:
     """The report's headline numbers (keys of HEADLINE_LABELS); NaN where the metric is absent.
 
     Means are over the steps whose value is finite (a null / NaN step, e.g. a variance share of an
     empty subset, is left out rather than counted as 0). The 10% windows hold max(1, n // 10) of
-    the n finite reward/mean values, first or last by step (as in the training's done.json summary).
-    The variance ratio is a ratio of means (not a mean of per-step ratios) so a near-zero seq_var on
-    one step cannot dominate it.
+    the n finite reward/mean values, first or last by step (as in the training's done.json summary);
+    the last 10% mean is the run's final reward everywhere. The variance ratios are ratios of means
+    (not means of per-step ratios) so a near-zero seq_var on one step cannot dominate them.
     """
     _, reward = series(records, "reward/mean")
     reward = reward[np.isfinite(reward)]
     w = _edge_window(reward.size)
-    token_var = _mean_of(records, "ratio/token_var")
-    seq_var = _mean_of(records, "ratio/seq_var")
+    var = {k: _mean_of(records, k) for k in ("ratio/token_var", "ratio/seq_var", "mismatch_ratio/token_var",
+                                             "mismatch_ratio/seq_var")}
     return {
         "num_steps": float(len(records)),
-        "reward_final": float(reward[-1]) if reward.size else math.nan,
         "reward_last10_mean": float(reward[-w:].mean()) if reward.size else math.nan,
         "reward_first10_mean": float(reward[:w].mean()) if reward.size else math.nan,
+        "reward_last_step": float(reward[-1]) if reward.size else math.nan,
         "any_layer_flip_mean": _mean_of(records, "routing/any_layer_flip"),
         "k3_kl_mean": _mean_of(records, "mismatch/k3_kl"),
         "k3_kl_replayed_mean": _mean_of(records, "mismatch_replayed/k3_kl"),
+        "mismatch_token_var_mean": var["mismatch_ratio/token_var"],
+        "mismatch_seq_var_mean": var["mismatch_ratio/seq_var"],
+        "mismatch_token_seq_var_ratio": ratio_of_means(var["mismatch_ratio/token_var"], var["mismatch_ratio/seq_var"]),
+        "flipped_var_share_mean": _mean_of(records, "mismatch_ratio/token_var_share_flipped"),
+        "update_token_var_mean": var["ratio/token_var"],
+        "update_seq_var_mean": var["ratio/seq_var"],
+        "update_token_seq_var_ratio": ratio_of_means(var["ratio/token_var"], var["ratio/seq_var"]),
         "clip_token_frac_mean": _mean_of(records, "clip/token_frac"),
         "clip_out_of_range_frac_mean": _mean_of(records, "clip/out_of_range_frac"),
         "update_expert_change_mean": _mean_of(records, "update/expert_change_frac"),
         "update_all_expert_change_mean": _mean_of(records, "update_all_minibatches/expert_change_frac"),
         "num_update_steps": float(np.isfinite(series(records, "update/expert_change_frac")[1]).sum()),
-        "flipped_var_share_mean": _mean_of(records, "mismatch_ratio/token_var_share_flipped"),
-        "token_seq_var_ratio": (token_var / seq_var if np.isfinite(token_var) and np.isfinite(seq_var)
-                                and seq_var > 0 else math.nan),
     }
 
 

@@ -5,10 +5,14 @@
 
 Writes into `--out` (default `RUN_DIR/report/`, or `<probe stem>_report/` beside a probe file):
 `report.html` (self-contained: every figure embedded as a base64 PNG data URI), `report.md` (the
-same content referencing the PNGs), and one `<figure>.png` per figure. The page starts with a table
-of headline numbers (`analysis.load.headline_numbers`), then the figures (`analysis.figures`), then
-a "Skipped" section naming each figure that could not be drawn and why (metric never logged, traces
-missing), then notes about input lines that were skipped. HTML and Markdown are written atomically.
+same content referencing the PNGs), and one `<figure>.png` per figure. A run report starts with the
+setup (both sides' engine and dtype: the learner's from run.json when the run wrote one) and one
+verdict sentence per question (`analysis.verdicts`), then a table of headline numbers
+(`analysis.load.headline_numbers`, plus the last evaluation's from eval.jsonl), then the figures
+(`analysis.figures`, the eval figure of `analysis.eval_report`), a handful of samples with their
+routing-flipped tokens marked (`analysis.samples`, from samples.jsonl), then a "Skipped" section naming
+each figure or section that could not be drawn and why (metric never logged, traces or file missing),
+then notes about input lines that were skipped. HTML and Markdown are written atomically.
 
 Exit codes: 0 built, 2 bad input (missing run dir, nothing to report on).
 """
@@ -27,13 +31,20 @@ from pathlib import Path
 
 import yaml
 
+from analysis.eval_report import EVAL_FIGURES, last_eval_rows
 from analysis.figures import RUN_FIGURES, RenderedFigure, SkippedFigure, render_figures
 from analysis.probe_figures import PROBE_FIGURES
+from analysis.samples import PER_STEP, pick_samples, read_samples, samples_html, samples_markdown
+from analysis.verdicts import run_verdicts
 from moe_gspo.rollout.fp8 import rollout_precision
 from analysis.load import (
     HEADLINE_LABELS, PROBE_LABELS, ReportInputError, RunData, RunDataWarning, headline_numbers, load_probe,
     load_run, probe_headline,
 )
+
+assert RUN_FIGURES[0].name == "reward"
+RUN_REPORT_FIGURES = [RUN_FIGURES[0], *EVAL_FIGURES, *RUN_FIGURES[1:]]
+"""The run report's figures: the eval figure right after the training reward."""
 
 
 # --------------------------------------------------------------------------- files
@@ -67,12 +78,30 @@ class Table:
 
 
 @dataclass
+class Section:
+    """A block after the figures whose body is rendered by its owner (both forms escaped already)."""
+
+    name: str
+    title: str
+    html: str
+    markdown: str
+
+
+class SkippedSection(SkippedFigure):
+    """A section that could not be built; listed under "Skipped" with the figures."""
+
+
+@dataclass
 class Page:
     title: str
     intro: list[str] = field(default_factory=list)
     """Plain-text lines under the title."""
+    summary: list[str] = field(default_factory=list)
+    """Verdict sentences, shown as the first section ("Summary")."""
     tables: list[Table] = field(default_factory=list)
     figures: list[RenderedFigure | SkippedFigure] = field(default_factory=list)
+    """Drawn figures, and what was skipped (figures and sections)."""
+    sections: list[Section] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     """Input problems worth knowing (skipped JSONL lines, unreadable files)."""
     details: list[tuple[str, str]] = field(default_factory=list)
@@ -104,6 +133,9 @@ text-align:left}td.num{text-align:right;font-variant-numeric:tabular-nums}th{bac
 figure{margin:1.5em 0}figure img{max-width:100%;height:auto;border:1px solid #eee}
 figcaption{color:#555;font-size:.9em}pre{background:#f7f7f7;padding:.6em;overflow:auto;font-size:.85em}
 .skipped li,.notes li{margin:.2em 0}
+table.sample{width:100%}table.sample th{width:6em;vertical-align:top}
+td.text{white-space:pre-wrap;font-family:ui-monospace,monospace;font-size:.85em}
+mark{background:#ffd966;font-weight:bold}section h3{font-size:1em;margin:1.2em 0 .3em}
 """
 
 
@@ -122,6 +154,10 @@ def render_html(page: Page) -> str:
              f"<title>{e(page.title)}</title><style>{_CSS}</style></head><body>",
              f"<h1>{e(page.title)}</h1>"]
     parts += [f"<p>{e(line)}</p>" for line in page.intro]
+    if page.summary:
+        parts.append('<h2>Summary</h2><ul class="summary">')
+        parts += [f"<li>{e(line)}</li>" for line in page.summary]
+        parts.append("</ul>")
     for t in page.tables:
         parts.append(f"<h2>{e(t.title)}</h2><table><thead><tr>"
                      + "".join(f"<th>{e(c)}</th>" for c in t.columns) + "</tr></thead><tbody>")
@@ -139,6 +175,8 @@ def render_html(page: Page) -> str:
         parts.append(f'<figure id="{e(f.name)}"><h3>{e(f.title)}</h3>'
                      f'<img src="data:image/png;base64,{b64}" alt="{e(f.title)}">'
                      f"<figcaption>{e(f.caption)}</figcaption></figure>")
+    for sec in page.sections:
+        parts.append(f'<section id="{e(sec.name)}"><h2>{e(sec.title)}</h2>{sec.html}</section>')
     if skipped:
         parts.append('<h2>Skipped</h2><ul class="skipped">')
         parts += [f"<li><b>{e(s.title)}</b> ({e(s.name)}): {e(s.reason)}</li>" for s in skipped]
@@ -161,6 +199,8 @@ def render_markdown(page: Page) -> str:
     """The Markdown summary of a page (figures referenced as `<name>.png` beside it)."""
     out = [f"# {page.title}", ""]
     out += [line + "  " for line in page.intro]
+    if page.summary:
+        out += ["", "## Summary", ""] + [f"- {line}" for line in page.summary]
     for t in page.tables:
         out += ["", f"## {t.title}", "", "| " + " | ".join(map(_md_cell, t.columns)) + " |",
                 "|" + "---|" * len(t.columns)]
@@ -171,6 +211,8 @@ def render_markdown(page: Page) -> str:
         out += ["", "## Figures"]
     for f in drawn:
         out += ["", f"### {f.title}", "", f"![{f.title}]({f.name}.png)", "", f.caption]
+    for sec in page.sections:
+        out += ["", f"## {sec.title}", "", sec.markdown]
     if skipped:
         out += ["", "## Skipped", ""]
         out += [f"- **{s.title}** (`{s.name}`): {s.reason}" for s in skipped]
@@ -204,9 +246,11 @@ def write_page(page: Page, out_dir: str | Path) -> ReportPaths:
 
 # --------------------------------------------------------------------------- run / probe pages
 
-def headline_table(records: list[dict]) -> Table:
-    nums = headline_numbers(records)
+def headline_table(run: RunData) -> Table:
+    """The headline numbers of the run's metrics, then the last evaluation's (when eval.jsonl has one)."""
+    nums = headline_numbers(run.records)
     rows = [[HEADLINE_LABELS[k], fmt_number(v, integer=k.startswith("num_"))] for k, v in nums.items()]
+    rows += [[label, fmt_number(v, integer=integer)] for label, v, integer in last_eval_rows(run.evals)]
     return Table("Headline numbers", ["quantity", "value"], rows)
 
 
@@ -237,9 +281,13 @@ def _config_summary(run: RunData) -> list[str]:
     bits = [f"{k}={algo[k]}" for k in ("name", "routing_replay") if k in algo]
     if bits:
         lines.append("Algorithm: " + ", ".join(bits))
-    sides = _sides(cfg)
+    sides = _sides(cfg, run.run_info)
     if sides:
         lines.append(sides)
+    info = run.run_info or {}
+    if info.get("device") is not None or info.get("world_size") is not None:
+        lines.append(f"Learner device: {info.get('device', '?')}, {info.get('world_size', '?')} process(es) "
+                     "(run.json, the last (re)start)")
     if run.done is not None:
         lines.append(f"Finished: last step {run.done.get('step', '?')}, "
                      f"wall time {fmt_number(float(run.done.get('wall_s', math.nan)))} s")
@@ -249,26 +297,54 @@ def _config_summary(run: RunData) -> list[str]:
     return lines
 
 
-def _sides(cfg: dict) -> str:
-    """"Rollout: <engine> engine in <dtype>; learner: Megatron-core in <dtype>" from config.yaml."""
+def _sides(cfg: dict, run_info: dict | None = None) -> str:
+    """"Rollout: <engine> engine in <dtype>; learner: Megatron-core in <dtype>" from config.yaml; the
+    learner dtype is the one run.json records (what the run used), else model.params_dtype (runs
+    that predate run.json: 'auto' is then spelled out as its rule)."""
     rollout = cfg.get("rollout") if isinstance(cfg.get("rollout"), dict) else {}
     model = cfg.get("model") if isinstance(cfg.get("model"), dict) else {}
-    if not rollout and not model:
+    recorded = (run_info or {}).get("learner_dtype")
+    if not rollout and not model and not recorded:
         return ""
-    learner = model.get("params_dtype", "auto")
-    if learner == "auto":
-        learner = "auto (float32 on CPU, bfloat16 on CUDA)"
+    if isinstance(recorded, str) and recorded:
+        learner = f"{recorded} (run.json)"
+    else:
+        learner = str(model.get("params_dtype", "auto"))
+        learner = "auto (float32 on CPU, bfloat16 on CUDA)" if learner == "auto" else learner
+        learner += " (model.params_dtype)"
     engine = rollout.get("engine", "?")
     precision = rollout_precision(rollout.get("dtype", "?"), rollout.get("quantization"), rollout.get("fp8_scale"),
                                   engine)
-    return (f"Rollout: {engine} engine in {precision}; "
-            f"learner: Megatron-core in {learner} (model.params_dtype)")
+    return f"Rollout: {engine} engine in {precision}; learner: Megatron-core in {learner}"
+
+
+def samples_section(run: RunData) -> Section | SkippedSection:
+    """The samples of samples.jsonl (`analysis.samples`), or why there are none; unusable lines are
+    added to `run.warnings`."""
+    path = run.source / "samples.jsonl"
+    if not path.is_file():
+        logging_cfg = (run.config or {}).get("logging")
+        off = isinstance(logging_cfg, dict) and logging_cfg.get("samples_every") == 0
+        return SkippedSection("samples", "Samples", "no samples.jsonl in the run directory: " + (
+            "saving samples was off (logging.samples_every: 0)" if off else "no samples were saved"))
+    try:
+        picked = pick_samples(read_samples(path, run.warnings))
+    except OSError as e:
+        return SkippedSection("samples", "Samples", f"could not read samples.jsonl: {e}")
+    if not picked:
+        return SkippedSection("samples", "Samples", "samples.jsonl holds no valid samples")
+    return Section("samples", "Samples", samples_html(picked, PER_STEP), samples_markdown(picked, PER_STEP))
 
 
 def build_run_page(run: RunData, probe: dict | None = None) -> Page:
-    page = Page(title=f"Expert-drift report: {run.name}", intro=_config_summary(run))
-    page.tables.append(headline_table(run.records))
-    page.figures = render_figures(RUN_FIGURES, run)
+    page = Page(title=f"Expert-drift report: {run.name}", intro=_config_summary(run), summary=run_verdicts(run))
+    page.tables.append(headline_table(run))
+    page.figures = render_figures(RUN_REPORT_FIGURES, run)
+    samples = samples_section(run)
+    if isinstance(samples, Section):
+        page.sections.append(samples)
+    else:
+        page.figures.append(samples)
     if probe is not None:
         page.tables += probe_tables(probe)
         page.figures += render_figures(PROBE_FIGURES, probe)
@@ -330,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     for s in paths.skipped:
-        print(f"skipped figure {s.name}: {s.reason}", file=sys.stderr)
+        kind = "section" if isinstance(s, SkippedSection) else "figure"
+        print(f"skipped {kind} {s.name}: {s.reason}", file=sys.stderr)
     for p in paths.figures:
         print(p)
     print(paths.markdown)

@@ -1,5 +1,5 @@
-"""Synthetic run directories (metrics.jsonl + traces per notes/run_dir_schema.md) and probe JSON,
-for the analysis tests (imported by conftest.py and the test modules)."""
+"""Synthetic run directories (metrics.jsonl + traces per notes/run_dir_schema.md, run.json, eval.jsonl,
+samples.jsonl) and probe JSON, for the analysis tests (imported by conftest.py and the test modules)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,29 @@ NUM_LAYERS = 2
 NUM_EXPERTS = 8
 TOP_K = 2
 TRACE_STEPS = (5, 10)
+RUN_INFO = {"learner_dtype": "float32", "device": "cpu", "world_size": 2}
+EVAL_STEPS = (0, 6, 12)
+"""Policy steps evaluated (0 = the initial policy, 12 = train.steps: only in eval.jsonl)."""
+SAMPLE_STEPS = (1, 7, 12)
+
+
+def eval_record(v: int) -> dict:
+    """The eval.jsonl record of the policy after v updates (hand-checkable values: they grow with v)."""
+    return {"step": v, "eval/reward_mean": 0.25 + v / 48, "eval/accuracy": v / 24, "eval/pass_at_k": 0.5 + v / 48,
+            "eval/k": 4, "eval/response_len_mean": 10.0 + v, "eval/num_prompts": 32, "eval/policy_step": v}
+
+
+def sample_records(step: int) -> list[dict]:
+    """4 samples.jsonl records of one step; the second has a response token flipped in 2 layers."""
+    out = []
+    for i in range(4):
+        tokens = ["1", "2", "3", "<eos>"] if i != 3 else ["9"] * 3
+        flips = [0, 2, 0, 0] if i == 1 else [0] * len(tokens)
+        out.append({"step": step, "prompt": f"copy 123 #{i}", "answer": "123", "response": "".join(tokens),
+                    "reward": [1.0, 0.5, 0.75, 0.0][i], "advantage": [0.6, -0.2, 0.3, -1.0][i],
+                    "finish_reason": "stop" if i != 3 else "length", "response_tokens": tokens,
+                    "routing_flips": flips if step != SAMPLE_STEPS[0] else None})
+    return out
 
 
 def _load_LE(rng: np.random.Generator) -> list[list[float]]:
@@ -112,16 +135,26 @@ def _write_trace(path: Path, rng: np.random.Generator, prompt_lens, response_len
 
 
 def write_synthetic_run(run_dir: Path, seed: int = 0, with_traces: bool = True,
-                        num_ranks: int = 1) -> Path:
+                        num_ranks: int = 1, with_extras: bool = True) -> Path:
     """A run dir with config.yaml, metrics.jsonl (NUM_STEPS steps), done.json, and traces at
-    TRACE_STEPS (per-rank `_rank{r}` files, as a multi-process run writes, when num_ranks > 1)."""
+    TRACE_STEPS (per-rank `_rank{r}` files, as a multi-process run writes, when num_ranks > 1); with
+    `with_extras` also run.json (RUN_INFO), eval.jsonl (EVAL_STEPS; their eval/* keys also on the
+    metrics rows of the steps < NUM_STEPS, as the training logs them) and samples.jsonl (SAMPLE_STEPS)."""
     rng = np.random.default_rng(seed)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text("algo:\n  name: gspo\n  routing_replay: none\n"
                                          "train:\n  steps: 12\n  seed: 0\n")
     with open(run_dir / "metrics.jsonl", "w") as f:
         for step in range(1, NUM_STEPS + 1):
-            f.write(json.dumps(synthetic_record(step, rng)) + "\n")
+            rec = synthetic_record(step, rng)
+            if with_extras and step in EVAL_STEPS:
+                rec.update({k: v for k, v in eval_record(step).items() if k != "step"})
+            f.write(json.dumps(rec) + "\n")
+    if with_extras:
+        (run_dir / "run.json").write_text(json.dumps(RUN_INFO))
+        (run_dir / "eval.jsonl").write_text("".join(json.dumps(eval_record(v)) + "\n" for v in EVAL_STEPS))
+        (run_dir / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for step in SAMPLE_STEPS
+                                                       for r in sample_records(step)))
     if with_traces:
         traces = run_dir / "traces"
         traces.mkdir()
@@ -173,9 +206,9 @@ def recompute_headline(metrics_path) -> dict[str, float]:
     k = max(1, len(rewards) // 10)
     return {
         "num_steps": len(rows),
-        "reward_final": rewards[-1],
         "reward_last10_mean": sum(rewards[-k:]) / k,
         "reward_first10_mean": sum(rewards[:k]) / k,
+        "reward_last_step": rewards[-1],
         "any_layer_flip_mean": mean_of("routing/any_layer_flip"),
         "k3_kl_mean": mean_of("mismatch/k3_kl"),
         "k3_kl_replayed_mean": mean_of("mismatch_replayed/k3_kl"),
@@ -185,7 +218,12 @@ def recompute_headline(metrics_path) -> dict[str, float]:
         "update_all_expert_change_mean": mean_of("update_all_minibatches/expert_change_frac"),
         "num_update_steps": sum(1 for r in rows if r.get("update/expert_change_frac") is not None),
         "flipped_var_share_mean": mean_of("mismatch_ratio/token_var_share_flipped"),
-        "token_seq_var_ratio": mean_of("ratio/token_var") / mean_of("ratio/seq_var"),
+        "mismatch_token_var_mean": mean_of("mismatch_ratio/token_var"),
+        "mismatch_seq_var_mean": mean_of("mismatch_ratio/seq_var"),
+        "mismatch_token_seq_var_ratio": mean_of("mismatch_ratio/token_var") / mean_of("mismatch_ratio/seq_var"),
+        "update_token_var_mean": mean_of("ratio/token_var"),
+        "update_seq_var_mean": mean_of("ratio/seq_var"),
+        "update_token_seq_var_ratio": mean_of("ratio/token_var") / mean_of("ratio/seq_var"),
     }
 
 

@@ -32,7 +32,7 @@ def test_headline_numbers_missing_metric_is_nan():
     h = headline_numbers(recs)
     assert h["reward_first10_mean"] == pytest.approx(0.5)  # steps 0, 1
     assert h["reward_last10_mean"] == pytest.approx(18.5)  # steps 18, 19
-    assert math.isnan(h["k3_kl_mean"]) and math.isnan(h["token_seq_var_ratio"])
+    assert math.isnan(h["k3_kl_mean"]) and math.isnan(h["update_token_seq_var_ratio"])
 
 
 def test_truncated_line_skipped_with_line_number(tmp_path):

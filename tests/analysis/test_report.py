@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from analysis.figures import RUN_FIGURES, SkippedFigure, render_figures
+from analysis.eval_report import EVAL_FIGURES
 from analysis.probe_figures import PROBE_FIGURES
 from analysis.load import HEADLINE_LABELS, PROBE_LABELS, ReportInputError, RunDataWarning, load_run
 from analysis.report import build_report, fmt_number, main
@@ -38,7 +39,7 @@ def full_report(synthetic_run, probe_file, tmp_path_factory):
 
 def test_every_figure_is_drawn_as_png(full_report):
     names = {p.stem for p in full_report.figures}
-    assert names == {s.name for s in RUN_FIGURES + PROBE_FIGURES}
+    assert names == {s.name for s in RUN_FIGURES + EVAL_FIGURES + PROBE_FIGURES}
     assert full_report.skipped == []
     for p in full_report.figures:
         assert_real_png(p)
@@ -87,7 +88,7 @@ def test_markdown_references_pngs(full_report):
 def test_headline_table_equals_recomputation(full_report, synthetic_run):
     table = md_table(full_report.markdown.read_text(), "Headline numbers")
     want = recompute_headline(synthetic_run / "metrics.jsonl")
-    assert len(table) == len(HEADLINE_LABELS)
+    assert len(table) == len(HEADLINE_LABELS) + 6  # + the last evaluation's rows (test_report_content)
     for key, label in HEADLINE_LABELS.items():
         assert table[label] == fmt_number(want[key], integer=key.startswith("num_")), key
     assert table[HEADLINE_LABELS["num_steps"]] == str(NUM_STEPS)
@@ -154,10 +155,11 @@ def test_expert_load_falls_back_to_rank_traces(tmp_path):
 def test_degenerate_values_still_build(tmp_path, fill):
     run_dir = write_degenerate_run(tmp_path / "run", fill)
     paths = build_report(run_dir)
-    assert [s.name for s in paths.skipped] == ["ratio_variance_length"]
+    assert [s.name for s in paths.skipped] == ["eval", "ratio_variance_length", "samples"]  # no eval, traces, samples
     table = md_table(paths.markdown.read_text(), "Headline numbers")
     assert table[HEADLINE_LABELS["num_steps"]] == "3"
-    assert table[HEADLINE_LABELS["token_seq_var_ratio"]] == "n/a"  # 0/0 or no values
+    assert table[HEADLINE_LABELS["update_token_seq_var_ratio"]] == "n/a"  # 0/0 or no values
+    assert table[HEADLINE_LABELS["mismatch_token_seq_var_ratio"]] == "n/a"
     for p in paths.figures:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
+from analysis.eval_report import EVAL_FIGURES
 from analysis.figures import RUN_FIGURES, SkipFigure, fig_mismatch, fig_update_change, report_style
 from analysis.probe_figures import PROBE_FIGURES, fig_probe_variance
 from analysis.load import HEADLINE_LABELS, PROBE_LABELS, load_run
@@ -31,7 +32,7 @@ def _draw(fig):
 
 
 def _figures(run, probe):
-    for spec in RUN_FIGURES + PROBE_FIGURES:
+    for spec in RUN_FIGURES + EVAL_FIGURES + PROBE_FIGURES:
         try:
             yield spec.name, _draw(spec.make(probe if spec in PROBE_FIGURES else run))
         except SkipFigure:
@@ -75,7 +76,7 @@ def test_legends_are_outside_the_data_and_titles_inside_the_figure(tmp_path):
         for text in fig.texts:  # suptitle
             box = text.get_window_extent()
             assert box.x0 >= 0 and box.x1 <= width, name
-    assert {"reward", "update_change", "mismatch", "clip", "probe_variance_attribution"} <= names
+    assert {"reward", "eval", "update_change", "mismatch", "clip", "probe_variance_attribution"} <= names
 
 
 def test_probe_variance_figure_has_only_variance_shares_as_bars():

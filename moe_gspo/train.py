@@ -98,10 +98,10 @@ def loop(cfg: Config, run_dir: Path, info, policy, task, evals, state, act, refe
         with timer("traces"):
             if info.is_main and cfg.logging.trace_every and step % cfg.logging.trace_every == 0:
                 steps.save_step_traces(run_dir, step, policy, samples, batch, passes.old, passes.new, rewards,
-                                       replayed_logp_BS=passes.replayed_logp_BS)
+                                       replayed_logp_BS=passes.replayed_logp_BS, rollout_routes=passes.rollout_routes)
             if info.is_main and cfg.logging.samples_every and step % cfg.logging.samples_every == 0:
                 sink.log_samples(sample_rows(step, policy.tokenizer, drawn.prompts, samples, rewards, batch.advantages_B,
-                                             rollout_routes=batch.rollout_routes, learner_routes=passes.old.routes,
+                                             rollout_routes=passes.rollout_routes, learner_routes=passes.old.routes,
                                              num_groups=cfg.logging.num_samples))
         with timer("metrics"):
             metrics.update(steps.sample_metrics(rewards, samples, batch.advantages_B, cfg.rollout.samples_per_prompt))
@@ -171,22 +171,35 @@ def learning_summary(metrics_path: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done, 2 a user error (one line, printed once), 3 a rank failure, 128 + N
-    interrupted by signal N (one line saying how to resume; see `moe_gspo.run.errors`), 1 a bug."""
-    from moe_gspo.mcore.parallel import destroy_distributed
-    from moe_gspo.run.activity import exit_with_launcher
-    from moe_gspo.run.cli import parse_train_args
+    interrupted by signal N (one line saying how to resume; see `moe_gspo.run.errors`), 1 a bug.
+    Everything but `run_entry` (standard library only) is imported inside it, so that a signal during
+    the imports is that one line too; the teardown touches only what was imported and initialised."""
     from moe_gspo.run.errors import run_entry
-    from moe_gspo.run.rundir import resume_hint
-    from moe_gspo.run.setup import quiet_known_warnings
 
-    quiet_known_warnings()
-    exit_with_launcher()  # kill -9 of torchrun must not leave this worker writing
-    args, cfg = parse_train_args(argv)  # CLI and config errors: SystemExit(2), printed once
+    run_dir: list[str] = []
+
+    def entry() -> int:
+        from moe_gspo.run.activity import exit_with_launcher
+        from moe_gspo.run.cli import parse_train_args
+        from moe_gspo.run.setup import quiet_known_warnings
+
+        quiet_known_warnings()
+        exit_with_launcher()  # kill -9 of torchrun must not leave this worker writing
+        args, cfg = parse_train_args(argv)  # CLI and config errors: SystemExit(2), printed once
+        run_dir.append(args.run_dir)
+        return train(cfg, Path(args.run_dir), args.resume, overwrite=args.overwrite) and 0
+
+    def how_to_resume() -> str:
+        from moe_gspo.run.rundir import resume_hint
+
+        return resume_hint(run_dir[0]) if run_dir else "rerun the same command"
+
     try:
-        return run_entry(lambda: train(cfg, Path(args.run_dir), args.resume, overwrite=args.overwrite) and 0,
-                         how_to_resume=lambda: resume_hint(args.run_dir))  # Ctrl-C / SIGTERM: one line, 130 / 143
+        return run_entry(entry, how_to_resume=how_to_resume)  # Ctrl-C / SIGTERM: one line, 130 / 143
     finally:
-        destroy_distributed()
+        parallel = sys.modules.get("moe_gspo.mcore.parallel")
+        if parallel is not None:
+            parallel.destroy_distributed()
 
 
 if __name__ == "__main__":

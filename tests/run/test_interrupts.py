@@ -59,7 +59,8 @@ def test_an_interrupted_training_run_says_how_to_resume(tmp_path, launcher, sig)
     lines = _interrupted_lines(out)
     assert len(lines) == 1, out[-3000:]
     assert lines[0].startswith(f"interrupted by {signal.Signals(sig).name}; rerun the same command with --resume "
-                               f"to continue from {run_dir}/step_0000"), lines
+                               f"to continue from its newest checkpoint, {run_dir}/checkpoints/step_0000"), lines
+    assert Path(lines[0].rsplit(", ", 1)[1]).is_dir(), lines  # the path it names exists
     assert "Traceback" not in out and "KeyboardInterrupt" not in out and "SignalException" not in out, out[-3000:]
 
 

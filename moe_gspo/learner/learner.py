@@ -63,6 +63,9 @@ class LogprobResult:
     """B arrays [seq_len_b, L, K] (uint8/uint16) of the learner's top-k experts, when recorded."""
     probs: list[np.ndarray] | None = None
     """B arrays [seq_len_b, L, K] float32 full-softmax router probabilities of those experts."""
+    router_stats: list[np.ndarray] | None = None
+    """B arrays [seq_len_b, L, 2] float32 router margin (k-th minus (k+1)-th logit) and router entropy
+    (nats) per token and MoE layer, recorded with the routes (`moe_gspo.routing.router_stats`)."""
     entropy_BS: torch.Tensor | None = None
     """float32 [B, S] entropy (nats) of the distribution that predicted each token, aligned like
     `logp_BS`, when asked for (`with_entropy=True`)."""
@@ -110,7 +113,7 @@ class Learner:
                                           mode=opts.offload_during_rollout,
                                           move_optimizer=not opts.precision_aware_optimizer)
             self.offload.release_grads()  # train.offload_during_rollout: no gradient memory until the first update
-        self.recorder = MegatronRouterRecorder(self.model, record_probs=True, enabled=False)
+        self.recorder = MegatronRouterRecorder(self.model, record_probs=True, record_stats=True, enabled=False)
         routers = moe_routers(self.model)
         self.replay_driver = (RoutingReplayDriver(self.model, recompute=self.recompute)
                               if all(r.router_replay is not None for r in routers) else None)
@@ -252,6 +255,7 @@ class Learner:
         ent_local = torch.zeros((plan.num_rows, S), dtype=torch.float32, device=self.device) if with_entropy else None
         ids_local = torch.zeros((plan.num_rows, S, L, K), dtype=torch.int32, device=self.device) if record else None
         probs_local = torch.zeros((plan.num_rows, S, L, K), dtype=torch.float32, device=self.device) if record else None
+        stats_local = torch.zeros((plan.num_rows, S, L, 2), dtype=torch.float32, device=self.device) if record else None
         kept = None
         if keep_graph:  # the first mini-batch's rows with autograd (kept for its update), the rest without
             first, rest = split_first_minibatch(batch.seq_lens_B.tolist(), self._minibatch_indices(batch.num_seqs)[0],
@@ -284,11 +288,12 @@ class Learner:
                 if record:
                     assert self.recorder.num_calls() == 1, self.recorder.num_calls()
                     B_i = n + num_pad
-                    for stacked, what in ((ids_local, False), (probs_local, True)):
-                        seqs = self.recorder.to_sequences([S_i] * B_i, B_i, S_i, probs=what)[:n]
+                    for stacked, what in ((ids_local, "ids"), (probs_local, "probs"), (stats_local, "stats")):
+                        seqs = self.recorder.to_sequences([S_i] * B_i, B_i, S_i, probs=what == "probs",
+                                                          stats=what == "stats")[:n]
                         if n:
                             stacked[rows, :S_i] = torch.from_numpy(np.stack(seqs).astype(
-                                np.float32 if what else np.int32)).to(self.device)
+                                np.int32 if what == "ids" else np.float32)).to(self.device)
                     self.recorder.clear()
         finally:
             self.recorder.enabled = False
@@ -305,12 +310,14 @@ class Learner:
             id_dtype = np.uint8 if self.num_experts <= 256 else np.uint16
             all_ids = self._gather_rows(ids_local, B).cpu().numpy()
             all_probs = self._gather_rows(probs_local, B).cpu().numpy()
+            all_stats = self._gather_rows(stats_local, B).cpu().numpy()
             routes = [np.ascontiguousarray(all_ids[b, :n].astype(id_dtype)) for b, n in enumerate(lens)]
             probs = [np.ascontiguousarray(all_probs[b, :n]) for b, n in enumerate(lens)]
             if self.replay is ReplayMode.R2:
                 self._recorded = (batch.input_ids_BS.cpu().clone(), routes)
             if record_routes:
                 result.routes, result.probs = routes, probs
+                result.router_stats = [np.ascontiguousarray(all_stats[b, :n]) for b, n in enumerate(lens)]
         if kept is not None:
             kept.logp_BS, kept.entropy_BS = result.logp_BS, result.entropy_BS
         return result, kept

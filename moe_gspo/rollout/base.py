@@ -56,6 +56,11 @@ class RolloutSample:
     router_probs_TLK: np.ndarray | None = None
     """float16 [T, L, K] full-softmax router probabilities of those experts (softmax over all experts,
     before the top-k renormalisation; see `moe_gspo.routing.trace`), or None."""
+    router_margin_TL: np.ndarray | None = None
+    """float16 [T, L] router margin per token and MoE layer: the k-th minus the (k+1)-th largest router logit
+    (`moe_gspo.routing.router_stats`; transformers engine with record_probs), or None."""
+    router_entropy_TL: np.ndarray | None = None
+    """float16 [T, L] entropy (nats) of the router's softmax over all experts per token and MoE layer, or None."""
     extra: dict = field(default_factory=dict)
 
 

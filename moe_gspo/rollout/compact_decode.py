@@ -27,7 +27,7 @@ the order of fp32 additions inside a GEMM kernel may differ with the operand sha
 differ by one rounding in rare cases (tests/rollout: identical tokens, log-probs and routes on the tiny
 models, bit for bit in bf16). Modules' forward hooks do not run in the compact passes; the routes they
 return are what `HFRouterRecorder` records (full-softmax probabilities at the top-k experts, before
-renormalisation).
+renormalisation; per-token router margin and entropy, `moe_gspo.routing.router_stats`).
 
 Supported: `Qwen3MoeForCausalLM` with `sdpa` attention (or the project's fp32 variant), no attention
 bias, no sliding window, a rotary embedding that does not change with the sequence length, SiLU
@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_gspo.rollout.cpu_gemm import ATTENTION_FP32, Fp32GemmForBf16, Fp32Weights
+from moe_gspo.routing.router_stats import token_router_stats
 
 DENSE_EXPERTS_RATIO = 4
 """Compute every expert for every token when num_experts <= this x top_k (see the module docstring)."""
@@ -118,12 +119,14 @@ class CompactDecoder:
             and attention in fp32 (`moe_gspo.rollout.cpu_gemm`); False: GEMMs and attention in the
             model's dtype.
         record_probs: also return the router probabilities of the chosen experts.
+        record_stats: also return each token's router margin and entropy per MoE layer
+            (`moe_gspo.routing.router_stats.token_router_stats`).
         fp32_weights: the engine's cached fp32 copies of its weights (for the experts module, when it
             runs; `cpu_gemm.Fp32Weights`).
     """
 
     def __init__(self, model: nn.Module, *, fp32_gemm: bool, record_probs: bool = True,
-                 fp32_weights: Fp32Weights | None = None):
+                 fp32_weights: Fp32Weights | None = None, record_stats: bool = True):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"compact decoding does not support this model: {reason}; decode with "
@@ -134,6 +137,7 @@ class CompactDecoder:
         self.fp32_gemm = fp32_gemm and self.dtype == torch.bfloat16
         self.compute_dtype = torch.float32 if self.fp32_gemm else self.dtype
         self.record_probs = record_probs
+        self.record_stats = record_stats
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -201,7 +205,8 @@ class CompactDecoder:
         it (its own causal-mask builder and attention dispatch, so the same kernel calls), writing the keys
         and values into a static cache of `repeat` rows per prompt with room for `max_new_tokens` more
         positions. Returns `(logits_PV float32 at the last position, ids_PTLK int16, probs_PTLK float32 or
-        None)`. The weights are read here, once per generation."""
+        None, stats_PTL2 float32 or None)` (stats: router margin and entropy). The weights are read here,
+        once per generation."""
         from transformers import DynamicCache
         from transformers.masking_utils import create_causal_mask
 
@@ -235,7 +240,7 @@ class CompactDecoder:
                                   past_key_values=DynamicCache(config=model.config), position_ids=positions_PT)
         cos_P1TD, sin_P1TD = (x[:, None] for x in model.model.rotary_emb(h, positions_PT))
         rms, gemm = self._rms, self._gemm
-        ids, probs = [], []
+        ids, probs, stats = [], [], []
         for layer, K, V in zip(self._layers, self._K, self._V):
             qkv = gemm(rms(h, layer.norm1), layer.qkv)
             qk = rms(qkv[..., : (nh + nkv) * hd].view(num_prompts, num_prompt, nh + nkv, hd), layer.qk_norm)
@@ -254,18 +259,20 @@ class CompactDecoder:
                     q, k, v, attn_mask=mask.float() if mask.is_floating_point() else mask, scale=layer.scaling)
             out = out.to(self.dtype).transpose(1, 2).reshape(num_prompts, num_prompt, nh * hd)
             h = h + gemm(out, layer.o)
-            h = h + self._ffn(layer, rms(h, layer.norm2), ids, probs)
+            h = h + self._ffn(layer, rms(h, layer.norm2), ids, probs, stats)
         logits = gemm(rms(h[:, -1], self._final_norm), self._head, self._head_bias)
         ids_PTLK = torch.stack(ids, dim=1).to(self.id_dtype).view(num_prompts, num_prompt, len(ids), -1)
         probs_PTLK = (torch.stack(probs, dim=1).view(num_prompts, num_prompt, len(probs), -1)
                       if self.record_probs else None)
-        return logits.float(), ids_PTLK, probs_PTLK
+        stats_PTL2 = (torch.stack(stats, dim=1).view(num_prompts, num_prompt, len(stats), 2)
+                      if self.record_stats else None)
+        return logits.float(), ids_PTLK, probs_PTLK, stats_PTL2
 
     # ----------------------------------------------------------------------------- one step
     def step(self, tokens_B: torch.Tensor, positions_B: torch.Tensor):
-        """Feed one token per row at its position; returns `(logits_BV float32, ids_BLK, probs_BLK)`
-        with the top-k expert ids (int16) and their full-softmax probabilities (float32, or None) of
-        every MoE layer."""
+        """Feed one token per row at its position; returns `(logits_BV float32, ids_BLK, probs_BLK, stats_BL2)`
+        with the top-k expert ids (int16), their full-softmax probabilities (float32, or None) and the
+        router margin and entropy (float32, or None) of every MoE layer."""
         assert self._K, "call prefill() first"
         slot = self._slot
         assert slot < self._K[0].shape[2], "more decode steps than prefill() made room for"
@@ -276,7 +283,7 @@ class CompactDecoder:
         cos_B1D = self._cos_TD[positions_B][:, None]
         sin_B1D = self._sin_TD[positions_B][:, None]
         mask = None if self._mask_B11T is None else self._mask_B11T[..., : slot + 1]
-        ids, probs = [], []
+        ids, probs, stats = [], [], []
         for layer, K, V in zip(self._layers, self._K, self._V):
             qkv = gemm(rms(h_BH, layer.norm1), layer.qkv)
             # q and k heads together: their norms (each head its own weight) and rotary embedding
@@ -288,12 +295,13 @@ class CompactDecoder:
                 qk_BND[:, :nh, None].to(self.compute_dtype), K[:, :, : slot + 1], V[:, :, : slot + 1],
                 attn_mask=mask, scale=layer.scaling, enable_gqa=gqa)
             h_BH = h_BH + gemm(out.to(self.dtype).reshape(num_rows, nh * hd), layer.o)
-            h_BH = h_BH + self._ffn(layer, rms(h_BH, layer.norm2), ids, probs)
+            h_BH = h_BH + self._ffn(layer, rms(h_BH, layer.norm2), ids, probs, stats)
         self._slot = slot + 1
         logits = gemm(rms(h_BH, self._final_norm), self._head, self._head_bias)
         ids_BLK = torch.stack(ids, dim=1).to(self.id_dtype)
         probs_BLK = torch.stack(probs, dim=1) if self.record_probs else None
-        return logits.float(), ids_BLK, probs_BLK
+        stats_BL2 = torch.stack(stats, dim=1) if self.record_stats else None
+        return logits.float(), ids_BLK, probs_BLK, stats_BL2
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -301,19 +309,22 @@ class CompactDecoder:
         half = x.shape[-1] // 2
         return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
-    def _ffn(self, layer: _Layer, x: torch.Tensor, ids: list, probs: list) -> torch.Tensor:
-        """The layer's MLP (dense, or the MoE block on the flattened tokens, whose routes go to `ids` / `probs`)."""
+    def _ffn(self, layer: _Layer, x: torch.Tensor, ids: list, probs: list, stats: list) -> torch.Tensor:
+        """The layer's MLP (dense, or the MoE block on the flattened tokens, whose routes go to `ids` / `probs`
+        / `stats`)."""
         if layer.router is None:
             gate, up = self._gemm(x, layer.gate_up).chunk(2, dim=-1)
             return self._gemm(F.silu(gate) * up, layer.down)
-        y, ids_NK, probs_NK = self._moe(layer, x.reshape(-1, x.shape[-1]))
+        y, ids_NK, probs_NK, stats_N2 = self._moe(layer, x.reshape(-1, x.shape[-1]))
         ids.append(ids_NK)
         probs.append(probs_NK)
+        stats.append(stats_N2)
         return y.view_as(x)
 
     def _moe(self, layer: _Layer, x_BH: torch.Tensor):
         """The sparse MoE block: router as transformers' `Qwen3MoeTopKRouter`, then the experts."""
         logits_BE = self._gemm(x_BH, layer.router)
+        stats_B2 = token_router_stats(logits_BE, layer.top_k) if self.record_stats else None
         probs_BE = torch.softmax(logits_BE, dim=-1, dtype=torch.float32)
         top_BK, ids_BK = torch.topk(probs_BE, layer.top_k, dim=-1)
         recorded = top_BK if self.record_probs else None
@@ -322,8 +333,8 @@ class CompactDecoder:
         if layer.experts is not None:
             if self.fp32_gemm:
                 with Fp32GemmForBf16(self._fp32_weights):
-                    return layer.experts(x_BH, ids_BK, weights_BK), ids_BK, recorded
-            return layer.experts(x_BH, ids_BK, weights_BK), ids_BK, recorded
+                    return layer.experts(x_BH, ids_BK, weights_BK), ids_BK, recorded, stats_B2
+            return layer.experts(x_BH, ids_BK, weights_BK), ids_BK, recorded, stats_B2
         num_rows, num_experts = x_BH.shape[0], layer.down.shape[0]
         gate, up = self._gemm(x_BH, layer.gate_up).view(num_rows, num_experts, -1).chunk(2, dim=-1)
         act_BEI = F.silu(gate) * up
@@ -331,4 +342,4 @@ class CompactDecoder:
         hidden = out_EBH.shape[-1]
         chosen_BKH = out_EBH.transpose(0, 1).gather(1, ids_BK[:, :, None].expand(-1, -1, hidden))
         y_BH = (chosen_BKH * weights_BK[..., None]).sum(dim=1).to(x_BH.dtype)
-        return y_BH, ids_BK, recorded
+        return y_BH, ids_BK, recorded, stats_B2

@@ -134,7 +134,9 @@ class HFEngine(RolloutEngine):
             the caller) or a local checkpoint directory.
         dtype: inference dtype ("bfloat16" by default, as inference engines run, or "float32").
         device: "cpu", "cuda", or None for cuda when available.
-        record_routes / record_probs: fill `routes_TLK` / `router_probs_TLK` of every sample.
+        record_routes / record_probs: fill `routes_TLK` / `router_probs_TLK` of every sample; with
+            record_probs also `router_margin_TL` and `router_entropy_TL` (per token and MoE layer, computed
+            on the fly from the router logits, `moe_gspo.routing.router_stats`).
         pad_token_id / eos_token_id: default to the model config (eos may be a list of ids).
         fp32_gemm: compute bf16 GEMMs as fp32 GEMMs of the bf16 values rounded back to bf16, and
             attention in fp32 from the bf16 inputs (`moe_gspo.rollout.cpu_gemm`: the same rounding
@@ -188,12 +190,14 @@ class HFEngine(RolloutEngine):
         self._num_experts = routers[0][1].num_experts
         self.record_probs = bool(record_routes and record_probs)
         self.recorder: HFRouterRecorder | None = (
-            HFRouterRecorder(self._model, record_probs=self.record_probs) if record_routes else None)
+            HFRouterRecorder(self._model, record_probs=self.record_probs, record_stats=self.record_probs)
+            if record_routes else None)
         if compact_decode is None:
             compact_decode = unsupported_reason(self._model) is None
         self._compact: CompactDecoder | None = (
             CompactDecoder(self._model, fp32_gemm=self.fp32_gemm, record_probs=self.record_probs,
-                           fp32_weights=self._fp32_weights) if compact_decode else None)
+                           fp32_weights=self._fp32_weights, record_stats=self.record_probs)
+            if compact_decode else None)
 
     # ----------------------------------------------------------------------------- properties
     @property
@@ -258,14 +262,17 @@ class HFEngine(RolloutEngine):
                 raise ValueError(f"prompts[{i}] has token ids {bad[:5]} outside [0, {self.vocab_size})")
 
     def _pop_routes(self, batch: int, seq: int):
-        """The single recorded forward as ([batch, seq, L, K] ids, probs or None)."""
+        """The single recorded forward as ([batch, seq, L, K] ids, probs or None, [batch, seq, L, 2] router
+        margin and entropy or None)."""
         calls = self.recorder.pop()
         assert len(calls) == 1, f"expected one recorded forward, got {len(calls)}"
         ids = calls[0].topk_ids_NLK.reshape(batch, seq, self.num_moe_layers, self._top_k)
-        probs = calls[0].probs_NLK
+        probs, stats = calls[0].probs_NLK, calls[0].stats_NL2
         if probs is not None:
             probs = probs.reshape(batch, seq, self.num_moe_layers, self._top_k)
-        return ids, probs
+        if stats is not None:
+            stats = stats.reshape(batch, seq, self.num_moe_layers, 2)
+        return ids, probs, stats
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[RolloutSample]:
         """Sample `sampling.n` responses per prompt, all prompts in one batch; groups contiguous."""
@@ -300,8 +307,9 @@ class HFEngine(RolloutEngine):
         # Prefill each distinct prompt once, then repeat the cache for the n samples.
         compact, cache = self._compact, None
         if compact is not None:  # its own static cache, n rows per prompt
-            last_logits, pre_ids, pre_probs = compact.prefill(input_ids, mask, positions, n, sampling.max_new_tokens)
-            prefill_routes = (pre_ids, pre_probs) if self.recorder is not None else None
+            last_logits, pre_ids, pre_probs, pre_stats = compact.prefill(input_ids, mask, positions, n,
+                                                                         sampling.max_new_tokens)
+            prefill_routes = (pre_ids, pre_probs, pre_stats) if self.recorder is not None else None
         else:
             cache = DynamicCache(config=self._model.config)
             out = self._model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
@@ -314,7 +322,7 @@ class HFEngine(RolloutEngine):
         logits_BV = last_logits.repeat_interleave(n, dim=0)
         mask = mask.repeat_interleave(n, dim=0)
         next_pos_B = positions[:, -1].repeat_interleave(n, dim=0) + 1
-        tokens, logprobs, decode_ids, decode_probs = [], [], [], []
+        tokens, logprobs, decode_ids, decode_probs, decode_stats = [], [], [], [], []
         finished_B = torch.zeros(batch, dtype=torch.bool, device=device)
         for step in range(sampling.max_new_tokens):
             tok_B = sample_next_tokens(logits_BV, temperature=sampling.temperature,
@@ -327,26 +335,28 @@ class HFEngine(RolloutEngine):
             if step == sampling.max_new_tokens - 1 or bool(finished_B.all()):
                 break
             if compact is not None:
-                logits_BV, ids, probs = compact.step(tok_B, next_pos_B)
+                logits_BV, ids, probs, stats = compact.step(tok_B, next_pos_B)
                 ids = ids[:, None] if self.recorder is not None else None
                 probs = probs[:, None] if probs is not None else None
+                stats = stats[:, None] if stats is not None else None
             else:
                 mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=1)
                 out = self._model(input_ids=tok_B[:, None], attention_mask=mask,
                                   position_ids=next_pos_B[:, None], past_key_values=cache,
                                   use_cache=True, output_router_logits=False)
                 logits_BV = out.logits[:, -1].float()
-                ids, probs = self._pop_routes(batch, 1) if self.recorder is not None else (None, None)
+                ids, probs, stats = self._pop_routes(batch, 1) if self.recorder is not None else (None, None, None)
             next_pos_B = next_pos_B + 1
             if ids is not None:
                 decode_ids.append(ids[:, 0])
                 decode_probs.append(probs[:, 0] if probs is not None else None)
+                decode_stats.append(stats[:, 0] if stats is not None else None)
 
         return self._collect(prompts, n, max_len, torch.stack(tokens, 1), torch.stack(logprobs, 1),
-                             eos_ids, prefill_routes, decode_ids, decode_probs)
+                             eos_ids, prefill_routes, decode_ids, decode_probs, decode_stats)
 
     def _collect(self, prompts, n, max_len, tokens_BS, logprobs_BS, eos_ids, prefill_routes,
-                 decode_ids, decode_probs) -> list[RolloutSample]:
+                 decode_ids, decode_probs, decode_stats) -> list[RolloutSample]:
         """Unpad and split the batch into `RolloutSample`s (one device->host transfer per field)."""
         is_eos_BS = torch.isin(tokens_BS, eos_ids)
         has_eos_B = is_eos_BS.any(dim=1)
@@ -356,9 +366,9 @@ class HFEngine(RolloutEngine):
         tokens_np = tokens_BS.cpu().numpy().astype(np.int64)
         logprobs_np = logprobs_BS.float().cpu().numpy().astype(np.float32)
 
-        routes = probs = None
+        routes = probs = stats = None
         if prefill_routes is not None:
-            pre_ids, pre_probs = prefill_routes
+            pre_ids, pre_probs, pre_stats = prefill_routes
             routes = (pre_ids.cpu().numpy().astype(self.route_dtype),
                       torch.stack(decode_ids, 1).cpu().numpy().astype(self.route_dtype)
                       if decode_ids else None)
@@ -366,6 +376,9 @@ class HFEngine(RolloutEngine):
                 probs = (pre_probs.cpu().numpy().astype(np.float16),
                          torch.stack(decode_probs, 1).cpu().numpy().astype(np.float16)
                          if decode_probs else None)
+            if pre_stats is not None:
+                stats = (pre_stats.cpu().numpy().astype(np.float16),
+                         torch.stack(decode_stats, 1).cpu().numpy().astype(np.float16) if decode_stats else None)
 
         def rows(parts, prompt_i, b, num_prompt, resp_len):
             prefill, decode = parts
@@ -389,6 +402,10 @@ class HFEngine(RolloutEngine):
                 sample.routes_TLK = rows(routes, i, b, len(prompts[i]), resp_len)
             if probs is not None:
                 sample.router_probs_TLK = rows(probs, i, b, len(prompts[i]), resp_len)
+            if stats is not None:
+                stats_TL2 = rows(stats, i, b, len(prompts[i]), resp_len)
+                sample.router_margin_TL = np.ascontiguousarray(stats_TL2[..., 0])
+                sample.router_entropy_TL = np.ascontiguousarray(stats_TL2[..., 1])
             samples.append(sample)
         return samples
 

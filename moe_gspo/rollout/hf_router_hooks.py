@@ -4,7 +4,10 @@
 `Qwen3MoeTopKRouter`) of every MoE layer; transformers itself is neither forked nor patched. In
 transformers 5 the router returns `(router_logits [N, E], router_scores [N, K], router_indices [N, K])`
 with `N = batch * seq` flattened tokens; the hook keeps the top-k ids and, when `record_probs`, the
-router probabilities of those experts.
+router probabilities of those experts; when `record_stats`, two scalars per token and layer: the router
+margin and entropy (`moe_gspo.routing.router_stats.token_router_stats`: the gap between the k-th and
+(k+1)-th logit, the entropy of the softmax over all experts), computed on the fly from the logits so that
+no [N, E] score tensor is kept.
 
 Which probabilities: the softmax over *all* experts (computed in float32 from the router's logits,
 exactly as the router computes it) at the chosen experts, i.e. the values *before* the
@@ -13,7 +16,7 @@ sum says how much mass the top-k captured) and the renormalised weights follow f
 (`p / p.sum(-1)`).
 
 One model forward produces one record (`RouterCall`) with all MoE layers stacked: `topk_ids_NLK`
-[N, L, K] and `probs_NLK` [N, L, K], L = number of MoE layers in model order (`layer_ids` gives their
+[N, L, K], `probs_NLK` [N, L, K] and `stats_NL2` [N, L, 2], L = number of MoE layers in model order (`layer_ids` gives their
 decoder-layer indices). Records stay on the model's device until `pop()`.
 """
 
@@ -26,6 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from moe_gspo.routing.router_stats import token_router_stats
+
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -37,6 +42,8 @@ class RouterCall:
     """int16 (int32 when num_experts > 32767) [N, L, K] top-k expert ids, in the router's order."""
     probs_NLK: torch.Tensor | None
     """float32 [N, L, K] full-softmax router probabilities of those experts (pre-renormalisation)."""
+    stats_NL2: torch.Tensor | None = None
+    """float32 [N, L, 2] router margin (logits, k-th minus (k+1)-th) and entropy (nats) per token, or None."""
 
 
 def topk_from_router_logits(logits_NE: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +98,8 @@ class HFRouterRecorder:
     the model. While `enabled` is False the hooks return at once and record nothing.
     """
 
-    def __init__(self, model: nn.Module, *, record_probs: bool = True, enabled: bool = True):
+    def __init__(self, model: nn.Module, *, record_probs: bool = True, record_stats: bool = True,
+                 enabled: bool = True):
         routers = find_routers(model)
         if not routers:
             raise ValueError(f"{type(model).__name__} has no MoE router (a module with top_k, "
@@ -103,10 +111,12 @@ class HFRouterRecorder:
         if any(r.top_k != self.top_k or r.num_experts != self.num_experts for _, r in routers):
             raise ValueError("MoE layers with different top_k / num_experts are not supported")
         self.record_probs = record_probs
+        self.record_stats = record_stats
         self.enabled = enabled
         self._id_dtype = torch.int16 if self.num_experts <= torch.iinfo(torch.int16).max else torch.int32
         self._ids: list[list[torch.Tensor]] = [[] for _ in routers]
         self._probs: list[list[torch.Tensor]] = [[] for _ in routers]
+        self._stats: list[list[torch.Tensor]] = [[] for _ in routers]
         self._handles = [router.register_forward_hook(self._make_hook(pos))
                          for pos, (_, router) in enumerate(routers)]
 
@@ -139,6 +149,8 @@ class HFRouterRecorder:
             if self.record_probs:
                 probs_NE = torch.softmax(logits_NE, dim=-1, dtype=torch.float32)
                 self._probs[pos].append(probs_NE.gather(-1, ids_NK.long()))
+            if self.record_stats:
+                self._stats[pos].append(token_router_stats(logits_NE, ids_NK.shape[-1]))
 
         hook._moe_gspo_router_hook = True  # lets a deep copy of the model drop hooks it inherited
         return hook
@@ -149,7 +161,7 @@ class HFRouterRecorder:
 
     def clear(self) -> None:
         """Drop everything recorded so far."""
-        for lst in (*self._ids, *self._probs):
+        for lst in (*self._ids, *self._probs, *self._stats):
             lst.clear()
 
     def pop(self) -> list[RouterCall]:
@@ -163,7 +175,8 @@ class HFRouterRecorder:
         for c in range(counts.pop()):
             ids_NLK = torch.stack([ids[c] for ids in self._ids], dim=1)
             probs_NLK = torch.stack([p[c] for p in self._probs], dim=1) if self.record_probs else None
-            calls.append(RouterCall(topk_ids_NLK=ids_NLK, probs_NLK=probs_NLK))
+            stats_NL2 = torch.stack([x[c] for x in self._stats], dim=1) if self.record_stats else None
+            calls.append(RouterCall(topk_ids_NLK=ids_NLK, probs_NLK=probs_NLK, stats_NL2=stats_NL2))
         self.clear()
         return calls
 

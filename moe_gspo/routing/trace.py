@@ -22,6 +22,13 @@ key                dtype / shape               meaning
                                                ``norm_topk_prob`` (Qwen3-MoE), else ``p``. Both
                                                recorders (transformers engine, Megatron learner)
                                                store this quantity; vLLM records no probabilities
+``router_margin``   float16 [sum_T, L]         optional (key absent when not recorded): router margin
+                                               per token row and MoE layer, the K-th minus the
+                                               (K+1)-th largest router logit (+inf when K = E;
+                                               `moe_gspo.routing.router_stats`): how far the token is
+                                               from changing its top-k set. Recorded by the
+                                               transformers engine and the learner; not by vLLM.
+                                               Files without it are read as before (``None``)
 ``seq_offsets``     int64 [N+1]                sequence i owns rows ``seq_offsets[i]:seq_offsets[i+1]``;
                                                ``seq_offsets[0] == 0``, ``seq_offsets[-1] == sum_T``
 ``prompt_lens``     int32 [N]                  prompt length P_i in tokens
@@ -45,7 +52,7 @@ Reading without this package::
     meta = json.loads(str(z["meta"]))
 
 Size: ids cost ``L * K`` bytes per token with uint8 (Qwen3-30B-A3B: 48 layers x top-8 = 384 B/token),
-probabilities another ``2 * L * K`` bytes.
+probabilities another ``2 * L * K`` bytes, margins ``2 * L``.
 """
 
 from __future__ import annotations
@@ -117,6 +124,8 @@ class RoutingTrace:
     renormalised gate weights; see the module docstring), or None."""
     meta: dict = field(default_factory=dict)
     """JSON-serialisable metadata (source, step, dtype, ...)."""
+    router_margin: np.ndarray | None = None
+    """float16 [sum_T, L] router margin (K-th minus (K+1)-th router logit) per token row and layer, or None."""
 
     def __post_init__(self) -> None:
         self.num_experts = int(self.num_experts)
@@ -150,6 +159,11 @@ class RoutingTrace:
             if self.router_probs.shape != self.topk_ids.shape:
                 raise ValueError(f"router_probs must have the shape of topk_ids {self.topk_ids.shape}, "
                                  f"got {self.router_probs.shape}")
+        if self.router_margin is not None:
+            self.router_margin = np.asarray(self.router_margin).astype(np.float16, copy=False)
+            if self.router_margin.shape != self.topk_ids.shape[:2]:
+                raise ValueError(f"router_margin must have shape [sum_T, L] = {self.topk_ids.shape[:2]}, "
+                                 f"got {self.router_margin.shape}")
         if self.meta is None:
             self.meta = {}
         try:
@@ -194,8 +208,9 @@ class RoutingTrace:
     def from_samples(cls, routes: Sequence[np.ndarray], prompt_lens: Sequence[int],
                      response_lens: Sequence[int], num_experts: int, layer_ids: Sequence[int],
                      probs: Sequence[np.ndarray] | None = None, meta: dict | None = None,
-                     *, top_k: int | None = None) -> "RoutingTrace":
-        """Concatenate per-sequence ``[T_i, L, K]`` id arrays (and optional ``[T_i, L, K]`` probs).
+                     *, top_k: int | None = None, margins: Sequence[np.ndarray] | None = None) -> "RoutingTrace":
+        """Concatenate per-sequence ``[T_i, L, K]`` id arrays (and optional ``[T_i, L, K]`` probs and
+        ``[T_i, L]`` router margins).
 
         `top_k` is only needed for an empty batch (it gives K its size); otherwise it is checked.
         """
@@ -236,10 +251,20 @@ class RoutingTrace:
                                      f"got {None if p is None else np.shape(p)}")
             probs_arr = (np.concatenate([np.asarray(p, dtype=np.float16) for p in probs], axis=0)
                          if n else np.zeros((0, num_layers, k), dtype=np.float16))
+        margin_arr = None
+        if margins is not None:
+            if len(margins) != n:
+                raise ValueError(f"got {n} routes but {len(margins)} margins arrays")
+            for i, (m, a) in enumerate(zip(margins, arrs)):
+                if m is None or np.shape(m) != a.shape[:2]:
+                    raise ValueError(f"margins[{i}] must have shape [T, L] = {a.shape[:2]}, "
+                                     f"got {None if m is None else np.shape(m)}")
+            margin_arr = (np.concatenate([np.asarray(m, dtype=np.float16) for m in margins], axis=0)
+                          if n else np.zeros((0, num_layers), dtype=np.float16))
         return cls(topk_ids=topk, seq_offsets=offsets, prompt_lens=np.asarray(prompt_lens, dtype=np.int32),
                    response_lens=np.asarray(response_lens, dtype=np.int32), num_experts=int(num_experts),
                    layer_ids=np.asarray(layer_ids, dtype=np.int32), router_probs=probs_arr,
-                   meta=dict(meta or {}))
+                   meta=dict(meta or {}), router_margin=margin_arr)
 
 
 def from_rollout_samples(samples: Sequence["RolloutSample"], num_experts: int, layer_ids: Sequence[int],
@@ -247,7 +272,7 @@ def from_rollout_samples(samples: Sequence["RolloutSample"], num_experts: int, l
     """A trace of the routes recorded in rollout samples (all must carry `routes_TLK`).
 
     Router probabilities are stored when every sample has `router_probs_TLK`, and refused when only
-    some have them.
+    some have them; router margins (`router_margin_TL`) when every sample has them.
     """
     missing = [i for i, s in enumerate(samples) if s.routes_TLK is None]
     if missing:
@@ -258,10 +283,11 @@ def from_rollout_samples(samples: Sequence["RolloutSample"], num_experts: int, l
         raise ValueError(f"only {sum(have_probs)} of {len(samples)} samples carry router_probs_TLK; "
                          f"record probabilities for all samples or for none")
     probs = [s.router_probs_TLK for s in samples] if samples and all(have_probs) else None
+    margins = [getattr(s, "router_margin_TL", None) for s in samples]
     return RoutingTrace.from_samples(
         [s.routes_TLK for s in samples], [len(s.prompt_ids) for s in samples],
         [len(s.response_ids) for s in samples], num_experts, layer_ids, probs=probs, meta=meta,
-        top_k=top_k)
+        top_k=top_k, margins=margins if samples and all(m is not None for m in margins) else None)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -281,6 +307,8 @@ def save_trace(path: str | os.PathLike, trace: RoutingTrace) -> Path:
     }
     if trace.router_probs is not None:
         arrays["router_probs"] = trace.router_probs
+    if trace.router_margin is not None:
+        arrays["router_margin"] = trace.router_margin
     from moe_gspo.run.atomic import publish_mode
 
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -336,14 +364,16 @@ def load_trace(path: str | os.PathLike) -> RoutingTrace:
         return RoutingTrace(topk_ids=fields["topk_ids"], seq_offsets=fields["seq_offsets"],
                             prompt_lens=fields["prompt_lens"], response_lens=fields["response_lens"],
                             num_experts=int(fields["num_experts"]), layer_ids=fields["layer_ids"],
-                            router_probs=fields.get("router_probs"), meta=meta)
+                            router_probs=fields.get("router_probs"), meta=meta,
+                            router_margin=fields.get("router_margin"))
     except ValueError as e:
         raise ValueError(f"{path}: inconsistent trace: {e}") from e
 
 
 def bytes_per_token(trace: RoutingTrace) -> dict[str, int]:
-    """In-memory (and uncompressed on-disk) bytes per stored token row: ids, probs, total."""
+    """In-memory (and uncompressed on-disk) bytes per stored token row: ids, probs, margin, total."""
     per_row = trace.num_layers * trace.top_k
     ids = per_row * trace.topk_ids.dtype.itemsize
     probs = per_row * trace.router_probs.dtype.itemsize if trace.router_probs is not None else 0
-    return {"ids": ids, "probs": probs, "total": ids + probs}
+    margin = trace.num_layers * trace.router_margin.dtype.itemsize if trace.router_margin is not None else 0
+    return {"ids": ids, "probs": probs, "margin": margin, "total": ids + probs + margin}

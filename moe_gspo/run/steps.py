@@ -116,6 +116,21 @@ def sample_metrics(rewards: torch.Tensor, samples: list[RolloutSample], advantag
             **group_signal_metrics(r, advantages_B, group_size)}
 
 
+def learner_margins(result) -> list | None:
+    """[T_b, L] router margins of a learner pass (`LogprobResult.router_stats[..., 0]`), or None."""
+    stats = getattr(result, "router_stats", None) if result is not None else None
+    return None if stats is None else [st[..., 0] for st in stats]
+
+
+def margins_for(margins: list | None, routes: list) -> list | None:
+    """The router margins a trace of `routes` stores: each cut to its routes' rows; None when a sequence
+    has none, or fewer rows than its routes (a trace stores margins for all rows or none)."""
+    if margins is None or len(margins) != len(routes) or any(m is None for m in margins):
+        return None
+    cut = [np.asarray(m)[:len(r)] for m, r in zip(margins, routes)]
+    return cut if all(c.shape == np.shape(r)[:2] for c, r in zip(cut, routes)) else None
+
+
 def save_step_traces(run_dir: Path, step: int, policy: Policy, samples, batch, old, new,
                      rewards: torch.Tensor, *, replayed_logp_BS: torch.Tensor | None = None) -> None:
     """Routing traces (rollout / learner natural routing / updated learner, when measured) and
@@ -129,11 +144,14 @@ def save_step_traces(run_dir: Path, step: int, policy: Policy, samples, batch, o
     rlens = [len(s.response_ids) for s in samples]
     sources = {"learner": old.routes, "updated": new.routes if new is not None else None,
                "rollout": batch.rollout_routes}
+    margins = {"learner": learner_margins(old), "updated": learner_margins(new),
+               "rollout": [getattr(s, "router_margin_TL", None) for s in samples]}
     for name, routes in sources.items():
         if routes is None:
             continue
         trace = RoutingTrace.from_samples(routes, plens, rlens, num_experts=policy.num_experts,
-                                          layer_ids=policy.layer_ids, meta={"source": name, "step": step})
+                                          layer_ids=policy.layer_ids, meta={"source": name, "step": step},
+                                          margins=margins_for(margins[name], routes))
         with writing(out / f"step_{step:06d}_{name}.npz", "routing trace"):
             save_trace(out / f"step_{step:06d}_{name}.npz", trace)
     mask = batch.response_mask_BS.bool()

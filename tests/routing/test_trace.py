@@ -169,10 +169,13 @@ def test_bytes_per_token_qwen3_30b_geometry():
     ids[:] = np.arange(k)
     tr = RoutingTrace.from_samples([ids], [1], [0], num_experts, list(range(num_layers)))
     b = bytes_per_token(tr)
-    assert b == {"ids": 384, "probs": 0, "total": 384}
+    assert b == {"ids": 384, "probs": 0, "margin": 0, "total": 384}
     trp = RoutingTrace.from_samples([ids], [1], [0], num_experts, list(range(num_layers)),
                                     probs=[np.full((1, num_layers, k), 0.125)])
-    assert bytes_per_token(trp) == {"ids": 384, "probs": 768, "total": 1152}
+    assert bytes_per_token(trp) == {"ids": 384, "probs": 768, "margin": 0, "total": 1152}
+    trm = RoutingTrace.from_samples([ids], [1], [0], num_experts, list(range(num_layers)),
+                                    margins=[np.full((1, num_layers), 0.5)])
+    assert bytes_per_token(trm) == {"ids": 384, "probs": 0, "margin": 96, "total": 480}
     big = RoutingTrace.from_samples([ids], [1], [0], 300, list(range(num_layers)))
     assert bytes_per_token(big)["ids"] == 768
 
@@ -193,3 +196,30 @@ def test_from_rollout_samples():
         from_rollout_samples([sample(0, 2, 2, r0), sample(0, 1, 1, None)], 8, [1])
     with pytest.raises(ValueError, match="router_probs_TLK"):
         from_rollout_samples([sample(0, 2, 2, r0, np.ones((3, 1, 2))), sample(0, 1, 1, r1)], 8, [1])
+
+
+def test_router_margin_round_trip_and_old_files(tmp_path):
+    """The optional per-token router margin [sum_T, L] is stored as float16 and read back; a file without
+    it (every file written before it existed) reads as router_margin=None."""
+    r0 = np.array([[[0, 1]], [[2, 3]], [[4, 5]]], dtype=np.uint8)
+    r1 = np.array([[[7, 6]]], dtype=np.uint8)
+    m0, m1 = np.array([[0.5], [0.004], [np.inf]]), np.array([[0.25]])
+    tr = RoutingTrace.from_samples([r0, r1], [2, 1], [2, 1], 8, [1], margins=[m0, m1])
+    assert tr.router_margin.dtype == np.float16 and tr.router_margin.shape == (4, 1)
+    back = load_trace(save_trace(tmp_path / "m.npz", tr))
+    np.testing.assert_array_equal(back.router_margin, np.float16([[0.5], [0.004], [np.inf], [0.25]]))
+    plain = load_trace(save_trace(tmp_path / "plain.npz", RoutingTrace.from_samples([r0, r1], [2, 1], [2, 1], 8, [1])))
+    assert plain.router_margin is None and "router_margin" not in np.load(tmp_path / "plain.npz").files
+    with pytest.raises(ValueError, match=r"margins\[1\] must have shape"):
+        RoutingTrace.from_samples([r0, r1], [2, 1], [2, 1], 8, [1], margins=[m0, np.zeros((2, 1))])
+    with pytest.raises(ValueError, match="router_margin must have shape"):
+        RoutingTrace(topk_ids=r0, seq_offsets=[0, 3], prompt_lens=[2], response_lens=[2], num_experts=8,
+                     layer_ids=[1], router_margin=np.zeros((3, 2)))
+    # rollout samples: stored when every sample carries router_margin_TL
+    samples = [RolloutSample(prompt_index=0, prompt_ids=np.arange(p), response_ids=np.arange(r),
+                             response_logprobs=np.zeros(r, np.float32), finish_reason="stop", routes_TLK=routes,
+                             router_margin_TL=m)
+               for p, r, routes, m in ((2, 2, r0, m0), (1, 1, r1, m1))]
+    assert from_rollout_samples(samples, 8, [1]).router_margin.shape == (4, 1)
+    samples[1].router_margin_TL = None
+    assert from_rollout_samples(samples, 8, [1]).router_margin is None

@@ -89,6 +89,8 @@ def validate(cfg: Config) -> Config:
     _check_learner_memory_options(tr)
     _check_positive("logging.trace_every", lg.trace_every, allow_zero=True)
     _check_positive("logging.update_drift_every", lg.update_drift_every, allow_zero=True)
+    if not lg.router_margin_threshold >= 0:  # NaN too
+        raise ValueError(f"logging.router_margin_threshold={lg.router_margin_threshold} must be >= 0 (router-logit units)")
     _check_positive("task.prompt_len", t.prompt_len)
     if not 2 <= t.num_symbols <= 36:
         raise ValueError(f"task.num_symbols={t.num_symbols} must be in [2, 36]")

@@ -19,6 +19,7 @@ from moe_gspo.config import AlgoConfig, Config
 from moe_gspo.learner.batch import PackedBatch
 from moe_gspo.learner.lr_schedule import lr_at
 from moe_gspo.run.compare import policy_update_drift, replayed_mismatch, rollout_vs_learner
+from moe_gspo.run.router_diag import step_router_diagnostics
 from moe_gspo.run.timing import PhaseTimer
 
 UPDATE_PREFIX = "update/"
@@ -162,7 +163,8 @@ def learner_update(cfg: Config, policy, batch: PackedBatch, samples, step: int, 
 
     1. old-policy pass with natural routing and routes (R2 records them for its replay) → the
        policy's entropy over the response tokens (`actor/entropy`) and the rollout-vs-learner metrics
-       (`mismatch/*`, `mismatch_ratio/*`, `routing/*`, `routing_prompt/*`);
+       (`mismatch/*`, `mismatch_ratio/*`, `routing/*`, `routing_prompt/*`), the router diagnostics
+       of both sides `router/*`, `moe_gspo.run.router_diag`;
     2. under R3, the old-policy pass under the rollout routes → pi_old of the loss and
        `mismatch_replayed/*`;
     3. rollout corrections (`rollout_corr/*`) from pi_old vs pi_rollout, reference log-probs when
@@ -185,6 +187,8 @@ def learner_update(cfg: Config, policy, batch: PackedBatch, samples, step: int, 
                                      response_mask_BS=batch.response_mask_BS, rollout_routes=batch.rollout_routes,
                                      learner_routes=old.routes, num_experts=policy.num_experts,
                                      group_ids=[s.prompt_index for s in samples]))
+        metrics.update(step_router_diagnostics(samples, old, batch.response_mask_BS, num_experts=policy.num_experts,
+                                               margin_threshold=cfg.logging.router_margin_threshold))
     old_logp, replayed = old.logp_BS, None
     if cfg.algo.routing_replay == "r3":
         with timer("replayed_logp"):

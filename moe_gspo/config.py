@@ -220,6 +220,20 @@ class AlgoConfig:
     1.001 for geometric)."""
     rollout_rs_threshold_lower: float | None = None
     """Lower bound (in (0, 1)) of the kept ratios; null = 1 / rollout_rs_threshold."""
+    opsm: bool = False
+    """Off-policy sequence masking (DeepSeek-V3.2, arXiv 2512.02556; slime --use-opsm): in every update,
+    a response with advantage < 0 whose drift mean_t [log pi_rollout - log pi_theta] (pi_theta = the
+    CURRENT policy, pi_rollout = the engine's sampling log-probs) exceeds algo.opsm_delta loses its
+    policy-gradient term (it stays in the loss normalisation and the KL term). Logs
+    rollout_corr/opsm_masked_seq_frac, _masked_token_frac, _kl_mean. See moe_gspo/algos/rollout_correction.py."""
+    opsm_delta: float | None = None
+    """OPSM's drift threshold delta (>= 0; with algo.opsm=true); null = 1e-4 (slime's default; the paper
+    publishes no value)."""
+    r3_fallback_warn_frac: float = 0.01
+    """With routing_replay=r3: warn once (rank 0) when the share of replayed token rows whose rollout
+    routes were missing or malformed, and which therefore replayed the learner's own natural routes
+    (r3/fallback_token_frac), exceeds this on a step; in [0, 1] (1 = never warn). See
+    moe_gspo/routing/replay_checks.py."""
 
     def clip_range(self) -> tuple[float | None, float | None]:
         """(clip_low, clip_high) with the algorithm's defaults; (None, None) for sapo (no clip)."""

@@ -194,6 +194,7 @@ def _validate_algo(a: AlgoConfig, r: RolloutConfig) -> None:
                          "algo.dynamic_sampling=false; set algo.dynamic_sampling=true or drop it")
     _check_positive("algo.max_num_gen_batches", a.max_num_gen_batches)
     _validate_rollout_correction(a)
+    _validate_opsm_and_r3(a)
 
 
 def _check_quantization(r: RolloutConfig) -> None:
@@ -236,6 +237,18 @@ def _validate_rollout_correction(a: AlgoConfig) -> None:
     if lower is not None and not 0.0 < lower < 1.0:
         raise ValueError(f"algo.rollout_rs_threshold_lower={lower} must be in (0, 1) (null = 1 / "
                          "algo.rollout_rs_threshold)")
+
+
+def _validate_opsm_and_r3(a: AlgoConfig) -> None:
+    """algo.opsm / opsm_delta (moe_gspo/algos/rollout_correction.py) and algo.r3_fallback_warn_frac."""
+    if a.opsm_delta is not None:
+        if not a.opsm:
+            raise ValueError(f"algo.opsm_delta={a.opsm_delta} has no effect with algo.opsm=false; set "
+                             "algo.opsm=true or drop it")
+        if not a.opsm_delta >= 0.0:
+            raise ValueError(f"algo.opsm_delta={a.opsm_delta} must be >= 0 (a drift threshold; null = 1e-4)")
+    if not 0.0 <= a.r3_fallback_warn_frac <= 1.0:
+        raise ValueError(f"algo.r3_fallback_warn_frac={a.r3_fallback_warn_frac} must be in [0, 1] (1 = never warn)")
 
 
 def _check_task_io(cfg: Config) -> None:

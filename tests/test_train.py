@@ -116,6 +116,63 @@ def test_corrected_grpo_with_kl_reference(tmp_path):
         assert z["learner_replayed_logp"].shape == z["learner_logp"].shape
 
 
+def test_r3_with_an_engine_that_drops_prompt_routes(tmp_path, monkeypatch, capsys):
+    """Safe R3 against an engine that loses routes (vLLM prefix omission / never-written rows, slime's
+    dropped requests): every sample's prompt rows 0 .. P-1 are zeroed (expert 0 twice: invalid) and one
+    sample per step has no routes at all. The run trains, logs exactly the share of replayed rows that fell
+    back, and warns once."""
+    from moe_gspo.rollout.hf_engine import HFEngine
+
+    generate, seen = HFEngine.generate, []
+
+    def dropping(self, prompts, sampling):
+        out = generate(self, prompts, sampling)
+        for s in out:
+            s.routes_TLK[:len(s.prompt_ids)] = 0
+        out[1].routes_TLK = None
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(HFEngine, "generate", dropping)
+    run_dir = tmp_path / "run"
+    rc = train.main(["--config", str(ROOT / "configs/tiny_cpu_copy_first.yaml"), "--algo", "grpo",
+                     "--routing-replay", "r3", "--run-dir", str(run_dir), "train.steps=2", *SMALL, "eval.every=0",
+                     "rollout.prompts_per_step=8", "task.num_symbols=2"])
+    assert rc == 0
+    rows = _metrics(run_dir)
+    assert len(rows) == 2 == len(seen)
+    for r, samples in zip(rows, seen):
+        n = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        failed = sum(len(s.prompt_ids) for i, s in enumerate(samples) if i != 1) + n[1] - 1
+        assert r["r3/num_rows"] == sum(k - 1 for k in n)
+        assert r["r3/fallback_token_frac"] == pytest.approx(failed / r["r3/num_rows"])
+        assert r["r3/fallback_seq_frac"] == 1.0 and r["r3/fallback_rows_missing"] == n[1] - 1
+        assert r["r3/fallback_rows_duplicate"] == failed - (n[1] - 1)
+        assert r["r3/fallback_rows_range"] == r["r3/fallback_rows_shape"] == r["r3/fallback_rows_length"] == 0
+        for k in ("loss/policy", "grad/norm", "reward/mean", "mismatch_replayed/k3_kl"):
+            assert math.isfinite(r[k]), k
+        # the dropped rows are left out of the rollout-vs-learner routing comparison, not counted as flips
+        assert r["routing_prompt/num_tokens"] == 0 and r["routing/num_tokens"] < r["mismatch/num_tokens"]
+    assert capsys.readouterr().err.count("of the replayed token rows had no usable rollout route") == 1
+
+
+def test_opsm_run_logs_its_masked_fractions(tmp_path):
+    """GSPO with off-policy sequence masking and a bf16 rollout (so that the engine and the learner differ):
+    the masked shares and the drift are logged every step."""
+    run_dir = tmp_path / "run"
+    rc = train.main(["--config", str(ROOT / "configs/tiny_cpu_copy_first.yaml"), "--algo", "gspo",
+                     "--run-dir", str(run_dir), "train.steps=3", *SMALL, "rollout.dtype=bfloat16", "algo.opsm=true",
+                     "rollout.prompts_per_step=8", "task.num_symbols=2", "eval.every=0"])
+    assert rc == 0
+    rows = _metrics(run_dir)
+    for r in rows:
+        seq, tok = r["rollout_corr/opsm_masked_seq_frac"], r["rollout_corr/opsm_masked_token_frac"]
+        assert 0.0 <= seq <= 1.0 and 0.0 <= tok <= 1.0 and math.isfinite(r["rollout_corr/opsm_kl_mean"])
+        assert seq <= r["advantage/nonzero_frac"] + 1e-9  # only A < 0 is masked (equal-sized mini-batches)
+        assert math.isfinite(r["loss/policy"])
+    print({k: [r[k] for r in rows] for k in rows[0] if k.startswith("rollout_corr/opsm")})
+
+
 @pytest.mark.parametrize("args,msg", [
     (["--algo", "ppo"], "invalid choice: 'ppo'"),
     (["--routing-replay", "r9"], "invalid choice: 'r9'"),

@@ -1,6 +1,6 @@
 """Policy-optimisation math: group advantages, the policy losses (GSPO, GSPO-token, GRPO, GMPO, CISPO,
 SAPO) with their aggregation modes and KL estimators, importance-ratio statistics, train-inference
-mismatch metrics and rollout corrections (TIS / MIS). Pure functions on torch tensors."""
+mismatch metrics and rollout corrections (TIS / MIS / OPSM). Pure functions on torch tensors."""
 
 from moe_gspo.algos.advantages import SCALE_REWARDS, group_advantages
 from moe_gspo.algos.aggregation import LOSS_AGG_MODES
@@ -9,7 +9,7 @@ from moe_gspo.algos.kl import KL_ESTIMATORS
 from moe_gspo.algos.mismatch import MISMATCH_KEYS, mismatch_metrics
 from moe_gspo.algos.policy_loss import AGGREGATIONS, ALGOS, policy_loss
 from moe_gspo.algos.ratios import RATIO_KEYS, ratio_stats
-from moe_gspo.algos.rollout_correction import rollout_correction, rollout_is_weights, rollout_rs_mask
+from moe_gspo.algos.rollout_correction import opsm_mask, rollout_correction, rollout_is_weights, rollout_rs_mask
 
 __all__ = [
     "AGGREGATIONS",
@@ -24,6 +24,7 @@ __all__ = [
     "group_signal_metrics",
     "mean_token_entropy",
     "mismatch_metrics",
+    "opsm_mask",
     "policy_loss",
     "ratio_stats",
     "rollout_correction",

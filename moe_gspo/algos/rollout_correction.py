@@ -45,6 +45,30 @@ Differences from verl, on purpose:
   `rollout_rs=token` with a small lower bound rejects the same tokens, not their whole sequence.
 - Empty inputs give NaN statistics (nothing to measure), never 0.
 
+Off-policy sequence masking (OPSM, `opsm_mask`; DeepSeek-AI 2025, "DeepSeek-V3.2: Pushing the Frontier
+of Open Large Language Models", arXiv 2512.02556, §3.1 "Off-Policy Sequence Masking"; slime
+`--use-opsm` / `--opsm-delta`, `slime/utils/ppo_utils.py::compute_opsm_mask`). Unlike the corrections
+above it is computed from the CURRENT policy inside every update (`Learner.train_step`), as the paper
+defines it: the binary mask M_{i,t} multiplying the GRPO term of token t of response i is 0 when
+A_i < 0 and
+
+    (1 / |o_i|) sum_t [log pi_rollout(o_t) - log pi_theta(o_t)] > delta,
+
+1 otherwise. pi_rollout ("pi_old" in the paper) is the sampling probability the inference engine
+returned, so the drift covers both the train-inference mismatch and the staleness of later
+mini-batches; only negative-advantage sequences are masked ("highly off-policy negative samples can
+be detrimental"). What is simplified / differs:
+- The paper gives no value of delta (a hyper-parameter "that controls the threshold of policy
+  divergence"); the default 1e-4 is slime's `--opsm-delta` default (also used by Miles).
+- Per-sequence advantages (GRPO's, equal on every token of a response), as this learner has.
+- The mask multiplies the policy-gradient term only (as in the paper's formula and in slime, where
+  `pg_loss * opsm_mask`): masked sequences stay in the normalisation (1 / G, 1 / |o_i|) and in the KL
+  term, unlike `rollout_rs`, which removes rejected units from the loss altogether.
+- slime reports `opsm_clipfrac` as the sum over samples of (masked / response length); here
+  `rollout_corr/opsm_masked_seq_frac` is the share of valid sequences masked and
+  `rollout_corr/opsm_masked_token_frac` the share of valid tokens in masked sequences (per
+  mini-batch; the step's row holds their mean over mini-batches).
+
 Conventions: `[B, T]` response-token tensors, `mask_BT` nonzero = valid; masked positions may hold
 garbage (replaced with `torch.where` first). Log ratios are clamped to +-`max_log_ratio` before `exp`
 (verl's safety bound of 20); the rejection test compares unclamped log ratios with the log thresholds.
@@ -63,6 +87,8 @@ IS_LEVELS = ("none", "token", "sequence")
 RS_LEVELS = ("none", "token", "sequence", "geometric")
 DEFAULT_IS_THRESHOLD = 2.0
 """verl's default truncation of the importance weights (`rollout_is_threshold`)."""
+DEFAULT_OPSM_DELTA = 1e-4
+"""OPSM's drift threshold delta: slime's `--opsm-delta` default (DeepSeek-V3.2 publishes no value)."""
 
 
 def _nan(like: torch.Tensor) -> torch.Tensor:
@@ -195,6 +221,53 @@ def rollout_rs_mask(
             "rollout_corr/rs_masked_seq_frac": _unit_mean(rejected_BT.any(-1).double(), seq_valid_B),
             "rollout_corr/rs_frac_high": _unit_mean(high.double(), unit_valid),
             "rollout_corr/rs_frac_low": _unit_mean(low.double(), unit_valid),
+        }
+    return keep_BT, metrics
+
+
+def opsm_mask(
+    logp_BT: torch.Tensor,
+    rollout_logp_BT: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    delta: float = DEFAULT_OPSM_DELTA,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Off-policy sequence masking (DeepSeek-V3.2; see the module docstring): keep every token of
+    sequence i unless A_i < 0 and drift_i = mean_t (rollout_logp - logp) over its valid tokens > delta.
+
+    Args:
+        logp_BT: [B, T] CURRENT-policy log-probs of the sampled tokens (read detached).
+        rollout_logp_BT: [B, T] the rollout engine's log-probs of the same tokens.
+        advantages_B: [B] one advantage per sequence.
+        mask_BT: [B, T] valid response tokens.
+        delta: the drift threshold (>= 0); a sequence is masked only when its drift is strictly above.
+
+    Returns:
+        (keep_BT bool, False at invalid positions; metrics over the valid sequences / tokens):
+        `rollout_corr/opsm_masked_seq_frac`: sequences masked; `rollout_corr/opsm_masked_token_frac`:
+        valid tokens of masked sequences; `rollout_corr/opsm_kl_mean`: mean drift_i (a k1 estimate of
+        KL(pi_rollout || pi_theta) per token, averaged per sequence, all advantages). NaN when there is
+        no valid sequence.
+    """
+    check_token_tensors(mask_BT, logp_BT=logp_BT, rollout_logp_BT=rollout_logp_BT)
+    if not float(delta) >= 0.0:
+        raise ValueError(f"opsm delta must be >= 0 (a drift threshold), got {delta}")
+    num_seqs = mask_BT.shape[0]
+    if tuple(advantages_B.shape) != (num_seqs,):
+        raise ValueError(f"advantages_B has shape {tuple(advantages_B.shape)}, expected [B] = ({num_seqs},)")
+    with torch.no_grad():
+        mask = as_bool_mask(mask_BT)
+        diff = torch.where(mask, rollout_logp_BT.detach().double() - logp_BT.detach().double(), 0.0)
+        num_tok_B = mask.sum(-1)
+        seq_valid_B = num_tok_B > 0
+        drift_B = diff.sum(-1) / num_tok_B.clamp(min=1).double()
+        masked_B = seq_valid_B & (advantages_B.detach().to(drift_B.device) < 0) & (drift_B > float(delta))
+        keep_BT = mask & ~masked_B[:, None]
+        metrics = {
+            "rollout_corr/opsm_masked_seq_frac": _unit_mean(masked_B.double(), seq_valid_B),
+            "rollout_corr/opsm_masked_token_frac": _unit_mean((mask & masked_B[:, None]).double(), mask),
+            "rollout_corr/opsm_kl_mean": _unit_mean(drift_B, seq_valid_B),
         }
     return keep_BT, metrics
 

@@ -46,7 +46,9 @@ class PackedBatch:
     rollout_logp_BS: torch.Tensor
     """float32 [B, S] rollout-engine log-probs at response positions, 0 elsewhere."""
     rollout_routes: list[np.ndarray] | None = None
-    """B arrays [T_b, L, K] of the rollout engine's top-k expert ids, or None when not recorded."""
+    """B arrays [T_b, L, K] of the rollout engine's top-k expert ids as the engine gave them (T_b = 0:
+    none for that sample), or None when not recorded; checked before any replay
+    (`moe_gspo.routing.replay_checks`)."""
     pad_id: int = 0
     """The padding token id."""
 
@@ -76,8 +78,9 @@ class PackedBatch:
     def from_samples(cls, samples: Sequence[RolloutSample], advantages, pad_id: int) -> "PackedBatch":
         """Pack rollout samples; `advantages` holds one number per sample (array, tensor or list).
 
-        `rollout_routes` is the list of every sample's `routes_TLK` when all samples carry routes,
-        None when none does; a mix raises ValueError.
+        `rollout_routes` is the list of every sample's `routes_TLK` when any sample carries routes (a
+        sample without routes gets an empty `[0, L, K]` array: no row known, so under R3 all its rows
+        replay the learner's own routing, `moe_gspo.routing.replay_checks`), None when none does.
         """
         if not samples:
             raise ValueError("from_samples: samples is empty; pass at least one RolloutSample")
@@ -104,14 +107,12 @@ class PackedBatch:
             ids[b, P:P + R] = s.response_ids
             mask[b, P:P + R] = True
             logp[b, P:P + R] = s.response_logprobs
-        has_routes = [s.routes_TLK is not None for s in samples]
-        if all(has_routes):
-            routes = [np.asarray(s.routes_TLK) for s in samples]
-        elif not any(has_routes):
-            routes = None
-        else:
-            raise ValueError("from_samples: some samples carry routes_TLK and some do not; record routes "
-                             "for all samples (rollout.record_routes=true) or for none")
+        routes = None
+        given = [np.asarray(s.routes_TLK) for s in samples if s.routes_TLK is not None]
+        if given:
+            like = next((r for r in given if r.ndim == 3), given[0])
+            empty = np.zeros((0, *like.shape[1:]), dtype=like.dtype)
+            routes = [empty if s.routes_TLK is None else np.asarray(s.routes_TLK) for s in samples]
         return cls(input_ids_BS=torch.from_numpy(ids), response_mask_BS=torch.from_numpy(mask),
                    seq_lens_B=torch.tensor(seq_lens, dtype=torch.int64),
                    prompt_lens_B=torch.tensor(prompt_lens, dtype=torch.int64), advantages_B=adv,

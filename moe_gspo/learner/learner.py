@@ -18,13 +18,17 @@ The logged `loss/*`, `clip/*`, `ratio/*` metrics are recomputed without gradient
 mini-batch, so rank 0 logs exact global values; mini-batch values are averaged over the steps that
 were not skipped. Rollout corrections (`moe_gspo.algos.rollout_correction`) enter as per-token weights
 on the policy-gradient term and a rejection mask and-ed into the response mask (also in the
-normalisation counts); a caller's `after_optimizer_step` hook runs after each optimizer step (the
-routing-drift probe of `moe_gspo.run.learner_passes` measures the routing after the first one).
+normalisation counts); off-policy sequence masking (`algo.opsm`) is a 0/1 weight on the
+policy-gradient term computed in every micro-batch from the current log-probs (normalisation
+unchanged); a caller's `after_optimizer_step` hook runs after each optimizer step (the routing-drift
+probe of `moe_gspo.run.learner_passes` measures the routing after the first one).
 
 Routing Replay (`replay.py`): R2 records the top-k of the old-policy pass (`compute_logprobs`) and
 replays it in the update; R3 replays the rollout engine's routes (`batch.rollout_routes`) in both the
-old-policy pass and the update. Replay tensors are built per micro-batch with
-`moe_gspo.routing.align.build_replay_topk` from the routes of exactly that micro-batch's sequences.
+old-policy pass and the update, checked row by row first: missing or malformed rows replay the
+learner's natural routes instead (`r3_replay_routes`, `moe_gspo.routing.replay_checks`). Replay
+tensors are built per micro-batch with `moe_gspo.routing.align.build_replay_topk` from the routes of
+exactly that micro-batch's sequences.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import torch.distributed as dist
 
 from moe_gspo.algos import policy_loss
 from moe_gspo.algos.aggregation import num_units
+from moe_gspo.algos.rollout_correction import DEFAULT_OPSM_DELTA, opsm_mask
 from moe_gspo.config import AlgoConfig, TrainConfig
 from moe_gspo.learner.backward import FusedPass, backward_fused, backward_minibatch
 from moe_gspo.learner.batch import PackedBatch, ShardPlan, plan_shards, split_first_minibatch
@@ -51,6 +56,7 @@ from moe_gspo.learner.router_hooks import MegatronRouterRecorder
 from moe_gspo.mcore.model import forward_logits, moe_layer_ids, moe_routers, unwrap
 from moe_gspo.mcore.parallel import ParallelInfo
 from moe_gspo.routing.align import build_replay_topk
+from moe_gspo.routing.replay_checks import check_routes, merge_fallback_routes, needs_fallback
 
 
 @dataclass
@@ -125,6 +131,8 @@ class Learner:
         self.layer_ids = moe_layer_ids(hf_config)
         self.skipped_steps = 0
         self.num_updates = 0
+        self.r3_fallback_warned = False
+        """Whether this run warned about R3 fallback rows (`moe_gspo.run.learner_passes.warn_r3_fallback`)."""
         self.num_train_steps = 0
         """`train_step` calls so far (seeds the mini-batch shuffle; saved with the optimizer state)."""
         self._recorded: tuple[torch.Tensor, list[np.ndarray]] | None = None
@@ -190,13 +198,26 @@ class Learner:
             if batch.rollout_routes is None:
                 raise ValueError("routing replay r3 needs the rollout engine's routes (batch.rollout_routes is "
                                  "None): record them (rollout.record_routes=true) or pass replay_routes")
-            return batch.rollout_routes
+            return self.r3_replay_routes(batch)[0]
         if self.replay is ReplayMode.R2 and update:
             if self._recorded is None or not torch.equal(self._recorded[0], batch.input_ids_BS.cpu()):
                 raise ValueError("routing replay r2: no old-policy routes recorded for this batch; call "
                                  "compute_logprobs(batch) on the same batch first, or pass replay_routes")
             return self._recorded[1]
         return None
+
+    def r3_replay_routes(self, batch: PackedBatch, natural_routes=None) -> tuple[list[np.ndarray], dict[str, float]]:
+        """The routes R3 replays for `batch` and their `r3/*` metrics: the engine's routes
+        (`batch.rollout_routes`; None = none for any sample) checked row by row, with the learner's natural
+        routes on the rows that are missing or malformed (`moe_gspo.routing.replay_checks`).
+        `natural_routes`: B arrays [seq_len_b, L, K] of a natural-routing pass over this batch with the
+        current weights (the old-policy pass's `routes`); None runs that pass here when a row needs it."""
+        dims = dict(num_layers=len(self.layer_ids), top_k=self.top_k, num_experts=self.num_experts)
+        reasons, metrics = check_routes(batch.rollout_routes, batch.seq_lens_B.tolist(), **dims)
+        if natural_routes is None and needs_fallback(reasons):
+            natural_routes = self.compute_logprobs(batch, record_routes=True, no_replay=True).routes
+        return merge_fallback_routes(batch.rollout_routes, reasons, natural_routes,
+                                     num_experts=self.num_experts), metrics
 
     # ------------------------------------------------------------------ old-policy pass
     def compute_logprobs(self, batch: PackedBatch, *, record_routes: bool = False, replay_routes=None,
@@ -404,11 +425,11 @@ class Learner:
         def loss_on(logp, rows, S_i, mask, ent=None):
             """The loss of mini-batch `rows` (indices into `mini`) from their log-probs `logp` [n, S_i]
             (and entropies `ent` [n, S_i] with algo.entropy_coef > 0)."""
+            is_w, opsm_m = self._opsm_weights(mini, rows, logp, None if is_w_BS is None else is_w_BS[rows, :S_i])
             loss, m = policy_loss(algo.name, logp, old_BS[rows, :S_i], mini.advantages_B[rows], mask,
                                   ref_logp_BT=None if ref_BS is None else ref_BS[rows, :S_i],
-                                  is_weights_BT=None if is_w_BS is None else is_w_BS[rows, :S_i], entropy_BT=ent,
-                                  **loss_kw)
-            return loss, loss * (num_units(mask, mode) * dp / denom), m
+                                  is_weights_BT=is_w, entropy_BT=ent, **loss_kw)
+            return loss, loss * (num_units(mask, mode) * dp / denom), {**m, **opsm_m}
 
         if not self.ddp.training:
             self.ddp.train()
@@ -429,11 +450,27 @@ class Learner:
         self.optimizer.zero_grad()
         if m_all is None:  # the loss was computed in pieces (ranks, micro-batches): recompute on the whole
             with torch.no_grad():
+                all_rows = torch.arange(mini.num_seqs, device=logp_all.device)
+                is_w_all, opsm_m = self._opsm_weights(mini, all_rows, logp_all, is_w_BS)
                 _, m_all = policy_loss(algo.name, logp_all, old_BS, mini.advantages_B, mask_all, ref_logp_BT=ref_BS,
-                                       is_weights_BT=is_w_BS, entropy_BT=ent_all, **loss_kw)
+                                       is_weights_BT=is_w_all, entropy_BT=ent_all, **loss_kw)
+                m_all.update(opsm_m)
         out = {k: float(v) for k, v in m_all.items()}
         out["grad/norm"] = norm
         return out, skip
+
+    def _opsm_weights(self, mini: PackedBatch, rows, logp: torch.Tensor, is_w: torch.Tensor | None):
+        """With `algo.opsm`: the rollout-correction weights of `rows` of `mini` times the OPSM keep mask
+        computed from the current log-probs `logp` [n, S_i] (`moe_gspo.algos.rollout_correction.opsm_mask`),
+        and its metrics; else `(is_w, {})`."""
+        if not self.algo.opsm:
+            return is_w, {}
+        S_i = logp.shape[1]
+        delta = DEFAULT_OPSM_DELTA if self.algo.opsm_delta is None else self.algo.opsm_delta
+        keep, m = opsm_mask(logp.detach(), mini.rollout_logp_BS[rows, :S_i], mini.advantages_B[rows],
+                            mini.response_mask_BS[rows, :S_i], delta=delta)
+        keep = keep.to(logp.dtype)
+        return (keep if is_w is None else is_w * keep), m
 
     # ------------------------------------------------------------------ memory during the rollout
     def offload_for_rollout(self) -> None:

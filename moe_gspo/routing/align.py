@@ -29,6 +29,9 @@ Scope:
   affect earlier positions, so the filler only has to be legal, not meaningful. (With a capacity
   factor / token dropping the filler rows would compete for experts 0..K-1's capacity; the
   dropless default has no such effect.)
+- Rows the engine gave are checked for shape, expert range and duplicate experts within a top-k (a
+  ValueError names the sequence). Rows that are missing *inside* a sequence, or malformed, must be
+  replaced before replay: R3 does so with the learner's natural routes (`moe_gspo.routing.replay_checks`).
 """
 
 from __future__ import annotations
@@ -100,6 +103,14 @@ def build_replay_topk(routes: Sequence[np.ndarray], seq_lens: Sequence[int], seq
     for b, r in enumerate(arrs):
         if r.shape[0]:
             out_LSBK[:, :r.shape[0], b, :] = torch.from_numpy(r.astype(np.int64)).permute(1, 0, 2)
+    if top_k > 1:  # a top-k naming one expert twice would run it twice: never replay that
+        srt = out_LSBK.sort(-1).values
+        dup_LSB = (srt[..., 1:] == srt[..., :-1]).any(-1)
+        if bool(dup_LSB.any()):
+            layer, s, b = (int(i) for i in dup_LSB.nonzero()[0])
+            raise ValueError(f"routes[{b}] row {s} names an expert twice in MoE layer {layer} "
+                             f"({out_LSBK[layer, s, b].tolist()}); check the routes first "
+                             "(moe_gspo.routing.replay_checks) and replace unusable rows")
     if order == "bs":
         out_LSBK = out_LSBK.permute(0, 2, 1, 3)
     return out_LSBK.reshape(num_layers, -1, top_k).contiguous()

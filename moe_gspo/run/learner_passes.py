@@ -7,6 +7,7 @@ ranks where it runs a learner pass (all ranks call it with the same global batch
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -84,11 +85,16 @@ class ReferencePolicy:
                                replay="none")
         self.micro_batch_size = cfg.train.micro_batch_size
 
-    def logprobs(self, batch: PackedBatch, *, old_routes: list | None) -> torch.Tensor:
-        """[B, S] reference log-probs of the batch; `old_routes` = the old-policy pass's routes (R2)."""
-        routes = {"none": None, "r2": old_routes, "r3": batch.rollout_routes}[self.replay]
+    def logprobs(self, batch: PackedBatch, *, old_routes: list | None, r3_routes: list | None = None) -> torch.Tensor:
+        """[B, S] reference log-probs of the batch; `old_routes` = the old-policy pass's routes (natural
+        routing: R2 replays them); `r3_routes` = the routes the policy replays under R3
+        (`Learner.r3_replay_routes`); None checks `batch.rollout_routes` here, with `old_routes` on the
+        rows that fall back."""
+        routes = {"none": None, "r2": old_routes, "r3": r3_routes}[self.replay]
         if self.replay == "r2" and routes is None:
             raise ValueError("the R2 reference pass needs the old-policy routes (record_routes=True)")
+        if self.replay == "r3" and routes is None:
+            routes = self.learner.r3_replay_routes(batch, natural_routes=old_routes)[0]
         return self.learner.compute_logprobs(batch, replay_routes=routes,
                                              micro_batch_size=self.micro_batch_size).logp_BS
 
@@ -147,6 +153,9 @@ class StepPasses:
     """The pass after all mini-batches, with routes, or None when drift was not measured this step."""
     replayed_logp_BS: torch.Tensor | None
     """Under R3, the old-policy log-probs under the rollout routes (the loss's pi_old); else None."""
+    rollout_routes: list | None = None
+    """The engine's routes for comparisons and traces: each sequence's cut at its first missing or
+    malformed row (`moe_gspo.routing.replay_checks.usable_prefix`); None when not recorded."""
 
 
 def fuse_old_pass(cfg: Config) -> bool:
@@ -163,14 +172,18 @@ def learner_update(cfg: Config, policy, batch: PackedBatch, samples, step: int, 
 
     1. old-policy pass with natural routing and routes (R2 records them for its replay) → the
        policy's entropy over the response tokens (`actor/entropy`) and the rollout-vs-learner metrics
-       (`mismatch/*`, `mismatch_ratio/*`, `routing/*`, `routing_prompt/*`), the router diagnostics
-       of both sides `router/*`, `moe_gspo.run.router_diag`;
-    2. under R3, the old-policy pass under the rollout routes → pi_old of the loss and
-       `mismatch_replayed/*`;
+       (`mismatch/*`, `mismatch_ratio/*`, `routing/*`, `routing_prompt/*`; the engine's routes cut at
+       each sequence's first missing or malformed row), the router diagnostics of both sides
+       `router/*`, `moe_gspo.run.router_diag`;
+    2. under R3, the rollout routes checked row by row (`r3/*`; missing or malformed rows take the
+       natural routes of pass 1, `moe_gspo.routing.replay_checks`; a warning once per run above
+       `algo.r3_fallback_warn_frac`), then the old-policy pass replaying them → pi_old of the loss and
+       `mismatch_replayed/*`; the update and the reference pass replay the same routes;
     3. rollout corrections (`rollout_corr/*`) from pi_old vs pi_rollout, reference log-probs when
        `algo.kl_coef > 0`;
-    4. the update (`Learner.train_step`), with the drift probe every `logging.update_drift_every`
-       steps (`update/*` after the first optimizer step, `update_all_minibatches/*` after all).
+    4. the update (`Learner.train_step`; `algo.opsm` masks sequences there, `rollout_corr/opsm_*`), with
+       the drift probe every `logging.update_drift_every` steps (`update/*` after the first optimizer
+       step, `update_all_minibatches/*` after all).
 
     `timer` gets the phases old_logp, compare (the rollout-vs-learner metrics), replayed_logp,
     reference, update and drift (the probe's passes, also the one inside the update, are charged to
@@ -181,18 +194,22 @@ def learner_update(cfg: Config, policy, batch: PackedBatch, samples, step: int, 
     with timer("old_logp"):  # train.fuse_old_logp_pass: its graph also serves the first mini-batch's update
         old = learner.compute_logprobs(batch, record_routes=True, no_replay=True, keep_graph=fuse_old_pass(cfg),
                                        with_entropy=True)
+    r3 = cfg.algo.routing_replay == "r3"
     with timer("compare"):
-        metrics = {"actor/entropy": mean_token_entropy(old.entropy_BS, batch.response_mask_BS)}
+        rollout_routes, r3_routes, r3_metrics = checked_rollout_routes(learner, batch, old.routes, r3=r3)
+        metrics = {"actor/entropy": mean_token_entropy(old.entropy_BS, batch.response_mask_BS), **r3_metrics}
         metrics.update(rollout_vs_learner(rollout_logp_BS=batch.rollout_logp_BS, learner_logp_BS=old.logp_BS,
-                                     response_mask_BS=batch.response_mask_BS, rollout_routes=batch.rollout_routes,
+                                     response_mask_BS=batch.response_mask_BS, rollout_routes=rollout_routes,
                                      learner_routes=old.routes, num_experts=policy.num_experts,
                                      group_ids=[s.prompt_index for s in samples]))
         metrics.update(step_router_diagnostics(samples, old, batch.response_mask_BS, num_experts=policy.num_experts,
                                                margin_threshold=cfg.logging.router_margin_threshold))
+    if r3:
+        warn_r3_fallback(learner, r3_metrics, cfg.algo.r3_fallback_warn_frac, step)
     old_logp, replayed = old.logp_BS, None
-    if cfg.algo.routing_replay == "r3":
+    if r3:
         with timer("replayed_logp"):
-            old_logp = replayed = learner.compute_logprobs(batch).logp_BS
+            old_logp = replayed = learner.compute_logprobs(batch, replay_routes=r3_routes).logp_BS
             metrics.update(replayed_mismatch(rollout_logp_BS=batch.rollout_logp_BS, replayed_logp_BS=replayed,
                                              response_mask_BS=batch.response_mask_BS))
     is_weights, rs_keep, corr_metrics = step_correction(cfg.algo, batch, old_logp)
@@ -200,13 +217,13 @@ def learner_update(cfg: Config, policy, batch: PackedBatch, samples, step: int, 
     ref_logp = None
     if reference is not None:
         with timer("reference"):
-            ref_logp = reference.logprobs(batch, old_routes=old.routes)
+            ref_logp = reference.logprobs(batch, old_routes=old.routes, r3_routes=r3_routes)
     probe = (UpdateDriftProbe(learner, batch, old.routes, policy.num_experts)
              if drift_every and step % drift_every == 0 else None)
     learner.optimizer.set_lr(lr_at(step, **cfg.train.lr_schedule()))  # logged by train_step as train/lr
     t0 = time.perf_counter()
-    metrics.update(learner.train_step(batch, old_logp, ref_logp_BS=ref_logp, is_weights_BS=is_weights,
-                                      rs_keep_BS=rs_keep,
+    metrics.update(learner.train_step(batch, old_logp, replay_routes=r3_routes, ref_logp_BS=ref_logp,
+                                      is_weights_BS=is_weights, rs_keep_BS=rs_keep,
                                       after_optimizer_step=probe.after_optimizer_step if probe else None))
     inside = probe.seconds if probe is not None else 0.0
     timer.add("update", time.perf_counter() - t0 - inside)
@@ -216,4 +233,39 @@ def learner_update(cfg: Config, policy, batch: PackedBatch, samples, step: int, 
         with timer("drift"):
             new = probe.finish()
             metrics.update(probe.metrics())
-    return StepPasses(metrics=metrics, old=old, new=new, replayed_logp_BS=replayed)
+    return StepPasses(metrics=metrics, old=old, new=new, replayed_logp_BS=replayed, rollout_routes=rollout_routes)
+
+
+def checked_rollout_routes(learner, batch: PackedBatch, natural_routes: list | None, *, r3: bool):
+    """The batch's rollout routes checked row by row (`moe_gspo.routing.replay_checks`):
+    (routes for comparisons and traces, cut at each sequence's first failed row; under R3 the routes to
+    replay, failed rows taking `natural_routes`, else None; under R3 the `r3/*` metrics, else {})."""
+    from moe_gspo.routing.replay_checks import check_routes, merge_fallback_routes, usable_prefix
+
+    if batch.rollout_routes is None and not r3:
+        return None, None, {}
+    dims = dict(num_layers=len(learner.layer_ids), top_k=learner.top_k, num_experts=learner.num_experts)
+    reasons, metrics = check_routes(batch.rollout_routes, batch.seq_lens_B.tolist(), **dims)
+    comparable = usable_prefix(batch.rollout_routes, reasons, **dims)
+    if not r3:
+        return comparable, None, {}
+    replay = merge_fallback_routes(batch.rollout_routes, reasons, natural_routes, num_experts=learner.num_experts)
+    return comparable, replay, metrics
+
+
+def warn_r3_fallback(learner, r3_metrics: dict, threshold: float, step: int) -> None:
+    """One warning per run (rank 0; every rank sees the same global batch) the first time the step's
+    `r3/fallback_token_frac` exceeds `algo.r3_fallback_warn_frac`."""
+    from moe_gspo.routing.replay_checks import REASONS
+    from moe_gspo.run.errors import warn_once
+
+    frac = r3_metrics.get("r3/fallback_token_frac", math.nan)
+    if learner.r3_fallback_warned or not frac > threshold:
+        return
+    learner.r3_fallback_warned = True
+    reasons = ", ".join(f"{r} {int(r3_metrics[f'r3/fallback_rows_{r}'])}" for r in REASONS
+                        if r3_metrics.get(f"r3/fallback_rows_{r}"))
+    warn_once(f"R3, step {step}: {frac:.2%} of the replayed token rows had no usable rollout route ({reasons} rows) "
+              f"and replayed the learner's own routing instead (r3/fallback_token_frac > "
+              f"algo.r3_fallback_warn_frac={threshold}); check the engine's routes (prefix caching / route "
+              "omission, merged or prefix-only requests). Warned once per run.", is_main=learner.parallel.is_main)

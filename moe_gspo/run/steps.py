@@ -132,10 +132,13 @@ def margins_for(margins: list | None, routes: list) -> list | None:
 
 
 def save_step_traces(run_dir: Path, step: int, policy: Policy, samples, batch, old, new,
-                     rewards: torch.Tensor, *, replayed_logp_BS: torch.Tensor | None = None) -> None:
+                     rewards: torch.Tensor, *, replayed_logp_BS: torch.Tensor | None = None,
+                     rollout_routes: list | None = None) -> None:
     """Routing traces (rollout / learner natural routing / updated learner, when measured) and
     log-probs of the step's global batch; under R3 also `learner_replayed_logp` (the pass replaying
-    the rollout routes, the loss's pi_old)."""
+    the rollout routes, the loss's pi_old). `rollout_routes`: the engine's routes to save, checked
+    (`StepPasses.rollout_routes`: each cut at its first missing or malformed row); None =
+    `batch.rollout_routes` as they are."""
     from moe_gspo.routing.trace import RoutingTrace, save_trace
 
     out = run_dir / "traces"
@@ -143,7 +146,7 @@ def save_step_traces(run_dir: Path, step: int, policy: Policy, samples, batch, o
     plens = [len(s.prompt_ids) for s in samples]
     rlens = [len(s.response_ids) for s in samples]
     sources = {"learner": old.routes, "updated": new.routes if new is not None else None,
-               "rollout": batch.rollout_routes}
+               "rollout": batch.rollout_routes if rollout_routes is None else rollout_routes}
     margins = {"learner": learner_margins(old), "updated": learner_margins(new),
                "rollout": [getattr(s, "router_margin_TL", None) for s in samples]}
     for name, routes in sources.items():

@@ -1,12 +1,12 @@
-"""Rollout corrections: hand-computed TIS weights and rejection masks at every level, their metrics,
-empty inputs, garbage padding, argument errors."""
+"""Rollout corrections: hand-computed TIS weights and rejection masks at every level, OPSM masks, their
+metrics, empty inputs, garbage padding, argument errors."""
 
 import math
 
 import pytest
 import torch
 
-from moe_gspo.algos import rollout_correction, rollout_is_weights, rollout_rs_mask
+from moe_gspo.algos import opsm_mask, rollout_correction, rollout_is_weights, rollout_rs_mask
 
 LN = math.log
 NAN, INF = float("nan"), float("inf")
@@ -125,3 +125,52 @@ def test_errors(call, match):
     old, rollout, mask = _batch()
     with pytest.raises(ValueError, match=match):
         call(old, rollout, mask)
+
+
+def _opsm_batch():
+    """Current-policy and rollout log-probs, per sequence (drift = mean_t rollout - current):
+    seq 0: diffs [0.5, 0.1] -> drift 0.3,  A = -1    (masked for any delta < 0.3)
+    seq 1: diffs [-0.1, pad] -> drift -0.1, A = -1   (kept: the current policy is MORE likely)
+    seq 2: diffs [1, 1]  -> drift 1.0,  A = +0.5     (kept: positive advantage)
+    seq 3: no valid token, A = -1                    (not a sequence)
+    seq 4: diffs [0.25, 0.25] -> drift 0.25, A = -2  (kept at delta = 0.25 exactly: strictly above masks)
+    Padding holds garbage."""
+    rollout = torch.tensor([[-1.0, -2.0], [-0.5, NAN], [-1.0, -1.0], [INF, -INF], [0.0, -1.0]], dtype=torch.float64)
+    current = torch.tensor([[-1.5, -2.1], [-0.4, INF], [-2.0, -2.0], [NAN, 0.0], [-0.25, -1.25]], dtype=torch.float64)
+    mask = torch.tensor([[True, True], [True, False], [True, True], [False, False], [True, True]])
+    adv = torch.tensor([-1.0, -1.0, 0.5, -1.0, -2.0])
+    return current, rollout, adv, mask
+
+
+def test_opsm_hand_values():
+    current, rollout, adv, mask = _opsm_batch()
+    keep, m = opsm_mask(current, rollout, adv, mask)  # delta = 1e-4 (slime's default)
+    assert keep.dtype == torch.bool
+    assert keep.tolist() == [[False, False], [True, False], [True, True], [False, False], [False, False]]
+    assert _floats(m) == pytest.approx({"rollout_corr/opsm_masked_seq_frac": 2 / 4,  # seqs 0 and 4 of 0, 1, 2, 4
+                                        "rollout_corr/opsm_masked_token_frac": 4 / 7,
+                                        "rollout_corr/opsm_kl_mean": (0.3 - 0.1 + 1.0 + 0.25) / 4})
+    keep, m = opsm_mask(current, rollout, adv, mask, delta=0.25)  # seq 4 sits exactly on the threshold
+    assert keep.tolist() == [[False, False], [True, False], [True, True], [False, False], [True, True]]
+    assert float(m["rollout_corr/opsm_masked_seq_frac"]) == 1 / 4
+    assert float(m["rollout_corr/opsm_masked_token_frac"]) == 2 / 7
+    keep, _ = opsm_mask(current, rollout, adv, mask, delta=10.0)
+    assert keep.tolist() == mask.tolist()
+    # positive advantages are never masked, however far the policy drifted
+    keep, m = opsm_mask(current, rollout, adv.abs(), mask, delta=0.0)
+    assert keep.tolist() == mask.tolist() and float(m["rollout_corr/opsm_masked_seq_frac"]) == 0.0
+
+
+def test_opsm_reads_the_current_policy_detached_and_checks_arguments():
+    current, rollout, adv, mask = _opsm_batch()
+    current = current.clone().requires_grad_(True)
+    keep, _ = opsm_mask(current, rollout, adv, mask)
+    assert not keep.requires_grad
+    keep, m = opsm_mask(current, rollout, adv, torch.zeros_like(mask))
+    assert not keep.any() and all(math.isnan(float(v)) for v in m.values())
+    with pytest.raises(ValueError, match="delta must be >= 0"):
+        opsm_mask(current, rollout, adv, mask, delta=-1e-4)
+    with pytest.raises(ValueError, match=r"advantages_B has shape \(4,\)"):
+        opsm_mask(current, rollout, adv[:4], mask)
+    with pytest.raises(ValueError, match="rollout_logp_BT has shape"):
+        opsm_mask(current, rollout[:, :1], adv, mask)

@@ -42,9 +42,17 @@ def test_from_samples_pads_and_keeps_routes():
 def test_from_samples_errors():
     with pytest.raises(ValueError, match="advantages"):
         PackedBatch.from_samples(_two(), [1.0], pad_id=0)
-    mixed = [_sample([5], [6], [-1], np.zeros((1, 2, 2), np.uint8)), _sample([5], [6], [-1])]
-    with pytest.raises(ValueError, match="routes_TLK"):
-        PackedBatch.from_samples(mixed, [0.0, 0.0], pad_id=0)
+
+
+def test_a_sample_without_routes_among_others_gets_no_rows():
+    """A sample without routes next to samples with routes (a DP merge or prefix-only request dropped them):
+    an empty [0, L, K] array, i.e. no row known (R3 replays the learner's own routing for all its rows)."""
+    r0 = np.zeros((1, 3, 2), np.uint16)
+    mixed = [_sample([5], [6], [-1], r0), _sample([5], [6], [-1])]
+    b = PackedBatch.from_samples(mixed, [0.0, 0.0], pad_id=0)
+    assert b.rollout_routes[0] is r0
+    assert b.rollout_routes[1].shape == (0, 3, 2) and b.rollout_routes[1].dtype == np.uint16
+    assert b.pad_rows(3).rollout_routes[2].shape == (0, 3, 2)
 
 
 def test_select_split_shard():

@@ -1,5 +1,5 @@
 """The learner passes around the update (moe_gspo.run.learner_passes and the train_step arguments
-they use): the optimizer-step hook, rollout-correction weights and rejection masks in the update,
+they use): the optimizer-step hook, rollout-correction weights, rejection masks and OPSM in the update,
 the frozen reference policy (initial weights, replay routing, isolation from upstream's class-level
 RouterReplay list), the update-drift probe."""
 
@@ -42,6 +42,41 @@ def test_correction_weights_and_rejection_in_the_update(dist):
     assert (masked.compute_logprobs(half).logp_BS - twin.compute_logprobs(half).logp_BS).abs().max() <= 1e-4
     with pytest.raises(ValueError, match="rs_keep_BS has shape"):
         make_learner(tiny_pair()[2], cfg, dist).train_step(batch, batch.rollout_logp_BS, rs_keep_BS=keep[:, :2])
+
+
+def test_opsm_masks_the_drifted_negative_sequences_in_the_update(dist):
+    """algo.opsm = a 0/1 weight on the policy-gradient term of each negative-advantage sequence whose drift
+    mean_t(rollout_logp - current logp) exceeds delta: the same update as those weights given by hand, with
+    the normalisation unchanged. The batch's rollout log-probs (uniform in [-3, -0.1]) are far above the
+    random tiny model's (~log 1/51), so every negative sequence drifts by more than 1e-4."""
+    batch = make_batch(8, seed=15)
+    neg_B = batch.advantages_B < 0
+    assert 0 < int(neg_B.sum()) < 8
+    runs = {}
+    for name, algo, w in (
+            ("opsm", AlgoConfig(name="gspo", clip_low=0.2, clip_high=0.2, opsm=True), None),
+            ("opsm_micro", AlgoConfig(name="gspo", clip_low=0.2, clip_high=0.2, opsm=True), None),
+            ("by_hand", AlgoConfig(name="gspo", clip_low=0.2, clip_high=0.2),
+             (~neg_B).float()[:, None].expand(8, batch.seq_len_padded)),
+            ("far_delta", AlgoConfig(name="gspo", clip_low=0.2, clip_high=0.2, opsm=True, opsm_delta=1e9), None),
+            ("plain", AlgoConfig(name="gspo", clip_low=0.2, clip_high=0.2), None)):
+        cfg, _, model = tiny_pair()
+        learner = make_learner(model, cfg, dist, algo=algo, grad_clip=0.0,
+                               micro_batch_size=3 if name == "opsm_micro" else 0)
+        old = learner.compute_logprobs(batch).logp_BS
+        runs[name] = learner.train_step(batch, old, is_weights_BS=w)
+    # in micro-batches (the logged metrics recomputed on the whole mini-batch): the same numbers
+    for k in ("loss/policy", "grad/norm", "rollout_corr/opsm_masked_seq_frac", "rollout_corr/opsm_kl_mean"):
+        assert runs["opsm_micro"][k] == pytest.approx(runs["opsm"][k], rel=1e-5), k
+    assert runs["opsm"]["loss/policy"] == pytest.approx(runs["by_hand"]["loss/policy"], rel=1e-6)
+    assert runs["opsm"]["grad/norm"] == pytest.approx(runs["by_hand"]["grad/norm"], rel=1e-5)
+    assert runs["opsm"]["ratio/num_seqs"] == 8  # masked sequences stay in the normalisation
+    assert runs["opsm"]["rollout_corr/opsm_masked_seq_frac"] == pytest.approx(float(neg_B.float().mean()))
+    assert runs["far_delta"]["rollout_corr/opsm_masked_seq_frac"] == 0.0
+    assert runs["far_delta"]["grad/norm"] == pytest.approx(runs["plain"]["grad/norm"], rel=1e-6)
+    assert runs["opsm"]["grad/norm"] != pytest.approx(runs["plain"]["grad/norm"], rel=1e-3)
+    assert runs["opsm"]["rollout_corr/opsm_kl_mean"] > 1.0
+    assert "rollout_corr/opsm_kl_mean" not in runs["plain"]
 
 
 @pytest.mark.parametrize("replay", ["none", "r3"])

@@ -75,6 +75,10 @@ def test_validation_errors_name_the_sequence():
         build_replay_topk(routes, [4], 5, num_experts=E, top_k=K)
     with pytest.raises(ValueError, match="order"):
         build_replay_topk(routes, lens, 5, num_experts=E, top_k=K, order="ls")
+    dup = routes[0].copy()
+    dup[2, 1] = [5, 5]  # row 2 of sequence 0 names expert 5 twice in layer 1: never replayed
+    with pytest.raises(ValueError, match=r"routes\[0\] row 2 names an expert twice in MoE layer 1 \(\[5, 5\]\)"):
+        build_replay_topk([dup, routes[1]], lens, 5, num_experts=E, top_k=K)
 
 
 def test_megatron_router_replays_rows_in_s_times_b_order():

@@ -3,10 +3,11 @@
 `python -m moe_gspo.plan CONFIG [--gpus N] [--gpu-mem-gib G] [--json] [section.key=value ...]`.
 Modules (pure arithmetic unless said): `params` (parameter counts from the HF config), `activations`
 (the activation formula and its assumptions), `transients` (short-lived allocations: optimizer step,
-weight sync, HF export, sample gather), `memory` (learner / reference / rollout / weight-sync memory per
-phase), `from_config` (a run `Config` → a plan), `knobs` (what to change when it does not fit), `report`
-(the table), `startup` (the check `moe_gspo.train` runs on GPU before loading weights), `flops` (model
-FLOPs of the learner's passes and MFU, for `moe_gspo.bench.gpu_check`).
+weight sync, HF export, sample gather), `host_routes` (the step's routes in host memory, per rank),
+`memory` (learner / reference / rollout / weight-sync memory per phase), `from_config` (a run `Config` →
+a plan), `knobs` (what to change when it does not fit), `report` (the table), `startup` (the check
+`moe_gspo.train` runs on GPU before loading weights), `flops` (model FLOPs of the learner's passes and
+MFU, for `moe_gspo.bench.gpu_check`).
 Counted, not measured on a GPU: see README "Memory plan".
 """
 

@@ -114,12 +114,15 @@ def setups(cfg: Config, *, num_gpus: int, attention: str) -> tuple[LearnerSetup,
         infer_mb=MicroBatch(num_seqs=max(1, infer_b), seq_len=seq_len),
         reference=cfg.algo.kl_coef > 0, vocab_pad_multiple=cfg.model.vocab_pad_multiple,
         offload_during_rollout=opts.offload_during_rollout, fused_adam=attention == "flash",
-        export_hf=bool(tr.export_hf))
+        export_hf=bool(tr.export_hf),
+        drift_passes=(2 if tr.num_minibatches > 1 else 1) if cfg.logging.update_drift_every else 0,
+        replay=cfg.algo.routing_replay)
     tp = r.tensor_parallel_size if r.engine == "vllm" else 1
     rollout = RolloutSetup(
         engine=r.engine, tp=r.tensor_parallel_size, sleep_level=r.sleep_level, kv_cache_gib=r.kv_cache_gib,
         gpu_memory_utilization=r.gpu_memory_utilization, dtype_bytes=2 if r.dtype == "bfloat16" else 4,
-        max_model_len=seq_len, seqs_per_rank=math.ceil(total / num_gpus),
+        max_model_len=seq_len, seqs_per_rank=math.ceil(total / num_gpus), seqs_per_step=total,
+        gen_rounds=cfg.algo.num_gen_batches_bound(),
         seqs_per_engine=math.ceil(total / max(1, num_gpus // tp)), record_routes=bool(r.record_routes),
         record_probs=bool(r.record_probs) and r.engine == "hf")
     return learner, rollout

@@ -45,6 +45,11 @@ asleep until it generates (`moe_gspo.rollout.vllm_engine`). The first sync, righ
 started asleep, is the same phase.
 **Sample gather**: the rollout phase also holds `all_gather_object`'s CUDA buffers of the step's
 samples (`transients.sample_gather_bytes`).
+**Host memory per node** (`host_per_node_gib`, checked against `host_mem_gib` when given): per rank the
+optimizer state offloaded to the host, a level-1 sleeping engine's weights, the learner offloaded during the
+rollout (`all`) and the step's routes at their peak (`moe_gspo.plan.host_routes`: every rank holds the
+global batch's rollout routes and the learner's recorded routes), times the ranks of a node; summed as if
+they coexisted.
 
 **Phases** (each = learner state + reference + the phase's own memory + runtime + fragmentation):
 `engine_startup` (vLLM: its weights, KV cache and profiling next to the learner's rollout-phase memory),
@@ -62,6 +67,7 @@ import math
 from dataclasses import dataclass, field
 
 from moe_gspo.plan.activations import activation_estimate, MicroBatch
+from moe_gspo.plan.host_routes import route_host_bytes
 from moe_gspo.plan.params import Geometry, kv_bytes_per_token, megatron_counts, rollout_params_per_rank
 from moe_gspo.plan.transients import (export_transient_bytes, foreach_adam_bytes, sample_gather_bytes,
                                       sample_payload_bytes, sync_transient_bytes)
@@ -112,6 +118,10 @@ class LearnerSetup:
     """The GPU Adam is TE's / Apex's FusedAdam (else torch's foreach AdamW and its temporary)."""
     export_hf: bool = False
     """`train.export_hf`: the run ends with the streamed HF export (phase `hf_export`)."""
+    drift_passes: int = 0
+    """Learner passes of the routing-drift probe on a probe step (`logging.update_drift_every`; host routes)."""
+    replay: str = "none"
+    """`algo.routing_replay` (host routes: R2 keeps its recorded routes, R3 may copy the rollout routes)."""
 
     @property
     def dp(self) -> int:
@@ -138,6 +148,10 @@ class RolloutSetup:
     record_routes: bool = False
     record_probs: bool = False
     """Router probabilities are returned (transformers engine with `rollout.record_probs`)."""
+    seqs_per_step: int = 0
+    """Sequences of the step's global batch, which every rank holds after the gather (0 = seqs_per_rank x GPUs)."""
+    gen_rounds: int = 1
+    """Generation rounds whose samples a step may hold at once (`algo.dynamic_sampling`'s bound, else 1)."""
 
 
 @dataclass(kw_only=True)
@@ -165,6 +179,9 @@ class PlanResult:
     params: dict[str, float]
     host_per_node_gib: float
     knobs: list[str] = field(default_factory=list)
+    host_routes: dict = field(default_factory=dict)
+    """The routes' host memory (`moe_gspo.plan.host_routes`): per rank and per node at the peak moment, its
+    parts, every moment, bytes per token; included in `host_per_node_gib`."""
     layout_problems: list[str] = field(default_factory=list)
     """The subset of `problems` that is the process layout (EP, rollout TP) not working on `num_gpus` GPUs:
     then the run cannot start at all, whatever the memory (see `layout_problems`)."""
@@ -184,6 +201,8 @@ class PlanResult:
             "gpu_mem_gib": self.gpu_mem_gib, "gpus": self.num_gpus,
             **{k: round(v, 3) for k, v in c.items()},
             "host_per_node_gib": round(self.host_per_node_gib, 3),
+            "host_routes_per_node_gib": round(self.host_routes.get("per_node_gib", 0.0), 3),
+            "host_routes": self.host_routes,
             "phases": {p.name: {**{k: round(v, 3) for k, v in p.parts_gib.items()}, "total": round(p.total_gib, 3)}
                        for p in self.phases},
             "params": self.params, "problems": self.problems, "layout_problems": self.layout_problems,
@@ -341,14 +360,32 @@ def count_plan(geom: Geometry, learner: LearnerSetup, rollout: RolloutSetup, *, 
                             f"{r.gpu_memory_utilization} x {gpu_mem_gib:g} = {need / GIB:.1f} GiB, but the learner "
                             f"already holds {resident / GIB:.1f} GiB; {fix}")
 
-    host_per_rank = opt_host + host_rollout + host_learner
-    host_node = host_per_rank * min(gpus_per_node, s.num_gpus) / GIB
+    ranks_per_node = min(gpus_per_node, s.num_gpus)
+    routes = route_host_bytes(
+        geom, num_seqs=r.seqs_per_step or r.seqs_per_rank * s.num_gpus, seq_len=r.max_model_len,
+        record_routes=r.record_routes, record_probs=r.record_probs, gen_rounds=r.gen_rounds,
+        drift_passes=s.drift_passes, replay=s.replay, replay_mb_seqs=s.infer_mb.num_seqs,
+        gather_bytes=3 * payload, gather_copies=r.tp if r.engine == "vllm" else 1)
+    host_per_rank = opt_host + host_rollout + host_learner + routes.peak
+    host_node = host_per_rank * ranks_per_node / GIB
+    host_routes = {
+        "per_rank_gib": routes.peak / GIB, "per_node_gib": routes.peak * ranks_per_node / GIB,
+        "ranks_per_node": ranks_per_node, "peak_moment": routes.peak_moment, "tokens_per_step": routes.tokens,
+        **{f"{k}_gib": routes.part(k) / GIB for k in ("rollout", "learner", "transient")},
+        "moments_gib": {m: {k: round(v / GIB, 3) for k, v in parts.items()} for m, parts in routes.moments.items()},
+        "peak_not_freed_per_rank_gib": routes.peak_not_freed / GIB, "bytes_per_token": routes.per_token}
+    if routes.peak_not_freed > routes.peak:
+        notes.append(f"host routes: a training loop that keeps a step's samples, batch and learner passes until "
+                     f"the next iteration rebinds them holds up to {routes.peak_not_freed / GIB:.1f} GiB per rank "
+                     f"({routes.peak_not_freed * ranks_per_node / GIB:.0f} GiB per node) instead of "
+                     f"{routes.peak / GIB:.1f}: the previous step's routes live through the next step")
     if host_mem_gib is not None and host_node > host_mem_gib:
         problems.append(f"host memory per node: {host_node:.0f} GiB needed (offloaded optimizer state, sleeping "
-                        f"engines' weights, offloaded learner) > {host_mem_gib:g} GiB")
+                        f"engines' weights, offloaded learner, the step's routes "
+                        f"{host_routes['per_node_gib']:.0f} GiB) > {host_mem_gib:g} GiB")
     result = PlanResult(
         fits=False, gpu_mem_gib=gpu_mem_gib, num_gpus=s.num_gpus, phases=phases, problems=problems, notes=notes,
-        assumptions=[], host_per_node_gib=host_node, layout_problems=layout,
+        assumptions=[], host_per_node_gib=host_node, layout_problems=layout, host_routes=host_routes,
         components_gib={
             "learner_params_gib": params_b / GIB, "learner_grads_gib": grads_b / GIB,
             "optimizer_gpu_gib": opt_gpu / GIB, "optimizer_host_gib": opt_host / GIB,
@@ -357,7 +394,7 @@ def count_plan(geom: Geometry, learner: LearnerSetup, rollout: RolloutSetup, *, 
             "reference_gib": ref_b / GIB, "rollout_weights_gib": weights / GIB, "rollout_kv_gib": kv / GIB,
             "rollout_runtime_gib": rt / GIB, "weight_sync_transient_gib": sync_t / GIB,
             "export_transient_gib": export_t / GIB, "sample_gather_gib": gather_t / GIB,
-            "cuda_runtime_gib": runtime / GIB},
+            "cuda_runtime_gib": runtime / GIB, "host_routes_gib": routes.peak / GIB},
         params={"total": counts.total, "dense": counts.dense, "expert": counts.expert,
                 "per_rank": counts.per_rank(s.ep), "optimizer_shard": shard if s.distributed_optimizer else local,
                 "rollout_per_gpu": rollout_params_per_rank(geom, r.tp) if r.engine == "vllm" else counts.total})

@@ -78,6 +78,20 @@ def verdict(result: PlanResult) -> str:
             f"(see problems)")
 
 
+def host_routes_lines(result: PlanResult) -> list[str]:
+    """The routes' share of the host memory (`moe_gspo.plan.host_routes`): per rank, per node, and its parts."""
+    h = result.host_routes
+    if not h or not h.get("per_rank_gib"):
+        return []
+    per = h["bytes_per_token"]
+    return [f"  routes: {h['per_rank_gib']:.2f} GiB per rank x {h['ranks_per_node']} ranks = "
+            f"{h['per_node_gib']:.0f} GiB per node, at the {h['peak_moment']} moment ({h['tokens_per_step']:,} tokens per step on every rank: "
+            f"rollout routes {h['rollout_gib']:.2f} GiB, learner-recorded routes/probs/stats {h['learner_gib']:.2f}, "
+            f"transient copies {h['transient_gib']:.2f})",
+            f"  routes per token: rollout {per['rollout']} B, learner kept {per['learner_kept']} B, learner pass's "
+            f"int32 ids {per['learner_gather']} B, metrics' copies {per['metrics']} B"]
+
+
 def render(result: PlanResult, cfg, *, config_name: str) -> str:
     p = result.params
     lines = [f"Memory plan (counted, not measured on a GPU): {config_name} on {result.num_gpus} x "
@@ -97,8 +111,9 @@ def render(result: PlanResult, cfg, *, config_name: str) -> str:
     peak = result.peak_phase
     lines.append("")
     lines.append(f"peak: {peak.name} {peak.total_gib:.1f} GiB of {result.gpu_mem_gib:g} GiB -> {verdict(result)}")
-    lines.append(f"host memory per node (offloaded optimizer state, sleeping engines' weights): "
+    lines.append(f"host memory per node (offloaded optimizer state, sleeping engines' weights, routes): "
                  f"{result.host_per_node_gib:.0f} GiB")
+    lines += host_routes_lines(result)
     for title, items in (("problems", result.problems), ("knob to turn", result.knobs), ("notes", result.notes),
                          ("assumptions", result.assumptions)):
         if items:

@@ -72,7 +72,7 @@ def test_cpu_offload_fraction_moves_state_to_the_host(hf30):
     assert full.components_gib["optimizer_gpu_gib"] == 0
     assert half.components_gib["optimizer_gpu_gib"] == pytest.approx(shard * 0.5 * 12 / GIB)
     assert full.components_gib["optimizer_host_gib"] == pytest.approx(shard * 16 / GIB)
-    assert full.host_per_node_gib == pytest.approx(8 * shard * 16 / GIB)
+    assert full.host_per_node_gib == pytest.approx(8 * shard * 16 / GIB + full.host_routes["per_node_gib"])
     te = plan30(hf30, "train.optimizer_cpu_offload=false", "train.optimizer_state_dtype=bfloat16")
     assert te.components_gib["optimizer_gpu_gib"] == pytest.approx(shard * (2 + 2 + 2) / GIB)
 

@@ -34,6 +34,7 @@ import yaml
 from analysis.eval_report import EVAL_FIGURES, last_eval_rows
 from analysis.figures import RUN_FIGURES, RenderedFigure, SkippedFigure, render_figures
 from analysis.probe_figures import PROBE_FIGURES
+from analysis.router_figures import ROUTER_FIGURES
 from analysis.samples import PER_STEP, pick_samples, read_samples, samples_html, samples_markdown
 from analysis.verdicts import run_verdicts
 from moe_gspo.rollout.fp8 import rollout_precision
@@ -43,7 +44,7 @@ from analysis.load import (
 )
 
 assert RUN_FIGURES[0].name == "reward"
-RUN_REPORT_FIGURES = [RUN_FIGURES[0], *EVAL_FIGURES, *RUN_FIGURES[1:]]
+RUN_REPORT_FIGURES = [RUN_FIGURES[0], *EVAL_FIGURES, *RUN_FIGURES[1:], *ROUTER_FIGURES]
 """The run report's figures: the eval figure right after the training reward."""
 
 

@@ -36,6 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from moe_gspo.routing.drift import expert_load
+
 STAT_NAMES = ("margin", "entropy")
 """The per-token statistics `token_router_stats` returns, in the order of its last axis."""
 
@@ -69,10 +71,7 @@ def max_vio(topk_NLK: Any, num_experts: int) -> np.ndarray:
         return np.full(num_layers, math.nan)
     if int(ids.min()) < 0 or int(ids.max()) >= num_experts:
         raise ValueError(f"topk_NLK holds expert ids outside [0, num_experts={num_experts})")
-    flat = (np.arange(num_layers, dtype=np.int64)[None, :, None] * num_experts + ids.astype(np.int64)).ravel()
-    counts_LE = np.bincount(flat, minlength=num_layers * num_experts).reshape(num_layers, num_experts)
-    share_LE = counts_LE / float(n * k)
-    return share_LE.max(axis=1) * num_experts - 1.0
+    return expert_load(ids, num_experts).max(axis=1) * num_experts - 1.0
 
 
 def _mean_or_nan(x: np.ndarray, axis=None):

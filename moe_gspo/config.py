@@ -114,8 +114,16 @@ class RolloutConfig:
     untempered policy, so with temperature != 1 the samples do not come from pi_old: importance
     ratios, rollout corrections and KL estimates are biased (a warning says so at config time)."""
     top_p: float = 1.0
-    """Nucleus sampling mass; 1.0 = off. Below 1 the same bias as temperature != 1 applies (the
-    log-probs are not renormalised over the nucleus)."""
+    """Nucleus sampling mass; 1.0 = off. Below 1 (or with rollout.top_k > 0) log-probs are same-support:
+    the rollout records each token's sampling support and both sides renormalise over it
+    (docs/same_support.md)."""
+    top_k: int = 0
+    """Sample among the top_k most likely tokens only (0 = off; at most rollout.support_cap); applied
+    before top_p, whose nucleus is then taken over the renormalised top-k. Same-support log-probs."""
+    support_cap: int = 256
+    """Most token ids one response token's recorded support may hold: with top_p < 1 and top_k = 0 the
+    samplers keep at most this many (an implicit top_k). Host memory: 4 bytes per kept id + 4 per response
+    token (worst case 4 * support_cap + 4 bytes per token). docs/same_support.md."""
     max_new_tokens: int = 8
     """Maximum response length in tokens."""
     record_routes: bool = True
@@ -317,7 +325,7 @@ class EvalConfig:
     num_prompts: int | None = None
     """Prompts per evaluation; null = the whole eval file or held-out split, 64 for a synthetic task."""
     greedy: bool = True
-    """Greedy decoding; false = sample like the rollout (rollout.temperature, rollout.top_p)."""
+    """Greedy decoding; false = sample like the rollout (rollout.temperature, rollout.top_p, rollout.top_k)."""
     samples_per_prompt: int = 1
     """Samples per prompt k; k > 1 (needs eval.greedy=false) also gives eval/pass_at_k."""
     max_new_tokens: int | None = None

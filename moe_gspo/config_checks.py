@@ -75,6 +75,10 @@ def validate(cfg: Config) -> Config:
     _check_positive("rollout.temperature", r.temperature)
     if not 0 < r.top_p <= 1:
         raise ValueError(f"rollout.top_p={r.top_p} must be in (0, 1]")
+    _check_positive("rollout.support_cap", r.support_cap)
+    if not 0 <= r.top_k <= r.support_cap:
+        raise ValueError(f"rollout.top_k={r.top_k} must be in [0, rollout.support_cap={r.support_cap}] (0 = off); "
+                         "raise rollout.support_cap (4 bytes per kept token id per response token) or lower top_k")
     if not 0 < r.gpu_memory_utilization <= 1:
         raise ValueError(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} must be in (0, 1]")
     _validate_algo(a, r)
@@ -136,12 +140,12 @@ def validate(cfg: Config) -> Config:
             f"clips almost every token; the paper's GRPO baseline uses (0.2, 0.27).",
             stacklevel=2,
         )
-    if r.temperature != 1.0 or r.top_p < 1.0:
+    if r.temperature != 1.0:  # top_p / top_k alone are exact: same-support log-probs (docs/same_support.md)
         warnings.warn(
-            f"rollout.temperature={r.temperature}, rollout.top_p={r.top_p}: responses are sampled from the "
-            "tempered/nucleus distribution but every log-prob (rollout engine and learner) is the untempered "
-            "policy's, so the importance ratios, rollout corrections and KL estimates are biased; use "
-            "temperature 1.0 and top_p 1.0 for on-policy ratios.",
+            f"rollout.temperature={r.temperature}: responses are sampled from the tempered distribution but every "
+            "log-prob (rollout engine and learner) is the untempered policy's (renormalised over the sampled "
+            "top_p/top_k support when those are on), so the importance ratios, rollout corrections and KL "
+            "estimates are biased; use temperature 1.0 for on-policy ratios.",
             stacklevel=2,
         )
     return cfg

@@ -33,6 +33,13 @@ def test_overrides_typed():
     (["trainlr"], "must look like section.key=value"),
     (["algo.name=ppo"], "algo.name='ppo' is not one of"),
     (["rollout.top_p=1.5"], "rollout.top_p"),
+    (["rollout.top_k=-1"], "rollout.top_k=-1 must be in [0, rollout.support_cap=256]"),
+    (["rollout.top_k=300"],
+     "rollout.top_k=300 must be in [0, rollout.support_cap=256] (0 = off); raise rollout.support_cap"),
+    (["rollout.support_cap=0"], "rollout.support_cap=0 must be > 0"),
+    (["rollout.engine=vllm", "rollout.top_p=0.9", "rollout.temperature=0.7"],
+     "rollout.engine=vllm with rollout.top_p=0.9 / rollout.top_k=0 and rollout.temperature=0.7: the engine's "
+     "same-support log-probs are vLLM's processed_logprobs"),
     (["rollout.record_routes=yes_please"], "rollout.record_routes"),
     (["algo.routing_replay=r3", "rollout.record_routes=false"], "algo.routing_replay=r3"),
     (["algo.aggregation=token_mean"], "algo.loss_agg_mode=token-mean (algo.aggregation=token_mean) does not apply to gspo"),
@@ -148,9 +155,19 @@ def test_rollout_corrections_accepted_on_every_algo():
 
 
 def test_tempered_sampling_warns_naming_the_fields():
-    for override in ("rollout.temperature=0.7", "rollout.top_p=0.9"):
-        with pytest.warns(UserWarning, match=r"rollout.temperature=.*rollout.top_p=.*biased"):
-            load_config(None, [override])
+    for overrides in (["rollout.temperature=0.7"], ["rollout.temperature=0.7", "rollout.top_p=0.9"]):
+        with pytest.warns(UserWarning, match=r"rollout.temperature=0.7: .*biased"):
+            load_config(None, overrides)
+
+
+def test_top_p_and_top_k_alone_are_exact_same_support_sampling():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no bias warning: both sides renormalise over the sampled support
+        cfg = load_config(None, ["rollout.top_p=0.9", "rollout.top_k=20", "rollout.support_cap=64"])
+    assert (cfg.rollout.top_p, cfg.rollout.top_k, cfg.rollout.support_cap) == (0.9, 20, 64)
+    from moe_gspo.algos.support import DEFAULT_SUPPORT_CAP
+    assert load_config(None).rollout.support_cap == DEFAULT_SUPPORT_CAP and load_config(None).rollout.top_k == 0
+    assert load_config(None, ["rollout.engine=vllm", "rollout.top_k=5"]).rollout.top_k == 5  # temperature 1
 
 
 def test_every_field_has_a_docstring():

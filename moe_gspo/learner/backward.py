@@ -57,7 +57,8 @@ def backward_minibatch(learner, mini: PackedBatch, routes, mask_all, loss_on):
         global_rows = torch.as_tensor(plan.indices[rows], dtype=torch.long, device=learner.device)
         n_real = global_rows.numel()
         with learner._replay_ctx(mb_routes, local.seq_lens_B[rows].tolist(), S_i) as handle:
-            logp, ent = token_logprobs(learner._forward(ids), ids, with_entropy=with_entropy)
+            logp, ent = token_logprobs(learner._forward(ids), ids, with_entropy=with_entropy,
+                                       support=local.support_index(range(mb.start, mb.stop), learner.device))
             if n_real:
                 loss, scaled, m = loss_on(logp[:n_real], global_rows, S_i, keep_l[rows, :S_i][:n_real],
                                           None if ent is None else ent[:n_real])

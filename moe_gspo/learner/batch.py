@@ -6,7 +6,10 @@ Layout (shared by every learner pass):
 - log-probs are aligned with the tokens: `logp_BS[b, t] = log p(token[b, t] | tokens[b, < t])` for
   `t >= 1` and 0 at position 0, so `response_mask_BS` selects the response log-probs directly;
 - `rollout_routes[b]` is the engine's `[T_b, L, K]` routing of the tokens at positions `0 .. T_b - 1`
-  (`T_b <= seq_lens[b]`, see `moe_gspo.rollout.base`).
+  (`T_b <= seq_lens[b]`, see `moe_gspo.rollout.base`);
+- under top-p / top-k sampling, `support_sizes_BS` / `support_ids` hold the support each response token
+  was drawn from, and every learner pass computes that token's log-prob over it (`support_index`,
+  `moe_gspo.algos.support`).
 
 Every data-parallel rank holds the same (global) batch; `plan_shards` says which contiguous rows a rank
 processes and how its rows are cut into micro-batches. Expert parallelism exchanges tokens between
@@ -26,6 +29,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from moe_gspo.algos.support import check_sample_support, pad_supports
 from moe_gspo.rollout.base import RolloutSample
 
 
@@ -51,6 +55,12 @@ class PackedBatch:
     (`moe_gspo.routing.replay_checks`)."""
     pad_id: int = 0
     """The padding token id."""
+    support_sizes_BS: torch.Tensor | None = None
+    """int32 [B, S] under top-p / top-k sampling: at each response position, the size of the support
+    its token was sampled from; 0 elsewhere. None = sampled from the full vocabulary."""
+    support_ids: list[np.ndarray] | None = None
+    """B int32 arrays [N_b] with `support_sizes_BS`: each sequence's support ids, concatenated over its
+    response positions in order (`RolloutSample.support_ids_N`)."""
 
     def __post_init__(self):
         B, S = self.input_ids_BS.shape
@@ -65,6 +75,12 @@ class PackedBatch:
         if self.rollout_routes is not None and len(self.rollout_routes) != B:
             raise ValueError(f"PackedBatch.rollout_routes has {len(self.rollout_routes)} entries for "
                              f"B={B} sequences")
+        if (self.support_sizes_BS is None) != (self.support_ids is None):
+            raise ValueError("PackedBatch.support_sizes_BS and support_ids go together (both or neither)")
+        if self.support_sizes_BS is not None and (tuple(self.support_sizes_BS.shape) != (B, S)
+                                                  or len(self.support_ids) != B):
+            raise ValueError(f"PackedBatch supports: sizes {tuple(self.support_sizes_BS.shape)} and "
+                             f"{len(self.support_ids)} id arrays for [B, S] = {(B, S)}")
 
     @property
     def num_seqs(self) -> int:
@@ -107,6 +123,7 @@ class PackedBatch:
             ids[b, P:P + R] = s.response_ids
             mask[b, P:P + R] = True
             logp[b, P:P + R] = s.response_logprobs
+        sizes, support_ids = _pack_supports(samples, prompt_lens, S)
         routes = None
         given = [np.asarray(s.routes_TLK) for s in samples if s.routes_TLK is not None]
         if given:
@@ -116,7 +133,8 @@ class PackedBatch:
         return cls(input_ids_BS=torch.from_numpy(ids), response_mask_BS=torch.from_numpy(mask),
                    seq_lens_B=torch.tensor(seq_lens, dtype=torch.int64),
                    prompt_lens_B=torch.tensor(prompt_lens, dtype=torch.int64), advantages_B=adv,
-                   rollout_logp_BS=torch.from_numpy(logp), rollout_routes=routes, pad_id=int(pad_id))
+                   rollout_logp_BS=torch.from_numpy(logp), rollout_routes=routes, pad_id=int(pad_id),
+                   support_sizes_BS=sizes, support_ids=support_ids)
 
     def select(self, indices) -> "PackedBatch":
         """The sequences at `indices` (any integer index sequence), in that order; S is kept."""
@@ -125,10 +143,14 @@ class PackedBatch:
             raise ValueError(f"select: indices must be in [0, {self.num_seqs}), got "
                              f"[{int(idx.min())}, {int(idx.max())}]")
         routes = None if self.rollout_routes is None else [self.rollout_routes[int(i)] for i in idx.tolist()]
+        has_support = self.support_sizes_BS is not None
         return PackedBatch(input_ids_BS=self.input_ids_BS[idx], response_mask_BS=self.response_mask_BS[idx],
                            seq_lens_B=self.seq_lens_B[idx], prompt_lens_B=self.prompt_lens_B[idx],
                            advantages_B=self.advantages_B[idx], rollout_logp_BS=self.rollout_logp_BS[idx],
-                           rollout_routes=routes, pad_id=self.pad_id)
+                           rollout_routes=routes, pad_id=self.pad_id,
+                           support_sizes_BS=self.support_sizes_BS[idx.to(self.support_sizes_BS.device)]
+                           if has_support else None,
+                           support_ids=[self.support_ids[int(i)] for i in idx.tolist()] if has_support else None)
 
     def split(self, num_chunks: int) -> list["PackedBatch"]:
         """`num_chunks` contiguous chunks (sizes differ by at most one), e.g. the mini-batches."""
@@ -151,15 +173,18 @@ class PackedBatch:
         S = self.seq_len_padded
         if seq_len <= S:
             cut = slice(0, seq_len)
+            sizes = None if self.support_sizes_BS is None else self.support_sizes_BS[:, cut]
             return dataclasses.replace(self, input_ids_BS=self.input_ids_BS[:, cut],
                                        response_mask_BS=self.response_mask_BS[:, cut],
-                                       rollout_logp_BS=self.rollout_logp_BS[:, cut])
+                                       rollout_logp_BS=self.rollout_logp_BS[:, cut], support_sizes_BS=sizes)
         extra = seq_len - S
         return dataclasses.replace(
             self,
             input_ids_BS=torch.nn.functional.pad(self.input_ids_BS, (0, extra), value=self.pad_id),
             response_mask_BS=torch.nn.functional.pad(self.response_mask_BS, (0, extra), value=False),
-            rollout_logp_BS=torch.nn.functional.pad(self.rollout_logp_BS, (0, extra), value=0.0))
+            rollout_logp_BS=torch.nn.functional.pad(self.rollout_logp_BS, (0, extra), value=0.0),
+            support_sizes_BS=None if self.support_sizes_BS is None
+            else torch.nn.functional.pad(self.support_sizes_BS, (0, extra), value=0))
 
     def pad_rows(self, num_rows: int) -> "PackedBatch":
         """Append dummy sequences (all pad tokens, length 0, no response token, advantage 0) up to
@@ -182,17 +207,53 @@ class PackedBatch:
             else:
                 empty = np.zeros((0, 1, 1), dtype=np.int64)
             routes = list(routes) + [empty] * extra
+        has_support = self.support_sizes_BS is not None
         return PackedBatch(input_ids_BS=cat(self.input_ids_BS, self.pad_id),
                            response_mask_BS=cat(self.response_mask_BS, False),
                            seq_lens_B=cat(self.seq_lens_B, 0), prompt_lens_B=cat(self.prompt_lens_B, 0),
                            advantages_B=cat(self.advantages_B, 0.0), rollout_logp_BS=cat(self.rollout_logp_BS, 0.0),
-                           rollout_routes=routes, pad_id=self.pad_id)
+                           rollout_routes=routes, pad_id=self.pad_id,
+                           support_sizes_BS=cat(self.support_sizes_BS, 0) if has_support else None,
+                           support_ids=list(self.support_ids) + [np.zeros(0, np.int32)] * extra
+                           if has_support else None)
+
+    def support_index(self, rows, device=None) -> tuple[torch.Tensor, ...] | None:
+        """The supports of the response tokens of rows `rows` (in that order) for a learner forward over
+        exactly those rows: `(b_N, t_N, ids_NK, valid_NK)` (`moe_gspo.learner.logprobs.token_logprobs`'s
+        `support`), b_N indexing `rows`; None when the batch has no supports. Memory: N x K int64 ids,
+        K = the widest support among those tokens (<= rollout.support_cap)."""
+        if self.support_sizes_BS is None:
+            return None
+        rows = [int(r) for r in np.asarray(rows, dtype=np.int64).reshape(-1)]
+        sizes_RS = self.support_sizes_BS.cpu()[torch.as_tensor(rows, dtype=torch.long)]
+        b_N, t_N = sizes_RS.nonzero(as_tuple=True)  # row-major: the order the ids are concatenated in
+        flat = np.concatenate([np.zeros(0, np.int32)] + [self.support_ids[r] for r in rows])
+        ids_NK, valid_NK = pad_supports(torch.from_numpy(flat), sizes_RS[b_N, t_N])
+        return tuple(t.to(device) if device is not None else t for t in (b_N, t_N, ids_NK, valid_NK))
 
     def to(self, device) -> "PackedBatch":
         """Tensors moved to `device` (routes stay host numpy arrays)."""
         return dataclasses.replace(
             self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
                      if isinstance(getattr(self, f.name), torch.Tensor)})
+
+
+def _pack_supports(samples: Sequence[RolloutSample], prompt_lens: list[int], S: int):
+    """(`support_sizes_BS`, `support_ids`) of `from_samples`: None when no sample carries a support; a mix
+    raises ValueError, as does a sampled token outside its own support."""
+    has = [s.support_sizes_R is not None for s in samples]
+    if not any(has):
+        return None, None
+    if not all(has):
+        raise ValueError("from_samples: some samples carry a sampling support (top-p / top-k) and some do not; "
+                         "sample every batch with the same rollout.top_p / rollout.top_k")
+    sizes = np.zeros((len(samples), S), dtype=np.int32)
+    ids = []
+    for b, s in enumerate(samples):
+        check_sample_support(s.response_ids, s.support_ids_N, s.support_sizes_R, where=f"from_samples: sample {b}")
+        sizes[b, prompt_lens[b]:prompt_lens[b] + len(s.response_ids)] = s.support_sizes_R
+        ids.append(np.ascontiguousarray(s.support_ids_N, dtype=np.int32))
+    return torch.from_numpy(sizes), ids
 
 
 @dataclass(frozen=True)

@@ -298,7 +298,8 @@ class Learner:
                 mb_routes = None if local_routes is None else [local_routes[int(j)] for j in rows_np]
                 with torch.set_grad_enabled(grad), self._replay_ctx(mb_routes, seq_lens, S_i):
                     logits = self._forward(ids)
-                    logp, ent = token_logprobs(logits, ids, with_entropy=with_entropy)
+                    logp, ent = token_logprobs(logits, ids, with_entropy=with_entropy,
+                                               support=local.support_index(rows_np, self.device))
                 n = len(rows_np)
                 if ent is not None:
                     ent_local[rows, :S_i] = ent[:n].detach()

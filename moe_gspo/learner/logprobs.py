@@ -7,18 +7,29 @@ computed from `logits_BSV[b, t - 1]`, for t >= 1; position 0 (no context) is 0. 
 Numerics: float32 whatever the logits' dtype (`logsumexp` and a gather of the target logit, no full
 `log_softmax` tensor), processed in row chunks so that a bf16 `[B, S, V]` input never needs a full
 float32 copy at once in the forward. Differentiable.
+
+Same-support log-probs (top-p / top-k sampling, `moe_gspo.algos.support`): with `support`, each listed
+response token's log-prob is the log-softmax over the support it was sampled from only (the other
+logits count as -inf), gathered as `[N, K]` logits (no `[B, S, V]` mask); entropies stay those of the full
+distribution.
 """
 
 from __future__ import annotations
 
 import torch
 
+from moe_gspo.algos.support import support_logprob
+
 _CHUNK_ELEMENTS = 1 << 25  # float32 elements per chunk (128 MiB)
 
 
 def token_logprobs(logits_BSV: torch.Tensor, input_ids_BS: torch.Tensor, *, with_entropy: bool = False,
-                   chunk_elements: int = _CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`(logp_BS, entropy_BS or None)`, float32, aligned with `input_ids_BS` (0 at position 0)."""
+                   chunk_elements: int = _CHUNK_ELEMENTS, support: tuple[torch.Tensor, ...] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`(logp_BS, entropy_BS or None)`, float32, aligned with `input_ids_BS` (0 at position 0).
+
+    `support` = `(b_N, t_N, ids_NK, valid_NK)` (`PackedBatch.support_index`): the tokens at positions
+    `(b_N, t_N)` (t >= 1) get their log-prob renormalised over `ids_NK[n][valid_NK[n]]` instead."""
     if logits_BSV.dim() != 3 or input_ids_BS.dim() != 2 or logits_BSV.shape[:2] != input_ids_BS.shape:
         raise ValueError(f"token_logprobs: need logits [B, S, V] and input_ids [B, S] with the same B, S; got "
                          f"{tuple(logits_BSV.shape)} and {tuple(input_ids_BS.shape)}")
@@ -45,4 +56,20 @@ def token_logprobs(logits_BSV: torch.Tensor, input_ids_BS: torch.Tensor, *, with
         pred_BS = torch.cat(parts).view(B, S) if parts else logits_BSV.new_zeros((B, S), dtype=torch.float32)
         return torch.cat([zero_col, pred_BS[:, :-1]], dim=1)
 
-    return align(logps), (align(ents) if with_entropy else None)
+    logp_BS = align(logps)
+    if support is not None and support[0].numel():
+        logp_N = support_token_logprobs(logits_BSV, input_ids_BS, *support)
+        logp_BS = logp_BS.index_put((support[0], support[1]), logp_N)
+    return logp_BS, (align(ents) if with_entropy else None)
+
+
+def support_token_logprobs(logits_BSV: torch.Tensor, input_ids_BS: torch.Tensor, b_N: torch.Tensor,
+                           t_N: torch.Tensor, ids_NK: torch.Tensor, valid_NK: torch.Tensor) -> torch.Tensor:
+    """float32 [N]: log p(token (b, t)) renormalised over its support, from the logits of position t - 1
+    (differentiable; gathers N x K logits and N targets)."""
+    if b_N.numel() and int(t_N.min()) < 1:
+        raise ValueError("support_token_logprobs: position 0 has no predicting logits; supports start at t >= 1")
+    prev_N = t_N - 1
+    support_NK = logits_BSV[b_N[:, None], prev_N[:, None], ids_NK]
+    target_N = logits_BSV[b_N, prev_N, input_ids_BS[b_N, t_N].long()]
+    return support_logprob(support_NK, valid_NK, target_N)

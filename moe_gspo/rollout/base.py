@@ -8,7 +8,9 @@ Conventions shared by every engine and by the learner:
   `prompt_ids + response_ids`. An engine never runs the last sampled token through the model, so
   `T <= P + R` (usually `P + R - 1`); rows past `T` are unknown.
 - `response_logprobs` are the engine's log-probabilities of the sampled tokens under the raw model
-  distribution (temperature 1, no top-p renormalisation), which is what the importance ratios need.
+  distribution (temperature 1), which is what the importance ratios need; under top-p / top-k
+  sampling, renormalised over the support each token was drawn from, which the sample records
+  (`support_ids_N`, `support_sizes_R`; the learner uses the same support, `moe_gspo.algos.support`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Iterable
 
 import numpy as np
 import torch
+
+from moe_gspo.algos.support import DEFAULT_SUPPORT_CAP
 
 
 @dataclass(kw_only=True)
@@ -31,6 +35,11 @@ class SamplingParams:
     """Sampling temperature; 1.0 samples from the policy itself."""
     top_p: float = 1.0
     """Nucleus sampling mass; 1.0 disables it."""
+    top_k: int = 0
+    """Sample among the k most likely tokens only; 0 disables it (at most `support_cap`)."""
+    support_cap: int = DEFAULT_SUPPORT_CAP
+    """Most token ids in one token's recorded support: with top_p < 1 and top_k = 0 it acts as top_k
+    (`moe_gspo.algos.support`)."""
     max_new_tokens: int = 16
     """Maximum response length in tokens."""
     seed: int = 0
@@ -61,6 +70,12 @@ class RolloutSample:
     (`moe_gspo.routing.router_stats`; transformers engine with record_probs), or None."""
     router_entropy_TL: np.ndarray | None = None
     """float16 [T, L] entropy (nats) of the router's softmax over all experts per token and MoE layer, or None."""
+    support_ids_N: np.ndarray | None = None
+    """int32 [N] under top-p / top-k sampling: the token ids each response token was drawn from (its
+    support), concatenated in response order (token t's are the `support_sizes_R[t]` ids after the first
+    `support_sizes_R[:t].sum()`), any order within a token; None = the full vocabulary (no truncation)."""
+    support_sizes_R: np.ndarray | None = None
+    """int32 [R] the number of ids in each response token's support (>= 1), with `support_ids_N`."""
     extra: dict = field(default_factory=dict)
 
 

@@ -17,10 +17,12 @@ and a padded row computes what it would compute alone. The last sampled token of
 back, hence `routes_TLK` has `T = P + R - 1` rows (see `moe_gspo.rollout.base`). Rows that sampled
 EOS keep being fed padding until every row is done; their extra outputs are dropped.
 
-Sampling draws from `softmax(logits / temperature)` restricted to the top-p nucleus, with one
-`torch.Generator` seeded from `SamplingParams.seed` for the whole batch (same seed, weights, prompts
-and batch give the same samples); `temperature == 0` means greedy decoding. `response_logprobs`
-are `log_softmax` of the raw float32 logits (temperature 1, no top-p) at the sampled tokens.
+Sampling (`moe_gspo.rollout.token_sampler`) draws from `softmax(logits / temperature)`, restricted under
+top-k / top-p to the support of `moe_gspo.algos.support.truncated_support`, with one `torch.Generator`
+seeded from `SamplingParams.seed` for the whole batch (same seed, weights, prompts and batch give the
+same samples); `temperature == 0` means greedy decoding. `response_logprobs` are the log-softmax of the
+raw float32 logits (temperature 1) at the sampled tokens, over each token's support when sampling
+truncates (the samples then record the supports: same-support log-probs).
 """
 
 from __future__ import annotations
@@ -34,11 +36,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from moe_gspo.algos.support import DEFAULT_SUPPORT_CAP, support_top_k
 from moe_gspo.rollout.base import RolloutEngine, RolloutSample, SamplingParams
 from moe_gspo.rollout.compact_decode import CompactDecoder, unsupported_reason
 from moe_gspo.rollout.cpu_gemm import Fp32Weights, fp32_gemms_in, needs_fp32_gemm
 from moe_gspo.rollout.fp8 import QUANTIZATIONS, Fp8WeightQuantizer
 from moe_gspo.rollout.hf_router_hooks import HFRouterRecorder, find_routers
+from moe_gspo.rollout.token_sampler import TokenSampler, draw_tokens
 from moe_gspo.rollout.weights_sync import load_named_tensors_
 from moe_gspo.routing.trace import ids_dtype
 
@@ -98,21 +102,16 @@ def _load_model(model_or_dir, dtype: torch.dtype, device: torch.device) -> nn.Mo
 
 
 def sample_next_tokens(logits_BV: torch.Tensor, *, temperature: float, top_p: float,
-                       generator: torch.Generator | None) -> torch.Tensor:
-    """Sample one token per row from float32 logits: temperature, then top-p nucleus.
+                       generator: torch.Generator | None, top_k: int = 0,
+                       support_cap: int = DEFAULT_SUPPORT_CAP) -> torch.Tensor:
+    """Sample one token per row from float32 logits: temperature, top-k (or `support_cap` with top-p
+    alone), then the top-p nucleus of the renormalised probabilities (`moe_gspo.algos.support`).
 
     `temperature == 0` returns the argmax. The nucleus keeps the smallest set of most likely tokens
     whose mass reaches `top_p` (always at least one token).
     """
-    if temperature == 0:
-        return logits_BV.argmax(dim=-1)
-    probs_BV = torch.softmax(logits_BV.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
-        mass_before_BV = sorted_BV.cumsum(dim=-1) - sorted_BV
-        sorted_BV = sorted_BV.masked_fill(mass_before_BV >= top_p, 0.0)
-        probs_BV = torch.zeros_like(probs_BV).scatter_(-1, order_BV, sorted_BV)
-    return torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
+    k = support_top_k(temperature=temperature, top_p=top_p, top_k=top_k, cap=support_cap)
+    return draw_tokens(logits_BV, temperature=temperature, top_p=top_p, k=k, generator=generator)[0]
 
 
 def _check_sampling(sampling: SamplingParams) -> None:
@@ -124,6 +123,9 @@ def _check_sampling(sampling: SamplingParams) -> None:
         raise ValueError(f"sampling.temperature={sampling.temperature} must be >= 0 (0 = greedy)")
     if not 0.0 < sampling.top_p <= 1.0:
         raise ValueError(f"sampling.top_p={sampling.top_p} must be in (0, 1]")
+    if not 0 <= sampling.top_k <= sampling.support_cap:
+        raise ValueError(f"sampling.top_k={sampling.top_k} must be in [0, sampling.support_cap="
+                         f"{sampling.support_cap}] (0 = off)")
 
 
 class HFEngine(RolloutEngine):
@@ -276,14 +278,18 @@ class HFEngine(RolloutEngine):
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[RolloutSample]:
         """Sample `sampling.n` responses per prompt, all prompts in one batch; groups contiguous."""
+        _check_sampling(sampling)
+        sampler = TokenSampler(sampling, pad_token_id=self.pad_token_id, device=self.device)
         scope = fp32_gemms_in(self._model, self._fp32_weights) if self.fp32_gemm else contextlib.nullcontext()
         with torch.inference_mode(), scope:
-            return self._generate(prompts, sampling)
+            samples = self._generate(prompts, sampling, sampler)
+        sampler.attach_supports(samples)  # same-support log-probs: each token's support (top-p / top-k)
+        return samples
 
-    def _generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[RolloutSample]:
+    def _generate(self, prompts: list[list[int]], sampling: SamplingParams, sampler: TokenSampler
+                  ) -> list[RolloutSample]:
         from transformers import DynamicCache
 
-        _check_sampling(sampling)
         self._check_prompts(prompts)
         n, device = sampling.n, self.device
         num_prompts = len(prompts)
@@ -298,8 +304,6 @@ class HFEngine(RolloutEngine):
         input_ids, mask = input_ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
 
-        generator = torch.Generator(device=device)
-        generator.manual_seed(int(sampling.seed))
         eos_ids = torch.tensor(self.eos_token_ids, device=device)
         if self.recorder is not None:
             self.recorder.clear()
@@ -325,10 +329,7 @@ class HFEngine(RolloutEngine):
         tokens, logprobs, decode_ids, decode_probs, decode_stats = [], [], [], [], []
         finished_B = torch.zeros(batch, dtype=torch.bool, device=device)
         for step in range(sampling.max_new_tokens):
-            tok_B = sample_next_tokens(logits_BV, temperature=sampling.temperature,
-                                       top_p=sampling.top_p, generator=generator)
-            tok_B = tok_B.masked_fill(finished_B, self.pad_token_id)
-            logp_B = torch.log_softmax(logits_BV, dim=-1).gather(-1, tok_B[:, None]).squeeze(-1)
+            tok_B, logp_B = sampler.step(logits_BV, finished_B)
             tokens.append(tok_B)
             logprobs.append(logp_B)
             finished_B = finished_B | torch.isin(tok_B, eos_ids)

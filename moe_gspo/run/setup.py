@@ -168,7 +168,8 @@ def build_engine(cfg: Config, hf_model_or_dir, tokenizer, *, load_weights: bool 
                   max_model_len=r.max_model_len,
                   kv_cache_bytes=None if r.kv_cache_gib is None else int(r.kv_cache_gib * 2**30),
                   gpu_memory_utilization=r.gpu_memory_utilization, sleep_level=r.sleep_level,
-                  quantization=vllm_quantization(r.quantization, r.fp8_scale))
+                  quantization=vllm_quantization(r.quantization, r.fp8_scale),
+                  same_support=r.top_p < 1 or r.top_k > 0)  # docs/same_support.md
         if isinstance(hf_model_or_dir, (str, Path)):
             return VLLMEngine(hf_model_or_dir, load_weights=load_weights, **kw)
         return VLLMEngine.from_hf_config(hf_model_or_dir.config, **kw)

@@ -39,8 +39,8 @@ def rollout(policy: Policy, prompts: list[Prompt], cfg: Config, info: ParallelIn
     `round_index` > 0: a further generation round of the step (dynamic sampling, `run.sampling`), with
     its own seed; round 0 uses the seed a step without dynamic sampling uses."""
     r = cfg.rollout
-    sampling = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
-                              max_new_tokens=r.max_new_tokens)
+    sampling = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              support_cap=r.support_cap, max_new_tokens=r.max_new_tokens)
     rounds = (round_index,) if round_index else ()
     try:
         return generate(policy, prompts, cfg, info, sampling,

@@ -92,3 +92,48 @@ def test_plan_shards_equal_shapes_on_every_rank():
         assert [(m.start, m.stop, m.seq_len) for m in p.micro_batches] == [(0, 2, 9), (2, 3, 4)]
     whole = plan_shards(lens, dp_rank=0, dp_size=1)
     assert [(m.start, m.stop, m.seq_len) for m in whole.micro_batches] == [(0, 5, 9)]
+
+
+# ---- same-support sampling supports (moe_gspo.algos.support) ------------------------------------------
+def _with_support(sample, sizes, ids):
+    sample.support_sizes_R = np.array(sizes, np.int32)
+    sample.support_ids_N = np.array(ids, np.int32)
+    return sample
+
+
+def _two_with_supports():
+    a, b = _two()  # responses [7, 8, 9] and [1]
+    return [_with_support(a, [2, 1, 3], [7, 3, 8, 9, 2, 4]), _with_support(b, [2], [6, 1])]
+
+
+def test_from_samples_places_supports_at_the_response_positions():
+    b = PackedBatch.from_samples(_two_with_supports(), [1.0, -1.0], pad_id=0)
+    assert b.support_sizes_BS.tolist() == [[0, 0, 2, 1, 3], [0, 0, 0, 0, 2]]
+    assert [x.tolist() for x in b.support_ids] == [[7, 3, 8, 9, 2, 4], [6, 1]]
+    b_N, t_N, ids_NK, valid_NK = b.support_index([1, 0])  # rows in that order: b_N indexes [1, 0]
+    assert b_N.tolist() == [0, 1, 1, 1] and t_N.tolist() == [4, 2, 3, 4]
+    assert [ids_NK[n][valid_NK[n]].tolist() for n in range(4)] == [[6, 1], [7, 3], [8], [9, 2, 4]]
+    assert PackedBatch.from_samples(_two(), [0.0, 0.0], pad_id=0).support_index([0, 1]) is None
+
+
+def test_supports_follow_select_trim_and_pad_rows():
+    b = PackedBatch.from_samples(_two_with_supports(), [1.0, -1.0], pad_id=0)
+    s = b.select([1])
+    assert s.support_sizes_BS.tolist() == [[0, 0, 0, 0, 2]] and [x.tolist() for x in s.support_ids] == [[6, 1]]
+    t = b.trim(7)
+    assert t.support_sizes_BS.shape == (2, 7) and t.support_sizes_BS[:, 5:].sum() == 0
+    p = b.pad_rows(4)
+    assert p.support_sizes_BS.shape == (4, 5) and p.support_sizes_BS[2:].sum() == 0 and len(p.support_ids) == 4
+    idx = p.support_index([0, 1, 2, 3])
+    assert idx[0].tolist() == [0, 0, 0, 1]  # padding rows contribute no token
+
+
+def test_from_samples_refuses_bad_supports():
+    a, b = _two_with_supports()
+    b.support_sizes_R = b.support_ids_N = None
+    with pytest.raises(ValueError, match="some samples carry a sampling support"):
+        PackedBatch.from_samples([a, b], [0.0, 0.0], pad_id=0)
+    a, b = _two_with_supports()
+    a.support_ids_N = np.array([7, 3, 5, 9, 2, 4], np.int32)  # token 8 is no longer in its support
+    with pytest.raises(ValueError, match="sample 0: response token 1 .id 8. is not in its recorded support"):
+        PackedBatch.from_samples([a, b], [0.0, 0.0], pad_id=0)

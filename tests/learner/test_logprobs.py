@@ -53,3 +53,29 @@ def test_gradient_flows_and_bad_ids_rejected():
         token_logprobs(torch.zeros(1, 2, 4), torch.tensor([[0, 4]]))
     with pytest.raises(ValueError, match="same B, S"):
         token_logprobs(torch.zeros(1, 2, 4), torch.tensor([[0, 1, 2]]))
+
+
+def test_support_renormalises_the_listed_tokens_only():
+    from moe_gspo.algos.support import pad_supports
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 4, 6, generator=g, requires_grad=True)
+    ids = torch.tensor([[0, 2, 5, 1], [3, 3, 4, 0]])
+    full, _ = token_logprobs(logits, ids)
+    # tokens (0, 2) = 5 with support {5, 1}, (1, 3) = 0 with support {0, 3, 4}
+    flat, sizes = torch.tensor([5, 1, 0, 3, 4]), torch.tensor([2, 3])
+    ids_NK, valid_NK = pad_supports(flat, sizes)
+    support = (torch.tensor([0, 1]), torch.tensor([2, 3]), ids_NK, valid_NK)
+    logp, _ = token_logprobs(logits, ids, support=support, chunk_elements=6)
+    want_02 = logits[0, 1, 5] - torch.logsumexp(logits[0, 1, [5, 1]], 0)
+    want_13 = logits[1, 2, 0] - torch.logsumexp(logits[1, 2, [0, 3, 4]], 0)
+    assert logp[0, 2].item() == pytest.approx(want_02.item(), abs=1e-6)
+    assert logp[1, 3].item() == pytest.approx(want_13.item(), abs=1e-6)
+    assert logp[0, 2] > full[0, 2] and logp[1, 3] > full[1, 3]
+    other = torch.ones_like(logp, dtype=torch.bool)
+    other[0, 2] = other[1, 3] = False
+    assert torch.equal(logp[other], full[other])  # the others keep the full softmax
+    grad, = torch.autograd.grad(logp[0, 2], logits)
+    assert (grad[0, 1, [0, 2, 3, 4]] == 0).all() and (grad[0, 1, [1, 5]] != 0).all()
+    with pytest.raises(ValueError, match="position 0"):
+        token_logprobs(logits, ids, support=(torch.tensor([0]), torch.tensor([0]), ids_NK[:1], valid_NK[:1]))

@@ -18,6 +18,7 @@ from moe_gspo.rollout.base import SamplingParams
 from moe_gspo.rollout.vllm_outputs import (
     completion_to_sample,
     request_outputs_to_samples,
+    sampling_mask_to_support,
     routed_experts_to_routes,
     sampled_logprobs,
     split_fused_experts,
@@ -43,6 +44,12 @@ class CompletionOutput:
     routed_experts: np.ndarray | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    sampling_mask: Any = None
+
+
+@dataclass
+class SamplingMask:
+    token_ids: list[list[int]]
 
 
 @dataclass
@@ -143,9 +150,9 @@ def test_request_outputs_grouped_and_sorted_by_completion_index():
 
 
 def test_vllm_sampling_kwargs_gives_every_sample_its_own_seed_and_our_eos():
-    sp = SamplingParams(n=3, temperature=0.7, top_p=0.9, max_new_tokens=12, seed=100)
+    sp = SamplingParams(n=3, temperature=0.7, max_new_tokens=12, seed=100)
     kws = [vllm_sampling_kwargs(sp, i, [1, 7]) for i in range(4)]
-    assert kws[0] == dict(n=3, temperature=0.7, top_p=0.9, top_k=0, max_tokens=12, seed=100, logprobs=0,
+    assert kws[0] == dict(n=3, temperature=0.7, top_p=1.0, top_k=0, max_tokens=12, seed=100, logprobs=0,
                           detokenize=False, ignore_eos=True, stop_token_ids=[1, 7])
     child_seeds = [kw["seed"] + j for kw in kws for j in range(3)]       # vLLM gives child j seed + j
     assert len(set(child_seeds)) == 12
@@ -155,6 +162,39 @@ def test_vllm_sampling_kwargs_gives_every_sample_its_own_seed_and_our_eos():
         vllm_sampling_kwargs(SamplingParams(n=2, temperature=0.0), 0, [1])
     with pytest.raises(ValueError, match="eos_token_ids"):
         vllm_sampling_kwargs(SamplingParams(), 0, [])
+
+
+def test_vllm_sampling_kwargs_for_same_support():
+    def kw(**sampling):
+        out = vllm_sampling_kwargs(SamplingParams(n=1, support_cap=64, **sampling), 0, [1], same_support=True)
+        return out["temperature"], out["top_p"], out["top_k"]
+
+    assert kw(top_p=0.9) == (1.0, 0.9, 64)           # top-p alone: the cap bounds the support (vLLM needs top_k > 0)
+    assert kw(top_k=5) == (1.0, 1.0, 5)
+    assert kw(top_k=5, top_p=0.8) == (1.0, 0.8, 5)
+    assert kw() == (1.0, 1.0, 64)                    # such an engine truncates every request to the cap
+    assert kw(temperature=0.0, top_p=0.5) == (1.0, 1.0, 1)  # greedy as top-1 sampling (mask capture needs T > 0)
+    with pytest.raises(ValueError, match="temperature=0.7 with a same-support vLLM engine"):
+        kw(temperature=0.7, top_p=0.9)
+    with pytest.raises(ValueError, match="need a vLLM engine built with same_support=True"):
+        vllm_sampling_kwargs(SamplingParams(top_k=5), 0, [1])
+
+
+def test_sampling_mask_becomes_the_samples_support():
+    c = _completion(0, 3, [10, 12, 1])
+    c.sampling_mask = SamplingMask([[3, 10, 40], [12], [1, 2]])  # vLLM's order: ascending ids
+    s = completion_to_sample(0, [2, 3, 4], c, num_experts=8, moe_layer_ids=[1, 2], require_support=True)
+    assert s.support_sizes_R.tolist() == [3, 1, 2] and s.support_ids_N.tolist() == [3, 10, 40, 12, 1, 2]
+    assert s.support_ids_N.dtype == np.int32 and s.support_sizes_R.dtype == np.int32
+    c.sampling_mask = SamplingMask([[3, 40], [12], [1, 2]])
+    with pytest.raises(ValueError, match="prompt 0, completion 0: vLLM sampling_mask: response token 0 .id 10. is not"):
+        completion_to_sample(0, [2, 3, 4], c)
+    with pytest.raises(ValueError, match="sampling_mask has 2 rows for 3 generated tokens"):
+        sampling_mask_to_support([10, 12, 1], [[10], [12]])
+    c.sampling_mask = None
+    assert completion_to_sample(0, [2, 3, 4], c).support_ids_N is None
+    with pytest.raises(ValueError, match="has no sampling_mask"):
+        completion_to_sample(0, [2, 3, 4], c, require_support=True)
 
 
 # ---- weight naming ------------------------------------------------------------------------------

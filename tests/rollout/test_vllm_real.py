@@ -160,3 +160,39 @@ def test_dummy_engine_from_config_bf16_syncs_drifts_and_closes_cleanly(setup):
     x = torch.ones(1)
     dist.all_reduce(x)  # the trainer's process group survived the engine's teardown
     assert dist.is_initialized() and x.item() == 1.0
+
+
+def test_same_support_engine_matches_the_learner_under_top_p_and_top_k(setup):
+    """top-p / top-k on vLLM (docs/same_support.md): the engine returns each token's support
+    (return_sampling_mask) and its log-prob over it (processed_logprobs); the learner renormalises over
+    the same ids. fp32, so the two agree to float rounding, and both lie above the full-softmax value."""
+    import dataclasses
+
+    from moe_gspo.learner.batch import PackedBatch
+    from moe_gspo.rollout.base import SamplingParams
+    from moe_gspo.rollout.vllm_engine import VLLMEngine
+
+    with pytest.raises(ValueError, match="need a vLLM engine built with same_support=True"):
+        setup["engine"].generate(PROMPTS, SamplingParams(top_p=0.8))
+    learner = setup["learner"]
+    engine = VLLMEngine(setup["ckpt"], eos_token_ids=EOS, dtype="float32", seed=0, same_support=True)
+    try:
+        engine.update_weights(learner.hf_weight_stream())  # the learner's weights (earlier tests changed them)
+        greedy = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=6))
+        plain_greedy = setup["engine"].generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=6))
+        runs = {name: engine.generate(PROMPTS, SamplingParams(n=3, max_new_tokens=8, seed=2, support_cap=64, **kw))
+                for name, kw in (("top_p", dict(top_p=0.8)), ("top_k", dict(top_k=3)))}
+    finally:
+        engine.close()
+    for g, p in zip(greedy, plain_greedy):  # greedy evaluation = top-1 sampling: the same tokens
+        assert np.array_equal(g.response_ids, p.response_ids) and (g.support_sizes_R == 1).all()
+    for name, samples in runs.items():
+        batch = PackedBatch.from_samples(samples, torch.zeros(len(samples)), pad_id=0)  # checks token in support
+        mask = batch.response_mask_BS
+        sizes = batch.support_sizes_BS[mask]
+        assert (sizes >= 1).all() and (sizes <= (3 if name == "top_k" else 64)).all()
+        res = learner.compute_logprobs(batch, no_replay=True)
+        assert (res.logp_BS - batch.rollout_logp_BS)[mask].abs().max() <= 1e-5, name
+        full = learner.compute_logprobs(dataclasses.replace(batch, support_sizes_BS=None, support_ids=None),
+                                        no_replay=True).logp_BS
+        assert (batch.rollout_logp_BS[mask] > full[mask] + 1e-4).all(), name

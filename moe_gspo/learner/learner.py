@@ -178,6 +178,11 @@ class Learner:
             outs.append(torch.cat([rows, pad]))
         return local, local_routes, outs
 
+    def release_step(self) -> None:
+        """Drop what this step's passes kept for its update (R2's recorded old-policy routes), once the
+        step's last pass has run: host memory of routes is then one step's, not two."""
+        self._recorded = None
+
     def _gather_rows(self, local: torch.Tensor, num_seqs: int) -> torch.Tensor:
         """Concatenate every data-parallel rank's real rows of `local` ([num_rows, ...]) in rank order."""
         sizes = [len(ix) for ix in np.array_split(np.arange(num_seqs), self.parallel.dp_size)]
@@ -274,7 +279,9 @@ class Learner:
         L, K = len(self.layer_ids), self.top_k
         logp_local = torch.zeros((plan.num_rows, S), dtype=torch.float32, device=self.device)
         ent_local = torch.zeros((plan.num_rows, S), dtype=torch.float32, device=self.device) if with_entropy else None
-        ids_local = torch.zeros((plan.num_rows, S, L, K), dtype=torch.int32, device=self.device) if record else None
+        # expert ids as they are kept (uint8 up to 256 experts); gloo has no int16, so int32 above that
+        ids_dtype = torch.uint8 if self.num_experts <= 256 else torch.int32
+        ids_local = torch.zeros((plan.num_rows, S, L, K), dtype=ids_dtype, device=self.device) if record else None
         probs_local = torch.zeros((plan.num_rows, S, L, K), dtype=torch.float32, device=self.device) if record else None
         stats_local = torch.zeros((plan.num_rows, S, L, 2), dtype=torch.float32, device=self.device) if record else None
         kept = None
@@ -314,8 +321,7 @@ class Learner:
                         seqs = self.recorder.to_sequences([S_i] * B_i, B_i, S_i, probs=what == "probs",
                                                           stats=what == "stats")[:n]
                         if n:
-                            stacked[rows, :S_i] = torch.from_numpy(np.stack(seqs).astype(
-                                np.int32 if what == "ids" else np.float32)).to(self.device)
+                            stacked[rows, :S_i] = torch.from_numpy(np.stack(seqs)).to(self.device, stacked.dtype)
                     self.recorder.clear()
         finally:
             self.recorder.enabled = False
@@ -334,12 +340,12 @@ class Learner:
             all_probs = self._gather_rows(probs_local, B).cpu().numpy()
             all_stats = self._gather_rows(stats_local, B).cpu().numpy()
             routes = [np.ascontiguousarray(all_ids[b, :n].astype(id_dtype)) for b, n in enumerate(lens)]
-            probs = [np.ascontiguousarray(all_probs[b, :n]) for b, n in enumerate(lens)]
+            probs = [all_probs[b, :n].copy() for b, n in enumerate(lens)]  # copies: a view would keep [B, S] alive
             if self.replay is ReplayMode.R2:
                 self._recorded = (batch.input_ids_BS.cpu().clone(), routes)
             if record_routes:
                 result.routes, result.probs = routes, probs
-                result.router_stats = [np.ascontiguousarray(all_stats[b, :n]) for b, n in enumerate(lens)]
+                result.router_stats = [all_stats[b, :n].copy() for b, n in enumerate(lens)]
         if kept is not None:
             kept.logp_BS, kept.entropy_BS = result.logp_BS, result.entropy_BS
         return result, kept

@@ -25,7 +25,7 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import yaml
@@ -75,6 +75,29 @@ def _warn(msg: str, sink: list[str]) -> None:
     warnings.warn(msg, RunDataWarning, stacklevel=3)
 
 
+def iter_step_records(path: Path, skipped) -> Iterator[tuple[int, int, dict[str, Any]]]:
+    """(line number, integer step, record) for each line of a JSONL run file that is a JSON object with
+    an integer `step`; every other non-blank line is passed to `skipped(message)` naming its line."""
+    with open(path, "r", encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                skipped(f"{path.name}: skipped line {lineno}: not valid JSON ({e.msg})")
+                continue
+            if not isinstance(rec, dict):
+                skipped(f"{path.name}: skipped line {lineno}: not a JSON object")
+                continue
+            step = rec.get("step")
+            if isinstance(step, bool) or not isinstance(step, (int, float)) or step != int(step):
+                skipped(f"{path.name}: skipped line {lineno}: no integer 'step' field")
+                continue
+            rec["step"] = int(step)
+            yield lineno, int(step), rec
+
+
 def read_jsonl(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
     """Read a metrics.jsonl file: returns (records sorted by step, warnings).
 
@@ -85,27 +108,10 @@ def read_jsonl(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
     path = Path(path)
     notes: list[str] = []
     by_step: dict[int, dict[str, Any]] = {}
-    with open(path, "r", encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                _warn(f"{path.name}: skipped line {lineno}: not valid JSON ({e.msg})", notes)
-                continue
-            if not isinstance(rec, dict):
-                _warn(f"{path.name}: skipped line {lineno}: not a JSON object", notes)
-                continue
-            step = rec.get("step")
-            if isinstance(step, bool) or not isinstance(step, (int, float)) or step != int(step):
-                _warn(f"{path.name}: skipped line {lineno}: no integer 'step' field", notes)
-                continue
-            step = int(step)
-            rec["step"] = step
-            if step in by_step:
-                _warn(f"{path.name}: line {lineno} repeats step {step}; keeping the later line", notes)
-            by_step[step] = rec
+    for lineno, step, rec in iter_step_records(path, lambda m: _warn(m, notes)):
+        if step in by_step:
+            _warn(f"{path.name}: line {lineno} repeats step {step}; keeping the later line", notes)
+        by_step[step] = rec
     return [by_step[s] for s in sorted(by_step)], notes
 
 

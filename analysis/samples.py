@@ -14,7 +14,6 @@ of sample text escaped and long text shortened.
 from __future__ import annotations
 
 import html
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from analysis.load import iter_step_records
 
 PER_STEP = 3
 """Samples shown from each of the first and the last step (twice as many when only one step saved any)."""
@@ -73,22 +74,7 @@ def _sample(rec: dict[str, Any], where: str, notes: list[str]) -> Sample:
 
 def read_samples(path: str | Path, notes: list[str]) -> list[Sample]:
     """Every usable line of a samples.jsonl in file order; skipped lines are described in `notes`."""
-    out = []
-    with open(path, "r", encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                notes.append(f"samples.jsonl: skipped line {lineno}: not valid JSON ({e.msg})")
-                continue
-            step = rec.get("step") if isinstance(rec, dict) else None
-            if isinstance(step, bool) or not isinstance(step, int):
-                notes.append(f"samples.jsonl: skipped line {lineno}: not a JSON object with an integer 'step'")
-                continue
-            out.append(_sample(rec, f"line {lineno}", notes))
-    return out
+    return [_sample(rec, f"line {lineno}", notes) for lineno, _, rec in iter_step_records(Path(path), notes.append)]
 
 
 def _spread(group: list[Sample], n: int) -> list[Sample]:

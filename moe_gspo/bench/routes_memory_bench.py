@@ -7,6 +7,10 @@ at a time, the host-side code of an RL step that touches the routes, measuring e
 the RSS at its start (Linux `VmHWM` after resetting it through `/proc/self/clear_refs`) and what it
 leaves held (RSS), plus `tracemalloc`'s peak (numpy allocations only; torch's are not traced):
 
+- `learner_record_microbatch` (first, on a clean heap): a replica of `ActivationRecorder.to_sequences`'
+  host side as `Learner._logprob_pass` runs it per micro-batch (one sequence here, as the shipped configs'
+  `train.micro_batch_size: 1`): the int64 ids from the device and their uint8 copy, then the fp32
+  probabilities' and the stats' `.cpu()` stack and `astype` copy (per-sequence arrays: views at one sequence);
 - `samples`: the `RolloutSample` list with its uint8 `routes_TLK` (what every rank holds after the gather);
 - `gather`: `all_gather_object`'s host side for one rank's share at world 8 (torch's own
   `_object_to_tensor` / `_tensor_to_object`; a clone stands for the GPU-to-host copy of each received
@@ -14,20 +18,27 @@ leaves held (RSS), plus `tracemalloc`'s peak (numpy allocations only; torch's ar
 - `packed_batch`: `PackedBatch.from_samples` (its routes are the samples' arrays: checked, no copy);
 - `route_checks`: `moe_gspo.routing.replay_checks` as `learner_update` runs it under R3 (`check_routes`,
   `usable_prefix`, `merge_fallback_routes`; no fallback row, so views);
-- `learner_record`: a replica of the host side of `Learner._logprob_pass` with `record_routes` (the pass
-  `learner_update` runs every step): the gathered batch as int32 ids, fp32 probabilities and fp32
-  margin/entropy, then the per-sequence uint8 / fp32 arrays it keeps (`LogprobResult`);
+- `learner_record`: a replica of the host side of the end of `Learner._logprob_pass` with `record_routes`
+  (the pass `learner_update` runs every step): the gathered batch as uint8 ids (the device dtype up to 256
+  experts), fp32 probabilities and fp32 margin/entropy, then the per-sequence unpadded copies it keeps
+  (`LogprobResult`: `astype` / `.copy()`), the whole-batch arrays freed when it returns;
 - `metrics_compare`, `metrics_router`: the real `moe_gspo.run.compare.rollout_vs_learner` and
-  `moe_gspo.run.router_diag.router_diagnostics` on those routes (whole-batch concatenations, MaxVio's int64);
+  `moe_gspo.run.router_diag.router_diagnostics` on those routes (whole-batch concatenations, float64 copies
+  of the router stats; MaxVio counts per layer in the ids' dtype);
+- `drift_metrics`: the real `moe_gspo.run.compare.policy_update_drift` (the drift probe's metrics) between
+  that learner set and another (5% of the rows moved);
 - `replay_microbatch`: `moe_gspo.routing.align.build_replay_topk` for one micro-batch of one sequence;
-- `int64_whole_batch`: what converting every route to int64 at once would cost;
+- `int64_whole_batch`: what converting every route to int64 at once would cost (no code does it now);
 - `next_step_kept` / `next_step_freed`: the next step's samples built while the previous step's samples and
-  learner set are still referenced (the loop before the fix) / after they were dropped.
+  learner set are still referenced (the loop before `moe_gspo.train.loop` dropped them: the plan's pre-fix
+  `peak_not_freed`) / after they were dropped (the loop now).
 
-It prints bytes per token (peak / tokens of the stage) next to the memory plan's count
-(`moe_gspo.plan.host_routes`), and the figures extrapolated linearly to `--target-seqs` x `--target-seq-len`
-tokens (every stage's bytes are proportional to the tokens it covers; `replay_microbatch` to one sequence's
-length). Defaults: 32 x 8192 tokens (1/64 of 512 x 32768), < 3 GiB and ~30 s on 2 cores.
+It prints bytes per token (peak / tokens of the stage; the peak is the larger of the RSS peak, which also
+holds torch's allocations and the allocator's slack, and the numpy peak, which is exactly the arrays alive)
+next to the memory plan's count (`moe_gspo.plan.host_routes`), and the figures extrapolated linearly to
+`--target-seqs` x `--target-seq-len` tokens (every stage's bytes are proportional to the tokens it covers;
+the `*_microbatch` stages to one sequence's length). Defaults: 32 x 8192 tokens (1/64 of 512 x 32768),
+< 3 GiB and ~25 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -160,10 +171,11 @@ def make_samples(rng, num_seqs: int, seq_len: int, *, group: int = 8):
 
 
 def learner_record_replica(routes_src: list[np.ndarray], seq_len: int):
-    """The host side of `Learner._logprob_pass` with record_routes (moe_gspo/learner/learner.py): the
-    gathered batch copied to the host as int32 ids, fp32 probs, fp32 stats, then per-sequence kept arrays."""
+    """The host side of the end of `Learner._logprob_pass` with record_routes (moe_gspo/learner/learner.py):
+    the gathered batch copied to the host as uint8 ids (the device dtype up to 256 experts), fp32 probs,
+    fp32 stats, then the per-sequence copies it keeps; the whole-batch arrays go when it returns."""
     B, S = len(routes_src), seq_len
-    all_ids = np.empty((B, S, L_MOE, TOP_K), np.int32)        # _gather_rows(ids_local).cpu().numpy()
+    all_ids = np.empty((B, S, L_MOE, TOP_K), np.uint8)         # _gather_rows(ids_local).cpu().numpy()
     for b, r in enumerate(routes_src):
         all_ids[b, :len(r)] = r
         all_ids[b, len(r):] = r[-1]
@@ -171,9 +183,31 @@ def learner_record_replica(routes_src: list[np.ndarray], seq_len: int):
     all_stats = np.full((B, S, L_MOE, 2), 0.5, np.float32)       # _gather_rows(stats_local)
     lens = [S] * B
     routes = [np.ascontiguousarray(all_ids[b, :n].astype(np.uint8)) for b, n in enumerate(lens)]
-    probs = [np.ascontiguousarray(all_probs[b, :n]) for b, n in enumerate(lens)]
-    stats = [np.ascontiguousarray(all_stats[b, :n]) for b, n in enumerate(lens)]
+    probs = [all_probs[b, :n].copy() for b, n in enumerate(lens)]
+    stats = [all_stats[b, :n].copy() for b, n in enumerate(lens)]
     return routes, probs, stats
+
+
+def record_microbatch_replica(rng, seqs: int, seq_len: int) -> None:
+    """The host side of one micro-batch's recording in `Learner._logprob_pass`
+    (`ActivationRecorder.to_sequences` + `np.stack`, moe_gspo/learner/router_hooks.py): ids, then probs, then
+    stats, each as `[S, B, L, *]` from the device (`.cpu()`), `astype`, per-sequence copies; the previous
+    kind's per-sequence list lives until the next kind's returns."""
+    import torch
+
+    S, B = seq_len, seqs
+    seqs_prev = None
+    for what, tail, dtype in (("ids", TOP_K, np.uint8), ("probs", TOP_K, np.float32), ("stats", 2, np.float32)):
+        if what == "ids":  # torch.stack(per_layer, dim=2).cpu(): the device's int64 topk indices
+            stacked = torch.from_numpy(rng.integers(0, NUM_EXPERTS, (S, B, L_MOE, tail), dtype=np.int64))
+        else:
+            stacked = torch.full((S, B, L_MOE, tail), 0.5, dtype=torch.float32)
+        arr = stacked.numpy().astype(dtype)
+        out = [np.ascontiguousarray(arr[:S, b]) for b in range(B)]
+        del stacked, arr
+        seqs_prev = out
+        torch.from_numpy(np.stack(seqs_prev))  # .to(device): the stack is the host part
+    del seqs_prev
 
 
 def nbytes(*lists) -> int:
@@ -184,13 +218,15 @@ def run(args) -> dict:
     import torch
 
     from moe_gspo.learner.batch import PackedBatch
-    from moe_gspo.plan.host_routes import (learner_gather_bytes_per_token, learner_kept_bytes_per_token,
-                                           metrics_bytes_per_token, replay_microbatch_bytes,
-                                           rollout_bytes_per_token)
+    from moe_gspo.plan.host_routes import (compare_bytes_per_token, drift_bytes_per_token,
+                                           learner_gather_bytes_per_token, learner_kept_bytes_per_token,
+                                           metrics_bytes_per_token, record_microbatch_bytes,
+                                           replay_microbatch_bytes, rollout_bytes_per_token,
+                                           router_bytes_per_token)
     from moe_gspo.plan.params import Geometry
     from moe_gspo.routing.align import build_replay_topk
     from moe_gspo.routing.replay_checks import check_routes, merge_fallback_routes, usable_prefix
-    from moe_gspo.run.compare import rollout_vs_learner
+    from moe_gspo.run.compare import policy_update_drift, rollout_vs_learner
     from moe_gspo.run.router_diag import router_diagnostics
     from torch.distributed.distributed_c10d import _object_to_tensor, _tensor_to_object
 
@@ -200,13 +236,19 @@ def run(args) -> dict:
     plan = {"rollout": rollout_bytes_per_token(geom, record_routes=True),
             "learner_kept": learner_kept_bytes_per_token(geom),
             "learner_gather": learner_gather_bytes_per_token(geom),
-            "metrics": metrics_bytes_per_token(geom, record_routes=True)}
+            "metrics": metrics_bytes_per_token(geom, record_routes=True),
+            "metrics_compare": compare_bytes_per_token(geom, record_routes=True),
+            "metrics_router": router_bytes_per_token(geom, record_routes=True),
+            "drift_metrics": drift_bytes_per_token(geom)}
     N, T = args.seqs, args.seq_len
     tokens, resp = N * T, T - max(2, T // 8)
     rng = np.random.default_rng(0)
     tracemalloc.start()
     m = Meter()
 
+    with m.stage("learner_record_microbatch", T, "replica of to_sequences' host side, 1 sequence") as st:
+        record_microbatch_replica(rng, 1, T)
+        st.extra["plan_bytes"] = record_microbatch_bytes(geom, seqs=1, seq_len=T)
     with m.stage("samples", tokens, "RolloutSample list, uint8 routes_TLK") as st:
         samples = make_samples(rng, N, T)
         st.logical = nbytes([s.routes_TLK for s in samples])
@@ -237,7 +279,7 @@ def run(args) -> dict:
         st.extra["views"] = bool(all(np.shares_memory(a, b) for a, b in zip(replay, batch.rollout_routes)))
         st.extra["fallback_token_frac"] = r3_metrics["r3/fallback_token_frac"]
     learner_src = [perturb(rng, s.routes_TLK, 0.05) for s in samples]  # the learner's choices (5% moved)
-    with m.stage("learner_record", tokens, "replica of Learner._logprob_pass host side (record_routes)") as st:
+    with m.stage("learner_record", tokens, "replica of Learner._logprob_pass's end (record_routes)") as st:
         l_routes, l_probs, l_stats = learner_record_replica(learner_src, T)
         st.logical = nbytes(l_routes, l_probs, l_stats)
         st.extra["plan_bytes"] = tokens * (plan["learner_kept"] + plan["learner_gather"])
@@ -249,22 +291,29 @@ def run(args) -> dict:
                                  learner_routes=l_routes, num_experts=NUM_EXPERTS,
                                  group_ids=[s.prompt_index for s in samples])
         st.extra["expert_change_frac"] = out["routing/expert_change_frac"]
-    with m.stage("metrics_router", tokens, "run.router_diag.router_diagnostics (MaxVio int64)") as st:
+        st.extra["plan_bytes"] = tokens * plan["metrics_compare"]  # every row as a response row: an upper bound
+    with m.stage("metrics_router", tokens, "run.router_diag.router_diagnostics (float64 stats)") as st:
         router_diagnostics(response_mask_BS=batch.response_mask_BS, num_experts=NUM_EXPERTS, margin_threshold=0.01,
                            learner_routes=l_routes, learner_stats=l_stats,
                            rollout_routes=[s.routes_TLK for s in samples])
-        st.extra["plan_bytes"] = N * resp * plan["metrics"]  # the metrics cover the response rows
+        st.extra["plan_bytes"] = N * resp * plan["metrics_router"]  # the response rows
+    new_routes = [perturb(rng, r, 0.05) for r in l_routes]  # the probe's pass after the update
+    with m.stage("drift_metrics", tokens, "run.compare.policy_update_drift (drift probe)") as st:
+        out = policy_update_drift(l_routes, new_routes, batch.response_mask_BS, num_experts=NUM_EXPERTS)
+        st.extra["expert_change_frac"] = out["update/expert_change_frac"]
+        st.extra["plan_bytes"] = N * resp * plan["drift_metrics"]  # the response rows
+    del new_routes
     with m.stage("replay_microbatch", T, "build_replay_topk, 1 sequence (R2/R3, per micro-batch)") as st:
         topk = build_replay_topk(replay[:1], [T], T, num_experts=NUM_EXPERTS, top_k=TOP_K, order="sb")
         st.logical = topk.numel() * topk.element_size()
         del topk
         st.extra["plan_bytes"] = replay_microbatch_bytes(geom, seqs=1, seq_len=T)
-    with m.stage("int64_whole_batch", tokens, "every route as int64 at once (not done by the code)") as st:
+    with m.stage("int64_whole_batch", tokens, "every route as int64 at once (no code does it)") as st:
         wide = [np.asarray(r).astype(np.int64) for r in batch.rollout_routes]
         st.logical = nbytes(wide)
         del wide
     kept_prev = (samples, batch, l_routes, l_probs, l_stats)  # what the loop keeps until it rebinds them
-    with m.stage("next_step_kept", tokens, "next step's samples while the previous step is referenced") as st:
+    with m.stage("next_step_kept", tokens, "next step's samples, previous step referenced (pre-fix loop)") as st:
         samples2 = make_samples(rng, N, T)
         st.logical = nbytes([s.routes_TLK for s in samples2]) + nbytes([s.routes_TLK for s in samples],
                                                                        l_routes, l_probs, l_stats)
@@ -273,7 +322,7 @@ def run(args) -> dict:
     before_free = m.above_baseline()
     del kept_prev, samples, batch, comparable, replay, l_routes, l_probs, l_stats, share
     freed = before_free - m.above_baseline()
-    with m.stage("next_step_freed", tokens, "next step's samples after `del` of the previous step") as st:
+    with m.stage("next_step_freed", tokens, "next step's samples after `del` of the previous step (the loop)") as st:
         samples2 = make_samples(rng, N, T)
         st.logical = nbytes([s.routes_TLK for s in samples2])
         st.extra["rss_freed_by_del"] = freed
@@ -292,14 +341,14 @@ def report(res: dict, args) -> dict:
     if not res["hwm_ok"]:
         print("(peak RSS not measurable here: /proc/self/clear_refs not writable; traced numpy peaks only)")
     print(f"extrapolated linearly to {args.target_seqs} x {args.target_seq_len} = {target_tokens:,} tokens "
-          f"(x{scale:g}; replay_microbatch: x{args.target_seq_len / args.seq_len:g}, one sequence)\n")
-    head = (f"{'stage':18s} {'held MiB':>9s} {'RSS held':>9s} {'RSS peak':>9s} {'np peak':>9s} {'held B/t':>8s} "
+          f"(x{scale:g}; *_microbatch: x{args.target_seq_len / args.seq_len:g}, one sequence)\n")
+    head = (f"{'stage':26s} {'held MiB':>9s} {'RSS held':>9s} {'RSS peak':>9s} {'np peak':>9s} {'held B/t':>8s} "
             f"{'peak B/t':>8s} {'plan B/t':>8s} {'peak GiB@target':>15s}  what")
     print(head)
     rows = {}
     for st in stages:
         t = st.tokens
-        factor = (args.target_seq_len / args.seq_len) if st.name == "replay_microbatch" else scale
+        factor = (args.target_seq_len / args.seq_len) if st.name.endswith("microbatch") else scale
         peak = max(st.peak_rss, st.traced_peak)
         plan_b = st.extra.get("plan_bytes")
         rows[st.name] = {"tokens": t, "held_bytes": st.logical, "rss_held_bytes": st.held_rss,
@@ -307,7 +356,7 @@ def report(res: dict, args) -> dict:
                          "peak_bytes_per_token": peak / t, "plan_bytes_per_token": plan_b / t if plan_b else None,
                          "peak_gib_at_target": peak * factor / GIB, "seconds": st.seconds, "what": st.note,
                          **{k: v for k, v in st.extra.items() if k != "plan_bytes"}}
-        print(f"{st.name:18s} {st.logical / 2**20:9.1f} {st.held_rss / 2**20:9.1f} {st.peak_rss / 2**20:9.1f} "
+        print(f"{st.name:26s} {st.logical / 2**20:9.1f} {st.held_rss / 2**20:9.1f} {st.peak_rss / 2**20:9.1f} "
               f"{st.traced_peak / 2**20:9.1f} {st.logical / t:8.0f} {peak / t:8.0f} "
               f"{(f'{plan_b / t:.0f}' if plan_b else '-'):>8s} {peak * factor / GIB:15.2f}  {st.note}")
     g = rows["gather"]
@@ -315,20 +364,21 @@ def report(res: dict, args) -> dict:
     per_seq_tok = L_MOE * TOP_K
     print(f"\nbytes per representation at {args.target_seqs} x {args.target_seq_len} tokens (per rank; x8 per node):")
     for name, b in (("uint8 [T, L, K] (as vLLM returns them)", 1), ("uint16 (> 256 experts)", 2),
-                    ("int32 (the learner's recorded ids)", 4), ("int64 (a whole-batch conversion)", 8)):
-        print(f"  {name:40s} {target_tokens * per_seq_tok * b / GIB:8.2f} GiB")
-    print(f"  fp32 router probs (learner, kept)        {target_tokens * per_seq_tok * 4 / GIB:8.2f} GiB")
+                    ("int32 (learner's device ids, > 256 experts)", 4), ("int64 (a whole-batch conversion)", 8)):
+        print(f"  {name:44s} {target_tokens * per_seq_tok * b / GIB:8.2f} GiB")
+    print(f"  {'fp32 router probs (learner, kept)':44s} {target_tokens * per_seq_tok * 4 / GIB:8.2f} GiB")
     print(f"gather transient beyond the unpickled samples: {gather_x:.1f} x one rank's pickled share "
           f"({g['payload_bytes'] / g['share_tokens']:.0f} B/token)")
     nk, nf = rows["next_step_kept"], rows["next_step_freed"]
     print(f"after the next step's rollout, RSS above the start: {nk['rss_above_baseline'] / 2**20:.0f} MiB when the "
-          f"loop still references the previous step (its samples, batch and learner set), "
-          f"{nf['rss_above_baseline'] / 2**20:.0f} MiB after `del` of them (which freed "
+          f"loop still references the previous step (its samples, batch and learner set; the pre-fix loop), "
+          f"{nf['rss_above_baseline'] / 2**20:.0f} MiB after `del` of them (the loop now; the `del` freed "
           f"{nf['rss_freed_by_del'] / 2**20:.0f} MiB)")
     peak_of = lambda n: max(rows[n]["rss_peak_bytes"], rows[n]["traced_peak_bytes"])  # noqa: E731
     held = rows["samples"]["held_bytes"] + rows["packed_batch"]["held_bytes"]
     measured = {"old_logp": held + peak_of("learner_record"),
-                "metrics": held + rows["learner_record"]["held_bytes"] + peak_of("metrics_router")}
+                "metrics": held + rows["learner_record"]["held_bytes"]
+                + max(peak_of("metrics_compare"), peak_of("metrics_router"))}
     measured_target = {k: v * scale / GIB for k, v in measured.items()}
     from moe_gspo.plan.host_routes import route_host_bytes
 

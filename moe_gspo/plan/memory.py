@@ -374,11 +374,6 @@ def count_plan(geom: Geometry, learner: LearnerSetup, rollout: RolloutSetup, *, 
         **{f"{k}_gib": routes.part(k) / GIB for k in ("rollout", "learner", "transient")},
         "moments_gib": {m: {k: round(v / GIB, 3) for k, v in parts.items()} for m, parts in routes.moments.items()},
         "peak_not_freed_per_rank_gib": routes.peak_not_freed / GIB, "bytes_per_token": routes.per_token}
-    if routes.peak_not_freed > routes.peak:
-        notes.append(f"host routes: a training loop that keeps a step's samples, batch and learner passes until "
-                     f"the next iteration rebinds them holds up to {routes.peak_not_freed / GIB:.1f} GiB per rank "
-                     f"({routes.peak_not_freed * ranks_per_node / GIB:.0f} GiB per node) instead of "
-                     f"{routes.peak / GIB:.1f}: the previous step's routes live through the next step")
     if host_mem_gib is not None and host_node > host_mem_gib:
         problems.append(f"host memory per node: {host_node:.0f} GiB needed (offloaded optimizer state, sleeping "
                         f"engines' weights, offloaded learner, the step's routes "

@@ -89,7 +89,7 @@ def host_routes_lines(result: PlanResult) -> list[str]:
             f"rollout routes {h['rollout_gib']:.2f} GiB, learner-recorded routes/probs/stats {h['learner_gib']:.2f}, "
             f"transient copies {h['transient_gib']:.2f})",
             f"  routes per token: rollout {per['rollout']} B, learner kept {per['learner_kept']} B, learner pass's "
-            f"int32 ids {per['learner_gather']} B, metrics' copies {per['metrics']} B"]
+            f"whole-batch arrays at its end {per['learner_gather']} B, metrics' copies {per['metrics']} B"]
 
 
 def render(result: PlanResult, cfg, *, config_name: str) -> str:

@@ -89,15 +89,17 @@ def test_eval_and_samples_leave_training_unchanged(tmp_path):
 
 
 def test_a_run_with_the_tokenizers_chat_template(tmp_path):
-    """task.chat_template=tokenizer on a tokenizer directory that has a template: the rollout's prompts are
-    the template's token ids (longer than the raw prompt by the template's tokens)."""
+    """task.chat_template=tokenizer on a tiny checkpoint whose tokenizer has a template: the rollout's
+    prompts are the template's token ids (longer than the raw prompt by the template's tokens)."""
+    from moe_gspo.tiny import make_tiny_checkpoint
     from moe_gspo.tokenizer import load_tiny_tokenizer
 
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt")
     tok = load_tiny_tokenizer()
     tok.chat_template = ("{% for m in messages %}{{ '<bos>' + m['role'][0] + ':' + m['content'] + '<eos>' }}{% endfor %}"
                          "{% if add_generation_prompt %}{{ 'a:' }}{% endif %}")
-    tok.save_pretrained(tmp_path / "tok")
-    common = [*SMALL, "train.steps=1", "logging.trace_every=1", f"model.tokenizer={tmp_path / 'tok'}"]
+    tok.save_pretrained(ckpt)  # the checkpoint's own tokenizer, now with a chat template
+    common = [*SMALL, "train.steps=1", "logging.trace_every=1", f"model.path={ckpt}"]
     assert train.main([*common, "--run-dir", str(tmp_path / "chat"), "task.chat_template=tokenizer"]) == 0
     assert train.main([*common, "--run-dir", str(tmp_path / "raw")]) == 0
     lens = {}

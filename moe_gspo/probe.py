@@ -259,17 +259,19 @@ def summary_text(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit codes as `moe_gspo.train` (0 done, 2 a user error printed once, 3 a rank failure)."""
-    from moe_gspo.mcore.parallel import destroy_distributed
-    from moe_gspo.run.activity import exit_with_launcher
-    from moe_gspo.run.errors import run_entry
-    from moe_gspo.run.setup import quiet_known_warnings
+    from moe_gspo.run.errors import run_entry  # the rest is imported inside it (a signal there is one line)
 
-    quiet_known_warnings()
-    exit_with_launcher()  # kill -9 of torchrun must not leave this worker writing
-    args = parse_args(argv)
+    out_path: list[str] = []
 
     def body() -> int:
+        from moe_gspo.run.activity import exit_with_launcher
+        from moe_gspo.run.setup import quiet_known_warnings
         from moe_gspo.run.sinks import _jsonable, atomic_write_text
+
+        quiet_known_warnings()
+        exit_with_launcher()  # kill -9 of torchrun must not leave this worker writing
+        args = parse_args(argv)
+        out_path.append(args.out)
 
         with warnings.catch_warnings():
             if int(os.environ.get("RANK", "0")) != 0:  # every rank loads the same config: warn once, on rank 0
@@ -284,10 +286,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {out}")
         return 0
 
+    def how_to_resume() -> str:
+        return f"nothing was written to {out_path[0]}; rerun the same command" if out_path else "rerun the same command"
+
     try:
-        return run_entry(body, how_to_resume=lambda: f"nothing was written to {args.out}; rerun the same command")
+        return run_entry(body, how_to_resume=how_to_resume)
     finally:
-        destroy_distributed()
+        parallel = sys.modules.get("moe_gspo.mcore.parallel")
+        if parallel is not None:
+            parallel.destroy_distributed()
 
 
 if __name__ == "__main__":

@@ -24,25 +24,9 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Iterator
 
-from moe_gspo.run.errors import RankFailure, _default_store
+from moe_gspo.run.errors import RankFailure, _default_store, comm_failure_kind
 
-# gloo ("Timed out waiting 300000ms for recv operation"), the TCPStore ("Socket Timeout", "wait timeout"),
-# NCCL's watchdog ("collective operation timeout").
-_TIMEOUT_TEXT = ("Timed out waiting", "Socket Timeout", "wait timeout", "collective operation timeout")
-_PEER_LOST_TEXT = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
 _KEY = "moe_gspo/activity/{}"
-
-
-def comm_failure_kind(exc: BaseException) -> str | None:
-    """"timeout", "peer_lost" or None for an exception raised by a collective."""
-    if not isinstance(exc, RuntimeError):
-        return None
-    text = str(exc)
-    if any(t in text for t in _PEER_LOST_TEXT):
-        return "peer_lost"
-    if any(t in text for t in _TIMEOUT_TEXT):
-        return "timeout"
-    return None
 
 
 class Activity:

@@ -88,12 +88,28 @@ def writing(path: str | os.PathLike, what: str) -> Iterator[None]:
         raise
 
 
+# gloo ("Timed out waiting 300000ms for recv operation"), the TCPStore ("Socket Timeout", "wait timeout"),
+# NCCL's watchdog ("collective operation timeout").
+_TIMEOUT_TEXT = ("Timed out waiting", "Socket Timeout", "wait timeout", "collective operation timeout")
+_PEER_LOST_TEXT = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
+
+
+def comm_failure_kind(exc: BaseException) -> str | None:
+    """"timeout", "peer_lost" or None for an exception raised by a collective."""
+    if not isinstance(exc, RuntimeError):
+        return None
+    text = str(exc)
+    if any(t in text for t in _PEER_LOST_TEXT):
+        return "peer_lost"
+    if any(t in text for t in _TIMEOUT_TEXT):
+        return "timeout"
+    return None
+
+
 def user_message(exc: BaseException) -> tuple[int, str] | None:
     """(exit code, one-line message) for a user error or a rank failure; None for a bug."""
     if isinstance(exc, RankFailure):
         return EXIT_RANK_FAILURE, str(exc)
-    from moe_gspo.run.activity import comm_failure_kind
-
     kind = comm_failure_kind(exc)
     if kind is not None:  # outside `Activity.watch()` (start-up, probe): no activity to name
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from moe_gspo.run.activity import Activity, comm_failure_kind
-from moe_gspo.run.errors import RankFailure, is_disk_full, run_entry, user_message
+from moe_gspo.run.activity import Activity
+from moe_gspo.run.errors import RankFailure, comm_failure_kind, is_disk_full, run_entry, user_message
 from moe_gspo.run.rundir import check_output_dir, check_output_file, plan_run_dir
 
 

@@ -226,7 +226,7 @@ def _parse_variants(raw: Any) -> dict[str, dict[str, Any]]:
 
 def load_spec(path: str | Path, out_dir: str | Path | None = None, overrides: list[str] = ()) -> AblationSpec:
     """Read and validate an ablation YAML; `overrides` (`section.key=value`) extend its `overrides`."""
-    from moe_gspo.config import load_yaml_file, parse_override
+    from moe_gspo.config_load import load_yaml_file, parse_override
 
     path = Path(path)
     if not path.is_file():
@@ -308,7 +308,7 @@ def arm_config_error(spec: AblationSpec, arm: Arm) -> str | None:
     """Why the arm's training config would not validate (None when it does), without running it."""
     import warnings
 
-    from moe_gspo.config import load_config
+    from moe_gspo.config_load import load_config
 
     overrides = [f"algo.name={arm.algo}", f"algo.routing_replay={arm.routing_replay}", *arm_overrides(spec, arm)]
     try:

@@ -92,7 +92,7 @@ def build_parser(*, add_help: bool = True):
 
 def probe_config(args: argparse.Namespace, *, need_model: bool = True):
     """The validated config of the probe's command line; raises ValueError naming the field."""
-    from moe_gspo.config import config_from_dict
+    from moe_gspo.config_load import config_from_dict
     from moe_gspo.run.cli import shortcut_overrides, take_config
 
     take_config(args, default=None)
@@ -118,7 +118,7 @@ def probe_config(args: argparse.Namespace, *, need_model: bool = True):
 
 def _probe_fields(path: str) -> dict:
     """The `PROBE_KEYS` fields of a run config file (the rest, e.g. the task, is not the probe's)."""
-    from moe_gspo.config import load_yaml_file
+    from moe_gspo.config_load import load_yaml_file
 
     if not Path(path).is_file():
         raise ValueError(f"--config {path!r} does not exist; give a run config such as configs/tiny_cpu.yaml")
@@ -130,7 +130,7 @@ def _probe_fields(path: str) -> dict:
 
 
 def _help(argv: list[str]) -> str:
-    from moe_gspo.config import config_from_dict
+    from moe_gspo.config_load import config_from_dict
     from moe_gspo.run.cli import config_fields_help, help_config
 
     def load():

@@ -4,8 +4,8 @@ import warnings
 import pytest
 import yaml
 
-from moe_gspo.config import (AlgoConfig, Config, TrainConfig, config_from_dict, field_docs, load_config,
-                             parse_override)
+from moe_gspo.config import AlgoConfig, Config, TrainConfig
+from moe_gspo.config_load import config_from_dict, field_docs, load_config, parse_override
 
 
 def test_defaults_validate_and_roundtrip_yaml(tmp_path):
@@ -228,7 +228,7 @@ def test_non_utf8_config_names_file_and_line(tmp_path):
 def test_default_and_shipped_configs_resolve_outside_the_checkout(tmp_path, monkeypatch):
     """Issue 32, defect 1: `configs/NAME` (the train default included) is found from any directory, and
     --help lists the default config's values, not the dataclass defaults."""
-    from moe_gspo.config import CONFIG_DIR, load_config
+    from moe_gspo.config_load import CONFIG_DIR, load_config
     from moe_gspo.run.cli import TRAIN_DEFAULT_CONFIG, _train_help
 
     monkeypatch.chdir(tmp_path)

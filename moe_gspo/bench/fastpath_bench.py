@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
-    from moe_gspo.config import load_config
+    from moe_gspo.config_load import load_config
 
     cfg = load_config(args.config)
     if cfg.model.path is not None:

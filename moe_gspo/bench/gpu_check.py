@@ -295,7 +295,7 @@ def _memory_and_mfu(out: Path, have_te: bool, peak: float | None) -> tuple[dict,
 
 def job_config(steps: int):
     """The main job's `Config` (see the module docstring, check 3)."""
-    from moe_gspo.config import config_from_dict
+    from moe_gspo.config_load import config_from_dict
 
     tiny = {k: v for k, v in MODEL.items() if k not in ("vocab_size", "pad_token_id", "eos_token_id", "bos_token_id")}
     tiny["max_position_embeddings"] = 256

@@ -62,7 +62,7 @@ def geometry_from_args(args) -> dict:
 
 
 def run_config(args, variant: str, cuda: bool):
-    from moe_gspo.config import config_from_dict
+    from moe_gspo.config_load import config_from_dict
 
     prompt_len = max(2, args.seq_len // 4)
     data = {

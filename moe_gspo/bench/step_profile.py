@@ -55,7 +55,7 @@ def _run_for_json_lines(cmd: list[str], path: Path) -> list[dict]:
 
 def run_trl_job(config: str, *, steps: int, out_dir: Path, overrides: list[str]) -> list[dict]:
     """The per-RL-step records of TRL's worker on `config` (RuntimeError with the log tail if it fails)."""
-    from moe_gspo.config import load_config
+    from moe_gspo.config_load import load_config
 
     seed = load_config(config, overrides).train.seed
     records = out_dir / "rl_steps.jsonl"

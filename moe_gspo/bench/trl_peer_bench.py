@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     trl_version = importlib.metadata.version("trl")
 
-    from moe_gspo.config import load_config
+    from moe_gspo.config_load import load_config
     from moe_gspo.run.setup import quiet_known_warnings
 
     quiet_known_warnings()

@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
 
-    from moe_gspo.config import load_config
+    from moe_gspo.config_load import load_config
     from moe_gspo.run.setup import quiet_known_warnings
 
     quiet_known_warnings()

@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moe_gspo.config import load_config
+    from moe_gspo.config_load import load_config
     from moe_gspo.plan import Allowances, make_plan
     from moe_gspo.plan.report import render
     from moe_gspo.run.cli import take_config

@@ -21,7 +21,8 @@ import json
 import math
 from pathlib import Path
 
-from moe_gspo.config import Config, config_from_dict
+from moe_gspo.config import Config
+from moe_gspo.config_load import config_from_dict
 from moe_gspo.plan.activations import MicroBatch
 from moe_gspo.plan.memory import (JSONL_PROMPT_TOKENS, SYNTHETIC_PROMPT_EXTRA, Allowances, LearnerSetup,
                                   PlanResult, RolloutSetup, count_plan)

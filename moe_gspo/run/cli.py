@@ -23,7 +23,8 @@ import typing
 import warnings
 from typing import Callable
 
-from moe_gspo.config import ALGOS, REPLAYS, Config, field_docs, load_config, parse_override
+from moe_gspo.config import ALGOS, REPLAYS, Config
+from moe_gspo.config_load import field_docs, load_config, parse_override
 
 OVERRIDES_HELP = "dotted config overrides, e.g. train.steps=20 rollout.dtype=float32"
 TRAIN_DEFAULT_CONFIG = "configs/tiny_cpu.yaml"

@@ -95,7 +95,7 @@ def test_without_trl_it_says_so_and_exits_0(monkeypatch, capsys):
 
 def test_trl_two_rl_steps(tmp_path):
     pytest.importorskip("trl")
-    from moe_gspo.config import load_config
+    from moe_gspo.config_load import load_config
 
     cfg = load_config(bench.ROOT / bench.DEFAULT_CONFIG, ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=4",
                                                           "train.num_minibatches=2"])

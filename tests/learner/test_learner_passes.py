@@ -11,7 +11,7 @@ import torch
 
 from _learner_common import make_batch, make_learner, tiny_pair
 from moe_gspo.config import AlgoConfig, Config
-from moe_gspo.config import load_config
+from moe_gspo.config_load import load_config
 from moe_gspo.run.learner_passes import ReferencePolicy, UpdateDriftProbe, fuse_old_pass
 
 pytestmark = pytest.mark.usefixtures("dist")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_gspo.config import load_config
+from moe_gspo.config_load import load_config
 from moe_gspo.learner.optim import OptimizerOptions, resolve_optimizer_options
 
 

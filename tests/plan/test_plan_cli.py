@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from moe_gspo.config import load_config
+from moe_gspo.config_load import load_config
 from moe_gspo.plan.__main__ import main
 from moe_gspo.plan.startup import startup_check
 

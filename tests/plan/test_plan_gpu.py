@@ -35,7 +35,7 @@ def test_plan_within_15_percent_of_measured_memory(tmp_path):
 def _learner(options: list[str], *, seed: int = 0):
     import warnings
 
-    from moe_gspo.config import config_from_dict
+    from moe_gspo.config_load import config_from_dict
     from moe_gspo.learner.learner import Learner
     from moe_gspo.mcore.model import build_gpt_model
     from moe_gspo.mcore.parallel import init_distributed

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 
-from moe_gspo.config import load_config
+from moe_gspo.config_load import load_config
 from moe_gspo.plan import make_plan
 from moe_gspo.plan.from_config import plan_for_config, resolve_hf_config, with_overrides
 from moe_gspo.plan.memory import GIB

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_gspo.config import config_from_dict
+from moe_gspo.config_load import config_from_dict
 from moe_gspo.rollout.base import SamplingParams
 from moe_gspo.rollout.fp8 import (FP8_E4M3_MAX, Fp8WeightQuantizer, fake_quantize_fp8, fp8_e4m3_quantize,
                                   is_fp8_quantized_name, rollout_precision)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_gspo.config import config_from_dict
+from moe_gspo.config_load import config_from_dict
 from moe_gspo.rollout import vllm_support
 from moe_gspo.rollout.base import SamplingParams
 from moe_gspo.rollout.vllm_outputs import (

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moe_gspo import train
-from moe_gspo.config import load_config
+from moe_gspo.config_load import load_config
 from moe_gspo.run.evaluation import eval_metrics, is_eval_step
 from moe_gspo.run.samples import token_flips
 

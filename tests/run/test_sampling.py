@@ -12,7 +12,7 @@ import torch
 
 from moe_gspo import train
 from moe_gspo.algos import group_advantages
-from moe_gspo.config import load_config
+from moe_gspo.config_load import load_config
 from moe_gspo.mcore.parallel import ParallelInfo
 from moe_gspo.rollout.base import RolloutSample
 from moe_gspo.run.sampling import collect_batch

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from moe_gspo.config import TaskConfig, load_config
+from moe_gspo.config import TaskConfig
+from moe_gspo.config_load import load_config
 from moe_gspo.tasks import JsonlTask, SyntheticTask, extract_answer, make_task, math_reward
 from moe_gspo.tasks.synthetic import SYNTHETIC_TASKS, positional_credit, sequence_credit
 

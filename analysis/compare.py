@@ -44,10 +44,10 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from analysis.arm_stats import arm_length_variance, layer_means
-from analysis.figures import (
-    FigureSpec, SkipFigure, layer_axis_label, layer_labels, logprob_trace_paths, positive_or_nan,
-    read_logprob_sets, render_figures,
+from analysis.figure_kit import (
+    FigureSpec, SkipFigure, layer_axis_label, layer_labels, positive_or_nan, render_figures,
 )
+from analysis.figures import logprob_trace_paths, read_logprob_sets
 from analysis.load import (
     FINAL_REWARD_LABEL, ReportInputError, RunData, RunDataWarning, finite_mean, headline_numbers, load_run, series,
 )

@@ -15,7 +15,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from analysis.figures import FigureSpec, SkipFigure, _fig, _legend_below
+from analysis.figure_kit import FigureSpec, SkipFigure, _fig, _legend_below
 from analysis.load import RunData, series
 
 EVAL_LINES = (("eval/reward_mean", "eval reward (mean)"), ("eval/accuracy", "eval accuracy"))

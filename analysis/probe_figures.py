@@ -8,9 +8,10 @@ import numpy as np
 import seaborn as sns
 from matplotlib.figure import Figure
 
-from analysis.figures import (
-    FigureSpec, SkipFigure, _fig, _legend_below, _load_heatmaps, _wrapped_title, layer_axis_label, layer_labels,
+from analysis.figure_kit import (
+    FigureSpec, SkipFigure, _fig, _legend_below, _wrapped_title, layer_axis_label, layer_labels,
 )
+from analysis.figures import _load_heatmaps
 from analysis.load import probe_value
 
 

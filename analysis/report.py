@@ -32,7 +32,8 @@ from pathlib import Path
 import yaml
 
 from analysis.eval_report import EVAL_FIGURES, last_eval_rows
-from analysis.figures import RUN_FIGURES, RenderedFigure, SkippedFigure, render_figures
+from analysis.figure_kit import RenderedFigure, SkippedFigure, render_figures
+from analysis.figures import RUN_FIGURES
 from analysis.probe_figures import PROBE_FIGURES
 from analysis.router_figures import ROUTER_FIGURES
 from analysis.samples import PER_STEP, pick_samples, read_samples, samples_html, samples_markdown

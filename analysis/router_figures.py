@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-from analysis.figures import FigureSpec, SkipFigure, _fig, _fraction_axis, _lines, _need
+from analysis.figure_kit import FigureSpec, SkipFigure, _fig, _fraction_axis, _lines, _need
 from analysis.load import RunData, load_run
 from moe_gspo.routing.drift import per_token_layer_diff
 from moe_gspo.routing.router_stats import flip_rate_by_margin_bin

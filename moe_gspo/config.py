@@ -58,7 +58,7 @@ class ModelConfig:
     CPU; a padded batched matmul elsewhere) instead of a loop over experts
     (`moe_gspo/mcore/batched_experts.py`; same parameters and maths). For small models on CPU, where the
     per-expert overhead dominates (tiny default config: `train_step` 0.84x, old-policy pass 0.92x,
-    `python -m moe_gspo.bench.fastpath_bench`); it copies the stacked expert weights every forward, so
+    `python -m benchmarks.fastpath_bench`); it copies the stacked expert weights every forward, so
     leave it off for real checkpoints."""
     sdpa_attention: bool = True
     """Learner core attention as one fused `torch.nn.functional.scaled_dot_product_attention` call instead of
@@ -383,7 +383,7 @@ class TrainConfig:
     maths up to kernel rounding (tests/learner), and the first mini-batch's ratios are exactly 1 as the
     on-policy maths says (the plain path computes its old log-probs in a larger batch, which may round
     differently). On the tiny default model on a 2-core CPU it saved ~3% of the learner's time per RL step
-    (`bench.fastpath_bench`); the default config leaves it off. Applies with train.micro_batch_size=0,
+    (`benchmarks.fastpath_bench`); the default config leaves it off. Applies with train.micro_batch_size=0,
     model.recompute=false and algo.routing_replay none or r2; under R3 (whose update replays the rollout
     routes, not the old pass's) or micro-batches the passes stay separate. The kept piece also keeps its
     token entropies' graph, so the entropy bonus (algo.entropy_coef) works with it."""
@@ -465,7 +465,7 @@ class LoggingConfig:
     """Measure update/* (old->new learner routing after the first optimizer step of the step) and
     update_all_minibatches/* (after all of them) every N steps (0 = never; 1 = every step). Each costs
     two no-grad learner passes over the step's batch (one when train.num_minibatches = 1): ~18% of a
-    tiny-model step measured every step (`python -m moe_gspo.bench.step_profile`). The routing traces
+    tiny-model step measured every step (`python -m benchmarks.step_profile`). The routing traces
     of kind `updated`, and the NaN/Inf check of the updated log-probs, run only on those steps."""
     router_margin_threshold: float = 0.01
     """Router-margin threshold, in router-logit units, of router/margin_small_frac_* and

@@ -69,7 +69,7 @@ def loop(cfg: Config, run_dir: Path, info, policy, task, evals, state, act, refe
     bar = tqdm(range(state.step, cfg.train.steps), initial=state.step, total=cfg.train.steps,
                disable=not (info.is_main and cfg.logging.progress), dynamic_ncols=True)
     t_start, wall_before = time.time(), state.wall_s
-    timer = PhaseTimer()  # perf/<phase>_s: where a step's time goes (moe_gspo.bench.step_profile)
+    timer = PhaseTimer()  # perf/<phase>_s: where a step's time goes (benchmarks.step_profile)
     for step in bar:
         act(f"evaluation, step {step}")  # eval.every: the policy after `step` updates (perf/eval_s, not in step time)
         eval_metrics = maybe_evaluate(cfg, policy, task, evals, info, sink, step, timer=timer)

@@ -1,7 +1,7 @@
 """Learning-rate schedule: linear warm-up, constant, then an optional decay over the last RL steps.
 
 The shape is warmup-stable-decay ("WSD", Hu et al. 2024, MiniCPM, arXiv 2404.06395; the same family as
-transformers' `get_wsd_schedule`, which `moe_gspo.bench.trl_peer_bench` hands to TRL for a fair
+transformers' `get_wsd_schedule`, which `benchmarks.trl_peer_bench` hands to TRL for a fair
 race): `lr_warmup_steps` RL steps rising linearly to `lr`, `lr` until `lr_decay_steps` before the end of
 `train.steps`, then towards `min_lr_ratio * lr` (linear or cosine). The rate is a pure function of the
 RL step, so a resumed run continues on the same curve without any saved scheduler state. Every

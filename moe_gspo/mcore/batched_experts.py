@@ -16,7 +16,7 @@ experts' weights are stacked and an MoE layer runs 2 GEMMs over all its local ex
   expert costs compute when the load is uneven.
 
 Same maths as the loop; the stacked weights are a copy per forward, so this is for small models (the
-tiny CPU configs, where the per-expert overhead dominates: `python -m moe_gspo.bench.fastpath_bench`)
+tiny CPU configs, where the per-expert overhead dominates: `python -m benchmarks.fastpath_bench`)
 — not for real checkpoints on GPUs, which use Transformer Engine's grouped GEMM. Falls back to the
 loop for what it does not cover (one local expert, expert biases, expert tensor parallelism, FP8/FP4,
 probabilities on the input).

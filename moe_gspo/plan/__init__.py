@@ -7,7 +7,7 @@ weight sync, HF export, sample gather), `host_routes` (the step's routes in host
 `memory` (learner / reference / rollout / weight-sync memory per phase), `from_config` (a run `Config` →
 a plan), `knobs` (what to change when it does not fit), `report` (the table), `startup` (the check
 `moe_gspo.train` runs on GPU before loading weights), `flops` (model FLOPs of the learner's passes and
-MFU, for `moe_gspo.bench.gpu_check`).
+MFU, for `benchmarks.gpu_check`).
 Counted, not measured on a GPU: see README "Memory plan".
 """
 

@@ -89,7 +89,7 @@ are the pre-fix figure, kept because the plan still notes it (`moe_gspo.plan.mem
 through the next step's rollout and learner passes, and its rollout routes through the next rollout.
 
 Measured against this count (synthetic arrays, the real code where it is host-only, a replica of the
-learner's host side): `python -m moe_gspo.bench.routes_memory_bench` (docs/gpu.md, "Memory plan").
+learner's host side): `python -m benchmarks.routes_memory_bench` (docs/gpu.md, "Memory plan").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Wall time per phase of one RL step, logged as `perf/<phase>_s` (see docs/metrics.md).
 
-`moe_gspo.bench.step_profile` reads these columns to print where a step's time goes. On CUDA a phase
+`benchmarks.step_profile` reads these columns to print where a step's time goes. On CUDA a phase
 ends with `torch.cuda.synchronize()`, so that asynchronous kernels are charged to the phase that
 launched them (a few synchronisations per step; no effect on CPU).
 """

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_gspo.bench.trl_worker import trl_lr_schedule
+from benchmarks.trl_worker import trl_lr_schedule
 from moe_gspo.config import TrainConfig
 from moe_gspo.config_load import load_config
 from moe_gspo.learner.lr_schedule import lr_at

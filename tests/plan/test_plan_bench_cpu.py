@@ -1,6 +1,6 @@
 """The GPU memory benchmark's code path runs on CPU (tiny model, nothing measured)."""
 
-from moe_gspo.bench.memory_bench import main
+from benchmarks.memory_bench import main
 
 
 def test_memory_bench_code_path_on_cpu(capsys):

@@ -1,7 +1,7 @@
 """GPU checks of the plan and of the learner's Megatron memory options (skipped without CUDA).
 
 Run on a GPU machine: `python -m pytest -q -m gpu tests/plan/test_plan_gpu.py` (one GPU, ~10 min).
-Not run in development (no GPU was lent): `python -m moe_gspo.bench.gpu_check` covers the same ground.
+Not run in development (no GPU was lent): `python -m benchmarks.gpu_check` covers the same ground.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def test_plan_within_15_percent_of_measured_memory(tmp_path):
     with and without CPU offload): planned vs `max_memory_allocated` for the learner phases."""
     import json
 
-    from moe_gspo.bench.memory_bench import main
+    from benchmarks.memory_bench import main
 
     out = tmp_path / "mem.json"
     rc = main(["--variants", "dist,dist_offload", "--hidden", "1024", "--layers", "8", "--experts", "16",

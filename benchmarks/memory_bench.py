@@ -1,6 +1,6 @@
 """Benchmark: measured GPU memory per phase of an RL step versus the memory plan (`moe_gspo.plan`).
 
-`python -m moe_gspo.bench.memory_bench [--variants dist,dist_offload] [--tolerance 0.15] [--json OUT]`
+`python -m benchmarks.memory_bench [--variants dist,dist_offload] [--tolerance 0.15] [--json OUT]`
 builds a random Qwen3-MoE of ~2 B parameters (default geometry below) on the one GPU of this process
 (world size 1, EP=1, bf16, alltoall dispatcher, full recompute), a Megatron learner with the variant's
 optimizer options and the transformers rollout engine, then runs `--steps` RL steps on a synthetic batch
@@ -14,7 +14,7 @@ and fragmentation allowances, which `max_memory_allocated` does not see; `compar
 measurement, and exits 1 when a checked phase (`CHECKED`) differs by more than `--tolerance`. `rollout`
 is reported only: the transformers engine's generate keeps allocator-dependent caches the plan does not
 model. The JSON (`--json`) also holds each phase's seconds per step (`seconds`, one entry per step)
-and the batch shape, from which `moe_gspo.bench.gpu_check` computes the learner's MFU.
+and the batch shape, from which `benchmarks.gpu_check` computes the learner's MFU.
 
 Variants: `dist` (distributed optimizer), `dist_offload` (+ precision-aware optimizer, CPU offload of
 the whole shard, overlapped D2H/H2D), `dist_offload_all` (+ `train.offload_during_rollout=all`),

@@ -1,6 +1,6 @@
 """Benchmark: overhead of router recording and of R2 routing replay in the Megatron learner.
 
-`python -m moe_gspo.bench.learner_bench [--seqs 16] [--repeats 5]` builds the tiny Qwen3-MoE in a
+`python -m benchmarks.learner_bench [--seqs 16] [--repeats 5]` builds the tiny Qwen3-MoE in a
 single-process learner (EP=1) and times, as medians over `--repeats` runs after a warm-up:
 - the old-policy pass `compute_logprobs` without and with `record_routes` (router forward hooks);
 - `train_step` without replay (model built without routing replay) and with R2 replay.

@@ -1,4 +1,4 @@
-"""`python -m moe_gspo.bench.gpu_check --out DIR`: does moe-gspo work on this GPU machine? (~6-8 min, one GPU)
+"""`python -m benchmarks.gpu_check --out DIR`: does moe-gspo work on this GPU machine? (~6-8 min, one GPU)
 
 Writes `DIR/gpu_check.json` and `DIR/gpu_check.md` (the summary), with the logs of every run beside
 them, and exits 0 when every check passed, 1 when one failed, 2 without CUDA (one line, at once).
@@ -13,7 +13,7 @@ The checks, in order (each one's failure is recorded and the others still run):
    token log-probs of a random batch and the gradients of their mean. Passes when the learner's bf16
    error is within twice transformers' own bf16 error (plus a small absolute slack): "as close to the
    fp32 truth as transformers itself".
-2. **memory** and **mfu**: `moe_gspo.bench.memory_bench` on the same model (16 sequences of 1024
+2. **memory** and **mfu**: `benchmarks.memory_bench` on the same model (16 sequences of 1024
    tokens, EP=1, distributed optimizer, full recompute; the precision-aware CPU-offload variant too when
    Transformer Engine imports): planned (`moe_gspo.plan`) vs `torch.cuda.max_memory_allocated` per
    phase, within the bench's 15% on its checked phases; and the learner's model FLOPs utilization of
@@ -259,17 +259,17 @@ def _parity_on_cuda() -> dict:
 
 
 def _env(extra: dict | None = None) -> dict:
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
     return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
                 **(extra or {}))
 
 
 def _memory_and_mfu(out: Path, have_te: bool, peak: float | None) -> tuple[dict, dict]:
-    from moe_gspo.bench.memory_bench import CHECKED
+    from benchmarks.memory_bench import CHECKED
 
     m = MODEL
     variants = "dist,dist_offload" if have_te else "dist"
-    cmd = [sys.executable, "-m", "moe_gspo.bench.memory_bench", "--variants", variants, "--hidden",
+    cmd = [sys.executable, "-m", "benchmarks.memory_bench", "--variants", variants, "--hidden",
            str(m["hidden_size"]), "--layers", str(m["num_hidden_layers"]), "--heads", str(m["num_attention_heads"]),
            "--kv-heads", str(m["num_key_value_heads"]), "--experts", str(m["num_experts"]), "--top-k",
            str(m["num_experts_per_tok"]), "--moe-intermediate", str(m["moe_intermediate_size"]), "--vocab",
@@ -314,7 +314,7 @@ def job_config(steps: int):
 
 def _launch(config: Path, run_dir: Path, log: Path, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "moe_gspo.launch", "--standalone", "--nproc-per-node", "1",
-           "-m", "moe_gspo.bench.gpu_check", "job", "--config", str(config), "--run-dir", str(run_dir), *extra]
+           "-m", "benchmarks.gpu_check", "job", "--config", str(config), "--run-dir", str(run_dir), *extra]
     env = _env({JOB_ENV: str(run_dir), "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
     with open(log, "a") as f:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["job"]:
         return _job(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m moe_gspo.bench.gpu_check", description=__doc__.split("\n\n")[1])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.split("\n\n")[1])
     p.add_argument("--out", required=True, help="directory for gpu_check.json, gpu_check.md and the run logs")
     p.add_argument("--steps", type=int, default=30, help="RL steps of the main job (default 30; at least 20)")
     p.add_argument("--peak-tflops", type=float, default=None,
@@ -479,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("error: moe_gspo.bench.gpu_check needs CUDA (torch.cuda.is_available() is False here); run it on "
+        print("error: benchmarks.gpu_check needs CUDA (torch.cuda.is_available() is False here); run it on "
               "the GPU machine", file=sys.stderr)
         return 2
     if args.steps < 20:
@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
               "resumed)", file=sys.stderr)
         return 2
     out = Path(args.out)
-    result = _run(out, args.steps, args.peak_tflops, "python -m moe_gspo.bench.gpu_check " + " ".join(argv))
+    result = _run(out, args.steps, args.peak_tflops, "python -m benchmarks.gpu_check " + " ".join(argv))
     jpath, mpath = write_summary(result, out)
     print(f"[gpu_check] {result['status'].upper()} in {result['wall_s']:.0f} s: {mpath} (details: {jpath})", flush=True)
     return 0 if result["status"] == "pass" else 1

@@ -1,8 +1,8 @@
 """Benchmark of the vLLM rollout engine next to the Megatron learner: rollout speed, route-capture
 overhead, weight-sync time and memory, and vLLM-bf16 vs learner routing drift.
 
-    python -m moe_gspo.bench.vllm_bench                                   # one process, EP=1
-    python -m torch.distributed.run --standalone --nproc-per-node 2 -m moe_gspo.bench.vllm_bench  # EP=2
+    python -m benchmarks.vllm_bench                                   # one process, EP=1
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.vllm_bench  # EP=2
 
 What it measures (tiny random Qwen3-MoE unless `--geometry small`; every rank runs its own engine,
 rank 0 prints the slowest rank's figures):
@@ -34,7 +34,7 @@ import time
 import numpy as np
 import torch
 
-from moe_gspo.bench.rollout_bench import time_interleaved
+from benchmarks.rollout_bench import time_interleaved
 from moe_gspo.rollout.base import SamplingParams
 
 GIB = 2**30

@@ -1,12 +1,12 @@
-"""TRL's side of `moe_gspo.bench.trl_peer_bench` in a process of its own.
+"""TRL's side of `benchmarks.trl_peer_bench` in a process of its own.
 
-`python -m moe_gspo.bench.trl_worker --config C --seed S --max-steps N --out DIR --records FILE
+`python -m benchmarks.trl_worker --config C --seed S --max-steps N --out DIR --records FILE
 [--router-aux-loss] [section.key=value ...]` runs `run_trl` (TRL's `GRPOTrainer` in GSPO mode on the
-config's tiny model and task, with the settings `moe_gspo.bench.trl_peer_bench` describes) for N RL steps and appends one JSON line per RL step to FILE:
+config's tiny model and task, with the settings `benchmarks.trl_peer_bench` describes) for N RL steps and appends one JSON line per RL step to FILE:
 `reward`, `entropy`, `frac_zero_std`, `t_s` (seconds since the training loop began) and `phases` (seconds of
-the RL step in each of TRL's phases, `TRL_PHASES`; `moe_gspo.bench.step_profile --trl` prints them). The peer
+the RL step in each of TRL's phases, `TRL_PHASES`; `benchmarks.step_profile --trl` prints them). The peer
 benchmark reads these lines to run TRL and `moe_gspo.train` in turns of a few RL steps each
-(`moe_gspo.bench.interleave`) and stops this process when TRL reaches the target. Not a user entry point.
+(`benchmarks.interleave`) and stops this process when TRL reaches the target. Not a user entry point.
 """
 
 from __future__ import annotations
@@ -21,20 +21,10 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
-from moe_gspo.bench.trl_peer_bench import Curve, comparison_problem, first_crossing
+from benchmarks.race_common import TRL_PHASES, Curve, comparison_problem, first_crossing
 
 
 # ---------------------------------------------------------------------------------------------- TRL
-TRL_PHASES = ("generate", "old_logp", "score", "update")
-"""Where TRL's RL step goes, timed by `TrlPhaseTimer` (wall seconds, no profiler):
-generate = `GRPOTrainer._generate` (sampling with `model.generate`, decoding);
-old_logp = the no-grad `_get_per_token_logps_and_entropies` passes of `_generate_and_score_completions` (pi_old);
-score = the rest of `_generate_and_score_completions` (rewards, advantages, batching);
-update = `training_step` without the generation (per optimizer step: the loss forward and its backward).
-The rest of an RL step (gradient clipping, `optimizer.step`, the scheduler, callbacks, logging) is what the
-Trainer's loop does outside `training_step`."""
-
-
 class TrlPhaseTimer:
     """Wraps a `GRPOTrainer` instance's methods (instance attributes: the class is not touched) to add up
     the wall time of each of `TRL_PHASES`; `take()` returns and clears them."""
@@ -89,7 +79,7 @@ def trl_lr_schedule(tr, max_steps: int) -> dict:
 def run_trl(cfg, *, max_steps: int, target: float, window: int, out_dir: Path, stop_at_target: bool = True,
             router_aux_loss: bool = False, on_rl_step: Callable[[Curve], None] | None = None) -> Curve:
     """TRL GRPOTrainer (GSPO mode) on the config's tiny model and task, in this process; `on_rl_step(curve)`
-    after each RL step's point is added (`moe_gspo.bench.trl_worker` reports it from there)."""
+    after each RL step's point is added (`benchmarks.trl_worker` reports it from there)."""
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback

@@ -1,4 +1,4 @@
-"""`python -m moe_gspo.bench.routes_memory_bench` at a toy size: it runs, its held bytes are the plan's, and the
+"""`python -m benchmarks.routes_memory_bench` at a toy size: it runs, its held bytes are the plan's, and the
 learner's recording peaks at the plan's count (uint8 ids on the device, per-sequence copies)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from moe_gspo.bench.routes_memory_bench import main
+from benchmarks.routes_memory_bench import main
 
 
 def test_routes_memory_bench_small(tmp_path, capsys):

@@ -1,6 +1,6 @@
 """Per-step cost profile of the main job: where an RL step's wall time goes.
 
-`python -m moe_gspo.bench.step_profile [--config CONFIG ...] [--steps 40] [--skip 5] [--nproc 2] [--trl] [overrides]`
+`python -m benchmarks.step_profile [--config CONFIG ...] [--steps 40] [--skip 5] [--nproc 2] [--trl] [overrides]`
 
 Runs `torchrun --standalone --nproc-per-node N -m moe_gspo.train` on each config (default: the
 default `configs/tiny_cpu.yaml` and the 2-token `configs/tiny_cpu_copy_first.yaml` of the TRL peer
@@ -12,8 +12,8 @@ untimed" is the step time not inside any phase (bookkeeping, the progress bar, t
 Timings on a shared machine are contended: compare figures taken back to back on a quiet box.
 
 `--trl` also runs TRL's `GRPOTrainer` on each config as the TRL peer benchmark sets it up
-(`moe_gspo.bench.trl_worker`, one process) for the same steps and prints its split the same way: its
-phases (`trl_worker.TRL_PHASES`: generate, old_logp, score, update) are wall times of its own methods,
+(`benchmarks.trl_worker`, one process) for the same steps and prints its split the same way: its
+phases (`race_common.TRL_PHASES`: generate, old_logp, score, update) are wall times of its own methods,
 not a profiler's (cProfile inflates Python-heavy code), and "trainer loop, untimed" is the rest of its
 RL step (gradient clipping, optimizer steps, scheduler, callbacks).
 """
@@ -23,31 +23,28 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.race_common import (ROOT, TRL_PHASES, Curve, phase_split, subprocess_env, train_cmd,
+                                    trl_worker_cmd)
 from moe_gspo.run.timing import PHASES
 
-ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIGS = ("configs/tiny_cpu.yaml", "configs/tiny_cpu_copy_first.yaml")
 
 
 def run_job(config: str, *, steps: int, nproc: int, run_dir: Path, overrides: list[str]) -> list[dict]:
     """The metrics rows of a fresh `moe_gspo.train` run (RuntimeError with the log tail if it fails)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "moe_gspo.train", "--config", config, "--run-dir", str(run_dir), f"train.steps={steps}",
-           "logging.wandb_mode=disabled", "logging.progress=false", "train.export_hf=false", *overrides]
+    cmd = train_cmd(config, nproc=nproc, run_dir=run_dir, steps=steps, overrides=overrides)
     return _run_for_json_lines(cmd, run_dir / "metrics.jsonl")
 
 
 def _run_for_json_lines(cmd: list[str], path: Path) -> list[dict]:
     """Run `cmd` from the repository root; the JSON lines it wrote to `path` (RuntimeError with the log tail
     if it fails)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -59,16 +56,13 @@ def run_trl_job(config: str, *, steps: int, out_dir: Path, overrides: list[str])
 
     seed = load_config(config, overrides).train.seed
     records = out_dir / "rl_steps.jsonl"
-    cmd = [sys.executable, "-m", "moe_gspo.bench.trl_worker", "--config", config, "--seed", str(seed),
-           "--max-steps", str(steps), "--out", str(out_dir), "--records", str(records), *overrides]
+    cmd = trl_worker_cmd(config, seed=seed, max_steps=steps, out_dir=out_dir, records=records, overrides=overrides)
     return _run_for_json_lines(cmd, records)
 
 
 def trl_profile(records: list[dict], *, skip: int) -> dict:
     """Mean seconds per RL step of each of TRL's phases over `records[skip:]`; an RL step's wall time is
     the difference of consecutive `t_s` (so at least one step is skipped)."""
-    from moe_gspo.bench.trl_peer_bench import Curve, phase_split
-
     skip = max(skip, 1)
     if len(records) <= skip:
         raise ValueError(f"no TRL steps left after --skip {skip}; raise --steps")
@@ -81,8 +75,6 @@ def trl_profile(records: list[dict], *, skip: int) -> dict:
 
 
 def format_trl_profile(name: str, prof: dict) -> str:
-    from moe_gspo.bench.trl_worker import TRL_PHASES
-
     return _table(f"{name}, TRL GRPOTrainer", prof, (*TRL_PHASES, "trainer loop, untimed"))
 
 

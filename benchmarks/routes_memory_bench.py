@@ -1,6 +1,6 @@
 """Benchmark: host memory of a step's routes at Qwen3-30B-A3B geometry, measured on synthetic arrays.
 
-`python -m moe_gspo.bench.routes_memory_bench [--seqs 32] [--seq-len 8192] [--target-seqs 512]
+`python -m benchmarks.routes_memory_bench [--seqs 32] [--seq-len 8192] [--target-seqs 512]
 [--target-seq-len 32768] [--json OUT]` builds `--seqs` synthetic samples of `--seq-len` tokens (48 MoE
 layers, 128 experts, top-8: uint8 ids as vLLM returns them; prompt = 1/8 of the tokens) and runs, one stage
 at a time, the host-side code of an RL step that touches the routes, measuring each stage's peak RSS above
@@ -394,7 +394,7 @@ def report(res: dict, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moe_gspo.bench.routes_memory_bench",
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.routes_memory_bench",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--seqs", type=int, default=32, help="sequences measured (default 32)")
     ap.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence measured (default 8192)")

@@ -1,6 +1,6 @@
 """Two training jobs run in alternation, a few RL steps at a time, each charged only the wall time it ran.
 
-Timings on a shared machine drift by tens of percent within minutes (`moe_gspo.bench.fastpath_bench`,
+Timings on a shared machine drift by tens of percent within minutes (`benchmarks.fastpath_bench`,
 docs/results.md), more than the per-step difference a peer comparison looks for, and two jobs run back to back
 meet different machine states. `alternate` removes that drift from the comparison: each job is a
 process tree (its launcher and workers) that is stopped (`SIGSTOP`) except during its turn; a turn

@@ -1,8 +1,8 @@
 """Benchmark: the step's CPU fast paths against what they replace, interleaved in one process.
 
-`python -m moe_gspo.bench.fastpath_bench [--config configs/tiny_cpu.yaml] [--repeats 12] [--threads N]`
+`python -m benchmarks.fastpath_bench [--config configs/tiny_cpu.yaml] [--repeats 12] [--threads N]`
 
-Whole-job timings on a shared 2-core machine drift by ±30% within minutes (`bench.step_profile` runs
+Whole-job timings on a shared 2-core machine drift by ±30% within minutes (`benchmarks.step_profile` runs
 taken back to back disagree by more than these paths change), so each comparison here alternates its
 variants call by call in one process on the config's model, batch shape and sampling, and prints the
 median of each (after one warm-up call each) and their ratio:

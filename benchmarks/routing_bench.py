@@ -1,6 +1,6 @@
 """Benchmark of the routing-trace format and the drift metrics (not a test).
 
-``python -m moe_gspo.bench.routing_bench [--tokens 20000] [--repeats 3]`` prints:
+``python -m benchmarks.routing_bench [--tokens 20000] [--repeats 3]`` prints:
 - bytes per token of a trace (ids, probs, total) for the tiny CPU geometry (2 MoE layers x top-2,
   8 experts) and the Qwen3-30B-A3B geometry (48 MoE layers x top-8, 128 experts), with and without
   router probabilities, plus the measured `.npz` file size per token;

@@ -5,7 +5,7 @@ import importlib.util
 
 import pytest
 
-from moe_gspo.bench import trl_peer_bench as bench
+from benchmarks import trl_peer_bench as bench
 
 
 def test_first_crossing_needs_a_full_window():
@@ -99,7 +99,7 @@ def test_trl_two_rl_steps(tmp_path):
 
     cfg = load_config(bench.ROOT / bench.DEFAULT_CONFIG, ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=4",
                                                           "train.num_minibatches=2"])
-    from moe_gspo.bench.trl_worker import run_trl
+    from benchmarks.trl_worker import run_trl
 
     curve = run_trl(cfg, max_steps=2, target=2.0, window=1, out_dir=tmp_path)
     assert len(curve.rewards) == 2  # one reward per RL step (generation), not per optimizer step
@@ -110,7 +110,7 @@ def test_trl_two_rl_steps(tmp_path):
     assert all(0.0 < e < 4.0 for e in curve.entropy) and all(0.0 <= z <= 1.0 for z in curve.frac_zero_std)
     # where each RL step's time went (step_profile --trl): TRL computes pi_old in a pass of its own here
     # (steps_per_generation 2 > gradient_accumulation_steps 1); nested phases are not counted twice
-    from moe_gspo.bench.trl_worker import TRL_PHASES
+    from benchmarks.trl_worker import TRL_PHASES
 
     assert len(curve.phases) == 2 and all(set(p) == set(TRL_PHASES) for p in curve.phases)
     assert all(p["generate"] > 0 and p["old_logp"] > 0 and p["update"] > 0 and p["score"] > 0 for p in curve.phases)
@@ -121,7 +121,7 @@ def test_both_sides_run_in_turn_end_to_end(tmp_path, capsys):
     """The bench as a user runs it, tiny: TRL's worker and `torchrun -m moe_gspo.train` take turns (of the
     default 5 RL steps), and each side's curve has its steps with increasing charged times."""
     pytest.importorskip("trl")
-    from moe_gspo.bench import interleave
+    from benchmarks import interleave
 
     if not interleave.supported():
         pytest.skip("needs Linux /proc process trees")

@@ -1,4 +1,4 @@
-"""`python -m moe_gspo.bench.gpu_check` on the CPU box: it refuses at once, and its non-CUDA pieces (MFU and
+"""`python -m benchmarks.gpu_check` on the CPU box: it refuses at once, and its non-CUDA pieces (MFU and
 FLOP arithmetic, the plan-vs-measured rows, the verdicts, the summary files, the parity check on the tiny
 model, the job's config) work. The GPU run itself needs a GPU (docs/gpu.md, "Validating a GPU machine")."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_gspo.bench import gpu_check as gc
+from benchmarks import gpu_check as gc
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,7 +69,7 @@ def test_memory_rows_flag_checked_phases_only():
 
 
 def test_memory_bench_rows_compare_the_counted_parts():
-    from moe_gspo.bench.memory_bench import compare_phases
+    from benchmarks.memory_bench import compare_phases
 
     planned = {"update": {"learner_params": 1.0, "activations": 0.5, "fragmentation": 0.2, "cuda_runtime": 2.0},
                "optimizer_step": {"learner_params": 1.0, "step_transient": 0.8, "cuda_runtime": 2.0},
@@ -101,7 +101,7 @@ def test_learning_verdict_threshold():
 
 
 def test_summary_files(tmp_path):
-    result = {"status": "fail", "command": "python -m moe_gspo.bench.gpu_check --out x", "wall_s": 412.0,
+    result = {"status": "fail", "command": "python -m benchmarks.gpu_check --out x", "wall_s": 412.0,
               "environment": {"device": "NVIDIA H100 80GB HBM3", "gpu_mem_gib": 79.2,
                               "versions": {"torch": "2.11.0", "megatron-core": "0.16.1"}},
               "checks": {"parity": {"status": "pass", "headline": "log-prob error 1e-2"},
@@ -167,7 +167,7 @@ def test_the_gpu_check_path_needs_no_optional_package(tmp_path):
     """The GPU machine of issue 20 has torch and transformers, megatron-core without its extras, and no
     Transformer Engine, vLLM or wandb: the check's modules import and the train path runs without them."""
     code = BLOCKER + f"""
-import moe_gspo.bench.gpu_check, moe_gspo.bench.memory_bench, moe_gspo.launch, moe_gspo.plan.__main__
+import benchmarks.gpu_check, benchmarks.memory_bench, moe_gspo.launch, moe_gspo.plan.__main__
 from moe_gspo import train
 rc = train.main(['--run-dir', {str(tmp_path / 'run')!r}, 'train.steps=1', 'rollout.prompts_per_step=2',
                  'rollout.samples_per_prompt=2', 'logging.wandb_mode=disabled', 'logging.progress=false'])
@@ -196,7 +196,7 @@ def test_one_failing_check_does_not_hide_the_others(tmp_path, monkeypatch):
     monkeypatch.setattr(gc, "_memory_and_mfu", memory_crashes)
     monkeypatch.setattr(gc, "_learning", lambda out, steps: {"status": "pass", "headline": f"{steps} steps"})
     monkeypatch.setattr(gc, "_resume", lambda out: {"status": "inconclusive", "headline": "not reproducible"})
-    result = gc._run(tmp_path, 30, None, "python -m moe_gspo.bench.gpu_check --out x")
+    result = gc._run(tmp_path, 30, None, "python -m benchmarks.gpu_check --out x")
     assert list(result["checks"]) == ["parity", "memory", "learning", "resume"]
     assert result["checks"]["memory"] == {"status": "fail", "error": "CheckFailed: memory_bench exited 1 without results"}
     assert result["status"] == "fail" and result["checks"]["learning"]["headline"] == "30 steps"

@@ -1,6 +1,6 @@
 import pytest
 
-from moe_gspo.bench.step_profile import format_profile, format_trl_profile, profile, trl_profile
+from benchmarks.step_profile import format_profile, format_trl_profile, profile, trl_profile
 
 
 def _row(step_time, **phases):

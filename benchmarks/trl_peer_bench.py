@@ -1,6 +1,6 @@
 """Peer benchmark: TRL's `GRPOTrainer` in GSPO mode vs this project's main job, on the same work.
 
-`python -m moe_gspo.bench.trl_peer_bench [--config configs/tiny_cpu.yaml] [--seeds 0 1 2 3 4] [--target 0.8]
+`python -m benchmarks.trl_peer_bench [--config configs/tiny_cpu.yaml] [--seeds 0 1 2 3 4] [--target 0.8]
 [--full] [section.key=value ...]`
 
 Runs when TRL is installed (it is in the `dev` extra, as the tests compare against it; the library never
@@ -9,7 +9,7 @@ imports it): without it the script says so and exits 0. Both sides start from th
 (`moe_gspo.tasks`, in order) and are scored by the same reward function; for each seed (`train.seed`:
 prompts, sampling, TRL's seed), both sides:
 
-1. **TRL** (one process, CPU, fp32; `moe_gspo.bench.trl_worker.run_trl`, in a subprocess):
+1. **TRL** (one process, CPU, fp32; `benchmarks.trl_worker.run_trl`, in a subprocess):
    `GRPOTrainer` with `importance_sampling_level="sequence"` for
    gspo ("token" for grpo) and `loss_type="grpo"` (per-sequence token mean, TRL's documented GSPO
    recipe; `bnpo` for algo.loss_agg_mode=token-mean), `beta=0`, `num_iterations=1`,
@@ -30,7 +30,7 @@ prompts, sampling, TRL's seed), both sides:
 
 Timing: by default the two sides of a seed run together, **taking turns of `--steps-per-turn` RL steps**
 (default 5, a few seconds) — the side whose turn it is runs while the other is stopped (`SIGSTOP`), and
-each is charged only the wall time of its own turns (`moe_gspo.bench.interleave`). This machine's speed
+each is charged only the wall time of its own turns (`benchmarks.interleave`). This machine's speed
 drifts by tens of percent within minutes, more than the per-step difference being measured; turns of a
 few seconds put both sides under the same drift. Each side's first RL step (start-up) runs alone and is
 charged as the side itself timed it.
@@ -58,61 +58,21 @@ import importlib.metadata
 import importlib.util
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from moe_gspo.bench.interleave import Job, JsonLinesTail, alternate, supported
+from benchmarks.interleave import Job, JsonLinesTail, alternate, supported
+from benchmarks.race_common import (ROOT, Curve, comparison_problem, first_crossing, phase_split, subprocess_env,
+                                    train_cmd, trl_worker_cmd)
 from moe_gspo.run.timing import PHASES
 
-ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = "configs/tiny_cpu.yaml"
 STEPS_PER_TURN = 5
 """RL steps of a side per turn when the sides take turns (see the module docstring)."""
-
-
-@dataclass(kw_only=True)
-class Curve:
-    """Reward per RL step with the wall time (s since the loop started) at which each step ended."""
-
-    name: str
-    rewards: list[float] = field(default_factory=list)
-    times_s: list[float] = field(default_factory=list)
-    entropy: list[float] = field(default_factory=list)
-    """Mean token entropy of the policy over the RL step's response tokens (ours: `actor/entropy`, the
-    old-policy pass; TRL: its `entropy`, averaged over the RL step's optimizer steps)."""
-    frac_zero_std: list[float] = field(default_factory=list)
-    """Share of prompt groups whose rewards are all equal (ours: `reward/frac_zero_std`; TRL:
-    `frac_reward_zero_std`)."""
-    phases: list[dict] = field(default_factory=list)
-    """Seconds of each RL step in each phase the side times itself (ours: `perf/<phase>_s`,
-    `moe_gspo.run.timing.PHASES`; TRL: `trl_worker.TRL_PHASES`); wall times, so a step during which the
-    side was stopped carries the stop (`phase_split` leaves those steps out)."""
-    setup_s: float = 0.0
-    """Wall time before the training loop (process start, model build, engine setup)."""
-    note: str = ""
-
-    def add(self, reward: float, t_s: float, *, entropy: float = math.nan, frac_zero_std: float = math.nan) -> None:
-        self.rewards.append(float(reward))
-        self.times_s.append(float(t_s))
-        self.entropy.append(float(entropy))
-        self.frac_zero_std.append(float(frac_zero_std))
-
-
-def first_crossing(rewards: list[float], target: float, window: int) -> int | None:
-    """Index of the first RL step whose trailing `window`-step mean reward is >= target (full window)."""
-    total = 0.0
-    for i, r in enumerate(rewards):
-        total += r
-        if i >= window:
-            total -= rewards[i - window]
-        if i >= window - 1 and total / window >= target - 1e-12:
-            return i
-    return None
 
 
 def tail_mean(values: list[float], n: int) -> float:
@@ -130,38 +90,6 @@ def summarize(curve: Curve, target: float, window: int, *, last: int = 40) -> di
             "s_per_step": t / n if n else float("nan"), "setup_s": curve.setup_s, "note": curve.note,
             f"reward_last{last}": tail_mean(curve.rewards, last), f"entropy_last{last}": tail_mean(curve.entropy, last),
             f"frac_zero_std_last{last}": tail_mean(curve.frac_zero_std, last)}
-
-
-def phase_split(curve: Curve, *, steps_per_turn: int | None, skip: int = 1) -> dict[str, float]:
-    """Mean seconds per RL step of each of the side's phases, and `rest` (charged time not in a phase),
-    over its RL steps from `skip` on (at least 1: a step's time is the difference of consecutive times) in
-    which it was not stopped: in turns of `steps_per_turn` (None: the side ran alone) the stop after a turn
-    lands in the next turn's first step (RL steps 1, 1 + k, ...). Empty when no step qualifies."""
-    steps = [i for i in range(max(skip, 1), len(curve.phases))
-             if steps_per_turn is None or (i - 1) % steps_per_turn != 0]
-    if not steps:
-        return {}
-    names = list(dict.fromkeys(p for i in steps for p in curve.phases[i]))  # in the order the side logs them
-    out = {p: sum(curve.phases[i].get(p, 0.0) for i in steps) / len(steps) for p in names}
-    charged = sum(curve.times_s[i] - curve.times_s[i - 1] for i in steps) / len(steps)
-    out["rest"] = charged - sum(out.values())
-    return out
-
-
-def comparison_problem(cfg) -> str | None:
-    """What in `cfg` the two sides cannot both run (the message names the field and the fix), or None."""
-    if cfg.model.path is not None:
-        return f"model.path={cfg.model.path}: the comparison runs on the tiny random model (model.path=null)"
-    if cfg.train.micro_batch_size:
-        return (f"train.micro_batch_size={cfg.train.micro_batch_size}: the comparison takes a whole mini-batch "
-                "per pass, as TRL does here; set train.micro_batch_size=0")
-    if cfg.algo.routing_replay != "none" or cfg.algo.name not in ("gspo", "grpo"):
-        return (f"algo.name={cfg.algo.name}, algo.routing_replay={cfg.algo.routing_replay}: TRL has gspo "
-                "(importance_sampling_level=sequence) and grpo, without routing replay")
-    if cfg.algo.resolved_loss_agg_mode() not in ("seq-mean-token-mean", "token-mean") or cfg.algo.kl_coef:
-        return (f"algo.loss_agg_mode={cfg.algo.resolved_loss_agg_mode()}, algo.kl_coef={cfg.algo.kl_coef}: the "
-                "comparison maps seq-mean-token-mean and token-mean onto TRL's loss types, without a KL term")
-    return None
 
 
 # ------------------------------------------------------------------------------------ both sides as jobs
@@ -204,9 +132,8 @@ def _side(name: str, what: str, cmd: list[str], log: Path, records: Path, *, max
         curve.phases.append(record_to_phases(record))
         return not done()
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     job = Job(name=name, proc=proc, records=JsonLinesTail(records), first_step_s=first_step_s, on_step=on_step)
     return Side(job=job, curve=curve, log=log, what=what, done=done)
 
@@ -215,9 +142,7 @@ def ours_side(config: str, *, nproc: int, max_steps: int, target: float, window:
               overrides: list[str], stop_at_target: bool = True) -> Side:
     """`torchrun -m moe_gspo.train` in a subprocess; its records are the rows of its metrics.jsonl."""
     run_dir = out_dir / "moe_gspo_run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "moe_gspo.train", "--config", config, "--run-dir", str(run_dir), f"train.steps={max_steps}",
-           "logging.wandb_mode=disabled", "logging.progress=false", "train.export_hf=false", *overrides]
+    cmd = train_cmd(config, nproc=nproc, run_dir=run_dir, steps=max_steps, overrides=overrides)
 
     def point(row: dict):  # the policy's reward: with algo.dynamic_sampling, reward/mean is the kept groups'
         return (row.get("sampling/reward_mean_drawn", row["reward/mean"]), row.get("actor/entropy", math.nan),
@@ -231,14 +156,13 @@ def ours_side(config: str, *, nproc: int, max_steps: int, target: float, window:
 
 def trl_side(config: str, *, seed: int, max_steps: int, target: float, window: int, out_dir: Path,
              overrides: list[str], stop_at_target: bool = True, router_aux_loss: bool = False) -> Side:
-    """TRL's `GRPOTrainer` (`trl_worker.run_trl`) in a subprocess (`moe_gspo.bench.trl_worker`), one record per RL
+    """TRL's `GRPOTrainer` (`trl_worker.run_trl`) in a subprocess (`benchmarks.trl_worker`), one record per RL
     step."""
     out_dir.mkdir(parents=True, exist_ok=True)
     records = out_dir / "rl_steps.jsonl"
     records.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "moe_gspo.bench.trl_worker", "--config", config, "--seed", str(seed),
-           "--max-steps", str(max_steps), "--out", str(out_dir), "--records", str(records),
-           *(["--router-aux-loss"] if router_aux_loss else []), *overrides]
+    cmd = trl_worker_cmd(config, seed=seed, max_steps=max_steps, out_dir=out_dir, records=records,
+                         overrides=overrides, router_aux_loss=router_aux_loss)
     return _side("TRL GRPOTrainer (GSPO)", "TRL's GRPOTrainer", cmd, out_dir / "trl.log", records,
                  max_steps=max_steps, target=target, window=window, stop_at_target=stop_at_target,
                  first_step_s=lambda rec: rec["t_s"],
@@ -315,11 +239,11 @@ def main(argv: list[str] | None = None) -> int:
                         "it saves)")
     p.add_argument("--only", choices=["trl", "ours"], help="run one side only")
     p.add_argument("--steps-per-turn", type=int, default=STEPS_PER_TURN,
-                   help=f"RL steps of a side per turn (default {STEPS_PER_TURN}; see moe_gspo.bench.interleave)")
+                   help=f"RL steps of a side per turn (default {STEPS_PER_TURN}; see benchmarks.interleave)")
     p.add_argument("--sequential", action="store_true",
                    help="run the two sides of a seed one after the other instead of in turns of --steps-per-turn RL "
                         "steps (the default, which charges each side only the time it ran: see "
-                        "moe_gspo.bench.interleave)")
+                        "benchmarks.interleave)")
     p.add_argument("--full", action="store_true",
                    help="run every side for --max-steps RL steps instead of stopping at the target (to compare how "
                         "well each learns: the last-40-step mean reward, entropy and zero-variance share)")

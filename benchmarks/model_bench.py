@@ -1,8 +1,8 @@
 """Forward+backward speed of the tiny Qwen3-MoE: Megatron-core GPTModel vs transformers, same batch.
 
-    python -m moe_gspo.bench.model_bench            # Megatron EP=1 in this process
-    python -m moe_gspo.bench.model_bench --ep 2     # Megatron EP=2: relaunches itself under torchrun
-    python -m moe_gspo.bench.model_bench --compile  # also Megatron's decoder under torch.compile (EP=1)
+    python -m benchmarks.model_bench            # Megatron EP=1 in this process
+    python -m benchmarks.model_bench --ep 2     # Megatron EP=2: relaunches itself under torchrun
+    python -m benchmarks.model_bench --compile  # also Megatron's decoder under torch.compile (EP=1)
 
 Loss: mean logsumexp of the logits (a stand-in with a full backward through every layer). fp32.
 With `--ep 2` the two ranks split the batch (each runs B/2 rows, the allgather dispatcher sends
@@ -95,7 +95,7 @@ def _run_ep2(args) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ep2.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "moe_gspo.bench.model_bench", "--worker-out", str(out), "--ep", "2",
+               "-m", "benchmarks.model_bench", "--worker-out", str(out), "--ep", "2",
                "--batch", str(args.batch), "--seq", str(args.seq), "--iters", str(args.iters),
                "--warmup", str(args.warmup)]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}

@@ -1,4 +1,4 @@
-"""moe_gspo.bench.interleave: process trees across sessions, the JSON-lines tail, and two jobs taking turns
+"""benchmarks.interleave: process trees across sessions, the JSON-lines tail, and two jobs taking turns
 one step each (never at the same time), each charged about the time its own steps took."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_gspo.bench import interleave
-from moe_gspo.bench.interleave import Job, JsonLinesTail, alternate
+from benchmarks import interleave
+from benchmarks.interleave import Job, JsonLinesTail, alternate
 
 pytestmark = pytest.mark.skipif(not interleave.supported(), reason="needs Linux /proc process trees")
 

@@ -1,6 +1,6 @@
 """Benchmark of the transformers rollout engine: tokens/s with router capture on vs off, fp32 vs bf16.
 
-Run `python -m moe_gspo.bench.rollout_bench` (tiny random Qwen3-MoE, 16 prompts x 8 samples x 16 new
+Run `python -m benchmarks.rollout_bench` (tiny random Qwen3-MoE, 16 prompts x 8 samples x 16 new
 tokens by default; well under a minute on 2 CPU cores). Tokens/s counts generated response tokens;
 the capture overhead is the relative slowdown of the best-of-`--repeats` time with capture on (runs
 with and without capture alternate, so that load on a shared machine biases neither).

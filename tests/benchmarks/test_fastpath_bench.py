@@ -1,10 +1,10 @@
-"""moe_gspo.bench.fastpath_bench: interleaved medians, and one short run of the whole benchmark."""
+"""benchmarks.fastpath_bench: interleaved medians, and one short run of the whole benchmark."""
 
 from __future__ import annotations
 
 import pytest
 
-from moe_gspo.bench.fastpath_bench import interleaved, main
+from benchmarks.fastpath_bench import interleaved, main
 
 
 def test_interleaved_alternates_the_variants_and_takes_medians():

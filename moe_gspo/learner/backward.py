@@ -1,8 +1,10 @@
 """The learner's per-mini-batch backward passes (`Learner.train_step`): forward + backward of this rank's
 shard micro-batch by micro-batch, or the backward of the first mini-batch through the old-policy pass kept
-with its graph (`train.fuse_old_logp_pass`, `Learner.compute_logprobs(keep_graph=True)`).
+with its graph (`train.fuse_old_logp_pass`, `Learner.compute_logprobs(keep_graph=True)`, handed to the
+update as `LogprobResult.fused` / `OldPolicyPass.fused`).
 
-Both take the `Learner` (its model, sharding and replay helpers) and `loss_on(logp, rows, S, mask, ent)`,
+Both take the `Learner` and use only its public pass helpers (`local_shard`, `replay_context`, `forward`,
+`gather_rows`, and its `parallel`, `train`, `algo`, `device`), and `loss_on(logp, rows, S, mask, ent)`,
 which returns `(loss, scaled loss to back-propagate, metrics)` for rows of the mini-batch, and return
 `(finite, global log-probs [B_mini, S], their entropies or None, the loss metrics when one piece covered
 the whole mini-batch, else None)`.
@@ -21,10 +23,11 @@ from moe_gspo.learner.logprobs import token_logprobs
 
 @dataclass
 class FusedPass:
-    """The first-mini-batch piece of an old-policy pass, kept with its graph (`compute_logprobs(keep_graph=True)`)."""
+    """The first-mini-batch piece of an old-policy pass, kept with its graph (`compute_logprobs(keep_graph=True)`
+    returns it as `LogprobResult.fused`; `Learner.train_step` takes it explicitly, `OldPolicyPass.fused`)."""
 
     batch: PackedBatch
-    """The caller's batch object (identity identifies the train_step that may use it)."""
+    """The caller's batch object: `train_step` refuses the piece for any other batch object."""
     graph_rows: np.ndarray
     """Global row of each real row of the graph piece (this rank's rows of the first mini-batch)."""
     logp_graph: torch.Tensor
@@ -35,6 +38,10 @@ class FusedPass:
     """[rows + padding rows, S_0] the piece's token entropies with their graph (a pass with `with_entropy=True`)."""
     entropy_BS: torch.Tensor | None = None
     """[B, S] the global entropies of the pass (detached, host), with `ent_graph`."""
+    first_rows: np.ndarray | None = None
+    """The global rows of the first mini-batch the pass was split for (the same on every rank)."""
+    num_train_steps: int = 0
+    """`Learner.num_train_steps` when the pass ran: `train_step` refuses the piece after another update."""
 
 
 def backward_minibatch(learner, mini: PackedBatch, routes, mask_all, loss_on):
@@ -43,7 +50,7 @@ def backward_minibatch(learner, mini: PackedBatch, routes, mask_all, loss_on):
     metrics when one piece covered all)."""
     plan = plan_shards(mini.seq_lens_B.tolist(), dp_rank=learner.parallel.dp_rank, dp_size=learner.parallel.dp_size,
                        micro_batch_size=learner.train.micro_batch_size)
-    local, local_routes, (keep_l,) = learner._local(mini, plan, routes, mask_all)
+    local, local_routes, (keep_l,) = learner.local_shard(mini, plan, routes, mask_all)
     logp_local = torch.zeros(keep_l.shape, dtype=torch.float32, device=learner.device)
     with_entropy = learner.algo.entropy_coef > 0
     ent_local = torch.zeros_like(logp_local) if with_entropy else None
@@ -56,8 +63,8 @@ def backward_minibatch(learner, mini: PackedBatch, routes, mask_all, loss_on):
         # the micro-batch's real rows (before any padding rows) are rows plan.indices[rows] of `mini`
         global_rows = torch.as_tensor(plan.indices[rows], dtype=torch.long, device=learner.device)
         n_real = global_rows.numel()
-        with learner._replay_ctx(mb_routes, local.seq_lens_B[rows].tolist(), S_i) as handle:
-            logp, ent = token_logprobs(learner._forward(ids), ids, with_entropy=with_entropy,
+        with learner.replay_context(mb_routes, local.seq_lens_B[rows].tolist(), S_i) as handle:
+            logp, ent = token_logprobs(learner.forward(ids), ids, with_entropy=with_entropy,
                                        support=local.support_index(range(mb.start, mb.stop), learner.device))
             if n_real:
                 loss, scaled, m = loss_on(logp[:n_real], global_rows, S_i, keep_l[rows, :S_i][:n_real],
@@ -75,8 +82,8 @@ def backward_minibatch(learner, mini: PackedBatch, routes, mask_all, loss_on):
             ent_local[rows, :S_i] = ent.detach()
         if whole:
             m_all = m
-    ent_all = None if ent_local is None else learner._gather_rows(ent_local, mini.num_seqs)
-    return finite, learner._gather_rows(logp_local, mini.num_seqs), ent_all, m_all
+    ent_all = None if ent_local is None else learner.gather_rows(ent_local, mini.num_seqs)
+    return finite, learner.gather_rows(logp_local, mini.num_seqs), ent_all, m_all
 
 
 def backward_fused(learner, fused: FusedPass, idx: np.ndarray, mask_all, loss_on):

@@ -29,13 +29,19 @@ old-policy pass and the update, checked row by row first: missing or malformed r
 learner's natural routes instead (`r3_replay_routes`, `moe_gspo.routing.replay_checks`). Replay
 tensors are built per micro-batch with `moe_gspo.routing.align.build_replay_topk` from the routes of
 exactly that micro-batch's sequences.
+
+Hand-offs (`old_pass.py`): `compute_logprobs` returns a `LogprobResult` (with `keep_graph=True` also the
+kept first-mini-batch piece, `.fused`); `train_step` takes what the old-policy side produced as one
+`OldPolicyPass` (pi_old, the natural pass, replay routes, reference log-probs, rollout-correction
+weights and mask, the kept piece), or the bare old log-probs with keywords. The log-prob pass itself
+is `old_pass.logprob_pass`, the per-mini-batch backward passes `backward.py`; both use the public pass
+helpers below (`forward`, `replay_context`, `local_shard`, `gather_rows`, `minibatch_indices`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -47,8 +53,8 @@ from moe_gspo.algos.aggregation import num_units
 from moe_gspo.algos.rollout_correction import DEFAULT_OPSM_DELTA, opsm_mask
 from moe_gspo.config import AlgoConfig, TrainConfig
 from moe_gspo.learner.backward import FusedPass, backward_fused, backward_minibatch
-from moe_gspo.learner.batch import PackedBatch, ShardPlan, plan_shards, split_first_minibatch
-from moe_gspo.learner.logprobs import token_logprobs
+from moe_gspo.learner.batch import PackedBatch, ShardPlan, plan_shards
+from moe_gspo.learner.old_pass import LogprobResult, OldPolicyPass, check_fusable, logprob_pass
 from moe_gspo.learner.offload import LearnerOffload
 from moe_gspo.learner.optim import LearnerOptimizer, any_rank, resolve_optimizer_options
 from moe_gspo.learner.replay import ReplayMode, RoutingReplayDriver
@@ -57,24 +63,6 @@ from moe_gspo.mcore.model import forward_logits, moe_layer_ids, moe_routers, unw
 from moe_gspo.mcore.parallel import ParallelInfo
 from moe_gspo.routing.align import build_replay_topk
 from moe_gspo.routing.replay_checks import check_routes, merge_fallback_routes, needs_fallback
-
-
-@dataclass
-class LogprobResult:
-    """Output of `Learner.compute_logprobs` (global batch, host tensors)."""
-
-    logp_BS: torch.Tensor
-    """float32 [B, S] token-aligned log-probs (0 at position 0 and past each sequence's end)."""
-    routes: list[np.ndarray] | None = None
-    """B arrays [seq_len_b, L, K] (uint8/uint16) of the learner's top-k experts, when recorded."""
-    probs: list[np.ndarray] | None = None
-    """B arrays [seq_len_b, L, K] float32 full-softmax router probabilities of those experts."""
-    router_stats: list[np.ndarray] | None = None
-    """B arrays [seq_len_b, L, 2] float32 router margin (k-th minus (k+1)-th logit) and router entropy
-    (nats) per token and MoE layer, recorded with the routes (`moe_gspo.routing.router_stats`)."""
-    entropy_BS: torch.Tensor | None = None
-    """float32 [B, S] entropy (nats) of the distribution that predicted each token, aligned like
-    `logp_BS`, when asked for (`with_entropy=True`)."""
 
 
 class Learner:
@@ -136,13 +124,15 @@ class Learner:
         self.num_train_steps = 0
         """`train_step` calls so far (seeds the mini-batch shuffle; saved with the optimizer state)."""
         self._recorded: tuple[torch.Tensor, list[np.ndarray]] | None = None
-        self._fused: FusedPass | None = None
+        """R2: the last old-policy pass's (token ids, routes), replayed by the update (`release_step`)."""
 
-    # ------------------------------------------------------------------ helpers
-    def _forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
+    # ------------------------------------------------------------------ pass helpers (old_pass.py, backward.py)
+    def forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
+        """Logits [b, s, vocab] of token ids `ids_BS` [b, s] (the model's padded vocabulary cut off);
+        autograd and train/eval mode as the caller set them, replay as the caller's `replay_context`."""
         return forward_logits(self.ddp, ids_BS)[..., :self.vocab_size]
 
-    def _minibatch_indices(self, num_seqs: int) -> list[np.ndarray]:
+    def minibatch_indices(self, num_seqs: int) -> list[np.ndarray]:
         """The global rows of each mini-batch of the next `train_step` (`train.shuffle_minibatches`: a
         permutation seeded by `train.seed` and the number of `train_step` calls so far)."""
         order = np.arange(num_seqs)
@@ -150,7 +140,10 @@ class Learner:
             order = np.random.default_rng([self.train.seed, self.num_train_steps]).permutation(num_seqs)
         return np.array_split(order, self.train.num_minibatches if self.train is not None else 1)
 
-    def _replay_ctx(self, routes: list[np.ndarray] | None, seq_lens, seq_len: int):
+    def replay_context(self, routes: list[np.ndarray] | None, seq_lens, seq_len: int):
+        """A context in which the model replays `routes` (one array [T_b, L, K] per row of the forward,
+        rows `seq_lens` long, padded to `seq_len`); its value is the replay handle, whose `backward(loss)`
+        back-propagates under the same routing. `routes=None`: natural routing (a null context, value None)."""
         if routes is None:
             return contextlib.nullcontext(None)
         if self.replay_driver is None:
@@ -160,8 +153,10 @@ class Learner:
                                  top_k=self.top_k, order="sb").to(self.device)
         return self.replay_driver.replaying(topk)
 
-    def _local(self, batch: PackedBatch, plan: ShardPlan, routes: list | None, *extra_BS: torch.Tensor | None):
-        """This rank's padded shard of `batch`, its routes, and the same rows of each `[B, S]` extra."""
+    def local_shard(self, batch: PackedBatch, plan: ShardPlan, routes: list | None, *extra_BS: torch.Tensor | None):
+        """This rank's shard of the global `batch` per `plan` (`plan_shards`), padded with dummy rows to
+        `plan.num_rows`: (the shard, its routes (None when `routes` is None, empty arrays for padding
+        rows), the same rows of each `[B, S]` tensor of `extra_BS` (zeros for padding rows))."""
         local = batch.select(plan.indices).pad_rows(plan.num_rows)
         local_routes = None
         if routes is not None:
@@ -183,8 +178,9 @@ class Learner:
         step's last pass has run: host memory of routes is then one step's, not two."""
         self._recorded = None
 
-    def _gather_rows(self, local: torch.Tensor, num_seqs: int) -> torch.Tensor:
-        """Concatenate every data-parallel rank's real rows of `local` ([num_rows, ...]) in rank order."""
+    def gather_rows(self, local: torch.Tensor, num_seqs: int) -> torch.Tensor:
+        """Concatenate every data-parallel rank's real rows of `local` ([num_rows, ...]) in rank order: the
+        global [num_seqs, ...] (collective over the data-parallel group)."""
         sizes = [len(ix) for ix in np.array_split(np.arange(num_seqs), self.parallel.dp_size)]
         if self.parallel.dp_size == 1:
             return local[:sizes[0]]
@@ -240,131 +236,50 @@ class Learner:
         `keep_graph=True` (the old-policy pass of `train.fuse_old_logp_pass`): the pass runs in train mode
         (the same numbers: the model has no dropout and no auxiliary router loss) in two pieces, this
         rank's rows of the next `train_step`'s first mini-batch with autograd, the other rows without;
-        the first piece's graph is kept, so that the next `train_step` on this same batch object
-        back-propagates the first mini-batch through it instead of running that forward again. Needs the
-        natural (or R2) routing and one micro-batch per rank; the graph holds one mini-batch's activations
-        (at most) until that `train_step`.
+        the first piece with its graph is returned as `result.fused`; the next `train_step` on this same
+        batch object, given it (`train_step(batch, OldPolicyPass(..., fused=result.fused))` or
+        `train_step(batch, result.logp_BS, fused=result.fused)`), back-propagates the first mini-batch
+        through it instead of running that forward again. Needs the natural (or R2) routing and one
+        micro-batch per rank; the graph holds one mini-batch's activations (at most) until that
+        `train_step` (or until the caller drops `result.fused`).
         """
         if no_replay and replay_routes is not None:
             raise ValueError("compute_logprobs: pass either replay_routes or no_replay=True, not both")
-        self._fused = None  # a kept graph is only ever used by the train_step right after its pass
         routes_in = None if no_replay else self._resolve_routes(batch, replay_routes, update=False)
         record = record_routes or self.replay is ReplayMode.R2
         mbs = micro_batch_size or (self.train.micro_batch_size if self.train is not None else 0)
         plan = plan_shards(batch.seq_lens_B.tolist(), dp_rank=self.parallel.dp_rank,
                            dp_size=self.parallel.dp_size, micro_batch_size=mbs)
         if keep_graph:
-            self._check_fusable(routes_in, plan)
-        result, kept = self._logprob_pass(batch, plan, routes_in, record, record_routes, keep_graph, with_entropy)
-        self._fused = kept
+            check_fusable(self, routes_in, plan)
+        result, routes = logprob_pass(self, batch, plan, routes_in, record=record, record_routes=record_routes,
+                                      keep_graph=keep_graph, with_entropy=with_entropy)
+        if self.replay is ReplayMode.R2:
+            self._recorded = (batch.input_ids_BS.cpu().clone(), routes)
         return result
 
-    def _check_fusable(self, routes_in, plan: ShardPlan) -> None:
-        if self.optimizer is None:
-            raise ValueError("compute_logprobs(keep_graph=True) needs a training Learner (train=...)")
-        if routes_in is not None or self.replay is ReplayMode.R3:
-            raise ValueError("compute_logprobs(keep_graph=True): the fused pass must route naturally (replay none "
-                             "or r2, no replay_routes); R3's update replays the rollout routes, which this pass "
-                             "does not")
-        if self.recompute:
-            raise ValueError("compute_logprobs(keep_graph=True) with activation recompute: not supported")
-        if len(plan.micro_batches) != 1:
-            raise ValueError(f"compute_logprobs(keep_graph=True) needs one micro-batch per rank, got "
-                             f"{len(plan.micro_batches)}: set train.micro_batch_size=0 (or fuse_old_logp_pass=false)")
-
-    def _logprob_pass(self, batch: PackedBatch, plan: ShardPlan, routes_in, record: bool, record_routes: bool,
-                      keep_graph: bool, with_entropy: bool = False) -> tuple[LogprobResult, FusedPass | None]:
-        local, local_routes, _ = self._local(batch.to(self.device), plan, routes_in)
-        S = batch.seq_len_padded
-        L, K = len(self.layer_ids), self.top_k
-        logp_local = torch.zeros((plan.num_rows, S), dtype=torch.float32, device=self.device)
-        ent_local = torch.zeros((plan.num_rows, S), dtype=torch.float32, device=self.device) if with_entropy else None
-        # expert ids as they are kept (uint8 up to 256 experts); gloo has no int16, so int32 above that
-        ids_dtype = torch.uint8 if self.num_experts <= 256 else torch.int32
-        ids_local = torch.zeros((plan.num_rows, S, L, K), dtype=ids_dtype, device=self.device) if record else None
-        probs_local = torch.zeros((plan.num_rows, S, L, K), dtype=torch.float32, device=self.device) if record else None
-        stats_local = torch.zeros((plan.num_rows, S, L, 2), dtype=torch.float32, device=self.device) if record else None
-        kept = None
-        if keep_graph:  # the first mini-batch's rows with autograd (kept for its update), the rest without
-            first, rest = split_first_minibatch(batch.seq_lens_B.tolist(), self._minibatch_indices(batch.num_seqs)[0],
-                                                dp_rank=self.parallel.dp_rank, dp_size=self.parallel.dp_size)
-            pieces = [(p.rows, p.num_pad, p.seq_len, grad) for p, grad in ((first, True), (rest, False)) if p is not None]
-        else:
-            pieces = [(np.arange(mb.start, mb.stop), 0, mb.seq_len, False) for mb in plan.micro_batches]
-        if self.ddp.training != keep_graph:  # switching walks every module (~2 ms on the tiny model)
-            self.ddp.train(keep_graph)
-        self.recorder.clear()
-        self.recorder.enabled = record
-        try:
-            for rows_np, num_pad, S_i, grad in pieces:
-                rows = torch.as_tensor(rows_np, dtype=torch.long, device=self.device)
-                ids = local.input_ids_BS[rows, :S_i]
-                if num_pad:  # rows of padding tokens: the same shapes on every rank
-                    ids = torch.cat([ids, ids.new_full((num_pad, S_i), local.pad_id)])
-                seq_lens = local.seq_lens_B[rows].tolist() + [0] * num_pad
-                mb_routes = None if local_routes is None else [local_routes[int(j)] for j in rows_np]
-                with torch.set_grad_enabled(grad), self._replay_ctx(mb_routes, seq_lens, S_i):
-                    logits = self._forward(ids)
-                    logp, ent = token_logprobs(logits, ids, with_entropy=with_entropy,
-                                               support=local.support_index(rows_np, self.device))
-                n = len(rows_np)
-                if ent is not None:
-                    ent_local[rows, :S_i] = ent[:n].detach()
-                if grad:
-                    kept = FusedPass(batch=batch, graph_rows=plan.indices[rows_np], logp_graph=logp,
-                                     ent_graph=ent, logp_BS=torch.empty(0))
-                logp_local[rows, :S_i] = logp[:n].detach()
-                if record:
-                    assert self.recorder.num_calls() == 1, self.recorder.num_calls()
-                    B_i = n + num_pad
-                    for stacked, what in ((ids_local, "ids"), (probs_local, "probs"), (stats_local, "stats")):
-                        seqs = self.recorder.to_sequences([S_i] * B_i, B_i, S_i, probs=what == "probs",
-                                                          stats=what == "stats")[:n]
-                        if n:
-                            stacked[rows, :S_i] = torch.from_numpy(np.stack(seqs)).to(self.device, stacked.dtype)
-                    self.recorder.clear()
-        finally:
-            self.recorder.enabled = False
-            self.recorder.clear()
-        B = batch.num_seqs
-        logp = self._gather_rows(logp_local, B).cpu()
-        logp = torch.where(torch.arange(S)[None, :] < batch.seq_lens_B.cpu()[:, None], logp, 0.0)
-        result = LogprobResult(logp_BS=logp)
-        if with_entropy:
-            ent = self._gather_rows(ent_local, B).cpu()
-            result.entropy_BS = torch.where(torch.arange(S)[None, :] < batch.seq_lens_B.cpu()[:, None], ent, 0.0)
-        if record:
-            lens = batch.seq_lens_B.tolist()
-            id_dtype = np.uint8 if self.num_experts <= 256 else np.uint16
-            all_ids = self._gather_rows(ids_local, B).cpu().numpy()
-            all_probs = self._gather_rows(probs_local, B).cpu().numpy()
-            all_stats = self._gather_rows(stats_local, B).cpu().numpy()
-            routes = [np.ascontiguousarray(all_ids[b, :n].astype(id_dtype)) for b, n in enumerate(lens)]
-            probs = [all_probs[b, :n].copy() for b, n in enumerate(lens)]  # copies: a view would keep [B, S] alive
-            if self.replay is ReplayMode.R2:
-                self._recorded = (batch.input_ids_BS.cpu().clone(), routes)
-            if record_routes:
-                result.routes, result.probs = routes, probs
-                result.router_stats = [all_stats[b, :n].copy() for b, n in enumerate(lens)]
-        if kept is not None:
-            kept.logp_BS, kept.entropy_BS = result.logp_BS, result.entropy_BS
-        return result, kept
-
     # ------------------------------------------------------------------ update
-    def train_step(self, batch: PackedBatch, old_logp_BS: torch.Tensor, *, replay_routes=None,
+    def train_step(self, batch: PackedBatch, old: OldPolicyPass | torch.Tensor, *, replay_routes=None,
                    ref_logp_BS: torch.Tensor | None = None, is_weights_BS: torch.Tensor | None = None,
-                   rs_keep_BS: torch.Tensor | None = None,
+                   rs_keep_BS: torch.Tensor | None = None, fused: FusedPass | None = None,
                    after_optimizer_step: Callable[[int, bool], None] | None = None) -> dict[str, float]:
         """One RL update on the global `batch`: `train.num_minibatches` optimizer steps.
 
-        `old_logp_BS`: [B, S] token-aligned log-probs of the policy that sampled the batch (e.g.
-        `compute_logprobs(batch).logp_BS`). Replay per `self.replay` (R2: the routes recorded by the
-        last `compute_logprobs` of this batch; R3: `batch.rollout_routes`) unless `replay_routes`
-        gives them explicitly. `ref_logp_BS` is needed when `algo.kl_coef > 0`.
+        `old`: what the old-policy side of the step produced (`OldPolicyPass`, e.g.
+        `moe_gspo.run.learner_passes.old_policy_pass`), or only the [B, S] token-aligned log-probs of
+        the policy that sampled the batch (e.g. `compute_logprobs(batch).logp_BS`), with the other
+        hand-offs as keywords, which an `OldPolicyPass` carries itself (giving both is refused):
+        `replay_routes` (B arrays [T_b, L, K]) replays that routing; None replays per `self.replay` (R2:
+        the routes recorded by the last `compute_logprobs` of this batch; R3: `batch.rollout_routes`).
+        `ref_logp_BS` is needed when `algo.kl_coef > 0`.
         Rollout corrections (`moe_gspo.algos.rollout_correction`, computed once for the whole batch):
         `is_weights_BS` [B, S] multiply each token's policy-gradient term; `rs_keep_BS` [B, S] bool
         removes the rejected response tokens from the loss (and from every logged `loss/`, `clip/`,
         `ratio/` metric) and from the mini-batch normalisation.
+        `fused`: the piece of `compute_logprobs(batch, keep_graph=True)` kept with its graph
+        (`LogprobResult.fused`), on this same batch object and with no update in between: the first
+        mini-batch back-propagates through it instead of a new forward (ignored when the mini-batch
+        split changed since). It is consumed: `old.fused` is set to None.
         `after_optimizer_step(minibatch_index, applied)` is called on every rank after each mini-batch's
         optimizer step (`applied` False when the NaN guard skipped it), e.g. to measure how the routing
         moved after the first update; it may run no-grad passes of this learner.
@@ -372,42 +287,53 @@ class Learner:
         """
         if self.optimizer is None:
             raise ValueError("this Learner was built inference-only (train=None); pass a TrainConfig to train")
+        if not isinstance(old, OldPolicyPass):
+            old = OldPolicyPass(logp_BS=torch.as_tensor(old), replay_routes=replay_routes, ref_logp_BS=ref_logp_BS,
+                                is_weights_BS=is_weights_BS, rs_keep_BS=rs_keep_BS, fused=fused)
+        elif any(x is not None for x in (replay_routes, ref_logp_BS, is_weights_BS, rs_keep_BS, fused)):
+            raise ValueError("train_step: an OldPolicyPass carries replay_routes, ref_logp_BS, is_weights_BS, "
+                             "rs_keep_BS and fused; do not pass them as keywords too")
+        fused, old.fused = old.fused, None  # consumed: the kept graph does not outlive this update
         B, S = batch.num_seqs, batch.seq_len_padded
-        old = torch.as_tensor(old_logp_BS)
-        if tuple(old.shape) != (B, S):
-            raise ValueError(f"old_logp_BS has shape {tuple(old.shape)}, expected the batch's [B, S] = {(B, S)}")
-        for name, t in (("ref_logp_BS", ref_logp_BS), ("is_weights_BS", is_weights_BS), ("rs_keep_BS", rs_keep_BS)):
+        for name in ("logp_BS", "ref_logp_BS", "is_weights_BS", "rs_keep_BS"):
+            t = getattr(old, name)
             if t is not None and tuple(t.shape) != (B, S):
-                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {(B, S)}")
+                raise ValueError(f"{'old_' if name == 'logp_BS' else ''}{name} has shape {tuple(t.shape)}, "
+                                 f"expected the batch's [B, S] = {(B, S)}")
         if not 1 <= self.train.num_minibatches <= B:
             raise ValueError(f"train.num_minibatches={self.train.num_minibatches} must be in [1, B={B}]")
-        routes = self._resolve_routes(batch, replay_routes, update=True)
-        # A pass kept by compute_logprobs(keep_graph=True) on this very batch object serves as the first
-        # mini-batch's forward: the weights have not changed since (any other pass clears it).
-        fused = self._fused if self._fused is not None and self._fused.batch is batch else None
-        self._fused = None
-        if fused is not None and self.algo.entropy_coef > 0 and fused.ent_graph is None:
-            raise ValueError("train_step: algo.entropy_coef > 0 needs the entropies of the first mini-batch's forward; "
-                             "run the fused old-policy pass with them: compute_logprobs(keep_graph=True, with_entropy=True)")
-        if fused is not None and replay_routes is not None:
-            raise ValueError("train_step: replay_routes with a fused old-policy pass (compute_logprobs(keep_graph="
-                             "True)), which routed naturally; run that pass without keep_graph")
+        routes = self._resolve_routes(batch, old.replay_routes, update=True)
+        if fused is not None:
+            # the kept pass serves as the first mini-batch's forward only if the weights have not changed since
+            if fused.batch is not batch:
+                raise ValueError("train_step: the fused old-policy pass was kept for another batch object")
+            if fused.num_train_steps != self.num_train_steps:
+                raise ValueError("train_step: the fused old-policy pass was kept before an update; run it again")
+            if self.algo.entropy_coef > 0 and fused.ent_graph is None:
+                raise ValueError("train_step: algo.entropy_coef > 0 needs the entropies of the first mini-batch's "
+                                 "forward; run the fused old-policy pass with them: compute_logprobs(keep_graph=True, "
+                                 "with_entropy=True)")
+            if old.replay_routes is not None:
+                raise ValueError("train_step: replay_routes with a fused old-policy pass (compute_logprobs(keep_graph="
+                                 "True)), which routed naturally; run that pass without keep_graph")
         self.offload.restore_grads()  # train.offload_during_rollout: gradient buffers back for the update
         batch = batch.to(self.device)
-        old = old.to(self.device, torch.float32)
-        ref = None if ref_logp_BS is None else ref_logp_BS.to(self.device, torch.float32)
-        is_w = None if is_weights_BS is None else is_weights_BS.to(self.device, torch.float32)
-        keep = None if rs_keep_BS is None else rs_keep_BS.to(self.device, torch.bool)
+        old_BS = torch.as_tensor(old.logp_BS).to(self.device, torch.float32)
+        ref = None if old.ref_logp_BS is None else old.ref_logp_BS.to(self.device, torch.float32)
+        is_w = None if old.is_weights_BS is None else old.is_weights_BS.to(self.device, torch.float32)
+        keep = None if old.rs_keep_BS is None else old.rs_keep_BS.to(self.device, torch.bool)
         results = []
-        minibatches = self._minibatch_indices(B)
-        if fused is not None and sorted(fused.graph_rows.tolist()) != sorted(minibatches[0].tolist()):
-            fused = None  # kept for another mini-batch split (num_minibatches changed since): a plain forward
+        minibatches = self.minibatch_indices(B)
+        if fused is not None and not np.array_equal(fused.first_rows, minibatches[0]):
+            # kept for another mini-batch split (num_minibatches changed since): a plain forward. Decided from
+            # the global split, the same on every rank (a rank's own `graph_rows` differ by rank at DP > 1)
+            fused = None
         self.num_train_steps += 1
         for i, idx in enumerate(minibatches):
             t_idx = torch.as_tensor(idx, device=self.device)
             mini_routes = None if routes is None else [routes[int(j)] for j in idx]
             rows = [None if t is None else t[t_idx] for t in (ref, is_w, keep)]
-            results.append(self._train_minibatch(batch.select(idx), old[t_idx], *rows, mini_routes,
+            results.append(self._train_minibatch(batch.select(idx), old_BS[t_idx], *rows, mini_routes,
                                                  fused=fused if i == 0 else None, idx=idx))
             fused = None  # the kept graph is freed after its backward
             if after_optimizer_step is not None:
@@ -522,7 +448,6 @@ class Learner:
         """Inverse of `state_dict`. The optimizer state loads first and the weights last (see
         `LearnerOptimizer.load_state_dict`: Megatron's CPU-offloaded optimizer writes into the model
         while its state loads)."""
-        self._fused = None
         self.optimizer.load_state_dict(state["optimizer"],
                                        load_weights=lambda: self.model.load_state_dict(state["model"]))
         self.skipped_steps = int(state.get("skipped_steps", 0))

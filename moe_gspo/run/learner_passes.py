@@ -1,5 +1,6 @@
-"""The learner passes of one RL step around the update, besides the old-policy pass: rollout
-corrections, the frozen reference policy of the KL penalty, and the old->new routing-drift probes.
+"""The learner passes of one RL step around the update: the old-policy pass and what it hands to the
+update (`old_policy_pass` → `moe_gspo.learner.old_pass.OldPolicyPass`, given to `Learner.train_step`),
+rollout corrections, the frozen reference policy of the KL penalty, and the old->new routing-drift probes.
 
 Used by `moe_gspo.train` (one call each per step); every function is collective over the learner's
 ranks where it runs a learner pass (all ranks call it with the same global batch).
@@ -19,6 +20,7 @@ from moe_gspo.algos.rollout_correction import rollout_correction
 from moe_gspo.config import AlgoConfig, Config
 from moe_gspo.learner.batch import PackedBatch
 from moe_gspo.learner.lr_schedule import lr_at
+from moe_gspo.learner.old_pass import OldPolicyPass
 from moe_gspo.run.compare import policy_update_drift, replayed_mismatch, rollout_vs_learner
 from moe_gspo.run.router_diag import step_router_diagnostics
 from moe_gspo.run.timing import PhaseTimer
@@ -180,10 +182,10 @@ def learner_update(cfg: Config, policy, batch: PackedBatch, samples, step: int, 
        `algo.r3_fallback_warn_frac`), then the old-policy pass replaying them → pi_old of the loss and
        `mismatch_replayed/*`; the update and the reference pass replay the same routes;
     3. rollout corrections (`rollout_corr/*`) from pi_old vs pi_rollout, reference log-probs when
-       `algo.kl_coef > 0`;
-    4. the update (`Learner.train_step`; `algo.opsm` masks sequences there, `rollout_corr/opsm_*`), with
-       the drift probe every `logging.update_drift_every` steps (`update/*` after the first optimizer
-       step, `update_all_minibatches/*` after all).
+       `algo.kl_coef > 0` (steps 1-3: `old_policy_pass`, all they hand on in one `OldPolicyPass`);
+    4. the update (`Learner.train_step(batch, old_pass)`; `algo.opsm` masks sequences there,
+       `rollout_corr/opsm_*`), with the drift probe every `logging.update_drift_every` steps (`update/*`
+       after the first optimizer step, `update_all_minibatches/*` after all).
 
     `timer` gets the phases old_logp, compare (the rollout-vs-learner metrics), replayed_logp,
     reference, update and drift (the probe's passes, also the one inside the update, are charged to
@@ -191,40 +193,13 @@ def learner_update(cfg: Config, policy, batch: PackedBatch, samples, step: int, 
     """
     learner, drift_every = policy.learner, cfg.logging.update_drift_every
     timer = timer if timer is not None else PhaseTimer()
-    with timer("old_logp"):  # train.fuse_old_logp_pass: its graph also serves the first mini-batch's update
-        old = learner.compute_logprobs(batch, record_routes=True, no_replay=True, keep_graph=fuse_old_pass(cfg),
-                                       with_entropy=True)
-    r3 = cfg.algo.routing_replay == "r3"
-    with timer("compare"):
-        rollout_routes, r3_routes, r3_metrics = checked_rollout_routes(learner, batch, old.routes, r3=r3)
-        metrics = {"actor/entropy": mean_token_entropy(old.entropy_BS, batch.response_mask_BS), **r3_metrics}
-        metrics.update(rollout_vs_learner(rollout_logp_BS=batch.rollout_logp_BS, learner_logp_BS=old.logp_BS,
-                                     response_mask_BS=batch.response_mask_BS, rollout_routes=rollout_routes,
-                                     learner_routes=old.routes, num_experts=policy.num_experts,
-                                     group_ids=[s.prompt_index for s in samples]))
-        metrics.update(step_router_diagnostics(samples, old, batch.response_mask_BS, num_experts=policy.num_experts,
-                                               margin_threshold=cfg.logging.router_margin_threshold))
-    if r3:
-        warn_r3_fallback(learner, r3_metrics, cfg.algo.r3_fallback_warn_frac, step)
-    old_logp, replayed = old.logp_BS, None
-    if r3:
-        with timer("replayed_logp"):
-            old_logp = replayed = learner.compute_logprobs(batch, replay_routes=r3_routes).logp_BS
-            metrics.update(replayed_mismatch(rollout_logp_BS=batch.rollout_logp_BS, replayed_logp_BS=replayed,
-                                             response_mask_BS=batch.response_mask_BS))
-    is_weights, rs_keep, corr_metrics = step_correction(cfg.algo, batch, old_logp)
-    metrics.update(corr_metrics)
-    ref_logp = None
-    if reference is not None:
-        with timer("reference"):
-            ref_logp = reference.logprobs(batch, old_routes=old.routes, r3_routes=r3_routes)
-    probe = (UpdateDriftProbe(learner, batch, old.routes, policy.num_experts)
+    old, metrics = old_policy_pass(cfg, policy, batch, samples, step, reference=reference, timer=timer)
+    natural = old.natural
+    probe = (UpdateDriftProbe(learner, batch, natural.routes, policy.num_experts)
              if drift_every and step % drift_every == 0 else None)
     learner.optimizer.set_lr(lr_at(step, **cfg.train.lr_schedule()))  # logged by train_step as train/lr
     t0 = time.perf_counter()
-    metrics.update(learner.train_step(batch, old_logp, replay_routes=r3_routes, ref_logp_BS=ref_logp,
-                                      is_weights_BS=is_weights, rs_keep_BS=rs_keep,
-                                      after_optimizer_step=probe.after_optimizer_step if probe else None))
+    metrics.update(learner.train_step(batch, old, after_optimizer_step=probe.after_optimizer_step if probe else None))
     inside = probe.seconds if probe is not None else 0.0
     timer.add("update", time.perf_counter() - t0 - inside)
     new = None
@@ -234,7 +209,52 @@ def learner_update(cfg: Config, policy, batch: PackedBatch, samples, step: int, 
             new = probe.finish()
             metrics.update(probe.metrics())
     policy.learner.release_step()  # R2's recorded routes: used by this step's updates only
-    return StepPasses(metrics=metrics, old=old, new=new, replayed_logp_BS=replayed, rollout_routes=rollout_routes)
+    return StepPasses(metrics=metrics, old=natural, new=new, replayed_logp_BS=old.replayed_logp_BS,
+                      rollout_routes=old.rollout_routes)
+
+
+def old_policy_pass(cfg: Config, policy, batch: PackedBatch, samples, step: int, *,
+                    reference: ReferencePolicy | None = None, timer: PhaseTimer | None = None
+                    ) -> tuple[OldPolicyPass, dict]:
+    """Steps 1-3 of `learner_update`: the passes before the update and what they hand to it, as one
+    `OldPolicyPass` (the natural pass with its routes and, with `train.fuse_old_logp_pass`, its kept graph;
+    pi_old; R3's replay routes and `r3/*` metrics; the reference log-probs; the rollout corrections), and
+    the step's metrics so far. `timer`: the phases old_logp, compare, replayed_logp, reference."""
+    learner = policy.learner
+    timer = timer if timer is not None else PhaseTimer()
+    with timer("old_logp"):  # train.fuse_old_logp_pass: its graph also serves the first mini-batch's update
+        natural = learner.compute_logprobs(batch, record_routes=True, no_replay=True, keep_graph=fuse_old_pass(cfg),
+                                           with_entropy=True)
+    r3 = cfg.algo.routing_replay == "r3"
+    with timer("compare"):
+        rollout_routes, r3_routes, r3_metrics = checked_rollout_routes(learner, batch, natural.routes, r3=r3)
+        metrics = {"actor/entropy": mean_token_entropy(natural.entropy_BS, batch.response_mask_BS), **r3_metrics}
+        metrics.update(rollout_vs_learner(rollout_logp_BS=batch.rollout_logp_BS, learner_logp_BS=natural.logp_BS,
+                                     response_mask_BS=batch.response_mask_BS, rollout_routes=rollout_routes,
+                                     learner_routes=natural.routes, num_experts=policy.num_experts,
+                                     group_ids=[s.prompt_index for s in samples]))
+        metrics.update(step_router_diagnostics(samples, natural, batch.response_mask_BS,
+                                               num_experts=policy.num_experts,
+                                               margin_threshold=cfg.logging.router_margin_threshold))
+    if r3:
+        warn_r3_fallback(learner, r3_metrics, cfg.algo.r3_fallback_warn_frac, step)
+    old_logp = natural.logp_BS
+    if r3:
+        with timer("replayed_logp"):
+            old_logp = learner.compute_logprobs(batch, replay_routes=r3_routes).logp_BS
+            metrics.update(replayed_mismatch(rollout_logp_BS=batch.rollout_logp_BS, replayed_logp_BS=old_logp,
+                                             response_mask_BS=batch.response_mask_BS))
+    is_weights, rs_keep, corr_metrics = step_correction(cfg.algo, batch, old_logp)
+    metrics.update(corr_metrics)
+    ref_logp = None
+    if reference is not None:
+        with timer("reference"):
+            ref_logp = reference.logprobs(batch, old_routes=natural.routes, r3_routes=r3_routes)
+    fused, natural.fused = natural.fused, None  # the kept graph goes to the update only
+    old = OldPolicyPass(logp_BS=old_logp, natural=natural, replay_routes=r3_routes, r3_metrics=r3_metrics,
+                        ref_logp_BS=ref_logp, is_weights_BS=is_weights, rs_keep_BS=rs_keep, fused=fused,
+                        rollout_routes=rollout_routes)
+    return old, metrics
 
 
 def checked_rollout_routes(learner, batch: PackedBatch, natural_routes: list | None, *, r3: bool):

@@ -116,7 +116,7 @@ def run(info) -> dict:
     out["fused_metrics"] = []
     for _ in range(2):
         old3 = fused.compute_logprobs(batch, record_routes=True, keep_graph=True)
-        out["fused_metrics"].append(fused.train_step(batch, old3.logp_BS))
+        out["fused_metrics"].append(fused.train_step(batch, old3.logp_BS, fused=old3.fused))
     out["fused_logp_after_2_steps"] = fused.compute_logprobs(batch).logp_BS.tolist()
     return out
 

@@ -1,5 +1,6 @@
-"""The fused old-policy pass (`compute_logprobs(keep_graph=True)`, train.fuse_old_logp_pass) and
-shuffled mini-batches (train.shuffle_minibatches) at EP=1: same maths as the plain passes."""
+"""The fused old-policy pass (`compute_logprobs(keep_graph=True)`, train.fuse_old_logp_pass, its kept graph
+handed to `train_step` explicitly) and shuffled mini-batches (train.shuffle_minibatches) at EP=1: same maths
+as the plain passes; the `OldPolicyPass` hand-off."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from _learner_common import make_batch, make_learner, params_snapshot, tiny_pair
 from moe_gspo.config import AlgoConfig
+from moe_gspo.learner.old_pass import OldPolicyPass
 from moe_gspo.learner.replay import ReplayMode
 
 pytestmark = pytest.mark.usefixtures("dist")
@@ -26,7 +28,7 @@ def _run(dist, *, fuse: bool, replay=ReplayMode.NONE, algo="gspo", steps=2, entr
     for _ in range(steps):
         old = learner.compute_logprobs(batch, record_routes=True, keep_graph=fuse, with_entropy=entropy_coef > 0)
         olds.append(old)
-        metrics.append(learner.train_step(batch, old.logp_BS))
+        metrics.append(learner.train_step(batch, old.logp_BS, fused=old.fused))
     return params_snapshot(model), metrics, olds, learner, batch
 
 
@@ -64,18 +66,50 @@ def test_shuffled_minibatches_change_the_update_deterministically(dist):
     assert learner.num_train_steps == 2 and learner.state_dict()["num_train_steps"] == 2
 
 
-def test_kept_graph_is_used_once_and_only_for_its_batch(dist):
+def test_kept_graph_is_handed_on_explicitly_used_once_and_only_for_its_batch(dist):
     cfg, _, model = tiny_pair()
     learner = make_learner(model, cfg, dist, algo=AlgoConfig(name="gspo", **WIDE), num_minibatches=2)
     batch = make_batch(8, seed=21)
+    plain = learner.compute_logprobs(batch)
+    assert plain.fused is None and not hasattr(learner, "_fused")
     old = learner.compute_logprobs(batch, keep_graph=True)
-    assert learner._fused is not None
-    other = batch.select(range(batch.num_seqs))  # equal content, another object: no fusing
-    learner.train_step(other, old.logp_BS)
-    assert learner._fused is None
-    learner.compute_logprobs(batch, keep_graph=True)
-    learner.compute_logprobs(batch)  # any other pass drops the kept graph
-    assert learner._fused is None
+    assert old.fused is not None and old.fused.logp_graph.requires_grad
+    other = batch.select(range(batch.num_seqs))  # equal content, another object: refused
+    with pytest.raises(ValueError, match="another batch object"):
+        learner.train_step(other, old.logp_BS, fused=old.fused)
+    with pytest.raises(ValueError, match="do not pass them as keywords"):
+        learner.train_step(batch, OldPolicyPass(logp_BS=old.logp_BS), fused=old.fused)
+    hand_off = OldPolicyPass(logp_BS=old.logp_BS, natural=old, fused=old.fused)
+    learner.train_step(batch, hand_off)
+    assert hand_off.fused is None  # consumed: the graph does not outlive the update
+    with pytest.raises(ValueError, match="before an update"):  # the weights moved since that pass
+        learner.train_step(batch, old.logp_BS, fused=old.fused)
+
+
+def test_old_policy_pass_hand_off_equals_the_keyword_arguments(dist):
+    """`train_step(batch, OldPolicyPass(...))` is `train_step(batch, logp, ref_logp_BS=..., is_weights_BS=...,
+    rs_keep_BS=..., replay_routes=...)`, bit for bit."""
+    batch = make_batch(8, seed=21)
+    g = torch.Generator().manual_seed(3)
+    w = 0.5 + torch.rand(batch.input_ids_BS.shape, generator=g)
+    keep = torch.rand(batch.input_ids_BS.shape, generator=g) > 0.2
+    runs = []
+    for as_pass in (False, True):
+        cfg, _, model = tiny_pair(enable_routing_replay=True)
+        learner = make_learner(model, cfg, dist, replay=ReplayMode.R2,
+                               algo=AlgoConfig(name="grpo", kl_coef=0.1, **WIDE), num_minibatches=2)
+        old = learner.compute_logprobs(batch, record_routes=True)
+        ref = old.logp_BS - 0.01
+        if as_pass:
+            m = learner.train_step(batch, OldPolicyPass(logp_BS=old.logp_BS, natural=old, replay_routes=old.routes,
+                                                        ref_logp_BS=ref, is_weights_BS=w, rs_keep_BS=keep))
+        else:
+            m = learner.train_step(batch, old.logp_BS, replay_routes=old.routes, ref_logp_BS=ref, is_weights_BS=w,
+                                   rs_keep_BS=keep)
+        runs.append((params_snapshot(model), m))
+    (wa, ma), (wb, mb) = runs
+    assert ma == mb
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def test_fused_pass_without_entropies_is_refused_by_an_update_with_an_entropy_bonus(dist):
@@ -84,7 +118,7 @@ def test_fused_pass_without_entropies_is_refused_by_an_update_with_an_entropy_bo
     batch = make_batch(8, seed=21)
     old = learner.compute_logprobs(batch, keep_graph=True)  # no with_entropy
     with pytest.raises(ValueError, match="with_entropy=True"):
-        learner.train_step(batch, old.logp_BS)
+        learner.train_step(batch, old.logp_BS, fused=old.fused)
 
 
 def test_keep_graph_refuses_what_it_cannot_fuse(dist):
@@ -113,9 +147,9 @@ def test_fused_pass_on_the_default_model_keeps_one_minibatch_graph(dist, entropy
         olds, metrics, kept = [], [], []
         for _ in range(2):
             old = learner.compute_logprobs(batch, record_routes=True, keep_graph=fuse, with_entropy=True)
-            kept.append(learner._fused)
+            kept.append(old.fused)
             olds.append(old)
-            metrics.append(learner.train_step(batch, old.logp_BS))
+            metrics.append(learner.train_step(batch, old.logp_BS, fused=old.fused))
         return params_snapshot(model), metrics, olds, kept
 
     (pw, pm, po, _), (fw, fm, fo, kept) = run(False), run(True)

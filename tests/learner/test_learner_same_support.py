@@ -85,8 +85,8 @@ def test_micro_batches_and_the_fused_pass_give_the_full_batch_update(dist, pair,
             continue
         _, _, model = tiny_pair()
         learner = make_learner(model, cfg, dist, algo=AlgoConfig(name="grpo"), micro_batch_size=mbs, grad_clip=0.0)
-        old = learner.compute_logprobs(batch, keep_graph=fuse).logp_BS
-        m = learner.train_step(batch, old)
+        old = learner.compute_logprobs(batch, keep_graph=fuse)
+        m = learner.train_step(batch, old.logp_BS, fused=old.fused)
         after.append((learner.compute_logprobs(batch).logp_BS, m["grad/norm"]))
     if fuse:  # compare with the plain update of the same batch
         _, _, model = tiny_pair()

@@ -133,7 +133,7 @@ def bench_learner(cfg, repeats: int) -> dict[str, float]:
             def call():
                 result = default.compute_logprobs(batch, record_routes=True, no_replay=True, with_entropy=True,
                                                   keep_graph=fuse)
-                default.train_step(batch, result.logp_BS)
+                default.train_step(batch, result.logp_BS, fused=result.fused)
             return call
 
         both = interleaved({"fused old pass": old_pass_and_update(True), "separate passes": old_pass_and_update(False)},

@@ -8,7 +8,7 @@ the RSS at its start (Linux `VmHWM` after resetting it through `/proc/self/clear
 leaves held (RSS), plus `tracemalloc`'s peak (numpy allocations only; torch's are not traced):
 
 - `learner_record_microbatch` (first, on a clean heap): a replica of `ActivationRecorder.to_sequences`'
-  host side as `Learner._logprob_pass` runs it per micro-batch (one sequence here, as the shipped configs'
+  host side as `moe_gspo.learner.old_pass.logprob_pass` runs it per micro-batch (one sequence here, as the shipped configs'
   `train.micro_batch_size: 1`): the int64 ids from the device and their uint8 copy, then the fp32
   probabilities' and the stats' `.cpu()` stack and `astype` copy (per-sequence arrays: views at one sequence);
 - `samples`: the `RolloutSample` list with its uint8 `routes_TLK` (what every rank holds after the gather);
@@ -18,7 +18,7 @@ leaves held (RSS), plus `tracemalloc`'s peak (numpy allocations only; torch's ar
 - `packed_batch`: `PackedBatch.from_samples` (its routes are the samples' arrays: checked, no copy);
 - `route_checks`: `moe_gspo.routing.replay_checks` as `learner_update` runs it under R3 (`check_routes`,
   `usable_prefix`, `merge_fallback_routes`; no fallback row, so views);
-- `learner_record`: a replica of the host side of the end of `Learner._logprob_pass` with `record_routes`
+- `learner_record`: a replica of the host side of the end of `moe_gspo.learner.old_pass.logprob_pass` with `record_routes`
   (the pass `learner_update` runs every step): the gathered batch as uint8 ids (the device dtype up to 256
   experts), fp32 probabilities and fp32 margin/entropy, then the per-sequence unpadded copies it keeps
   (`LogprobResult`: `astype` / `.copy()`), the whole-batch arrays freed when it returns;
@@ -171,7 +171,7 @@ def make_samples(rng, num_seqs: int, seq_len: int, *, group: int = 8):
 
 
 def learner_record_replica(routes_src: list[np.ndarray], seq_len: int):
-    """The host side of the end of `Learner._logprob_pass` with record_routes (moe_gspo/learner/learner.py):
+    """The host side of the end of `moe_gspo.learner.old_pass.logprob_pass` with record_routes (moe_gspo/learner/old_pass.py):
     the gathered batch copied to the host as uint8 ids (the device dtype up to 256 experts), fp32 probs,
     fp32 stats, then the per-sequence copies it keeps; the whole-batch arrays go when it returns."""
     B, S = len(routes_src), seq_len
@@ -189,7 +189,7 @@ def learner_record_replica(routes_src: list[np.ndarray], seq_len: int):
 
 
 def record_microbatch_replica(rng, seqs: int, seq_len: int) -> None:
-    """The host side of one micro-batch's recording in `Learner._logprob_pass`
+    """The host side of one micro-batch's recording in `moe_gspo.learner.old_pass.logprob_pass`
     (`ActivationRecorder.to_sequences` + `np.stack`, moe_gspo/learner/router_hooks.py): ids, then probs, then
     stats, each as `[S, B, L, *]` from the device (`.cpu()`), `astype`, per-sequence copies; the previous
     kind's per-sequence list lives until the next kind's returns."""
@@ -279,7 +279,7 @@ def run(args) -> dict:
         st.extra["views"] = bool(all(np.shares_memory(a, b) for a, b in zip(replay, batch.rollout_routes)))
         st.extra["fallback_token_frac"] = r3_metrics["r3/fallback_token_frac"]
     learner_src = [perturb(rng, s.routes_TLK, 0.05) for s in samples]  # the learner's choices (5% moved)
-    with m.stage("learner_record", tokens, "replica of Learner._logprob_pass's end (record_routes)") as st:
+    with m.stage("learner_record", tokens, "replica of old_pass.logprob_pass's end (record_routes)") as st:
         l_routes, l_probs, l_stats = learner_record_replica(learner_src, T)
         st.logical = nbytes(l_routes, l_probs, l_stats)
         st.extra["plan_bytes"] = tokens * (plan["learner_kept"] + plan["learner_gather"])

@@ -20,7 +20,7 @@ Bytes per token (read in the code that allocates them):
   the step keeps (`LogprobResult`) per sequence, unpadded, copies of its routes `L K b`
   (`all_ids[b, :n].astype(...)`), router probabilities `L K x 4` and margin / entropy `2 L x 4`
   (`all_probs[b, :n].copy()`, `all_stats[b, :n].copy()`): `L K (b + 4) + 8 L`.
-- **learner, transient** (`learner_gather_bytes_per_token`): at the end of `Learner._logprob_pass` the
+- **learner, transient** (`learner_gather_bytes_per_token`): at the end of `moe_gspo.learner.old_pass.logprob_pass` the
   gathered whole batch comes to the host, `all_ids` (the device dtype: `L K g`), `all_probs` fp32 `4 L K`
   and `all_stats` fp32 `8 L`, `[B, S_max, ...]`, all alive while the per-sequence copies are made and
   freed when the pass returns: `L K (g + 4) + 8 L`. During the pass, each micro-batch's recording comes to

@@ -218,11 +218,7 @@ def run(args) -> dict:
     import torch
 
     from moe_gspo.learner.batch import PackedBatch
-    from moe_gspo.plan.host_routes import (compare_bytes_per_token, drift_bytes_per_token,
-                                           learner_gather_bytes_per_token, learner_kept_bytes_per_token,
-                                           metrics_bytes_per_token, record_microbatch_bytes,
-                                           replay_microbatch_bytes, rollout_bytes_per_token,
-                                           router_bytes_per_token)
+    from moe_gspo.plan.host_routes import bytes_per_token, record_microbatch_bytes, replay_microbatch_bytes
     from moe_gspo.plan.params import Geometry
     from moe_gspo.routing.align import build_replay_topk
     from moe_gspo.routing.replay_checks import check_routes, merge_fallback_routes, usable_prefix
@@ -233,13 +229,7 @@ def run(args) -> dict:
     geom = Geometry(vocab_size=151936, hidden=2048, num_layers=L_MOE, num_heads=32, num_kv_heads=4, head_dim=128,
                     intermediate=6144, moe_intermediate=768, num_experts=NUM_EXPERTS, top_k=TOP_K,
                     moe_layers=(True,) * L_MOE, tie_embeddings=False)
-    plan = {"rollout": rollout_bytes_per_token(geom, record_routes=True),
-            "learner_kept": learner_kept_bytes_per_token(geom),
-            "learner_gather": learner_gather_bytes_per_token(geom),
-            "metrics": metrics_bytes_per_token(geom, record_routes=True),
-            "metrics_compare": compare_bytes_per_token(geom, record_routes=True),
-            "metrics_router": router_bytes_per_token(geom, record_routes=True),
-            "drift_metrics": drift_bytes_per_token(geom)}
+    plan = bytes_per_token(geom, record_routes=True)
     N, T = args.seqs, args.seq_len
     tokens, resp = N * T, T - max(2, T // 8)
     rng = np.random.default_rng(0)

@@ -235,6 +235,20 @@ class RouteHostBytes:
         return self.moments[self.peak_moment][name] if self.moments else 0.0
 
 
+def bytes_per_token(geom: Geometry, *, record_routes: bool, record_probs: bool = False) -> dict[str, int]:
+    """Bytes per token of each kind the count uses (`rollout`, `learner_kept`, `learner_gather`, `metrics`
+    and its parts `metrics_compare` / `metrics_router`, `drift_metrics`)."""
+    per_rollout = rollout_bytes_per_token(geom, record_routes=record_routes, record_probs=record_probs)
+    with_routes = per_rollout > 0
+    return {"rollout": per_rollout,
+            "learner_kept": learner_kept_bytes_per_token(geom),
+            "learner_gather": learner_gather_bytes_per_token(geom),
+            "metrics": metrics_bytes_per_token(geom, record_routes=with_routes),
+            "metrics_compare": compare_bytes_per_token(geom, record_routes=with_routes),
+            "metrics_router": router_bytes_per_token(geom, record_routes=with_routes),
+            "drift_metrics": drift_bytes_per_token(geom)}
+
+
 def route_host_bytes(geom: Geometry, *, num_seqs: int, seq_len: int, record_routes: bool,
                      record_probs: bool = False, gen_rounds: int = 1, drift_passes: int = 0,
                      replay: str = "none", replay_mb_seqs: int = 1, gather_bytes: float = 0.0,
@@ -251,15 +265,7 @@ def route_host_bytes(geom: Geometry, *, num_seqs: int, seq_len: int, record_rout
         return RouteHostBytes(tokens=0, moments={}, previous_step={}, per_token={})
     tokens = int(num_seqs) * int(seq_len)
     lkb = geom.num_moe_layers * geom.top_k * id_bytes(geom.num_experts)
-    per_rollout = rollout_bytes_per_token(geom, record_routes=record_routes, record_probs=record_probs)
-    with_routes = per_rollout > 0
-    per = {"rollout": per_rollout,
-           "learner_kept": learner_kept_bytes_per_token(geom),
-           "learner_gather": learner_gather_bytes_per_token(geom),
-           "metrics": metrics_bytes_per_token(geom, record_routes=with_routes),
-           "metrics_compare": compare_bytes_per_token(geom, record_routes=with_routes),
-           "metrics_router": router_bytes_per_token(geom, record_routes=with_routes),
-           "drift_metrics": drift_bytes_per_token(geom)}
+    per = bytes_per_token(geom, record_routes=record_routes, record_probs=record_probs)
     rollout = float(tokens * per["rollout"])
     kept = float(tokens * per["learner_kept"])
     record_mb = record_microbatch_bytes(geom, seqs=replay_mb_seqs, seq_len=seq_len)

@@ -277,5 +277,9 @@ def _check_task_io(cfg: Config) -> None:
                          "task.name=jsonl and eval.path=null (a synthetic task evaluates on its own prompt "
                          "stream); set eval.holdout=0")
     if e.every and t.name == "jsonl" and e.path is None and not e.holdout:
-        raise ValueError("eval.every > 0 with task.name=jsonl needs prompts to evaluate on: set eval.path=FILE.jsonl, "
-                         "or eval.holdout=N to hold N prompts of task.path out of training")
+        # a warning, not an error: the default config's eval.every applies to its synthetic task, and
+        # `task.name=jsonl task.path=FILE` on the command line must run as the README shows
+        warnings.warn(f"eval.every={e.every} with task.name=jsonl but no prompts to evaluate on: evaluation is off; "
+                      "set eval.path=FILE.jsonl, or eval.holdout=N to hold N prompts of task.path out of training",
+                      stacklevel=2)
+        e.every = 0

@@ -243,3 +243,17 @@ def test_default_and_shipped_configs_resolve_outside_the_checkout(tmp_path, monk
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "tiny_cpu.yaml").write_text("train:\n  steps: 3\n")
     assert load_config(TRAIN_DEFAULT_CONFIG).train.steps == 3
+
+
+def test_jsonl_task_without_an_eval_set_turns_eval_off_with_a_warning(tmp_path):
+    """The README's `task.name=jsonl task.path=FILE` on the default config (eval.every: 50) must run."""
+    from moe_gspo.config_load import load_config
+
+    with pytest.warns(UserWarning, match=r"eval.every=50 with task.name=jsonl but no prompts to evaluate on: "
+                                         r"evaluation is off"):
+        cfg = load_config("configs/tiny_cpu.yaml", ["task.name=jsonl", "task.path=x.jsonl"])
+    assert cfg.eval.every == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_config("configs/tiny_cpu.yaml", ["task.name=jsonl", "task.path=x.jsonl",
+                                                     "eval.holdout=1"]).eval.every == 50

@@ -9,19 +9,22 @@ sum, each an autograd node. At the tiny model's sizes those calls, not their ari
 the same order and dtype, so its forward output is bit-identical to the unfused code; its backward is
 the closed form `rotate_half^T(g * sin) + g * cos` (`rotate_half^T(y) = [y2, -y1]`), the same sums,
 in the same memory layout, that autograd forms for the unfused graph (the extra terms there are exact
-zeros), so the model's gradients are bit-identical too (tests/mcore). `cos` and `sin` are computed once per frequency tensor (Megatron
-computes the frequencies once per model forward and passes the same tensor to every layer) instead of
-once per call.
+zeros), so the model's gradients are bit-identical too (tests/mcore). `cos` and `sin` are computed once
+per frequency tensor (Megatron computes the frequencies once per model forward and passes the same tensor
+to every layer) instead of once per call, kept in a `moe_gspo.tensor_cache.TensorCache`.
 
 It takes the place of TE's `fused_apply_rotary_pos_emb` only where TE is absent
-(`moe_gspo.mcore.shims.install_torch_fused_rope`); the packed-sequence (`thd`) variant is not
-provided, so `apply_rope_fusion` stays off for packed sequences.
+(`moe_gspo.mcore.shims.install_torch_fused_rope`, called by `build_gpt_model(fused_rope=True)`; config
+`model.fused_rope`, default on: measured faster, `benchmarks/fastpath_bench.py`); the packed-sequence
+(`thd`) variant is not provided, so `apply_rope_fusion` stays off for packed sequences.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from moe_gspo.tensor_cache import TensorCache
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -50,25 +53,13 @@ class _RotaryBshd(torch.autograd.Function):
         return _rotate_half_transposed(grad * sin) + grad * cos, None, None
 
 
-class _CosSinCache:
-    """`cos(freqs)` and `sin(freqs)` in a dtype for the last frequency tensor seen: the same tensor object
-    (held here, so its id cannot be reused by another tensor) at the same version."""
-
-    def __init__(self) -> None:
-        self._freqs: Tensor | None = None
-        self._key: tuple | None = None
-        self._value: tuple[Tensor, Tensor] | None = None
-
-    def __call__(self, freqs: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        key = (freqs._version, dtype)
-        if freqs is not self._freqs or key != self._key:
-            with torch.no_grad():
-                self._value = (torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype))
-            self._freqs, self._key = freqs, key
-        return self._value
+_cos_sin = TensorCache(leave_inference_mode=False)
+"""`cos(freqs)` and `sin(freqs)` in a dtype for the last frequency tensor seen (one entry: the same tensor
+object, held there so that its id cannot be reused, at the same version)."""
 
 
-_cos_sin = _CosSinCache()
+def _cos_sin_of(freqs: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return _cos_sin("cos_sin", (freqs,), lambda f: (torch.cos(f).to(dtype), torch.sin(f).to(dtype)), extra=(dtype,))
 
 
 def rope_bshd(t: Tensor, freqs: Tensor, interleaved: bool = False) -> Tensor:
@@ -79,7 +70,7 @@ def rope_bshd(t: Tensor, freqs: Tensor, interleaved: bool = False) -> Tensor:
 
         return _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
     rot_dim = freqs.shape[-1]
-    cos, sin = _cos_sin(freqs, t.dtype)
+    cos, sin = _cos_sin_of(freqs, t.dtype)
     if rot_dim == t.shape[-1]:
         return _RotaryBshd.apply(t, cos, sin)
     return torch.cat((_RotaryBshd.apply(t[..., :rot_dim], cos, sin), t[..., rot_dim:]), dim=-1)

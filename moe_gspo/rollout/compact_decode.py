@@ -3,9 +3,10 @@
 At the tiny model's sizes a decode step is bound by per-call overhead, not arithmetic: transformers'
 `Qwen3MoeForCausalLM.forward` spends most of a step in Python (output capturing, mask building, the
 `DynamicCache`, per-module dispatch, a sort-based expert dispatch), ~6 ms per step for 128 rows of a
-3-layer model on this project's CPU. `CompactDecoder.prefill` (the prompts, once each) and
-`CompactDecoder.step` (one new token per row) compute the forward from the same modules' parameters with
-~a third of the tensor calls, and return the same logits:
+3-layer model on this project's CPU. `CompactDecoder`, one of the engine's two decoders behind the
+`moe_gspo.rollout.hf_decoders.HFDecoder` interface (the other runs transformers' forward), computes the
+prefill (the prompts, once each) and each step (one new token per row) from the same modules' parameters
+with ~a third of the tensor calls, and returns the same logits and routes (`DecodeStep`):
 
 - the same operations in the same dtypes at every rounding point as the modules it replaces (RMSNorm
   in fp32 rounded to the engine dtype before its weight, rotary embedding in the engine dtype, SDPA
@@ -29,9 +30,14 @@ models, bit for bit in bf16). Modules' forward hooks do not run in the compact p
 return are what `HFRouterRecorder` records (full-softmax probabilities at the top-k experts, before
 renormalisation; per-token router margin and entropy, `moe_gspo.routing.router_stats`).
 
+The tensors derived from the parameters (concatenated q/k/v, gate/up and expert weights in the compute
+dtype) are kept in the engine's `moe_gspo.tensor_cache.TensorCache` between generations and rebuilt when a
+weight sync changes a parameter in place.
+
 Supported: `Qwen3MoeForCausalLM` with `sdpa` attention (or the project's fp32 variant), no attention
 bias, no sliding window, a rotary embedding that does not change with the sequence length, SiLU
-activations. `unsupported_reason(model)` names what is not; the engine then decodes with transformers.
+activations. `unsupported_reason(model)` names what is not; the engine then decodes with transformers
+(`rollout.compact_decode`: null = this choice, true = required, false = transformers' forward).
 """
 
 from __future__ import annotations
@@ -42,8 +48,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_gspo.rollout.cpu_gemm import ATTENTION_FP32, Fp32GemmForBf16, Fp32Weights
+from moe_gspo.rollout.cpu_gemm import ATTENTION_FP32, Fp32GemmForBf16
+from moe_gspo.rollout.hf_decoders import DecodeStep
 from moe_gspo.routing.router_stats import token_router_stats
+from moe_gspo.tensor_cache import TensorCache
 
 DENSE_EXPERTS_RATIO = 4
 """Compute every expert for every token when num_experts <= this x top_k (see the module docstring)."""
@@ -72,25 +80,6 @@ def unsupported_reason(model: nn.Module) -> str | None:
     return None
 
 
-class _Derived:
-    """Tensors derived from parameters (concatenations, fp32 copies), rebuilt when one of the source
-    parameters has changed in place since (version counter or storage, as `cpu_gemm.Fp32Weights`)."""
-
-    def __init__(self) -> None:
-        self._cache: dict[str, tuple[list, list, torch.Tensor]] = {}
-
-    def __call__(self, key: str, sources: list[torch.Tensor], build) -> torch.Tensor:
-        stamp = [(t._version, t.data_ptr()) for t in sources]
-        hit = self._cache.get(key)  # (the sources themselves, held so that their ids stay theirs; stamp; value)
-        if hit is not None and len(hit[0]) == len(sources) and all(a is b for a, b in zip(hit[0], sources)) \
-                and hit[1] == stamp:
-            return hit[2]
-        with torch.inference_mode(False), torch.no_grad():
-            value = build(*[t.detach() for t in sources])
-        self._cache[key] = (list(sources), stamp, value)
-        return value
-
-
 @dataclass
 class _Layer:
     """One decoder layer's tensors for a generation (resolved by `CompactDecoder.prefill`)."""
@@ -110,7 +99,8 @@ class _Layer:
 
 
 class CompactDecoder:
-    """Decode steps of a transformers Qwen3-MoE model from its own parameters (see the module docstring).
+    """Decode steps of a transformers Qwen3-MoE model from its own parameters (see the module docstring); an
+    `moe_gspo.rollout.hf_decoders.HFDecoder`.
 
     Args:
         model: the engine's `Qwen3MoeForCausalLM`; its parameters are read at every `prefill()`, so weight
@@ -118,32 +108,35 @@ class CompactDecoder:
         fp32_gemm: the engine's bf16 GEMMs run as fp32 GEMMs of the bf16 values rounded back to bf16,
             and attention in fp32 (`moe_gspo.rollout.cpu_gemm`); False: GEMMs and attention in the
             model's dtype.
-        record_probs: also return the router probabilities of the chosen experts.
-        record_stats: also return each token's router margin and entropy per MoE layer
+        record_routes: return the routes (top-k expert ids) of the tokens fed; False: `DecodeStep` without
+            routes (settable: the engine turns it off when it stops recording).
+        record_probs: with them, the router probabilities of the chosen experts.
+        record_stats: with them, each token's router margin and entropy per MoE layer
             (`moe_gspo.routing.router_stats.token_router_stats`).
-        fp32_weights: the engine's cached fp32 copies of its weights (for the experts module, when it
-            runs; `cpu_gemm.Fp32Weights`).
+        cache: the engine's `TensorCache`, for the tensors derived from the parameters (concatenated
+            weights, their fp32 copies, the fp32 copies the experts module uses when it runs); default: its own.
     """
 
     def __init__(self, model: nn.Module, *, fp32_gemm: bool, record_probs: bool = True,
-                 fp32_weights: Fp32Weights | None = None, record_stats: bool = True):
+                 cache: TensorCache | None = None, record_stats: bool = True, record_routes: bool = True):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"compact decoding does not support this model: {reason}; decode with "
-                             "transformers instead (HFEngine(compact_decode=False))")
+                             "transformers instead (HFEngine(compact_decode=False); rollout.compact_decode="
+                             "false or null)")
         self.model = model
         config = model.config
         self.dtype = model.model.embed_tokens.weight.dtype
         self.fp32_gemm = fp32_gemm and self.dtype == torch.bfloat16
         self.compute_dtype = torch.float32 if self.fp32_gemm else self.dtype
+        self.record_routes = record_routes
         self.record_probs = record_probs
         self.record_stats = record_stats
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.id_dtype = torch.int16 if config.num_experts <= torch.iinfo(torch.int16).max else torch.int32
-        self._derived = _Derived()
-        self._fp32_weights = fp32_weights if fp32_weights is not None else Fp32Weights()
+        self._cache = cache if cache is not None else TensorCache()
         self._layers: list[_Layer] = []
         self._K: list[torch.Tensor] = []
         self._V: list[torch.Tensor] = []
@@ -170,13 +163,13 @@ class CompactDecoder:
         dtype = self.compute_dtype
         if len(sources) == 1 and sources[0].dtype == dtype:
             return sources[0].detach()
-        return self._derived(key, sources, lambda *ts: torch.cat([t.to(dtype) for t in ts]))
+        return self._cache(key, sources, lambda *ts: torch.cat([t.to(dtype) for t in ts]))
 
     def _resolve_layer(self, index: int, layer: nn.Module) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         norm = lambda m: (m.weight.detach(), m.variance_epsilon)  # noqa: E731
-        qk_norm = self._derived(f"{index}.qk_norm", [attn.q_norm.weight, attn.k_norm.weight],
+        qk_norm = self._cache(f"{index}.qk_norm", [attn.q_norm.weight, attn.k_norm.weight],
                                 lambda q, k: torch.cat([q.expand(nh, hd), k.expand(nkv, hd)]))
         common = dict(norm1=norm(layer.input_layernorm),
                       qkv=self._weight(f"{index}.qkv", [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
@@ -192,21 +185,20 @@ class CompactDecoder:
             empty = torch.empty(0)
             return _Layer(**common, **moe, gate_up=empty, down=empty, experts=experts)
         dtype = self.compute_dtype
-        gate_up = self._derived(f"{index}.experts_gate_up", [experts.gate_up_proj],
+        gate_up = self._cache(f"{index}.experts_gate_up", [experts.gate_up_proj],
                                 lambda w: w.to(dtype).reshape(-1, w.shape[-1]))
-        down = self._derived(f"{index}.experts_down", [experts.down_proj],
+        down = self._cache(f"{index}.experts_down", [experts.down_proj],
                              lambda w: w.to(dtype).transpose(1, 2).contiguous())
         return _Layer(**common, **moe, gate_up=gate_up, down=down)
 
     # ----------------------------------------------------------------------------- prefill
     def prefill(self, input_ids_PT: torch.Tensor, attention_mask_PT: torch.Tensor, positions_PT: torch.Tensor,
-                repeat: int, max_new_tokens: int):
+                repeat: int, max_new_tokens: int) -> DecodeStep:
         """The prefill forward of the left-padded prompts (each distinct prompt once), as transformers runs
         it (its own causal-mask builder and attention dispatch, so the same kernel calls), writing the keys
         and values into a static cache of `repeat` rows per prompt with room for `max_new_tokens` more
-        positions. Returns `(logits_PV float32 at the last position, ids_PTLK int16, probs_PTLK float32 or
-        None, stats_PTL2 float32 or None)` (stats: router margin and entropy). The weights are read here,
-        once per generation."""
+        positions. Returns the `DecodeStep` of the last position's logits, repeated to [P * repeat, V], and
+        the routes [P, T, L, K] of the prompt tokens. The weights are read here, once per generation."""
         from transformers import DynamicCache
         from transformers.masking_utils import create_causal_mask
 
@@ -260,19 +252,15 @@ class CompactDecoder:
             out = out.to(self.dtype).transpose(1, 2).reshape(num_prompts, num_prompt, nh * hd)
             h = h + gemm(out, layer.o)
             h = h + self._ffn(layer, rms(h, layer.norm2), ids, probs, stats)
-        logits = gemm(rms(h[:, -1], self._final_norm), self._head, self._head_bias)
-        ids_PTLK = torch.stack(ids, dim=1).to(self.id_dtype).view(num_prompts, num_prompt, len(ids), -1)
-        probs_PTLK = (torch.stack(probs, dim=1).view(num_prompts, num_prompt, len(probs), -1)
-                      if self.record_probs else None)
-        stats_PTL2 = (torch.stack(stats, dim=1).view(num_prompts, num_prompt, len(stats), 2)
-                      if self.record_stats else None)
-        return logits.float(), ids_PTLK, probs_PTLK, stats_PTL2
+        logits_PV = gemm(rms(h[:, -1], self._final_norm), self._head, self._head_bias).float()
+        return self._decode_step(logits_PV.repeat_interleave(repeat, dim=0), ids, probs, stats,
+                                 (num_prompts, num_prompt))
 
     # ----------------------------------------------------------------------------- one step
-    def step(self, tokens_B: torch.Tensor, positions_B: torch.Tensor):
-        """Feed one token per row at its position; returns `(logits_BV float32, ids_BLK, probs_BLK, stats_BL2)`
-        with the top-k expert ids (int16), their full-softmax probabilities (float32, or None) and the
-        router margin and entropy (float32, or None) of every MoE layer."""
+    def step(self, tokens_B: torch.Tensor, positions_B: torch.Tensor) -> DecodeStep:
+        """Feed one token per row at its position: `DecodeStep` of the next-token logits and the routes [B, 1, L, K]
+        of the fed tokens (top-k expert ids int16, their full-softmax probabilities and the router margin and
+        entropy of every MoE layer, float32, as recorded)."""
         assert self._K, "call prefill() first"
         slot = self._slot
         assert slot < self._K[0].shape[2], "more decode steps than prefill() made room for"
@@ -297,11 +285,23 @@ class CompactDecoder:
             h_BH = h_BH + gemm(out.to(self.dtype).reshape(num_rows, nh * hd), layer.o)
             h_BH = h_BH + self._ffn(layer, rms(h_BH, layer.norm2), ids, probs, stats)
         self._slot = slot + 1
-        logits = gemm(rms(h_BH, self._final_norm), self._head, self._head_bias)
-        ids_BLK = torch.stack(ids, dim=1).to(self.id_dtype)
-        probs_BLK = torch.stack(probs, dim=1) if self.record_probs else None
-        stats_BL2 = torch.stack(stats, dim=1) if self.record_stats else None
-        return logits.float(), ids_BLK, probs_BLK, stats_BL2
+        logits_BV = gemm(rms(h_BH, self._final_norm), self._head, self._head_bias).float()
+        return self._decode_step(logits_BV, ids, probs, stats, (num_rows, 1))
+
+    def _decode_step(self, logits_BV: torch.Tensor, ids: list, probs: list, stats: list, rows_tokens: tuple
+                     ) -> DecodeStep:
+        """The `DecodeStep` of a forward whose MoE layers appended their [N*T, K] routes to `ids` / `probs` / `stats`."""
+        if not self.record_routes:
+            return DecodeStep(logits_BV)
+        L = len(ids)
+        ids_NTLK = torch.stack(ids, dim=1).to(self.id_dtype).view(*rows_tokens, L, -1)
+        probs_NTLK = torch.stack(probs, dim=1).view(*rows_tokens, L, -1) if self.record_probs else None
+        stats_NTL2 = torch.stack(stats, dim=1).view(*rows_tokens, L, 2) if self.record_stats else None
+        return DecodeStep(logits_BV, ids_NTLK, probs_NTLK, stats_NTL2)
+
+    def end(self) -> None:
+        """Release the generation's KV cache (the derived weights stay in the cache)."""
+        self._K, self._V, self._mask_B11T = [], [], None
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -332,7 +332,7 @@ class CompactDecoder:
         weights_BK = weights_BK.to(logits_BE.dtype)
         if layer.experts is not None:
             if self.fp32_gemm:
-                with Fp32GemmForBf16(self._fp32_weights):
+                with Fp32GemmForBf16(self._cache):
                     return layer.experts(x_BH, ids_BK, weights_BK), ids_BK, recorded, stats_B2
             return layer.experts(x_BH, ids_BK, weights_BK), ids_BK, recorded, stats_B2
         num_rows, num_experts = x_BH.shape[0], layer.down.shape[0]

@@ -23,10 +23,10 @@ It is used by the transformers rollout engine on CPU in bf16 only when the CPU l
   mode), and only the other modules that own a matrix (>= 2-D parameters: the MoE router, the
   experts) run their forward inside the mode. Norms, embeddings (a lookup, no GEMM), rotary embeddings
   and the KV cache run outside it. Same numbers as the mode over the whole model (tests/rollout).
-- **Weights.** The fp32 copies of the bf16 weights (`Fp32Weights`) are made once and reused until a
-  weight changes in place (a weight sync bumps the tensor's version counter), instead of casting every
-  weight at every forward: one fp32 copy of the engine's matrices stays in memory (the tiny model's:
-  well under 1 MiB).
+- **Weights.** The fp32 copies of the bf16 weights (`fp32_copy`, kept in the engine's
+  `moe_gspo.tensor_cache.TensorCache`) are made once and reused until a weight changes in place (a weight
+  sync bumps the tensor's version counter), instead of casting every weight at every forward: one fp32
+  copy of the engine's matrices stays in memory (the tiny model's: well under 1 MiB).
 - **Attention.** torch's bf16 attention kernel on such CPUs is ~2x slower than its fp32 one at
   decode shapes. The model's `sdpa` attention is swapped for `sdpa_fp32_for_bf16`
   (`ATTENTION_FP32`, registered in transformers' `AttentionInterface`): the bf16 query, keys and values
@@ -46,6 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+
+from moe_gspo.tensor_cache import TensorCache
 
 ATTENTION_FP32 = "sdpa_fp32_for_bf16"
 """Name of the fp32-compute attention in transformers' `AttentionInterface` (see the module docstring)."""
@@ -74,33 +76,26 @@ def needs_fp32_gemm(device: torch.device | str, dtype: torch.dtype) -> bool:
     return not native
 
 
-class Fp32Weights:
-    """fp32 copies of bf16 parameters, each made on first use and made again when the parameter has
-    changed in place since (its version counter, shared with every view written through, or its storage
-    moved). Tensors that are not parameters (activations) are cast every time."""
+def fp32_copy(cache: TensorCache | None, t: torch.Tensor) -> torch.Tensor:
+    """The fp32 value of a bf16 GEMM operand: a parameter's copy is kept in `cache` (made on first use and
+    again after the parameter changed in place: a weight sync bumps its version counter); other tensors
+    (activations), or every tensor without a cache, are cast every time."""
+    if cache is None or not isinstance(t, nn.Parameter):
+        return t.float()
+    return cache(("fp32", id(t)), (t,), _to_fp32)
 
-    def __init__(self) -> None:
-        self._copies: dict[int, tuple[torch.Tensor, int, int, torch.Tensor]] = {}
 
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, nn.Parameter):
-            return t.float()
-        hit = self._copies.get(id(t))
-        if hit is not None and hit[0] is t and hit[1] == t._version and hit[2] == t.data_ptr():
-            return hit[3]
-        with torch.inference_mode(False), torch.no_grad():
-            up = t.detach().float()
-        self._copies[id(t)] = (t, t._version, t.data_ptr(), up)
-        return up
+def _to_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float()
 
 
 class Fp32GemmForBf16(TorchFunctionMode):
     """While active, bf16 CPU GEMMs run as fp32 GEMMs of the same values, rounded back to bf16.
-    `weights` gives the fp32 value of a bf16 operand (default: a cast; `Fp32Weights` caches parameters)."""
+    `cache`: where the fp32 copies of parameters are kept (`fp32_copy`); None casts every operand."""
 
-    def __init__(self, weights=None):
+    def __init__(self, cache: TensorCache | None = None):
         super().__init__()
-        self.up = weights if weights is not None else (lambda t: t.float())
+        self.up = functools.partial(fp32_copy, cache)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -114,17 +109,17 @@ class Fp32GemmForBf16(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _linear_fp32(module: nn.Linear, weights: Fp32Weights, x: torch.Tensor) -> torch.Tensor:
+def _linear_fp32(module: nn.Linear, cache: TensorCache, x: torch.Tensor) -> torch.Tensor:
     w, b = module.weight, module.bias
     if x.dtype == w.dtype == torch.bfloat16 and x.device.type == "cpu" and (b is None or b.dtype == torch.bfloat16):
-        return F.linear(x.float(), weights(w), None if b is None else weights(b)).to(torch.bfloat16)
+        return F.linear(x.float(), fp32_copy(cache, w), None if b is None else fp32_copy(cache, b)).to(torch.bfloat16)
     return F.linear(x, w, b)
 
 
-def _in_mode(forward, weights: Fp32Weights):
+def _in_mode(forward, cache: TensorCache):
     @functools.wraps(forward)
     def wrapped(*args, **kwargs):
-        with Fp32GemmForBf16(weights):
+        with Fp32GemmForBf16(cache):
             return forward(*args, **kwargs)
     return wrapped
 
@@ -162,12 +157,12 @@ def _register_attention() -> None:
 
 
 @contextlib.contextmanager
-def fp32_gemms_in(model: nn.Module, weights: Fp32Weights | None = None):
+def fp32_gemms_in(model: nn.Module, cache: TensorCache | None = None):
     """While active, `model`'s bf16 CPU GEMMs run as fp32 GEMMs of the same values rounded back to bf16,
-    and its `sdpa` attention computes in fp32 (see the module docstring). `weights`: the fp32 copies to
-    reuse across calls (the engine keeps one `Fp32Weights`); default: copies for this scope only. The
+    and its `sdpa` attention computes in fp32 (see the module docstring). `cache`: where the fp32 copies of
+    the weights are kept across calls (the engine's `TensorCache`); default: copies for this scope only. The
     modules' `forward` attributes and the attention implementation are restored on exit."""
-    weights = weights if weights is not None else Fp32Weights()
+    cache = cache if cache is not None else TensorCache()
     patched = []
     config = getattr(model, "config", None)
     attention = getattr(config, "_attn_implementation", None)
@@ -176,9 +171,9 @@ def fp32_gemms_in(model: nn.Module, weights: Fp32Weights | None = None):
             if "forward" in module.__dict__:  # already patched (nested use) or set by someone else: leave it
                 continue
             if isinstance(module, nn.Linear):
-                module.forward = functools.partial(_linear_fp32, module, weights)
+                module.forward = functools.partial(_linear_fp32, module, cache)
             elif _owns_a_matrix(module):
-                module.forward = _in_mode(module.forward, weights)
+                module.forward = _in_mode(module.forward, cache)
             else:
                 continue
             patched.append(module)

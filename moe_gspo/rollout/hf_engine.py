@@ -8,9 +8,13 @@ so that router captures map one-to-one onto token positions:
   repeated `n` times) gives the routes of every prompt token;
 - each decode forward feeds one sampled token per row and gives that token's routes.
 
-Both forwards run `moe_gspo.rollout.compact_decode.CompactDecoder` when it supports the model (the same
-numbers as the model's own forward, in about a third of the tensor calls; the routes come from it
-directly), else the model's forward with `HFRouterRecorder` hooks (`compact_decode=False`).
+Both forwards go through one decoder interface (`moe_gspo.rollout.hf_decoders.HFDecoder`: `prefill` and
+`step`, each giving float32 logits and the fed tokens' routes), so `_generate` is one sampling loop over
+either implementation: `moe_gspo.rollout.compact_decode.CompactDecoder` when it supports the model (the
+same numbers as the model's own forward, in about a third of the tensor calls; the routes come from it
+directly), else `TransformersDecoder`, the model's forward with `HFRouterRecorder` hooks
+(`compact_decode=False`). Tensors derived from the weights (fp32 copies, concatenations) are kept in one
+`moe_gspo.tensor_cache.TensorCache` per engine, rebuilt when a weight sync changes a weight.
 
 Position ids come from the attention mask (`cumsum - 1`), so left padding does not shift positions
 and a padded row computes what it would compute alone. The last sampled token of a row is never fed
@@ -39,12 +43,14 @@ from torch import nn
 from moe_gspo.algos.support import DEFAULT_SUPPORT_CAP, support_top_k
 from moe_gspo.rollout.base import RolloutEngine, RolloutSample, SamplingParams
 from moe_gspo.rollout.compact_decode import CompactDecoder, unsupported_reason
-from moe_gspo.rollout.cpu_gemm import Fp32Weights, fp32_gemms_in, needs_fp32_gemm
+from moe_gspo.rollout.cpu_gemm import fp32_gemms_in, needs_fp32_gemm
 from moe_gspo.rollout.fp8 import QUANTIZATIONS, Fp8WeightQuantizer
+from moe_gspo.rollout.hf_decoders import HFDecoder, TransformersDecoder
 from moe_gspo.rollout.hf_router_hooks import HFRouterRecorder, find_routers
 from moe_gspo.rollout.token_sampler import TokenSampler, draw_tokens
 from moe_gspo.rollout.weights_sync import load_named_tensors_
 from moe_gspo.routing.trace import ids_dtype
+from moe_gspo.tensor_cache import TensorCache
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
            "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
@@ -143,10 +149,11 @@ class HFEngine(RolloutEngine):
         fp32_gemm: compute bf16 GEMMs as fp32 GEMMs of the bf16 values rounded back to bf16, and
             attention in fp32 from the bf16 inputs (`moe_gspo.rollout.cpu_gemm`: the same rounding
             points, faster on CPUs without bf16 kernels; the fp32 copies of the weights are kept
-            between generations); None = when that applies (bf16 on such a CPU).
+            between generations); None = when that applies (bf16 on such a CPU). Config: rollout.fp32_gemm.
         compact_decode: prefill and decode steps by `moe_gspo.rollout.compact_decode.CompactDecoder`
             (the same numbers as transformers' forward in a fraction of the calls); None = when the
-            model is supported, True = required (ValueError if not), False = transformers' forward.
+            model is supported, True = required (ValueError if not), False = transformers' forward
+            (`hf_decoders.TransformersDecoder`). Config: rollout.compact_decode.
         quantization: None, or "fp8": the engine's linear weights (attention, dense MLP, experts; not
             the router or lm_head) are kept on the float8 e4m3 grid, quantized at start and again after
             every `update_weights` (`moe_gspo.rollout.fp8`: what it emulates of vLLM's FP8 and what not).
@@ -167,7 +174,7 @@ class HFEngine(RolloutEngine):
         self.device = torch.device(device if device is not None
                                    else ("cuda" if torch.cuda.is_available() else "cpu"))
         self.fp32_gemm = needs_fp32_gemm(self.device, self.dtype) if fp32_gemm is None else bool(fp32_gemm)
-        self._fp32_weights = Fp32Weights()  # refreshed per weight as update_weights changes it
+        self._cache = TensorCache()  # tensors derived from the weights, rebuilt as update_weights changes them
         self._model = _load_model(model_or_dir, self.dtype, self.device)
         self._fp8: Fp8WeightQuantizer | None = None
         if quantization == "fp8":
@@ -196,10 +203,11 @@ class HFEngine(RolloutEngine):
             if record_routes else None)
         if compact_decode is None:
             compact_decode = unsupported_reason(self._model) is None
-        self._compact: CompactDecoder | None = (
-            CompactDecoder(self._model, fp32_gemm=self.fp32_gemm, record_probs=self.record_probs,
-                           fp32_weights=self._fp32_weights, record_stats=self.record_probs)
-            if compact_decode else None)
+        self._decoder: HFDecoder = (
+            CompactDecoder(self._model, fp32_gemm=self.fp32_gemm, record_probs=self.record_probs, cache=self._cache,
+                           record_stats=self.record_probs, record_routes=record_routes)
+            if compact_decode else
+            TransformersDecoder(self._model, self.recorder, num_moe_layers=self.num_moe_layers, top_k=self._top_k))
 
     # ----------------------------------------------------------------------------- properties
     @property
@@ -210,7 +218,7 @@ class HFEngine(RolloutEngine):
     @property
     def compact_decode(self) -> bool:
         """True when the prefill and decode steps run `CompactDecoder` instead of transformers' forward."""
-        return self._compact is not None
+        return isinstance(self._decoder, CompactDecoder)
 
     @property
     def records_routes(self) -> bool:
@@ -263,39 +271,27 @@ class HFEngine(RolloutEngine):
             if bad:
                 raise ValueError(f"prompts[{i}] has token ids {bad[:5]} outside [0, {self.vocab_size})")
 
-    def _pop_routes(self, batch: int, seq: int):
-        """The single recorded forward as ([batch, seq, L, K] ids, probs or None, [batch, seq, L, 2] router
-        margin and entropy or None)."""
-        calls = self.recorder.pop()
-        assert len(calls) == 1, f"expected one recorded forward, got {len(calls)}"
-        ids = calls[0].topk_ids_NLK.reshape(batch, seq, self.num_moe_layers, self._top_k)
-        probs, stats = calls[0].probs_NLK, calls[0].stats_NL2
-        if probs is not None:
-            probs = probs.reshape(batch, seq, self.num_moe_layers, self._top_k)
-        if stats is not None:
-            stats = stats.reshape(batch, seq, self.num_moe_layers, 2)
-        return ids, probs, stats
-
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[RolloutSample]:
         """Sample `sampling.n` responses per prompt, all prompts in one batch; groups contiguous."""
         _check_sampling(sampling)
         sampler = TokenSampler(sampling, pad_token_id=self.pad_token_id, device=self.device)
-        scope = fp32_gemms_in(self._model, self._fp32_weights) if self.fp32_gemm else contextlib.nullcontext()
+        scope = fp32_gemms_in(self._model, self._cache) if self.fp32_gemm else contextlib.nullcontext()
         with torch.inference_mode(), scope:
-            samples = self._generate(prompts, sampling, sampler)
+            try:
+                samples = self._generate(prompts, sampling, sampler)
+            finally:
+                self._decoder.end()
         sampler.attach_supports(samples)  # same-support log-probs: each token's support (top-p / top-k)
         return samples
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingParams, sampler: TokenSampler
                   ) -> list[RolloutSample]:
-        from transformers import DynamicCache
-
+        """One loop over the decoder: the prefill, then sample a token per row and feed it back."""
         self._check_prompts(prompts)
-        n, device = sampling.n, self.device
+        n, device, decoder = sampling.n, self.device, self._decoder
         num_prompts = len(prompts)
         batch = num_prompts * n
-        lengths_P = [len(p) for p in prompts]
-        max_len = max(lengths_P)
+        max_len = max(len(p) for p in prompts)
         input_ids = torch.full((num_prompts, max_len), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((num_prompts, max_len), dtype=torch.long)
         for i, prompt in enumerate(prompts):
@@ -307,51 +303,25 @@ class HFEngine(RolloutEngine):
         eos_ids = torch.tensor(self.eos_token_ids, device=device)
         if self.recorder is not None:
             self.recorder.clear()
-
-        # Prefill each distinct prompt once, then repeat the cache for the n samples.
-        compact, cache = self._compact, None
-        if compact is not None:  # its own static cache, n rows per prompt
-            last_logits, pre_ids, pre_probs, pre_stats = compact.prefill(input_ids, mask, positions, n,
-                                                                         sampling.max_new_tokens)
-            prefill_routes = (pre_ids, pre_probs, pre_stats) if self.recorder is not None else None
-        else:
-            cache = DynamicCache(config=self._model.config)
-            out = self._model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                              past_key_values=cache, use_cache=True, logits_to_keep=1,
-                              output_router_logits=False)
-            prefill_routes = self._pop_routes(num_prompts, max_len) if self.recorder is not None else None
-            if n > 1:
-                cache.batch_repeat_interleave(n)
-            last_logits = out.logits[:, -1].float()
-        logits_BV = last_logits.repeat_interleave(n, dim=0)
-        mask = mask.repeat_interleave(n, dim=0)
+        # each distinct prompt once; the decoder repeats its state for the n samples
+        out = decoder.prefill(input_ids, mask, positions, n, sampling.max_new_tokens)
+        prefill_routes = (out.ids_NTLK, out.probs_NTLK, out.stats_NTL2) if out.ids_NTLK is not None else None
         next_pos_B = positions[:, -1].repeat_interleave(n, dim=0) + 1
         tokens, logprobs, decode_ids, decode_probs, decode_stats = [], [], [], [], []
         finished_B = torch.zeros(batch, dtype=torch.bool, device=device)
         for step in range(sampling.max_new_tokens):
-            tok_B, logp_B = sampler.step(logits_BV, finished_B)
+            tok_B, logp_B = sampler.step(out.logits_BV, finished_B)
             tokens.append(tok_B)
             logprobs.append(logp_B)
             finished_B = finished_B | torch.isin(tok_B, eos_ids)
             if step == sampling.max_new_tokens - 1 or bool(finished_B.all()):
                 break
-            if compact is not None:
-                logits_BV, ids, probs, stats = compact.step(tok_B, next_pos_B)
-                ids = ids[:, None] if self.recorder is not None else None
-                probs = probs[:, None] if probs is not None else None
-                stats = stats[:, None] if stats is not None else None
-            else:
-                mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=1)
-                out = self._model(input_ids=tok_B[:, None], attention_mask=mask,
-                                  position_ids=next_pos_B[:, None], past_key_values=cache,
-                                  use_cache=True, output_router_logits=False)
-                logits_BV = out.logits[:, -1].float()
-                ids, probs, stats = self._pop_routes(batch, 1) if self.recorder is not None else (None, None, None)
+            out = decoder.step(tok_B, next_pos_B)
             next_pos_B = next_pos_B + 1
-            if ids is not None:
-                decode_ids.append(ids[:, 0])
-                decode_probs.append(probs[:, 0] if probs is not None else None)
-                decode_stats.append(stats[:, 0] if stats is not None else None)
+            if out.ids_NTLK is not None:
+                decode_ids.append(out.ids_NTLK[:, 0])
+                decode_probs.append(out.probs_NTLK[:, 0] if out.probs_NTLK is not None else None)
+                decode_stats.append(out.stats_NTL2[:, 0] if out.stats_NTL2 is not None else None)
 
         return self._collect(prompts, n, max_len, torch.stack(tokens, 1), torch.stack(logprobs, 1),
                              eos_ids, prefill_routes, decode_ids, decode_probs, decode_stats)
@@ -415,3 +385,4 @@ class HFEngine(RolloutEngine):
         if self.recorder is not None:
             self.recorder.remove()
             self.recorder = None
+        self._decoder.record_routes = False

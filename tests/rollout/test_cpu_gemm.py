@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from moe_gspo.rollout.base import SamplingParams
-from moe_gspo.rollout.cpu_gemm import (ATTENTION_FP32, Fp32GemmForBf16, Fp32Weights, fp32_gemms_in,
-                                       needs_fp32_gemm)
+from moe_gspo.rollout.cpu_gemm import ATTENTION_FP32, Fp32GemmForBf16, fp32_copy, fp32_gemms_in, needs_fp32_gemm
 from moe_gspo.rollout.hf_engine import HFEngine
 from moe_gspo.tiny import build_tiny_model
+from moe_gspo.tensor_cache import TensorCache
 
 
 def _bf16(*shape, seed=0):
@@ -92,8 +92,7 @@ def test_scoped_fp32_gemms_equal_the_mode_over_the_whole_model_and_restore_the_f
     assert model.config._attn_implementation == "sdpa"
     with torch.inference_mode():
         x = _bf16(64, model.config.hidden_size, seed=1)
-        weights = Fp32Weights()
-        with fp32_gemms_in(model, weights):
+        with fp32_gemms_in(model, TensorCache()):
             assert model.config._attn_implementation == ATTENTION_FP32
             scoped = model(input_ids=ids, attention_mask=mask).logits
             again = model(input_ids=ids, attention_mask=mask).logits  # the cached fp32 weights: same numbers
@@ -129,14 +128,15 @@ def test_fp32_attention_is_sdpa_of_the_upcast_inputs_rounded_once():
 
 def test_cached_fp32_weights_follow_in_place_updates():
     w = torch.nn.Parameter(_bf16(8, 4), requires_grad=False)
-    weights = Fp32Weights()
-    first = weights(w)
-    assert first.dtype == torch.float32 and torch.equal(first, w.float()) and weights(w) is first  # reused
+    cache = TensorCache()
+    first = fp32_copy(cache, w)
+    assert first.dtype == torch.float32 and torch.equal(first, w.float()) and fp32_copy(cache, w) is first  # reused
     with torch.no_grad():
         w[2].copy_(torch.full((4,), 3.0))  # a weight sync writes through views: the version counter moves
-    assert torch.equal(weights(w), w.float()) and float(weights(w)[2, 0]) == 3.0
+    assert torch.equal(fp32_copy(cache, w), w.float()) and float(fp32_copy(cache, w)[2, 0]) == 3.0
     act = _bf16(2, 4)
-    assert torch.equal(weights(act), act.float())  # an activation is cast every time, never cached
+    assert torch.equal(fp32_copy(cache, act), act.float())  # an activation is cast every time, never cached
+    assert len(cache) == 1
 
 
 def test_engine_uses_synced_weights_not_stale_fp32_copies():

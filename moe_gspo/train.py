@@ -11,6 +11,7 @@ every option.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -182,9 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     def entry() -> int:
         from moe_gspo.run.activity import exit_with_launcher
         from moe_gspo.run.cli import parse_train_args
+        from moe_gspo.mcore.shims import transformer_engine_warning  # (importing moe_gspo.mcore runs the guard)
+        from moe_gspo.run.errors import warn_once
         from moe_gspo.run.setup import quiet_known_warnings
 
         quiet_known_warnings()
+        if (te := transformer_engine_warning()) is not None:  # an installed TE that cannot be imported: absent
+            warn_once(te, is_main=os.environ.get("RANK", "0") == "0")
         exit_with_launcher()  # kill -9 of torchrun must not leave this worker writing
         args, cfg = parse_train_args(argv)  # CLI and config errors: SystemExit(2), printed once
         run_dir.append(args.run_dir)

@@ -361,6 +361,23 @@ def test_a_user_error_under_torchrun_is_printed_once_and_exits_2(tmp_path):
     assert short.stderr.strip().splitlines() == ["error: train.lr='abc' must be a number"]
 
 
+def test_an_unimportable_transformer_engine_runs_the_main_job_and_warns_once(tmp_path):
+    """Issue 31: an installed TE that raises ImportError crashed Megatron's import (it catches only
+    ModuleNotFoundError); now it counts as absent, with one warning line from rank 0."""
+    pkg = tmp_path / "site" / "transformer_engine"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text('raise ImportError("libtransformer_engine.so: undefined symbol: _ZN3c10")\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pkg.parent), str(ROOT)])}
+    args = ["--nproc-per-node", "2", "-m", "moe_gspo.train", *TINY, "--run-dir", str(tmp_path / "run"),
+            "train.steps=2", "parallel.expert_parallel_size=2"]
+    out = subprocess.run([sys.executable, "-m", "moe_gspo.launch", *args], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    warned = [l for l in out.stderr.splitlines() if "Transformer Engine is installed but does not import" in l]
+    assert len(warned) == 1 and "ImportError: libtransformer_engine.so" in warned[0], out.stderr[-3000:]
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
 # ----------------------------------------------------------------------------- defect 9: wall time
 
 def test_done_json_wall_time_accumulates_over_resumed_segments(run, finished):

@@ -15,5 +15,10 @@ Modules: `shims` (CPU / no-TE compatibility), `parallel` (process grid), `model`
 `GPTModel` construction, forward), `weights` (HF <-> Megatron tensors, full gather for export),
 `weight_stream` (the per-layer HF-named weight stream for the rollout engines' sync),
 `checkpoint` (safetensors directories in and out). Nothing here is imported eagerly, so
-`import moe_gspo.mcore` does not import Megatron.
+`import moe_gspo.mcore` does not import Megatron; it only runs `shims.hide_unimportable_transformer_engine`
+(which tries `import transformer_engine` when TE is installed).
 """
+
+from moe_gspo.mcore.shims import hide_unimportable_transformer_engine as _hide_te
+
+_hide_te()  # before any Megatron import: an installed TE that fails to import counts as absent (shims.py)

@@ -26,6 +26,17 @@ rather than by `apply_shims()`:
   `moe_gspo.mcore.fused_rope.rope_bshd` (one autograd function, bit-identical forward and gradients to
   Megatron's unfused RoPE) in that slot. With TE present, TE's own kernel stays.
 
+One guard runs before Megatron is imported at all (`moe_gspo.mcore`'s package import runs it):
+
+- `hide_unimportable_transformer_engine()`: Megatron-core imports `transformer_engine` itself at module
+  level in places (`tensor_parallel/random.py`, ...) and catches only `ModuleNotFoundError` there, so a TE
+  that is installed but raises `ImportError` / `OSError` when imported (a wheel built for another torch or
+  CUDA, a missing shared library) crashes the first Megatron import. The guard tries the import once; when
+  it fails it marks `transformer_engine` as a missing module (`sys.modules[name] = None`, which makes every
+  later `import transformer_engine...` raise `ModuleNotFoundError`), so Megatron and
+  `have_transformer_engine()` see TE as absent. `transformer_engine_import_error()` gives the error for
+  the one warning line the entry points print (rank 0).
+
 Besides those shims, two decisions are taken here the way Megatron-core 0.16.1 takes them:
 
 - `have_transformer_engine()`: Transformer Engine counts as present only when it *imports*
@@ -53,6 +64,51 @@ import contextlib
 import torch
 
 _APPLIED: set[str] = set()
+_TE_IMPORT_ERROR: list[str] = []  # the one import error of an installed, unimportable Transformer Engine
+
+
+def hide_unimportable_transformer_engine() -> str | None:
+    """Mark an installed Transformer Engine that fails to import as a missing module, before Megatron is
+    imported (see the module docstring). Returns the import error ("ExcType: message"), or None when TE
+    imports or is not installed. Idempotent; the import is tried once per process."""
+    import importlib.util
+    import sys
+
+    if _TE_IMPORT_ERROR or "te_import_checked" in _APPLIED:
+        return _TE_IMPORT_ERROR[0] if _TE_IMPORT_ERROR else None
+    _APPLIED.add("te_import_checked")
+    if "transformer_engine" in sys.modules:  # imported already (or already hidden)
+        return None
+    try:
+        if importlib.util.find_spec("transformer_engine") is None:
+            return None
+    except (ImportError, ValueError):  # a broken package found on the path
+        pass
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except (ImportError, OSError) as e:
+        for name in [n for n in sys.modules if n == "transformer_engine" or n.startswith("transformer_engine.")]:
+            del sys.modules[name]
+        sys.modules["transformer_engine"] = None  # `import transformer_engine...` -> ModuleNotFoundError
+        _TE_IMPORT_ERROR.append(f"{type(e).__name__}: {e}".splitlines()[0])
+        _APPLIED.add("hide_transformer_engine")
+        return _TE_IMPORT_ERROR[0]
+    return None
+
+
+def transformer_engine_import_error() -> str | None:
+    """The import error of an installed Transformer Engine that `hide_unimportable_transformer_engine`
+    hid, else None."""
+    return _TE_IMPORT_ERROR[0] if _TE_IMPORT_ERROR else None
+
+
+def transformer_engine_warning() -> str | None:
+    """The one warning line for a hidden Transformer Engine (None when nothing was hidden)."""
+    error = transformer_engine_import_error()
+    if error is None:
+        return None
+    return (f"Transformer Engine is installed but does not import ({error}); running without it (Megatron's "
+            "local layer spec and moe-gspo's torch fast paths). Uninstall it or install a build for this torch")
 
 
 def have_transformer_engine() -> bool:

@@ -87,3 +87,32 @@ def test_untie_adam_steps_gives_each_state_its_own_counter():
     steps[0] += 1  # torch's Adam increments in place: the others must not move
     assert [float(s) for s in steps] == [4.0, 3.0, 3.0]
     assert shims.untie_adam_steps_after_load(SimpleNamespace(optimizer=opt)) == 0
+
+
+def _unimportable_te(root) -> str:
+    """A `transformer_engine` package that is installed (found on the path) but raises ImportError."""
+    pkg = root / "transformer_engine"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text('raise ImportError("libtransformer_engine.so: undefined symbol: _ZN3c10")\n')
+    return str(root)
+
+
+def test_an_unimportable_transformer_engine_counts_as_absent_before_megatron_imports(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    code = ("import moe_gspo.mcore\n"  # the package import runs the guard
+            "import megatron.core.tensor_parallel, megatron.core.models.gpt.gpt_layer_specs\n"
+            "from moe_gspo.mcore import shims\n"
+            "assert not shims.have_transformer_engine()\n"
+            "print(shims.transformer_engine_warning())\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([_unimportable_te(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Transformer Engine is installed but does not import (ImportError: libtransformer_engine.so" in out.stdout
+    # without the guard, Megatron's own import of it fails (it catches ModuleNotFoundError only)
+    bare = subprocess.run([sys.executable, "-c", "import megatron.core.tensor_parallel"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert bare.returncode != 0 and "libtransformer_engine.so" in bare.stderr
+

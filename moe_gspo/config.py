@@ -54,12 +54,15 @@ class ModelConfig:
     recompute: bool = False
     """Full activation recomputation in the learner (R2/R3 replay also covers the recompute pass)."""
     batched_experts: bool = False
-    """Learner MoE layers compute their local experts with two grouped matmuls (`torch._grouped_mm` on
-    CPU; a padded batched matmul elsewhere) instead of a loop over experts
-    (`moe_gspo/mcore/batched_experts.py`; same parameters and maths). For small models on CPU, where the
-    per-expert overhead dominates (tiny default config: `train_step` 0.84x, old-policy pass 0.92x,
-    `python -m benchmarks.fastpath_bench`); it copies the stacked expert weights every forward, so
-    leave it off for real checkpoints."""
+    """Learner MoE layers compute their local experts with two grouped matmuls (`torch._grouped_mm` on CPU; a
+    padded batched matmul elsewhere) instead of a loop over experts (`moe_gspo/mcore/batched_experts.py`; same
+    parameters and maths). For small models on CPU, where the per-expert overhead dominates (tiny default
+    config: `train_step` 0.84x, old-policy pass 0.92x, `python -m benchmarks.fastpath_bench`); it copies the
+    stacked expert weights every forward, so leave it off for real checkpoints."""
+    fused_rope: bool = True
+    """Learner RoPE through Megatron's `apply_rope_fusion`: Transformer Engine's kernel, or without TE one
+    autograd function (`moe_gspo/mcore/fused_rope.py`; bit-identical forward and gradients; tiny model:
+    `train_step` 0.94x, `benchmarks.fastpath_bench`); false = Megatron's unfused RoPE."""
     sdpa_attention: bool = True
     """Learner core attention as one fused `torch.nn.functional.scaled_dot_product_attention` call instead of
     Megatron's local baddbmm -> masked softmax -> bmm (`moe_gspo/mcore/sdpa_attention.py`; no parameters, same
@@ -142,6 +145,15 @@ class RolloutConfig:
     kv_cache_gib: float | None = None
     """vLLM only: KV-cache budget per engine in GiB; null = 64 MiB on CPU, vLLM's own sizing from
     rollout.gpu_memory_utilization on CUDA."""
+    compact_decode: bool | None = None
+    """hf engine: prefill and decode steps computed from the model's parameters in about a third of the
+    tensor calls (`moe_gspo/rollout/compact_decode.py`; the same samples, log-probs and routes as
+    transformers' forward; tiny model: 0.54x per generation); null = when the model is supported, true =
+    required (an error if not), false = transformers' forward."""
+    fp32_gemm: bool | None = None
+    """hf engine, bf16 on CPU: GEMMs as fp32 GEMMs of the bf16 values rounded back to bf16, attention in
+    fp32 (`moe_gspo/rollout/cpu_gemm.py`; the same rounding points, 0.69x on the tiny model); null = on a
+    CPU without bf16 kernels (AVX512-BF16 / AMX), true / false = always / never."""
     sleep_level: int = 0
     """vLLM on CUDA only: free the engine's GPU memory during the learner's passes (0 = never, 1 = offload
     weights to host and drop the KV cache, 2 = drop both); the weight sync after each update wakes it."""

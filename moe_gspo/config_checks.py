@@ -115,6 +115,7 @@ def validate(cfg: Config) -> Config:
             "set rollout.record_routes=true or choose algo.routing_replay=r2/none"
         )
     _check_quantization(r)
+    _check_rollout_fast_paths(r)
     if r.engine == "vllm" and r.record_probs:
         # vLLM returns expert ids only; silently dropping probs would surprise in reports.
         r.record_probs = False
@@ -215,6 +216,20 @@ def _check_quantization(r: RolloutConfig) -> None:
     if r.dtype != "bfloat16":
         raise ValueError(f"rollout.quantization={r.quantization} with rollout.dtype={r.dtype}: FP8 rollouts keep "
                          "activations in bf16, as vLLM's FP8 weight path does; set rollout.dtype=bfloat16")
+
+
+def _check_rollout_fast_paths(r: RolloutConfig) -> None:
+    """rollout.compact_decode / rollout.fp32_gemm: the transformers engine's fast paths (moe_gspo/rollout/
+    compact_decode.py, cpu_gemm.py); whether the model and the device allow them is checked by `HFEngine`."""
+    if r.engine != "hf":
+        for k in ("compact_decode", "fp32_gemm"):
+            if getattr(r, k) is not None:
+                raise ValueError(f"rollout.{k}={str(getattr(r, k)).lower()} applies to rollout.engine=hf only (a fast "
+                                 f"path of the transformers engine; vLLM runs its own kernels); drop it (null) or "
+                                 "use rollout.engine=hf")
+    if r.fp32_gemm and r.dtype != "bfloat16":
+        raise ValueError(f"rollout.fp32_gemm=true computes bf16 GEMMs as fp32 GEMMs, but rollout.dtype={r.dtype} has "
+                         "no bf16 GEMMs; set rollout.fp32_gemm=null (or false), or rollout.dtype=bfloat16")
 
 
 def _validate_rollout_correction(a: AlgoConfig) -> None:

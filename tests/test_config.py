@@ -76,6 +76,12 @@ def test_overrides_typed():
     (["train.lr=.nan"], "train.lr=nan must be a finite number"),
     (["train.grad_clip=inf"], "train.grad_clip=inf must be a finite number"),
     (["parallel.collective_timeout_s=0"], "parallel.collective_timeout_s=0.0 must be > 0"),
+    # the transformers engine's fast paths (issue 33)
+    (["rollout.engine=vllm", "rollout.compact_decode=true"], "rollout.compact_decode=true applies to rollout.engine=hf only"),
+    (["rollout.engine=vllm", "rollout.fp32_gemm=false"], "rollout.fp32_gemm=false applies to rollout.engine=hf only"),
+    (["rollout.dtype=float32", "rollout.fp32_gemm=true"],
+     "rollout.fp32_gemm=true computes bf16 GEMMs as fp32 GEMMs, but rollout.dtype=float32"),
+    (["rollout.compact_decode=sometimes"], "rollout.compact_decode"),
 ])
 def test_bad_values_name_the_field(overrides, msg):
     with pytest.raises(ValueError, match=re.escape(msg)):
@@ -257,3 +263,45 @@ def test_jsonl_task_without_an_eval_set_turns_eval_off_with_a_warning(tmp_path):
         warnings.simplefilter("error")
         assert load_config("configs/tiny_cpu.yaml", ["task.name=jsonl", "task.path=x.jsonl",
                                                      "eval.holdout=1"]).eval.every == 50
+
+
+def test_fast_path_fields_default_to_today_and_reach_the_builders(monkeypatch):
+    """model.fused_rope reaches both Megatron model builds (policy and KL reference); rollout.compact_decode and
+    rollout.fp32_gemm reach the transformers engine; the defaults keep the measured-faster paths."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import moe_gspo.mcore.model as mcore_model
+    from moe_gspo.run.learner_passes import ReferencePolicy
+    from moe_gspo.run.setup import build_engine, build_policy
+    from moe_gspo.tiny import build_tiny_model
+
+    cfg = load_config(None)
+    assert cfg.model.fused_rope is True and cfg.rollout.compact_decode is None and cfg.rollout.fp32_gemm is None
+
+    class Built(Exception):
+        pass
+
+    def fake_build(hf_config, **kw):
+        raise Built(kw)
+
+    monkeypatch.setattr(mcore_model, "build_gpt_model", fake_build)
+    for value in (True, False):
+        cfg = load_config(None, [f"model.fused_rope={str(value).lower()}"])
+        info = SimpleNamespace(ep_size=1, ep_rank=0)
+        with pytest.raises(Built) as policy:
+            build_policy(cfg, info)
+        with pytest.raises(Built) as reference:
+            ReferencePolicy(cfg, info, SimpleNamespace(hf_config=None))
+        assert policy.value.args[0]["fused_rope"] is value and reference.value.args[0]["fused_rope"] is value
+
+    tok = SimpleNamespace(pad_token_id=0, eos_token_id=1)
+    model = build_tiny_model(seed=0)
+    if not torch.cuda.is_available():  # (fp32_gemm=true is for CPU engines; on CUDA it is an error)
+        cfg = load_config(None, ["rollout.compact_decode=false", "rollout.fp32_gemm=true"])
+        engine = build_engine(cfg, model, tok)
+        assert not engine.compact_decode and engine.fp32_gemm
+    cfg = load_config(None, ["rollout.compact_decode=true", "rollout.fp32_gemm=false"])
+    engine = build_engine(cfg, model, tok)
+    assert engine.compact_decode and not engine.fp32_gemm

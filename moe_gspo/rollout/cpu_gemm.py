@@ -13,8 +13,9 @@ whose inputs are all bf16 CPU tensors as fp32 GEMMs of those values, cast back t
 else (norms, activations, sampling) runs untouched in its own dtype. The rollout therefore keeps every
 bf16 rounding point of a bf16 engine, and so the train-inference mismatch that the drift metrics
 measure (tests/rollout: identical tokens, log-probs and routes with and without it on the tiny model).
-It is used by the transformers rollout engine on CPU in bf16 only when the CPU lacks a native bf16 GEMM
-(`needs_fp32_gemm`), and only for inference (no autograd graph is built through it).
+It is used by the transformers rollout engine on CPU in bf16, by default only when the CPU lacks a native
+bf16 GEMM (`needs_fp32_gemm`; config `rollout.fp32_gemm`: null = that, true / false = always / never), and
+only for inference (no autograd graph is built through it).
 
 `fp32_gemms_in(model)` is what the engine enters around a generation:
 

@@ -173,6 +173,9 @@ class HFEngine(RolloutEngine):
         self.quantization = quantization
         self.device = torch.device(device if device is not None
                                    else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if fp32_gemm and not (self.device.type == "cpu" and self.dtype == torch.bfloat16):
+            raise ValueError(f"fp32_gemm=True (rollout.fp32_gemm=true) computes bf16 CPU GEMMs as fp32 GEMMs; this "
+                             f"engine runs {self.dtype} on {self.device.type}: pass fp32_gemm=None (or False)")
         self.fp32_gemm = needs_fp32_gemm(self.device, self.dtype) if fp32_gemm is None else bool(fp32_gemm)
         self._cache = TensorCache()  # tensors derived from the weights, rebuilt as update_weights changes them
         self._model = _load_model(model_or_dir, self.dtype, self.device)

@@ -77,7 +77,7 @@ class ReferencePolicy:
             enable_routing_replay=self.replay != "none", token_dispatcher=cfg.parallel.token_dispatcher,
             vocab_pad_multiple=cfg.model.vocab_pad_multiple, recompute=False,
             batched_experts=cfg.model.batched_experts,
-            sdpa_attention=cfg.model.sdpa_attention)
+            sdpa_attention=cfg.model.sdpa_attention, fused_rope=cfg.model.fused_rope)
         own = {id(r.router_replay) for r in moe_routers(model) if r.router_replay is not None}
         RouterReplay.global_router_replay_instances[:] = [
             r for r in RouterReplay.global_router_replay_instances if id(r) not in own]

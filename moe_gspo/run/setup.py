@@ -178,7 +178,8 @@ def build_engine(cfg: Config, hf_model_or_dir, tokenizer, *, load_weights: bool 
     return HFEngine(hf_model_or_dir, dtype=r.dtype, record_routes=r.record_routes,
                     record_probs=r.record_probs, pad_token_id=tokenizer.pad_token_id,
                     eos_token_id=tokenizer.eos_token_id, quantization=r.quantization,
-                    fp8_scale=r.fp8_scale or "channel", fp8_router=r.fp8_router)
+                    fp8_scale=r.fp8_scale or "channel", fp8_router=r.fp8_router,
+                    compact_decode=r.compact_decode, fp32_gemm=r.fp32_gemm)
 
 
 def build_policy(cfg: Config, info: ParallelInfo) -> Policy:
@@ -191,7 +192,7 @@ def build_policy(cfg: Config, info: ParallelInfo) -> Policy:
         hf_config, ep_size=info.ep_size, params_dtype=learner_dtype(cfg), enable_routing_replay=True,
         token_dispatcher=cfg.parallel.token_dispatcher, vocab_pad_multiple=cfg.model.vocab_pad_multiple,
         recompute=cfg.model.recompute, batched_experts=cfg.model.batched_experts,
-        sdpa_attention=cfg.model.sdpa_attention,
+        sdpa_attention=cfg.model.sdpa_attention, fused_rope=cfg.model.fused_rope,
     )
     if cfg.model.path is None:
         from moe_gspo.mcore.weights import load_hf_model_into_megatron

@@ -105,7 +105,7 @@ def test_unsupported_models_fall_back_or_raise():
     model = build_tiny_model(tiny_qwen3_moe_config(attention_bias=True), seed=0)
     assert "attention_bias" in unsupported_reason(model)
     assert not HFEngine(model, dtype="float32", device="cpu").compact_decode  # None: falls back
-    with pytest.raises(ValueError, match="attention_bias=True.*compact_decode=False"):
+    with pytest.raises(ValueError, match="attention_bias=True.*compact_decode=False.*rollout.compact_decode"):
         HFEngine(model, dtype="float32", device="cpu", compact_decode=True)
     eager = build_tiny_model(seed=0)
     eager.config._attn_implementation = "eager"

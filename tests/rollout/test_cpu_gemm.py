@@ -5,6 +5,7 @@ of fp32 additions and the attention probabilities' rounding, with the same gap t
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -153,3 +154,10 @@ def test_engine_uses_synced_weights_not_stale_fp32_copies():
         assert np.array_equal(x.response_ids, y.response_ids)
         assert np.array_equal(x.response_logprobs, y.response_logprobs)
     assert any(not np.array_equal(x.response_logprobs, y.response_logprobs) for x, y in zip(before, after))
+
+
+def test_fp32_gemm_true_where_it_does_not_apply_is_an_error_naming_the_field():
+    model = build_tiny_model(seed=0)
+    with pytest.raises(ValueError, match=r"fp32_gemm=True \(rollout.fp32_gemm=true\).*runs torch.float32 on cpu"):
+        HFEngine(model, dtype="float32", device="cpu", fp32_gemm=True)
+    assert not HFEngine(model, dtype="float32", device="cpu").fp32_gemm  # None: off where it does not apply

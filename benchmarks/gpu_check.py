@@ -1,40 +1,72 @@
-"""`python -m benchmarks.gpu_check --out DIR`: does moe-gspo work on this GPU machine? (~6-8 min, one GPU)
+"""`python -m benchmarks.gpu_check --out DIR`: does moe-gspo work on this GPU machine, and how fast? (one GPU)
 
-Writes `DIR/gpu_check.json` and `DIR/gpu_check.md` (the summary), with the logs of every run beside
-them, and exits 0 when every check passed, 1 when one failed, 2 without CUDA (one line, at once).
-One GPU; needs torch, transformers and megatron-core only (no Transformer Engine, vLLM, wandb or
-network: a GPU machine with torch and transformers takes megatron-core's wheel with
-`pip install --no-deps megatron_core-0.16.1-*.whl`; see docs/gpu.md, "Validating a GPU machine").
+Writes `DIR/gpu_check.json` and `DIR/gpu_check.md` (the summary), with the logs of every run and
+`DIR/train_step_profile.txt` beside them, and exits 0 when every check passed, 1 when one failed, 2
+without CUDA (one line, at once). One GPU; needs torch, transformers and megatron-core only (no
+Transformer Engine, vLLM, wandb or network: a GPU machine with torch and transformers takes
+megatron-core's wheel with `pip install --no-deps megatron_core-0.16.1-*.whl`; see docs/gpu.md,
+"Validating a GPU machine"). Its wall time on an H100 with these defaults has not been measured yet.
 
-The checks, in order (each one's failure is recorded and the others still run):
+The checks, in order (each one's failure is recorded and the others still run); the pure pieces
+(verdicts, MFU and throughput arithmetic, the summary) are in `benchmarks.gpu_check_report`:
 
-1. **parity** (`check_parity`): a random Qwen3-MoE (`MODEL`, ~0.7 B parameters) in bf16 on CUDA,
-   Megatron learner vs transformers, against the same model in fp32 (transformers) as the reference:
-   token log-probs of a random batch and the gradients of their mean. Passes when the learner's bf16
-   error is within twice transformers' own bf16 error (plus a small absolute slack): "as close to the
-   fp32 truth as transformers itself".
-2. **memory** and **mfu**: `benchmarks.memory_bench` on the same model (16 sequences of 1024
-   tokens, EP=1, distributed optimizer, full recompute; the precision-aware CPU-offload variant too when
-   Transformer Engine imports): planned (`moe_gspo.plan`) vs `torch.cuda.max_memory_allocated` per
-   phase, within the bench's 15% on its checked phases; and the learner's model FLOPs utilization of
-   the update (`train_step`) and of the old-policy log-prob pass, from their fastest repeat
-   (`moe_gspo.plan.flops`: PaLM's 6 N_active + 12 L a d T per token; the GPU's dense bf16 peak from
-   `PEAK_BF16_TFLOPS` or `--peak-tflops`; recomputed forwards are not counted).
-3. **learning**: the main job, `python -m moe_gspo.launch ... -m moe_gspo.train` (here through this
-   module's `job` mode, which only makes torch deterministic first), for `--steps` RL steps on the same
-   geometry with the shipped tiny tokenizer (vocabulary 51, ~0.6 B parameters): GSPO, the transformers
-   rollout engine in bf16, the `copy_first` task with 2 symbols (answer: the prompt's first symbol,
-   then EOS). A random model answers right 1 time in ~50; the reward rises once the policy puts its
-   mass on the two symbol tokens and EOS, an easy direction for a policy gradient: Adam moves every
-   weight by ~lr per step, so the logits move by ~lr x hidden per step and lr = 1e-4 at hidden 1024
-   gives the same logit steps as the 1.6e-3 at hidden 64 with which the tiny CPU model, same task,
-   went from 0.009 to 0.22 mean reward in 30 steps. Passes when the last 10% of steps'
-   mean reward exceeds the first 10%'s by `MIN_REWARD_GAIN`.
-4. **resume**: the same job again, killed (SIGKILL of the launcher, mid-run) once its step-10
-   checkpoint exists, then `--resume`d: every metric of every step after the checkpoint must equal the
-   uninterrupted run's (wall times aside). The run's first segment doubles as a determinism control:
-   when it already differs from the uninterrupted run, the job is not bitwise reproducible on this
-   machine and the resume check says "inconclusive" instead of failing.
+1. parity: a random Qwen3-MoE (`MODEL`, ~0.7 B parameters) in bf16 on CUDA, Megatron learner vs
+   transformers, against the same model in fp32 (transformers) as the reference: token log-probs of a
+   random batch and the gradients of their mean. Passes when the learner's bf16 error is within twice
+   transformers' own bf16 error (plus a small absolute slack).
+2. memory: `benchmarks.memory_bench` on `MODEL` (16 sequences of 1024 tokens, EP=1, distributed
+   optimizer, micro-batch 1, full recompute: a memory-lean setting; the precision-aware CPU-offload
+   variant too when Transformer Engine imports): planned (`moe_gspo.plan`) vs
+   `torch.cuda.max_memory_allocated` per phase, within 15% on the bench's checked phases.
+3. mfu (reported, no threshold): the learner's model FLOPs utilization in a realistic training setting,
+   the MFU SETTING: `benchmarks.memory_bench` on `MODEL` without its rollout, `--mfu-seqs` (default 32)
+   sequences of `--mfu-seq-len` (default 1024) tokens in 2 mini-batches, micro-batches of
+   `--mfu-micro-batch` (default 4) sequences, i.e. 4 x 1024 = 4096 tokens per forward/backward, and
+   activation recomputation `--mfu-recompute` (default off), 3 timed steps; MFU of the update
+   (`train_step`: forward, backward, optimizer step) and of the old-policy log-prob pass from their
+   fastest step. Model FLOPs by `moe_gspo.plan.flops` (PaLM's 6 N_active + 12 L a d T per token;
+   recomputed forwards are not counted), over the GPU's dense bf16 peak (`PEAK_BF16_TFLOPS`, or
+   `--peak-tflops`). The memory check's setting is reported beside it for comparison (the README's
+   older 0.2% was that setting: micro-batch 1 and full recompute, ~18k small expert calls per update).
+   After the timed steps one more `train_step` runs under `torch.profiler` (CUDA activity): its
+   top-25 ops by CUDA time go to `DIR/train_step_profile.txt` (`benchmarks.gpu_profile`). At ~1 GFLOP
+   per token the defaults' update is ~34 TFLOP; without recompute its activations fit an 80 GB GPU
+   with room (the memory plan of the run is in `DIR/mfu_bench.log`).
+4. learning: the main job, `python -m moe_gspo.launch ... -m moe_gspo.train` (here through this
+   module's `job` mode, which only makes torch deterministic first), `--steps` (default 60) RL steps on
+   the same geometry with the shipped tiny tokenizer (vocabulary 51, ~0.6 B parameters): GSPO, the
+   transformers rollout engine in bf16, the `copy_first` task with 2 symbols (answer: the prompt's first
+   symbol, then EOS; 16 prompts x 8 samples, 2 mini-batches), lr `JOB_LR` = 5e-4. Passes only with a
+   clear margin (`gpu_check_report.learning_verdict`): the mean reward of the last 10% of the steps
+   (at least 5) must exceed the first 10%'s by `MIN_REWARD_GAIN` = 0.3 absolute AND by `NOISE_Z` = 4
+   standard errors of the difference of the two means (from the per-step rewards), so a run that does
+   not learn cannot pass by chance: a flat run's windows differ by ~1 SE, and the tiny CPU model with
+   lr ~0 (seeds 0-2, 60 steps) stayed below 0.02 mean reward. Why 5e-4 and 60 steps: the first H100
+   run (lr 1e-4, 30 steps) went from 0.068 to 0.120, i.e. the reward's log grew ~0.019 per step, ~5.6x
+   slower than the tiny CPU model's (hidden 64, lr 1.6e-3, the same task: 0.009 -> 0.22 in 30 steps,
+   ~0.107 per step); the old argument that Adam's logit steps grow with lr x hidden (so 1e-4 at hidden
+   1024 = 1.6e-3 at 64) overestimated the larger model's pace, whose noisy gradients add up more like
+   lr x sqrt(hidden) (1.6e-3 x sqrt(64/1024) = 4e-4). With 5x the lr the 0.6 B model's pace matches
+   the tiny model's, which at its own lr crossed 0.3 near step 35 and ended at ~0.97 after 60 steps
+   (seeds 0 and 1); at half that pace (tiny model, lr 8e-4) it still gained more than 0.3 in 60 steps;
+   at 3x the lr it either solved the task or sat on the 0.5-0.6 plateau of a policy that answers one
+   of the two symbols at random, which passes too. Not measured on a GPU yet.
+5. resume: the same job with `RESUME_STEPS` = 20 steps, killed (SIGKILL of the launcher, mid-run) once
+   its step-10 checkpoint exists, then `--resume`d: every metric of every step after the checkpoint must
+   equal the learning run's first 20 steps (wall times aside; the learning rate is constant, so no step
+   depends on the run's length). The run's first segment doubles as a determinism control: when it
+   already differs, the job is not bitwise reproducible on this machine and the check says
+   "inconclusive" instead of failing.
+6. throughput (reported): a per-phase table like NeMo-RL's performance summary, tokens/s/GPU = the
+   tokens a phase processes (the step's prompt + response tokens) / (its seconds x GPUs), for
+   generation (the rollout engine; also per generated token), the old-policy log-prob pass, training
+   (the update) and the weight sync, plus the whole RL step, from three sources: the MFU setting's
+   bench (no generation: it skips the rollout), the memory check's bench (16 x 1024 tokens, 768
+   generated per sequence by the transformers engine) and the learning job's `metrics.jsonl`
+   (`perf/rollout_s`, `perf/old_logp_s`, `perf/update_s`, `perf/sync_s`, `perf/step_time_s`; tokens =
+   `perf/tokens_per_s` x `perf/step_time_s`, generated tokens = `num_sequences` x `response/len_mean`;
+   the first 10% of the steps, at least 2, left out as warm-up). The job's sequences are ~7 tokens, so
+   its rates show the per-call overheads of a tiny-sequence RL step, not the GPU's throughput.
 
 Not covered: vLLM (optional on GPU; see `tests/rollout/test_vllm_gpu.py`), multi-GPU expert
 parallelism (`tests/plan/test_plan_gpu.py`, `tests/learner` under torchrun).
@@ -52,6 +84,11 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.gpu_check_report import (MIN_REWARD_GAIN, NOISE_Z, PEAK_BF16_TFLOPS, _fmt,  # noqa: F401 (re-exported)
+                                         bench_throughput, job_throughput, learner_mfu, learning_verdict,
+                                         memory_rows, peak_bf16_tflops, render_markdown, resume_verdict,
+                                         write_summary)
+
 MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=3072, moe_intermediate_size=512,
              num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4, head_dim=128, num_experts=32,
              num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
@@ -59,135 +96,20 @@ MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=3072, moe_int
                                                                               "rope_theta": 1e6},
              tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=2)
 """The random Qwen3-MoE of the checks (the job uses it with the tiny tokenizer's vocabulary)."""
-PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("GH200", 989.4), ("H100", 989.4),
-                    ("H200", 989.4), ("H800", 989.4), ("H20", 148.0), ("B200", 2250.0), ("A100", 312.0),
-                    ("A800", 312.0), ("L40S", 362.1), ("L40", 181.0), ("L4", 121.0), ("A10G", 70.0))
-"""Dense bf16 tensor-core peak (vendor data sheets, no sparsity) by device-name substring, first match."""
-MIN_REWARD_GAIN = 0.05
+JOB_LR = 5e-4
+"""The learning job's learning rate (see the module docstring, check 4)."""
+RESUME_STEPS = 20
+"""Steps of the resume check's job (killed after its step-10 checkpoint, resumed, compared with the first
+`RESUME_STEPS` steps of the learning job's run)."""
 KILL_AFTER = "step_000010"
 JOB_ENV = "MOE_GSPO_GPU_CHECK_RUN"
+MFU_DEFAULTS = {"micro_batch": 4, "seq_len": 1024, "seqs": 32, "recompute": "off"}
+"""The MFU setting's defaults (`--mfu-*`): micro-batches of 4 x 1024 = 4096 tokens, 32 sequences (2
+mini-batches of 4 micro-batches), no recompute."""
 
 
 class CheckFailed(Exception):
     """A check that could not complete (its message goes into the summary)."""
-
-
-# ---------------------------------------------------------------------------------------- pure pieces
-def peak_bf16_tflops(device_name: str) -> float | None:
-    """The device's dense bf16 peak in TFLOP/s, or None when it is not in `PEAK_BF16_TFLOPS`."""
-    for key, tflops in PEAK_BF16_TFLOPS:
-        if key.lower() in device_name.lower():
-            return tflops
-    return None
-
-
-def learner_mfu(bench: dict, peak_tflops: float | None) -> dict:
-    """MFU of the update and the log-prob pass of one `memory_bench` result (see the module docstring)."""
-    from transformers import Qwen3MoeConfig
-
-    from moe_gspo.plan.flops import forward_flops, mfu, train_flops
-    from moe_gspo.plan.params import Geometry
-
-    geom = Geometry.from_hf(Qwen3MoeConfig.from_dict(bench["hf_config"]))
-    b = bench["batch"]
-    lens = [b["seq_len"]] * b["num_seqs"]
-    out = {"variant": bench["variant"], "tokens": sum(lens), "peak_bf16_tflops": peak_tflops}
-    for phase, flops in (("update", train_flops(geom, lens)), ("logprobs", forward_flops(geom, lens))):
-        seconds = min(bench["phases"][phase]["seconds"])
-        out[phase] = {"model_tflop": round(flops / 1e12, 3), "seconds": round(seconds, 4),
-                      "tflops_per_s": round(flops / seconds / 1e12, 2),
-                      "mfu": None if not peak_tflops else round(mfu(flops, seconds, peak_tflops * 1e12), 4)}
-    return out
-
-
-def memory_rows(bench_results: list[dict], *, checked: tuple[str, ...], tolerance: float) -> list[dict]:
-    """Plan-vs-measured rows (variant, phase, planned, measured, diff, within tolerance or not checked)."""
-    rows = []
-    for res in bench_results:
-        for phase, row in res["phases"].items():
-            diff = row.get("rel_diff")
-            ok = None if phase not in checked or diff is None else abs(diff) <= tolerance
-            rows.append({"variant": res["variant"], "phase": phase, "planned_gib": row.get("planned_gib"),
-                         "measured_gib": row.get("measured_gib"), "rel_diff": diff, "ok": ok})
-    return rows
-
-
-def resume_verdict(ref: list[dict], cut: list[dict], *, resumed_at: int) -> dict:
-    """Compare the killed-and-resumed run's metrics rows with the uninterrupted run's (see the module
-    docstring): rows before `resumed_at` (the first segment) test determinism, rows from it on the resume."""
-    def first_diff(a_rows, b_rows):
-        for a, b in zip(a_rows, b_rows):
-            for k in sorted(set(a) | set(b)):
-                if not k.startswith("perf/") and a.get(k) != b.get(k):
-                    return {"step": a.get("step"), "key": k, "uninterrupted": a.get(k), "resumed": b.get(k)}
-        return None
-
-    steps_ok = [r["step"] for r in cut] == [r["step"] for r in ref]
-    before = [r for r in ref if r["step"] < resumed_at], [r for r in cut if r["step"] < resumed_at]
-    after = [r for r in ref if r["step"] >= resumed_at], [r for r in cut if r["step"] >= resumed_at]
-    diff_before, diff_after = first_diff(*before), first_diff(*after)
-    exact = steps_ok and bool(after[0]) and diff_after is None
-    deterministic = diff_before is None
-    status = "pass" if exact else ("fail" if deterministic else "inconclusive")
-    return {"status": status, "resumed_at_step": resumed_at, "steps_match": steps_ok, "exact": exact,
-            "first_segment_reproduces": deterministic, "first_difference_after_resume": diff_after,
-            "first_difference_before_resume": diff_before}
-
-
-def learning_verdict(summary: dict) -> dict:
-    """`moe_gspo.train.learning_summary` of the job -> pass when the reward rose by `MIN_REWARD_GAIN`."""
-    gain = summary["reward_last10"] - summary["reward_first10"]
-    return {"status": "pass" if gain >= MIN_REWARD_GAIN else "fail", "reward_first10": summary["reward_first10"],
-            "reward_last10": summary["reward_last10"], "gain": gain, "min_gain": MIN_REWARD_GAIN,
-            "num_steps": summary["num_steps"]}
-
-
-def _fmt(v, spec: str = ".3f") -> str:
-    return "n/a" if v is None else format(v, spec)
-
-
-def render_markdown(result: dict) -> str:
-    """The human summary of a `gpu_check.json` result."""
-    env, checks = result["environment"], result["checks"]
-    lines = [f"# moe-gspo GPU check: {result['status'].upper()}", "",
-             f"{env.get('device', '?')}, {env.get('gpu_mem_gib', 0):.0f} GiB; " +
-             ", ".join(f"{k} {v}" for k, v in env.get("versions", {}).items()) +
-             f"; {result.get('wall_s', 0):.0f} s; `{result.get('command', '')}`", "",
-             "| check | status | figures |", "|---|---|---|"]
-    for name, c in checks.items():
-        lines.append(f"| {name} | {c.get('status', '?')} | {c.get('headline', c.get('error', ''))} |")
-    mem = checks.get("memory", {})
-    if mem.get("rows"):
-        lines += ["", "## Memory per phase: planned (`moe_gspo.plan`) vs `torch.cuda.max_memory_allocated`", "",
-                  "| variant | phase | planned GiB | measured GiB | planned/measured - 1 | checked |",
-                  "|---|---|---|---|---|---|"]
-        for r in mem["rows"]:
-            ok = {True: "ok", False: "OVER TOLERANCE", None: "reported"}[r["ok"]]
-            lines.append(f"| {r['variant']} | {r['phase']} | {_fmt(r['planned_gib'], '.2f')} | "
-                         f"{_fmt(r['measured_gib'], '.2f')} | {_fmt(r['rel_diff'], '+.1%')} | {ok} |")
-    mfu = checks.get("mfu", {})
-    for m in mfu.get("variants", []):
-        lines += ["", f"## Learner MFU ({m['variant']}, {m['tokens']} tokens, peak "
-                      f"{_fmt(m['peak_bf16_tflops'], '.1f')} TFLOP/s bf16)", "",
-                  "| pass | model TFLOP | seconds | TFLOP/s | MFU |", "|---|---|---|---|---|"]
-        for phase in ("update", "logprobs"):
-            p = m[phase]
-            lines.append(f"| {phase} | {p['model_tflop']:.2f} | {p['seconds']:.3f} | {p['tflops_per_s']:.1f} | "
-                         f"{_fmt(p['mfu'], '.1%')} |")
-    lines += ["", "Model FLOPs: PaLM's 6 N_active + 12 L a d T per token (moe_gspo/plan/flops.py); "
-                  "details of every check in gpu_check.json."]
-    return "\n".join(lines) + "\n"
-
-
-def write_summary(result: dict, out_dir: Path) -> tuple[Path, Path]:
-    """`gpu_check.json` and `gpu_check.md` in `out_dir` (each written atomically)."""
-    from moe_gspo.run.sinks import atomic_write_text
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    jpath, mpath = out_dir / "gpu_check.json", out_dir / "gpu_check.md"
-    atomic_write_text(jpath, json.dumps(result, indent=1, default=str))
-    atomic_write_text(mpath, render_markdown(result))
-    return jpath, mpath
 
 
 # ---------------------------------------------------------------------------------------- checks
@@ -264,37 +186,83 @@ def _env(extra: dict | None = None) -> dict:
                 **(extra or {}))
 
 
-def _memory_and_mfu(out: Path, have_te: bool, peak: float | None) -> tuple[dict, dict]:
+def _bench(out: Path, name: str, *extra: str, timeout: float = 900) -> list[dict]:
+    """Run `benchmarks.memory_bench` on `MODEL` with `extra` options; its results (`DIR/<name>.json`,
+    log `DIR/<name>.log`). It exits 1 when a phase is over its tolerance: the JSON decides, not the code."""
+    m = MODEL
+    cmd = [sys.executable, "-m", "benchmarks.memory_bench", "--hidden", str(m["hidden_size"]), "--layers",
+           str(m["num_hidden_layers"]), "--heads", str(m["num_attention_heads"]), "--kv-heads",
+           str(m["num_key_value_heads"]), "--experts", str(m["num_experts"]), "--top-k", str(m["num_experts_per_tok"]),
+           "--moe-intermediate", str(m["moe_intermediate_size"]), "--vocab", str(m["vocab_size"]), *extra,
+           "--json", str(out / f"{name}.json")]
+    with open(out / f"{name}.log", "w") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), timeout=timeout).returncode
+    if not (out / f"{name}.json").is_file():
+        raise CheckFailed(f"memory_bench exited {rc} without results; see {out / f'{name}.log'}")
+    return json.loads((out / f"{name}.json").read_text())["results"]
+
+
+def _memory(out: Path, have_te: bool) -> dict:
+    """Check 2: planned vs measured memory per phase (16 x 1024 tokens, micro-batch 1, full recompute)."""
     from benchmarks.memory_bench import CHECKED
 
-    m = MODEL
-    variants = "dist,dist_offload" if have_te else "dist"
-    cmd = [sys.executable, "-m", "benchmarks.memory_bench", "--variants", variants, "--hidden",
-           str(m["hidden_size"]), "--layers", str(m["num_hidden_layers"]), "--heads", str(m["num_attention_heads"]),
-           "--kv-heads", str(m["num_key_value_heads"]), "--experts", str(m["num_experts"]), "--top-k",
-           str(m["num_experts_per_tok"]), "--moe-intermediate", str(m["moe_intermediate_size"]), "--vocab",
-           str(m["vocab_size"]), "--seq-len", "1024", "--seqs", "16", "--group", "4", "--minibatches", "2",
-           "--steps", "2", "--tolerance", "0.15", "--json", str(out / "memory_bench.json")]
-    with open(out / "memory_bench.log", "w") as log:
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), timeout=900).returncode
-    if not (out / "memory_bench.json").is_file():
-        raise CheckFailed(f"memory_bench exited {rc} without results; see {out / 'memory_bench.log'}")
-    results = json.loads((out / "memory_bench.json").read_text())["results"]
+    results = _bench(out, "memory_bench", "--variants", "dist,dist_offload" if have_te else "dist", "--seq-len",
+                     "1024", "--seqs", "16", "--group", "4", "--minibatches", "2", "--steps", "2", "--tolerance", "0.15")
     rows = memory_rows(results, checked=CHECKED, tolerance=0.15)
     bad = [f"{r['variant']}/{r['phase']} {r['rel_diff']:+.1%}" for r in rows if r["ok"] is False]
-    memory = {"status": "fail" if bad else "pass", "rows": rows, "variants": [r["variant"] for r in results],
-              "headline": ("over 15%: " + ", ".join(bad)) if bad else
-              f"{sum(r['ok'] is True for r in rows)} checked phases within 15% of the plan"}
-    mfus = [learner_mfu(r, peak) for r in results]
-    first = mfus[0]
-    mfu = {"status": "reported", "variants": mfus,
-           "headline": f"update {_fmt(first['update']['mfu'], '.1%')} ({first['update']['tflops_per_s']:.0f} TFLOP/s), "
-                       f"log-prob pass {_fmt(first['logprobs']['mfu'], '.1%')} ({first['variant']})"}
-    return memory, mfu
+    return {"status": "fail" if bad else "pass", "rows": rows, "variants": [r["variant"] for r in results],
+            "headline": ("over 15%: " + ", ".join(bad)) if bad else
+            f"{sum(r['ok'] is True for r in rows)} checked phases within 15% of the plan"}
 
 
-def job_config(steps: int):
-    """The main job's `Config` (see the module docstring, check 3)."""
+def mfu_bench_args(micro_batch: int, seq_len: int, seqs: int, recompute: str) -> list[str]:
+    """`benchmarks.memory_bench` options of the MFU setting (check 3; no rollout, one `dist` variant)."""
+    if seqs % (2 * micro_batch):
+        raise ValueError(f"--mfu-seqs {seqs} must be a multiple of 2 x --mfu-micro-batch ({2 * micro_batch}): "
+                         "2 mini-batches of whole micro-batches")
+    return ["--variants", "dist", "--no-rollout", "--seq-len", str(seq_len), "--seqs", str(seqs), "--group", "4",
+            "--minibatches", "2", "--micro-batch", str(micro_batch), "--steps", "3", "--tolerance", "1e9",
+            *(["--no-recompute"] if recompute == "off" else [])]
+
+
+def _mfu(out: Path, peak: float | None, setting: dict) -> dict:
+    """Check 3: the learner's MFU in the MFU setting (`--mfu-*`) with a `torch.profiler` table of one more
+    train_step (`DIR/train_step_profile.txt`), and, for comparison, in the memory check's setting."""
+    profile = out / "train_step_profile.txt"
+    results = _bench(out, "mfu_bench", *mfu_bench_args(**setting), "--profile-train-step", str(profile))
+    variants = [dict(learner_mfu(results[0], peak), label="MFU setting")]
+    if (out / "memory_bench.json").is_file():
+        memory = json.loads((out / "memory_bench.json").read_text())["results"]
+        variants += [dict(learner_mfu(r, peak), label=f"memory-check setting ({r['variant']})") for r in memory]
+    first = variants[0]
+    return {"status": "reported", "variants": variants, "setting": first["setting"],
+            "profile": profile.name if profile.is_file() else None,
+            "memory_rows": memory_rows(results, checked=(), tolerance=0.0),
+            "headline": f"{first['setting']}: update {_fmt(first['update']['mfu'], '.1%')} "
+                        f"({first['update']['tflops_per_s']:.0f} TFLOP/s), log-prob pass "
+                        f"{_fmt(first['logprobs']['mfu'], '.1%')} ({first['logprobs']['tflops_per_s']:.0f} TFLOP/s)"}
+
+
+def _throughput(out: Path) -> dict:
+    """Tokens/s/GPU per phase (`gpu_check_report.bench_throughput` / `job_throughput`) of the runs that
+    finished: the MFU setting's bench, the memory check's bench (which also generated), the learning job."""
+    tables = []
+    for name in ("mfu_bench", "memory_bench"):
+        if (out / f"{name}.json").is_file():
+            tables.append(bench_throughput(json.loads((out / f"{name}.json").read_text())["results"][0]))
+    metrics = out / "runs" / "uninterrupted" / "metrics.jsonl"
+    if metrics.is_file():
+        rows = _metrics(metrics.parent)
+        tables.append(job_throughput(rows, skip=max(2, len(rows) // 10)))
+    if not tables:
+        raise CheckFailed("no bench or job finished: nothing to measure")
+    figures = [f"{r['phase']} {_fmt(r['tokens_per_s_per_gpu'], ',.0f')}" for r in tables[0]["rows"]]
+    return {"status": "reported", "tables": tables,
+            "headline": f"tokens/s/GPU, {tables[0]['source']}: " + ", ".join(figures)}
+
+
+def job_config(steps: int, lr: float = JOB_LR):
+    """The main job's `Config` (see the module docstring, check 4)."""
     from moe_gspo.config_load import config_from_dict
 
     tiny = {k: v for k, v in MODEL.items() if k not in ("vocab_size", "pad_token_id", "eos_token_id", "bos_token_id")}
@@ -306,7 +274,7 @@ def job_config(steps: int):
                     "max_new_tokens": 2, "record_routes": True, "record_probs": True},
         "algo": {"name": "gspo"},
         "task": {"name": "copy_first", "prompt_len": 4, "num_symbols": 2},
-        "train": {"steps": steps, "lr": 1e-4, "num_minibatches": 2, "checkpoint_every": 10, "keep_checkpoints": 1,
+        "train": {"steps": steps, "lr": lr, "num_minibatches": 2, "checkpoint_every": 10, "keep_checkpoints": 1,
                   "export_hf": True},
         "logging": {"wandb_mode": "disabled", "progress": False, "trace_every": 0},
     })
@@ -352,17 +320,21 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def _learning(out: Path, steps: int) -> dict:
-    from moe_gspo.train import learning_summary
-
+    """Check 4: the job for `steps` steps; `learning_verdict` of its per-step mean rewards."""
     config, ref_dir = out / "job.yaml", out / "runs" / "uninterrupted"
     config.write_text(job_config(steps).to_yaml())
     for d in (ref_dir, out / "runs" / "killed_and_resumed"):
         if d.exists():
             raise CheckFailed(f"{d} exists from an earlier check; pass another --out or move it away")
     _finish(_launch(config, ref_dir, out / "job_uninterrupted.log"), out / "job_uninterrupted.log")
-    learning = learning_verdict(learning_summary(ref_dir / "metrics.jsonl"))
-    learning["headline"] = (f"mean reward {learning['reward_first10']:.3f} (first 10% of {steps} steps) -> "
-                            f"{learning['reward_last10']:.3f} (last 10%)")
+    learning = learning_verdict([r["reward/mean"] for r in _metrics(ref_dir)])
+    if "error" in learning:
+        raise CheckFailed(learning["error"])
+    learning["lr"] = JOB_LR
+    learning["headline"] = (f"mean reward {learning['reward_first']:.3f} (first {learning['window_steps']} of "
+                            f"{learning['num_steps']} steps) -> {learning['reward_last']:.3f} (last "
+                            f"{learning['window_steps']}): gain {learning['gain']:+.3f}, needed >= "
+                            f"{learning['min_gain']} and > {learning['z']:g} SE = {learning['noise_bound']:.3f}")
     learning["hf_export"] = (ref_dir / "hf_export" / "config.json").is_file()
     if not learning["hf_export"]:
         learning["status"] = "fail"
@@ -371,9 +343,13 @@ def _learning(out: Path, steps: int) -> dict:
 
 
 def _resume(out: Path) -> dict:
-    config, ref_dir, cut_dir = out / "job.yaml", out / "runs" / "uninterrupted", out / "runs" / "killed_and_resumed"
+    """Check 5: the job (`RESUME_STEPS` steps) killed after its step-10 checkpoint and resumed, against the
+    first `RESUME_STEPS` steps of the learning check's run (the learning rate is constant: nothing in a
+    step depends on the run's length)."""
+    config, ref_dir, cut_dir = out / "job_resume.yaml", out / "runs" / "uninterrupted", out / "runs" / "killed_and_resumed"
     if not (ref_dir / "done.json").is_file():
         raise CheckFailed("needs the uninterrupted run of the learning check, which did not finish")
+    config.write_text(job_config(RESUME_STEPS).to_yaml())
     log = out / "job_killed_and_resumed.log"
     p = _launch(config, cut_dir, log)
     latest, deadline = cut_dir / "checkpoints" / "latest", time.time() + 600
@@ -396,7 +372,7 @@ def _resume(out: Path) -> dict:
     _finish(_launch(config, cut_dir, log, "--resume"), log)
     if f"resuming at step {resumed_at}" not in log.read_text():
         raise CheckFailed(f"the resumed run did not report 'resuming at step {resumed_at}'; see {log}")
-    resume = resume_verdict(_metrics(ref_dir), _metrics(cut_dir), resumed_at=resumed_at)
+    resume = resume_verdict(_metrics(ref_dir)[:RESUME_STEPS], _metrics(cut_dir), resumed_at=resumed_at)
     resume["headline"] = (f"killed after the step-{resumed_at} checkpoint, resumed: "
                           + ("every metric of every later step equals the uninterrupted run's" if resume["exact"] else
                              f"first difference {resume['first_difference_after_resume']}")
@@ -417,7 +393,7 @@ def _versions() -> dict:
     return out
 
 
-def _run(out: Path, steps: int, peak_override: float | None, command: str) -> dict:
+def _run(out: Path, steps: int, peak_override: float | None, command: str, mfu_setting: dict | None = None) -> dict:
     import torch
 
     from moe_gspo.mcore.shims import have_transformer_engine
@@ -446,9 +422,11 @@ def _run(out: Path, steps: int, peak_override: float | None, command: str) -> di
         write_summary(result, out)
 
     record("parity", _parity_on_cuda)
-    record("memory", lambda: dict(zip(("memory", "mfu"), _memory_and_mfu(out, have_te, peak))))
+    record("memory", lambda: _memory(out, have_te))
+    record("mfu", lambda: _mfu(out, peak, mfu_setting or MFU_DEFAULTS))
     record("learning", lambda: _learning(out, steps))
     record("resume", lambda: _resume(out))
+    record("throughput", lambda: _throughput(out))
     statuses = [c.get("status") for c in checks.values()]
     result["status"] = "fail" if "fail" in statuses else "pass"
     result["wall_s"] = time.time() - t0
@@ -470,24 +448,44 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["job"]:
         return _job(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.split("\n\n")[1])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.split("\n\n")[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 2)[2])
     p.add_argument("--out", required=True, help="directory for gpu_check.json, gpu_check.md and the run logs")
-    p.add_argument("--steps", type=int, default=30, help="RL steps of the main job (default 30; at least 20)")
+    p.add_argument("--steps", type=int, default=60,
+                   help=f"RL steps of the learning job (default 60; at least {RESUME_STEPS})")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the GPU's dense bf16 peak in TFLOP/s, for MFU (default: from the device name)")
+    d = MFU_DEFAULTS
+    p.add_argument("--mfu-micro-batch", type=int, default=d["micro_batch"],
+                   help=f"MFU setting: sequences per forward/backward (default {d['micro_batch']})")
+    p.add_argument("--mfu-seq-len", type=int, default=d["seq_len"],
+                   help=f"MFU setting: tokens per sequence (default {d['seq_len']}: micro-batches of "
+                        f"{d['micro_batch'] * d['seq_len']} tokens)")
+    p.add_argument("--mfu-seqs", type=int, default=d["seqs"],
+                   help=f"MFU setting: sequences per RL step, 2 mini-batches (default {d['seqs']}; a multiple of "
+                        "2 x --mfu-micro-batch)")
+    p.add_argument("--mfu-recompute", choices=("off", "full"), default=d["recompute"],
+                   help=f"MFU setting: activation recomputation (default {d['recompute']})")
     args = p.parse_args(argv)
+    mfu_setting = {"micro_batch": args.mfu_micro_batch, "seq_len": args.mfu_seq_len, "seqs": args.mfu_seqs,
+                   "recompute": args.mfu_recompute}
+    try:
+        mfu_bench_args(**mfu_setting)
+    except ValueError as e:
+        p.error(str(e))
     import torch
 
     if not torch.cuda.is_available():
         print("error: benchmarks.gpu_check needs CUDA (torch.cuda.is_available() is False here); run it on "
               "the GPU machine", file=sys.stderr)
         return 2
-    if args.steps < 20:
-        print(f"error: --steps {args.steps}: at least 20 (the run is killed after its step-10 checkpoint and "
-              "resumed)", file=sys.stderr)
+    if args.steps < RESUME_STEPS:
+        print(f"error: --steps {args.steps}: at least {RESUME_STEPS} (the resume check compares its "
+              f"{RESUME_STEPS}-step job with the learning job's first {RESUME_STEPS} steps)", file=sys.stderr)
         return 2
     out = Path(args.out)
-    result = _run(out, args.steps, args.peak_tflops, "python -m benchmarks.gpu_check " + " ".join(argv))
+    result = _run(out, args.steps, args.peak_tflops, "python -m benchmarks.gpu_check " + " ".join(argv), mfu_setting)
     jpath, mpath = write_summary(result, out)
     print(f"[gpu_check] {result['status'].upper()} in {result['wall_s']:.0f} s: {mpath} (details: {jpath})", flush=True)
     return 0 if result["status"] == "pass" else 1

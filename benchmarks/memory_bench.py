@@ -14,7 +14,14 @@ and fragmentation allowances, which `max_memory_allocated` does not see; `compar
 measurement, and exits 1 when a checked phase (`CHECKED`) differs by more than `--tolerance`. `rollout`
 is reported only: the transformers engine's generate keeps allocator-dependent caches the plan does not
 model. The JSON (`--json`) also holds each phase's seconds per step (`seconds`, one entry per step)
-and the batch shape, from which `benchmarks.gpu_check` computes the learner's MFU.
+and the batch shape (with `recompute` and `rollout_tokens`, the response tokens the engine returned),
+from which `benchmarks.gpu_check` computes the learner's MFU and its tokens/s/GPU per phase.
+
+Options for a throughput/MFU measurement rather than a memory one: `--micro-batch` (sequences per
+forward/backward; `--micro-batch 4 --seq-len 1024` = micro-batches of 4096 tokens), `--no-recompute`,
+`--no-rollout` (skip the slow transformers-engine generate) and `--profile-train-step PATH` (after the
+timed steps, one more `train_step` under `torch.profiler`, its op table written to PATH;
+`benchmarks.gpu_profile`).
 
 Variants: `dist` (distributed optimizer), `dist_offload` (+ precision-aware optimizer, CPU offload of
 the whole shard, overlapped D2H/H2D), `dist_offload_all` (+ `train.offload_during_rollout=all`),
@@ -157,6 +164,7 @@ def run_variant(args, variant: str, cuda: bool) -> dict:
                            attention=default_attention())
     info = init_distributed(ep_size=1, num_experts=hf_config.num_experts, seed=0)
     meter = PhaseMeter(cuda)
+    rollout_out, profile = None, None
     try:
         dtype = torch.bfloat16 if cuda else torch.float32
         model = build_gpt_model(hf_config, params_dtype=dtype, token_dispatcher=cfg.parallel.token_dispatcher,
@@ -175,13 +183,21 @@ def run_variant(args, variant: str, cuda: bool) -> dict:
         prompts = [list(map(int, batch.input_ids_BS[i, :prompt_len])) for i in range(0, args.seqs, args.group)]
         for step in range(args.steps):
             learner.offload_for_rollout()
-            if step == 0:
-                meter("rollout", lambda: engine.generate(prompts, SamplingParams(
+            if step == 0 and not args.no_rollout:
+                rollout_out = meter("rollout", lambda: engine.generate(prompts, SamplingParams(
                     n=args.group, max_new_tokens=args.seq_len - prompt_len, seed=step)))
             learner.reload_after_rollout()
             old = meter("logprobs", lambda: learner.compute_logprobs(batch))
             meter("update", lambda: learner.train_step(batch, old.logp_BS))
             meter("weight_sync", lambda: engine.update_weights(learner.hf_weight_stream()))
+        if args.profile_train_step:
+            from benchmarks.gpu_profile import profile_to_file
+
+            old = learner.compute_logprobs(batch)
+            profile = profile_to_file(lambda: learner.train_step(batch, old.logp_BS), args.profile_train_step,
+                                      title=f"one train_step, {variant}: {args.seqs} x {args.seq_len} tokens, "
+                                            f"micro-batch {args.micro_batch}, recompute "
+                                            f"{'full' if cfg.model.recompute else 'off'}, {device.type}")
         with tempfile.TemporaryDirectory(prefix="memory_bench_export_") as tmp:
             meter("hf_export", lambda: save_hf_checkpoint(learner.model, hf_config, Path(tmp) / "hf"))
     finally:
@@ -192,8 +208,14 @@ def run_variant(args, variant: str, cuda: bool) -> dict:
     return {"variant": variant, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
             "params": plan.params["total"], "hf_config": hf_config.to_dict(),
             "batch": {"num_seqs": args.seqs, "seq_len": args.seq_len, "num_minibatches": args.minibatches,
-                      "micro_batch_size": args.micro_batch},
-            "phases": rows}
+                      "micro_batch_size": args.micro_batch, "recompute": bool(cfg.model.recompute),
+                      "rollout_tokens": _response_tokens(rollout_out)},
+            "phases": rows, "profile": profile}
+
+
+def _response_tokens(samples) -> int | None:
+    """Response tokens of the `RolloutSample`s `engine.generate` returned (None: no rollout ran)."""
+    return None if samples is None else int(sum(len(s.response_ids) for s in samples))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -211,10 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=1024, help="prompt + response tokens of every sequence")
     p.add_argument("--seqs", type=int, default=16, help="sequences per step")
     p.add_argument("--group", type=int, default=4, help="samples per prompt")
-    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per forward/backward (train.micro_batch_size)")
     p.add_argument("--minibatches", type=int, default=2)
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--no-recompute", action="store_true")
+    p.add_argument("--no-recompute", action="store_true", help="no activation recomputation (model.recompute=false)")
+    p.add_argument("--no-rollout", action="store_true", help="skip the rollout phase (transformers generate)")
+    p.add_argument("--profile-train-step", default=None, metavar="PATH",
+                   help="profile one more train_step after the timed steps; write the op table to PATH")
     p.add_argument("--tolerance", type=float, default=0.15, help="allowed |planned/measured - 1| on checked phases")
     p.add_argument("--json", default=None, help="also write the results to this file")
     return p

@@ -1,6 +1,7 @@
 """`python -m benchmarks.gpu_check` on the CPU box: it refuses at once, and its non-CUDA pieces (MFU and
-FLOP arithmetic, the plan-vs-measured rows, the verdicts, the summary files, the parity check on the tiny
-model, the job's config) work. The GPU run itself needs a GPU (docs/gpu.md, "Validating a GPU machine")."""
+FLOP arithmetic, the throughput table, the plan-vs-measured rows, the verdicts, the summary files, the
+parity check on the tiny model, the job's config, the MFU setting's bench options and its profile on the
+tiny model) work. The GPU run itself needs a GPU (docs/gpu.md, "Validating a GPU machine")."""
 
 from __future__ import annotations
 
@@ -95,9 +96,63 @@ def test_resume_verdicts():
     assert gc.resume_verdict(ref, ref[:3], resumed_at=2)["status"] == "fail"  # a step missing
 
 
-def test_learning_verdict_threshold():
-    assert gc.learning_verdict({"reward_first10": 0.01, "reward_last10": 0.2, "num_steps": 30})["status"] == "pass"
-    assert gc.learning_verdict({"reward_first10": 0.01, "reward_last10": 0.03, "num_steps": 30})["status"] == "fail"
+def test_learning_verdict_by_hand():
+    # 20 steps: windows of max(5, 20 // 10) = 5 steps
+    first, last = [0.0, 0.1, 0.0, 0.1, 0.0], [0.6, 0.7, 0.6, 0.7, 0.6]
+    v = gc.learning_verdict(first + [0.3] * 10 + last)
+    assert v["window_steps"] == 5 and v["reward_first"] == 0.04 and v["reward_last"] == 0.64
+    assert v["gain"] == pytest.approx(0.6)
+    se = (0.003 / 5) ** 0.5  # each window: sample variance 0.012 / 4 = 0.003, SE sqrt(0.003 / 5)
+    assert v["gain_se"] == pytest.approx(round(se * 2 ** 0.5, 4))
+    assert v["noise_bound"] == pytest.approx(round(4 * se * 2 ** 0.5, 4))
+    assert v["status"] == "pass" and v["margin"] == pytest.approx(0.3)
+
+
+def test_learning_verdict_needs_a_clear_margin():
+    flat = [0.01, 0.004, 0.012, 0.008, 0.0, 0.006] * 10  # 60 steps of a run that does not learn
+    assert gc.learning_verdict(flat)["status"] == "fail"
+    first_h100 = [0.068] * 3 + [0.09] * 24 + [0.120] * 3  # the first H100 run's 0.068 -> 0.120: not enough
+    assert gc.learning_verdict(first_h100)["status"] == "fail"
+    # gain 0.35 >= 0.3, but the last window alternates 0 and 0.9 (SE 0.2): not clear of the noise
+    noisy = gc.learning_verdict([0.1] * 6 + [0.3] * 48 + [0.0, 0.9] * 3)
+    assert noisy["gain"] == pytest.approx(0.35) and noisy["noise_bound"] > 0.8 and noisy["status"] == "fail"
+    learned = [0.004 * 1.1 ** i for i in range(60)]  # a run that learns: 0.004 -> ~1
+    assert gc.learning_verdict(learned)["status"] == "pass"
+    assert gc.learning_verdict([0.1, 0.9, 0.9])["status"] == "fail" and "error" in gc.learning_verdict([0.1, 0.9, 0.9])
+
+
+def test_job_throughput_by_hand():
+    rows = [{"step": i, "perf/tokens_per_s": 100.0, "perf/step_time_s": 2.0, "perf/rollout_s": 0.5,
+             "perf/old_logp_s": 0.25, "perf/update_s": 1.0, "perf/sync_s": 0.1, "num_sequences": 20,
+             "response/len_mean": 3.0} for i in range(4)]
+    rows[0] = dict(rows[0], **{"perf/rollout_s": 9.0})  # warm-up, skipped
+    rows[3] = dict(rows[3], **{"perf/update_s": 3.0, "perf/tokens_per_s": 50.0, "perf/step_time_s": 2.0})
+    t = gc.job_throughput(rows, skip=1, num_gpus=2)
+    by = {r["phase"]: r for r in t["rows"]}
+    assert t["num_steps"] == 3 and t["source"] == "learning job, mean of steps 1-3"
+    # tokens per step: 200, 200, 100 -> 500 in all; update seconds 1 + 1 + 3 = 5 -> 500 / 5 / 2 GPUs
+    assert by["training"] == {"phase": "training", "tokens": 167, "seconds": pytest.approx(5 / 3, abs=1e-4),
+                              "tokens_per_s_per_gpu": 50.0}
+    assert by["generation"]["tokens_per_s_per_gpu"] == pytest.approx(500 / 1.5 / 2, abs=0.05)
+    assert by["generation, generated tokens"]["tokens"] == 60  # 20 sequences x 3 tokens
+    assert by["generation, generated tokens"]["tokens_per_s_per_gpu"] == 60.0  # 180 / 1.5 / 2
+    assert by["old-policy pass"]["tokens_per_s_per_gpu"] == pytest.approx(500 / 0.75 / 2, abs=0.05)
+    assert by["weight sync"]["tokens_per_s_per_gpu"] == pytest.approx(500 / 0.3 / 2, abs=0.05)
+    assert by["RL step (end to end)"]["tokens_per_s_per_gpu"] == pytest.approx(500 / 6 / 2, abs=0.05)
+    assert [r["phase"] for r in t["rows"]] == ["generation", "generation, generated tokens", "old-policy pass",
+                                               "training", "weight sync", "RL step (end to end)"]
+    with pytest.raises(ValueError):
+        gc.job_throughput(rows, skip=4)
+
+
+def test_bench_throughput_by_hand():
+    b = _bench()  # 4 sequences x 10 tokens; update fastest 1.0 s, log-probs 0.25 s, rollout 3.0 s
+    b["batch"]["rollout_tokens"] = 24
+    t = gc.bench_throughput(b)
+    by = {r["phase"]: r["tokens_per_s_per_gpu"] for r in t["rows"]}
+    assert by == {"generation": pytest.approx(40 / 3, abs=0.05), "generation, generated tokens": 8.0,
+                  "old-policy pass": 160.0, "training": 40.0}  # no weight_sync timed in this bench result
+    assert t["source"] == "bench (dist): 4 x 10 tokens, micro-batch 1 x 10 = 10 tokens, recompute full"
 
 
 def test_summary_files(tmp_path):
@@ -107,9 +162,11 @@ def test_summary_files(tmp_path):
               "checks": {"parity": {"status": "pass", "headline": "log-prob error 1e-2"},
                          "memory": {"status": "fail", "headline": "over 15%: dist/update +20.0%",
                                     "rows": gc.memory_rows([_bench()], checked=("update",), tolerance=0.15)},
-                         "mfu": {"status": "reported", "headline": "update 12%",
-                                 "variants": [gc.learner_mfu(_bench(), 989.4)]},
-                         "resume": {"status": "fail", "error": "CheckFailed: the job exited with 1"}}}
+                         "mfu": {"status": "reported", "headline": "update 12%", "profile": "train_step_profile.txt",
+                                 "setting": "32 x 1024 tokens", "variants": [gc.learner_mfu(_bench(), 989.4)]},
+                         "resume": {"status": "fail", "error": "CheckFailed: the job exited with 1"},
+                         "throughput": {"status": "reported", "headline": "tokens/s/GPU",
+                                        "tables": [gc.bench_throughput(_bench())]}}}
     jpath, mpath = gc.write_summary(result, tmp_path / "out")
     assert json.loads(jpath.read_text())["checks"]["memory"]["status"] == "fail"
     md = mpath.read_text()
@@ -117,6 +174,9 @@ def test_summary_files(tmp_path):
     assert "| resume | fail | CheckFailed: the job exited with 1 |" in md
     assert "| dist | logprobs | 0.50 | 0.40 | +25.0% | reported |" in md
     assert "| update |" in md and "TFLOP/s" in md
+    assert "[train_step_profile.txt](train_step_profile.txt)" in md
+    assert "## Throughput per phase (tokens/s/GPU)" in md
+    assert "| training | 40 | 1.000 | 40 |" in md
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]  # no temporary files left
 
 
@@ -141,8 +201,9 @@ def test_the_job_is_a_valid_config_of_a_0_3_to_1_b_model():
     from moe_gspo.plan.params import Geometry, megatron_counts
     from moe_gspo.tiny import tiny_qwen3_moe_config
 
-    cfg = gc.job_config(30)
+    cfg = gc.job_config(60)
     assert cfg.rollout.engine == "hf" and cfg.logging.wandb_mode == "disabled" and cfg.train.export_hf
+    assert cfg.train.lr == gc.JOB_LR and cfg.train.lr_decay == "none" and cfg.train.lr_warmup_steps == 0
     total = megatron_counts(Geometry.from_hf(tiny_qwen3_moe_config(**cfg.model.tiny))).total
     assert 0.3e9 <= total <= 1e9
 
@@ -189,15 +250,59 @@ def test_one_failing_check_does_not_hide_the_others(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: SimpleNamespace(total_memory=80 << 30))
     monkeypatch.setattr(gc, "_parity_on_cuda", lambda: {"status": "pass", "headline": "close"})
 
-    def memory_crashes(out, have_te, peak):
-        assert peak == 989.4
+    def memory_crashes(out, have_te):
         raise gc.CheckFailed("memory_bench exited 1 without results")
 
-    monkeypatch.setattr(gc, "_memory_and_mfu", memory_crashes)
+    def mfu(out, peak, setting):
+        assert peak == 989.4 and setting == gc.MFU_DEFAULTS
+        return {"status": "reported", "headline": "update 30%"}
+
+    monkeypatch.setattr(gc, "_memory", memory_crashes)
+    monkeypatch.setattr(gc, "_mfu", mfu)
     monkeypatch.setattr(gc, "_learning", lambda out, steps: {"status": "pass", "headline": f"{steps} steps"})
     monkeypatch.setattr(gc, "_resume", lambda out: {"status": "inconclusive", "headline": "not reproducible"})
     result = gc._run(tmp_path, 30, None, "python -m benchmarks.gpu_check --out x")
-    assert list(result["checks"]) == ["parity", "memory", "learning", "resume"]
+    assert list(result["checks"]) == ["parity", "memory", "mfu", "learning", "resume", "throughput"]
+    assert result["checks"]["throughput"]["status"] == "fail"  # nothing finished that it could read
     assert result["checks"]["memory"] == {"status": "fail", "error": "CheckFailed: memory_bench exited 1 without results"}
     assert result["status"] == "fail" and result["checks"]["learning"]["headline"] == "30 steps"
     assert json.loads((tmp_path / "gpu_check.json").read_text())["checks"]["resume"]["status"] == "inconclusive"
+
+
+def test_help_documents_the_mfu_setting_and_the_throughput_table():
+    p = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--help"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    out = " ".join(p.stdout.split())
+    for flag in ("--mfu-micro-batch", "--mfu-seq-len", "--mfu-seqs", "--mfu-recompute"):
+        assert flag in out
+    assert "MFU SETTING" in out and "4 x 1024 = 4096 tokens per forward/backward" in out
+    assert "tokens/s/GPU" in out and "old-policy log-prob pass" in out and "weight sync" in out
+    assert "train_step_profile.txt" in out and "MIN_REWARD_GAIN" in out
+
+
+def test_mfu_setting_bench_options():
+    args = gc.mfu_bench_args(**gc.MFU_DEFAULTS)
+    assert args[args.index("--micro-batch") + 1] == "4" and args[args.index("--seq-len") + 1] == "1024"
+    assert "--no-recompute" in args and "--no-rollout" in args and args[args.index("--seqs") + 1] == "32"
+    assert "--no-recompute" not in gc.mfu_bench_args(micro_batch=1, seq_len=4096, seqs=8, recompute="full")
+    with pytest.raises(ValueError, match="multiple of"):
+        gc.mfu_bench_args(micro_batch=4, seq_len=1024, seqs=12, recompute="off")
+    with pytest.raises(SystemExit):
+        gc.main(["--out", "x", "--mfu-seqs", "12"])
+
+
+def test_a_run_s_steps_do_not_depend_on_its_length(tmp_path):
+    """The resume check compares its 20-step job with the first 20 steps of the learning job: with a
+    constant learning rate a shorter run's rows are a prefix of a longer one's (tiny model, 3 vs 5 steps)."""
+    from moe_gspo import train
+
+    rows = {}
+    for steps in (3, 5):
+        d = tmp_path / f"run{steps}"
+        rc = train.main(["--config", str(ROOT / "configs" / "tiny_cpu_copy_first.yaml"), "--run-dir", str(d),
+                         f"train.steps={steps}", "rollout.prompts_per_step=2", "logging.wandb_mode=disabled",
+                         "logging.progress=false", "train.export_hf=false"])
+        assert rc == 0
+        rows[steps] = gc._metrics(d)
+    assert gc.resume_verdict(rows[5][:3], rows[3], resumed_at=1)["status"] == "pass"

@@ -78,9 +78,23 @@ def aggregate(values_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str, *,
     return per_seq_B.sum() / num_seqs
 
 
+def unit_count(mask_BT: torch.Tensor, mode: str) -> torch.Tensor:
+    """`num_units` as an int64 0-dim tensor on the mask's device (no host sync)."""
+    if mode == "token-mean":
+        return mask_BT.sum()
+    return mask_BT.any(-1).sum()
+
+
 def num_units(mask_BT: torch.Tensor, mode: str) -> int:
     """How many units `mode` averages over in this batch: valid tokens for token-mean, sequences with
     a valid token otherwise (the weights of micro-batches and data-parallel shards)."""
-    if mode == "token-mean":
-        return int(mask_BT.sum())
-    return int(mask_BT.any(-1).sum())
+    return int(unit_count(mask_BT, mode))
+
+
+def piece_weight(mask_BT: torch.Tensor, mode: str, *, dp_size: int, num_units_total: int) -> torch.Tensor:
+    """float32 0-dim tensor on the mask's device: the weight `units * dp_size / num_units_total` of a piece
+    (micro-batch, data-parallel shard) of a batch with `num_units_total` units in all, whose mean loss over
+    its own units then sums to the batch's mean over all ranks. Computed in float64 and rounded once, so it
+    equals the Python number `num_units(mask, mode) * dp_size / num_units_total` rounded to float32, without
+    reading the count on the host."""
+    return (unit_count(mask_BT, mode).double() * dp_size / num_units_total).float()

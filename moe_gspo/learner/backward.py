@@ -51,10 +51,11 @@ def backward_minibatch(learner, mini: PackedBatch, routes, mask_all, loss_on):
     plan = plan_shards(mini.seq_lens_B.tolist(), dp_rank=learner.parallel.dp_rank, dp_size=learner.parallel.dp_size,
                        micro_batch_size=learner.train.micro_batch_size)
     local, local_routes, (keep_l,) = learner.local_shard(mini, plan, routes, mask_all)
+    lens_local = local.seq_lens_B.tolist()  # host metadata (`PackedBatch.to`): no device sync
     logp_local = torch.zeros(keep_l.shape, dtype=torch.float32, device=learner.device)
     with_entropy = learner.algo.entropy_coef > 0
     ent_local = torch.zeros_like(logp_local) if with_entropy else None
-    finite, m_all = True, None
+    finite_t, m_all = torch.ones((), dtype=torch.bool, device=learner.device), None  # read once, after the loop
     whole = learner.parallel.dp_size == 1 and len(plan.micro_batches) == 1
     for mb in plan.micro_batches:
         rows, S_i = slice(mb.start, mb.stop), mb.seq_len
@@ -63,7 +64,7 @@ def backward_minibatch(learner, mini: PackedBatch, routes, mask_all, loss_on):
         # the micro-batch's real rows (before any padding rows) are rows plan.indices[rows] of `mini`
         global_rows = torch.as_tensor(plan.indices[rows], dtype=torch.long, device=learner.device)
         n_real = global_rows.numel()
-        with learner.replay_context(mb_routes, local.seq_lens_B[rows].tolist(), S_i) as handle:
+        with learner.replay_context(mb_routes, lens_local[rows], S_i) as handle:
             logp, ent = token_logprobs(learner.forward(ids), ids, with_entropy=with_entropy,
                                        support=local.support_index(range(mb.start, mb.stop), learner.device))
             if n_real:
@@ -76,14 +77,14 @@ def backward_minibatch(learner, mini: PackedBatch, routes, mask_all, loss_on):
                 handle.backward(scaled)
             else:
                 scaled.backward()
-        finite = finite and bool(torch.isfinite(loss.detach()))
+        finite_t &= torch.isfinite(loss.detach())
         logp_local[rows, :S_i] = logp.detach()
         if ent is not None:
             ent_local[rows, :S_i] = ent.detach()
         if whole:
             m_all = m
     ent_all = None if ent_local is None else learner.gather_rows(ent_local, mini.num_seqs)
-    return finite, learner.gather_rows(logp_local, mini.num_seqs), ent_all, m_all
+    return bool(finite_t), learner.gather_rows(logp_local, mini.num_seqs), ent_all, m_all
 
 
 def backward_fused(learner, fused: FusedPass, idx: np.ndarray, mask_all, loss_on):

@@ -137,20 +137,26 @@ class PackedBatch:
                    support_sizes_BS=sizes, support_ids=support_ids)
 
     def select(self, indices) -> "PackedBatch":
-        """The sequences at `indices` (any integer index sequence), in that order; S is kept."""
-        idx = torch.as_tensor(np.asarray(indices, dtype=np.int64).reshape(-1), device=self.input_ids_BS.device)
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_seqs):
-            raise ValueError(f"select: indices must be in [0, {self.num_seqs}), got "
-                             f"[{int(idx.min())}, {int(idx.max())}]")
-        routes = None if self.rollout_routes is None else [self.rollout_routes[int(i)] for i in idx.tolist()]
+        """The sequences at `indices` (any integer index sequence), in that order; S is kept. The indices are
+        checked on the host (no device sync); each tensor is indexed on its own device."""
+        ix = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if ix.size and (int(ix.min()) < 0 or int(ix.max()) >= self.num_seqs):
+            raise ValueError(f"select: indices must be in [0, {self.num_seqs}), got [{int(ix.min())}, {int(ix.max())}]")
+        on = {}
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            if t.device not in on:
+                on[t.device] = torch.from_numpy(ix).to(t.device)
+            return t[on[t.device]]
+
+        routes = None if self.rollout_routes is None else [self.rollout_routes[i] for i in ix.tolist()]
         has_support = self.support_sizes_BS is not None
-        return PackedBatch(input_ids_BS=self.input_ids_BS[idx], response_mask_BS=self.response_mask_BS[idx],
-                           seq_lens_B=self.seq_lens_B[idx], prompt_lens_B=self.prompt_lens_B[idx],
-                           advantages_B=self.advantages_B[idx], rollout_logp_BS=self.rollout_logp_BS[idx],
+        return PackedBatch(input_ids_BS=take(self.input_ids_BS), response_mask_BS=take(self.response_mask_BS),
+                           seq_lens_B=take(self.seq_lens_B), prompt_lens_B=take(self.prompt_lens_B),
+                           advantages_B=take(self.advantages_B), rollout_logp_BS=take(self.rollout_logp_BS),
                            rollout_routes=routes, pad_id=self.pad_id,
-                           support_sizes_BS=self.support_sizes_BS[idx.to(self.support_sizes_BS.device)]
-                           if has_support else None,
-                           support_ids=[self.support_ids[int(i)] for i in idx.tolist()] if has_support else None)
+                           support_sizes_BS=take(self.support_sizes_BS) if has_support else None,
+                           support_ids=[self.support_ids[i] for i in ix.tolist()] if has_support else None)
 
     def split(self, num_chunks: int) -> list["PackedBatch"]:
         """`num_chunks` contiguous chunks (sizes differ by at most one), e.g. the mini-batches."""
@@ -232,10 +238,16 @@ class PackedBatch:
         return tuple(t.to(device) if device is not None else t for t in (b_N, t_N, ids_NK, valid_NK))
 
     def to(self, device) -> "PackedBatch":
-        """Tensors moved to `device` (routes stay host numpy arrays)."""
+        """The tensors a forward or a loss reads moved to `device`; the host metadata (`HOST_FIELDS`: lengths and
+        support sizes, read as Python numbers to plan micro-batches and replay) and the routes stay on the host,
+        so that planning a pass never waits for the device."""
         return dataclasses.replace(
             self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
-                     if isinstance(getattr(self, f.name), torch.Tensor)})
+                     if isinstance(getattr(self, f.name), torch.Tensor) and f.name not in HOST_FIELDS})
+
+
+HOST_FIELDS = ("seq_lens_B", "prompt_lens_B", "support_sizes_BS")
+"""`PackedBatch` fields that `PackedBatch.to` leaves on the host."""
 
 
 def _pack_supports(samples: Sequence[RolloutSample], prompt_lens: list[int], S: int):

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from moe_gspo.algos import policy_loss
-from moe_gspo.algos.aggregation import num_units
+from moe_gspo.algos.aggregation import num_units, piece_weight
 from moe_gspo.algos.rollout_correction import DEFAULT_OPSM_DELTA, opsm_mask
 from moe_gspo.config import AlgoConfig, TrainConfig
 from moe_gspo.learner.backward import FusedPass, backward_fused, backward_minibatch
@@ -362,7 +362,7 @@ class Learner:
             loss, m = policy_loss(algo.name, logp, old_BS[rows, :S_i], mini.advantages_B[rows], mask,
                                   ref_logp_BT=None if ref_BS is None else ref_BS[rows, :S_i],
                                   is_weights_BT=is_w, entropy_BT=ent, **loss_kw)
-            return loss, loss * (num_units(mask, mode) * dp / denom), {**m, **opsm_m}
+            return loss, loss * piece_weight(mask, mode, dp_size=dp, num_units_total=denom), {**m, **opsm_m}
 
         if not self.ddp.training:
             self.ddp.train()

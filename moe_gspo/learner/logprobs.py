@@ -36,9 +36,8 @@ def token_logprobs(logits_BSV: torch.Tensor, input_ids_BS: torch.Tensor, *, with
     B, S, V = logits_BSV.shape
     # The target of row (b, s) is token (b, s + 1); the last row of each sequence predicts nothing.
     targets_BS = torch.nn.functional.pad(input_ids_BS[:, 1:], (0, 1), value=0).long()
-    if B * S and (int(targets_BS.min()) < 0 or int(targets_BS.max()) >= V):
-        raise ValueError(f"token_logprobs: token ids must be in [0, V={V}), got "
-                         f"[{int(targets_BS.min())}, {int(targets_BS.max())}]")
+    if B * S:
+        _check_ids(targets_BS, V)
     flat_NV = logits_BSV.reshape(B * S, V)
     tgt_N = targets_BS.reshape(B * S)
     chunk = max(1, int(chunk_elements) // max(V, 1))
@@ -63,12 +62,27 @@ def token_logprobs(logits_BSV: torch.Tensor, input_ids_BS: torch.Tensor, *, with
     return logp_BS, (align(ents) if with_entropy else None)
 
 
+def _check_ids(ids: torch.Tensor, V: int) -> None:
+    """Token ids in [0, V): a ValueError on the CPU; on an accelerator an asynchronous device-side assert,
+    so that a learner micro-batch does not wait for the device (the batch's ids were checked on the host
+    when it was packed)."""
+    if ids.device.type == "cpu":
+        if int(ids.min()) < 0 or int(ids.max()) >= V:
+            raise ValueError(f"token_logprobs: token ids must be in [0, V={V}), got [{int(ids.min())}, {int(ids.max())}]")
+    else:
+        torch._assert_async(((ids >= 0) & (ids < V)).all(), f"token_logprobs: token ids must be in [0, V={V})")
+
+
 def support_token_logprobs(logits_BSV: torch.Tensor, input_ids_BS: torch.Tensor, b_N: torch.Tensor,
                            t_N: torch.Tensor, ids_NK: torch.Tensor, valid_NK: torch.Tensor) -> torch.Tensor:
     """float32 [N]: log p(token (b, t)) renormalised over its support, from the logits of position t - 1
     (differentiable; gathers N x K logits and N targets)."""
-    if b_N.numel() and int(t_N.min()) < 1:
-        raise ValueError("support_token_logprobs: position 0 has no predicting logits; supports start at t >= 1")
+    if b_N.numel():
+        if t_N.device.type == "cpu":
+            if int(t_N.min()) < 1:
+                raise ValueError("support_token_logprobs: position 0 has no predicting logits; supports start at t >= 1")
+        else:
+            torch._assert_async((t_N >= 1).all(), "support_token_logprobs: supports start at t >= 1")
     prev_N = t_N - 1
     support_NK = logits_BSV[b_N[:, None], prev_N[:, None], ids_NK]
     target_N = logits_BSV[b_N, prev_N, input_ids_BS[b_N, t_N].long()]

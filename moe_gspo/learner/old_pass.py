@@ -126,13 +126,14 @@ def logprob_pass(learner, batch: PackedBatch, plan: ShardPlan, routes_in: list |
         learner.ddp.train(keep_graph)
     learner.recorder.clear()
     learner.recorder.enabled = record
+    lens_local = local.seq_lens_B.tolist()  # host metadata (`PackedBatch.to`): no device sync
     try:
         for rows_np, num_pad, S_i, grad in pieces:
             rows = torch.as_tensor(rows_np, dtype=torch.long, device=learner.device)
             ids = local.input_ids_BS[rows, :S_i]
             if num_pad:  # rows of padding tokens: the same shapes on every rank
                 ids = torch.cat([ids, ids.new_full((num_pad, S_i), local.pad_id)])
-            seq_lens = local.seq_lens_B[rows].tolist() + [0] * num_pad
+            seq_lens = [lens_local[j] for j in rows_np] + [0] * num_pad
             mb_routes = None if local_routes is None else [local_routes[int(j)] for j in rows_np]
             with torch.set_grad_enabled(grad), learner.replay_context(mb_routes, seq_lens, S_i):
                 logits = learner.forward(ids)

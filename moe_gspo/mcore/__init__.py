@@ -7,7 +7,9 @@ Supported scope:
 - layer spec: Megatron's local spec on CPU (gloo, `moe_token_dispatcher_type="allgather"`, the shims
   of `shims.py`), the Transformer Engine spec when TE is importable (its fused norm weights,
   `linear_qkv.layer_norm_weight` / dense `linear_fc1.layer_norm_weight`, are handled by `weights`);
-- experts: `SequentialMLP` (no grouped GEMM), SwiGLU, no shared experts, no load-balancing loss;
+- experts: Megatron's `SequentialMLP` loop, or with `model.batched_experts` one grouped GEMM per projection
+  over the local experts (`batched_experts`; `torch._grouped_mm` on the CPU and on sm90+ GPUs in bf16), or
+  with TE its `TEGroupedMLP` (`moe_grouped_gemm`); SwiGLU, no shared experts, no load-balancing loss;
 - models: transformers `Qwen3MoeForCausalLM` configs (`model.check_supported` says why others fail),
   tied or untied embeddings, optional vocabulary padding.
 

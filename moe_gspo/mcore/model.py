@@ -193,6 +193,10 @@ def build_gpt_model(
     from moe_gspo.mcore.shims import apply_shims, have_transformer_engine
 
     apply_shims()
+    use_te = have_transformer_engine()
+    # With TE, its grouped GEMM over the local experts (TEGroupedMLP; `weights` maps its names); without,
+    # the local SequentialMLP (`batched_experts`: ours, one grouped GEMM per projection).
+    config_overrides.setdefault("moe_grouped_gemm", use_te)
     if fused_rope and "apply_rope_fusion" not in config_overrides:
         from moe_gspo.mcore.shims import install_torch_fused_rope
 
@@ -202,7 +206,6 @@ def build_gpt_model(
         enable_routing_replay=enable_routing_replay, token_dispatcher=token_dispatcher,
         recompute=recompute, **config_overrides,
     )
-    use_te = have_transformer_engine()
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
     if batched_experts and config.num_moe_experts:
         from moe_gspo.mcore.batched_experts import with_batched_experts
@@ -210,11 +213,16 @@ def build_gpt_model(
         spec, found = with_batched_experts(spec)
         if not found:
             raise ValueError("model.batched_experts=true needs the local (SequentialMLP) expert spec; with "
-                             "Transformer Engine installed the experts are TE's grouped GEMM already: set it false")
+                             "Transformer Engine importable the experts are TE's grouped GEMM already: set it false")
+    # Every attention layer takes "no mask" as plain causal (TE's, or ours with SDPA): the learner then passes
+    # no mask and attention may use a flash kernel (`forward_logits`); upstream's local attention builds its
+    # default mask on "cuda", so it keeps the explicit one.
+    implicit_causal_mask = use_te
     if sdpa_attention:
         from moe_gspo.mcore.sdpa_attention import with_sdpa_attention
 
-        spec, _ = with_sdpa_attention(spec)  # no-op with Transformer Engine's attention
+        spec, found = with_sdpa_attention(spec)  # no-op with Transformer Engine's attention
+        implicit_causal_mask = implicit_causal_mask or found == len(spec.layer_specs)
     # Upstream keeps RouterReplay instances in a class-level list; a rebuilt model must start empty.
     RouterReplay.clear_global_router_replay_instances()
     model = GPTModel(
@@ -231,10 +239,16 @@ def build_gpt_model(
         rotary_base=rope_theta(hf_config),
     )
     model.hf_vocab_size = hf_config.vocab_size
+    model.implicit_causal_mask = implicit_causal_mask
     model.hf_config = hf_config
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    return model.to(device)
+    model = model.to(device)
+    if batched_experts:  # moving devices gave every parameter its own storage: lay the experts' out again
+        from moe_gspo.mcore.batched_experts import stack_expert_weights_
+
+        stack_expert_weights_(model)
+    return model
 
 
 def causal_mask(seq_len: int, device) -> torch.Tensor:
@@ -246,12 +260,15 @@ def forward_logits(model, input_ids_BS: torch.Tensor) -> torch.Tensor:
     """Logits [B, S, V_true] for right-padded (or unpadded) sequences starting at position 0.
 
     Right padding needs no attention mask beyond the causal one: real tokens never attend to the
-    padding that follows them.
+    padding that follows them. A model built with `implicit_causal_mask` (its attention layers take no
+    mask as plain causal: Transformer Engine's, or `moe_gspo.mcore.sdpa_attention` with `is_causal`, a
+    flash kernel on CUDA) gets no mask; others get the explicit `causal_mask`.
     """
     B, S = input_ids_BS.shape
     position_ids = torch.arange(S, device=input_ids_BS.device).unsqueeze(0).expand(B, S)
+    implicit = getattr(unwrap(model), "implicit_causal_mask", False)
     logits = model(input_ids=input_ids_BS, position_ids=position_ids,
-                   attention_mask=causal_mask(S, input_ids_BS.device))
+                   attention_mask=None if implicit else causal_mask(S, input_ids_BS.device))
     true_vocab = getattr(model, "hf_vocab_size", logits.shape[-1])
     return logits[..., :true_vocab]
 

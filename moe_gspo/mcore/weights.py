@@ -45,6 +45,10 @@ _TE_FUSED_TO_LOCAL = (
     (re.compile(r"^(decoder\.layers\.\d+)\.mlp\.linear_fc1\.layer_norm_weight$"),
      r"\1.pre_mlp_layernorm.weight"),
 )
+# Transformer Engine's grouped experts (`TEGroupedMLP`, `moe_grouped_gemm=True`): one `linear_fc{1,2}` per MoE
+# layer holding every local expert's weight as `weight{j}`, each shaped like `SequentialMLP`'s.
+_TE_GROUPED_EXPERT_RE = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.(linear_fc[12])\.weight(\d+)$")
+_LOCAL_EXPERT_RE = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 _LOCAL_TO_TE_FUSED = {
     ".input_layernorm.weight": ".self_attention.linear_qkv.layer_norm_weight",
     ".pre_mlp_layernorm.weight": ".mlp.linear_fc1.layer_norm_weight",
@@ -221,7 +225,8 @@ def hf_to_megatron(hf_sd: Mapping[str, Tensor], hf_config, *, ep_rank: int = 0, 
 
 
 def _canonical_mcore(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Drop `_extra_state` and rename TE-fused norm weights to their local-spec names."""
+    """Drop `_extra_state` and rename TE-fused norm weights and TE's grouped expert weights to their
+    local-spec names."""
     out = {}
     for k, v in sd.items():
         if k.endswith("_extra_state") or v is None:
@@ -230,6 +235,8 @@ def _canonical_mcore(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
             if pat.match(k):
                 k = pat.sub(repl, k)
                 break
+        else:
+            k = _TE_GROUPED_EXPERT_RE.sub(r"\1.local_experts.\3.\2.weight", k)
         out[k] = v
     return out
 
@@ -330,10 +337,12 @@ def megatron_to_hf(mcore_sd_per_rank: list[Mapping[str, Tensor]] | Mapping[str, 
 
 
 def _adapt_to_model_names(sd: dict[str, Tensor], model_keys: Iterable[str]) -> dict[str, Tensor]:
-    """Rename local-spec norm names to the TE-fused names where the model uses those."""
+    """Rename local-spec norm and expert names to the TE-fused / TE-grouped names where the model uses those."""
     keys = set(model_keys)
     out = {}
     for k, v in sd.items():
+        if k not in keys and (grouped := _LOCAL_EXPERT_RE.sub(r"\1.\3.weight\2", k)) in keys:
+            k = grouped
         if k not in keys:
             for local, fused in _LOCAL_TO_TE_FUSED.items():
                 if k.endswith(local):

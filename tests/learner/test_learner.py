@@ -198,3 +198,23 @@ def test_old_policy_pass_entropy_matches_transformers(dist):
         assert (res.entropy_BS[valid] - ref[valid]).abs().max() <= 1e-4
         assert (res.entropy_BS[~valid_mask(batch)] == 0).all() and float(res.entropy_BS[valid].min()) > 0
     assert learner.compute_logprobs(batch).entropy_BS is None
+
+
+def test_batched_experts_train_like_the_loop_without_copying_their_weights(dist):
+    """Issue 31: the learner (Megatron DDP, its optimizer, micro-batches) on grouped expert GEMMs makes the
+    loop's update, and every forward viewed the experts' weights in place (no copy)."""
+    from moe_gspo.mcore.batched_experts import BatchedSequentialMLP, stacked_view
+
+    after = []
+    for batched in (False, True):
+        cfg, _, model = tiny_pair(enable_routing_replay=False, batched_experts=batched)
+        learner = make_learner(model, cfg, dist, num_minibatches=2, micro_batch_size=2)
+        batch = make_batch(8, seed=3)
+        learner.train_step(batch, learner.compute_logprobs(batch).logp_BS)
+        after.append(params_snapshot(model))
+        experts = [m for m in model.modules() if isinstance(m, BatchedSequentialMLP)]
+        assert len(experts) == (2 if batched else 0)
+        for m in experts:
+            assert m.num_weight_copies == 0
+            assert stacked_view([e.linear_fc1.weight for e in m.local_experts]) is not None
+    assert _max_change(after[0], after[1]) <= 1e-6 and _max_change(after[0], params_snapshot(tiny_pair()[2])) > 1e-4

@@ -28,14 +28,14 @@ def dist_ep1():
 def path(request, monkeypatch):
     """Each test runs on both paths: `torch._grouped_mm` (what the CPU takes) and the padded bmm fallback."""
     calls = []
-    real = be._grouped_mm_ok
+    real = be.grouped_mm_supported
 
     def spy(x, ffn):
         ok = real(x, ffn) and request.param == "grouped"
         calls.append(ok)
         return ok
 
-    monkeypatch.setattr(be, "_grouped_mm_ok", spy)
+    monkeypatch.setattr(be, "grouped_mm_supported", spy)
     yield request.param, calls
 
 
@@ -97,9 +97,57 @@ def test_widths_off_the_grouped_kernels_stride_rule_take_the_padded_path():
     cfg, plain, batched = _pair(moe_intermediate_size=6)
     experts = _experts(cfg, batched)
     x = torch.randn(9, cfg.hidden_size)
-    assert be._grouped_mm_ok(x, cfg.hidden_size) and not be._grouped_mm_ok(x, 6)
+    assert be.grouped_mm_supported(x, cfg.hidden_size) and not be.grouped_mm_supported(x, 6)
     counts = torch.tensor([2, 0, 3, 1, 0, 1, 2, 0])
     probs = torch.rand(9)
     got, _ = experts(x, counts, probs)
     want, _ = SequentialMLP.forward(experts, x, counts, probs)
     assert (got - want).abs().max() <= 1e-6
+
+
+def test_expert_weights_are_viewed_without_a_copy_and_a_broken_layout_copies():
+    """Issue 31: the stacked `[E, out, in]` weights are a view of one storage (no copy per forward); when
+    someone moves a parameter the forward still computes the same, with a counted copy."""
+    cfg, plain, batched = _pair()
+    experts = _experts(cfg, batched)
+    fc1 = [e.linear_fc1.weight for e in experts.local_experts]
+    view = be.stacked_view(fc1)
+    assert view is not None and view.data_ptr() == fc1[0].data_ptr() and view.shape == (8, *fc1[0].shape)
+    assert all(p._base is None for p in fc1)  # plain parameters (Megatron's DDP asserts on views)
+    assert torch.equal(view[5], fc1[5])
+    ids = torch.randint(3, cfg.vocab_size, (4, 9), generator=torch.Generator().manual_seed(4))
+    (_, g_view), = logits_and_grads((batched,), ids)
+    assert experts.num_weight_copies == 0
+    batched.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        fc1[3].data = fc1[3].detach().clone()  # its own storage: the layout is broken
+    assert be.stacked_view(fc1) is None
+    (_, g_copy), = logits_and_grads((batched,), ids)
+    assert experts.num_weight_copies > 0 and max_abs_diff(g_view, g_copy) == 0
+    experts.stack_weights_()
+    assert be.stacked_view(fc1) is not None
+    assert be.stacked_view([fc1[0], fc1[1], fc1[3]]) is None  # not one constant step
+    assert be.stacked_view([fc1[1], fc1[0]]) is None  # descending
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs CUDA with compute capability >= 9.0 (torch._grouped_mm in bf16)")
+def test_cuda_grouped_gemm_matches_the_loop_in_bf16_without_a_host_sync():
+    cfg = tiny_qwen3_moe_config()
+    model = build_gpt_model(cfg, batched_experts=True, params_dtype=torch.bfloat16, device="cuda")
+    experts = _experts(cfg, model)
+    gen = torch.Generator().manual_seed(2)
+    counts = torch.tensor([3, 0, 5, 1, 0, 0, 7, 2])  # on the host, as Megatron's dispatchers give them
+    x = torch.randn(int(counts.sum()), cfg.hidden_size, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
+    probs = torch.rand(int(counts.sum()), generator=gen).to("cuda", torch.bfloat16)
+    assert be.grouped_mm_supported(x, cfg.moe_intermediate_size)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got, _ = experts(x, counts, probs)
+        got.float().square().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    want, _ = SequentialMLP.forward(experts, x.detach().requires_grad_(), counts, probs)
+    assert (got.float() - want.float()).abs().max() <= 2e-2
+    assert experts.num_weight_copies == 0

@@ -57,5 +57,33 @@ def test_the_mask_is_applied_as_given_and_unsupported_cases_fall_back():
     assert got.shape == want.shape == (sq, b, heads * dim)
     assert (got - want).abs().max() <= 1e-5
     assert not torch.allclose(got, core(q, k, v, causal_mask(sq, "cpu")), atol=1e-3)  # the mask mattered
-    assert not core._fused_ok(None, None, None)  # no mask: upstream's path (it masks nothing then)
+    assert core._fused_ok(None, None, None)  # no mask on a causal layer: SDPA's is_causal
     assert not core._fused_ok(mask, torch.zeros(1), None)  # an attention bias: upstream's path (which refuses it)
+
+
+def test_no_mask_is_plain_causal_bit_identical_to_the_explicit_mask():
+    """Issue 31: the learner passes no mask where every layer takes it as causal (SDPA's `is_causal`, the flash
+    kernel on CUDA); same bits as the explicit causal mask, forward and backward, on the whole model."""
+    cfg = tiny_qwen3_moe_config()
+    hf = build_tiny_model(cfg, seed=0)
+    model = build_gpt_model(cfg)
+    assert model.implicit_causal_mask and not build_gpt_model(cfg, sdpa_attention=False).implicit_causal_mask
+    load_hf_model_into_megatron(model, hf)
+    core = _core(model)[0]
+    q = torch.randn(9, 2, cfg.num_attention_heads, cfg.head_dim, requires_grad=True)
+    k, v = (torch.randn(9, 2, cfg.num_key_value_heads, cfg.head_dim, requires_grad=True) for _ in range(2))
+    outs = [core(q, k, v, m) for m in (None, causal_mask(9, "cpu"))]
+    grads = [torch.autograd.grad(o.square().sum(), (q, k, v)) for o in outs]
+    assert torch.equal(outs[0], outs[1]) and all(torch.equal(a, b) for a, b in zip(*grads))
+    # upstream's path (what SDPA does not cover) gets the implied mask made explicit on the CPU
+    core._fused_ok = lambda *args: False
+    a, b = core(q, k, v, None), core(q, k, v, causal_mask(9, "cpu"))
+    del core._fused_ok
+    assert (a - b).abs().max() == 0 and (a - outs[1]).abs().max() <= 1e-5
+    ids = torch.randint(3, cfg.vocab_size, (3, 11), generator=torch.Generator().manual_seed(2))
+    model.implicit_causal_mask = False
+    (l0, g0), = logits_and_grads((model,), ids)
+    model.implicit_causal_mask = True
+    model.zero_grad(set_to_none=True)
+    (l1, g1), = logits_and_grads((model,), ids)
+    assert torch.equal(l0, l1) and max_abs_diff(g0, g1) == 0

@@ -36,21 +36,23 @@ The checks, in order (each one's failure is recorded and the others still run); 
    module's `job` mode, which only makes torch deterministic first), `--steps` (default 60) RL steps on
    the same geometry with the shipped tiny tokenizer (vocabulary 51, ~0.6 B parameters): GSPO, the
    transformers rollout engine in bf16, the `copy_first` task with 2 symbols (answer: the prompt's first
-   symbol, then EOS; 16 prompts x 8 samples, 2 mini-batches), lr `JOB_LR` = 5e-4. Passes only with a
-   clear margin (`gpu_check_report.learning_verdict`): the mean reward of the last 10% of the steps
+   symbol, then EOS), 32 prompts x 8 samples, 2 mini-batches, lr `JOB_LR` = 5e-4. It passes only with
+   a clear margin (`gpu_check_report.learning_verdict`): the mean reward of the last 10% of the steps
    (at least 5) must exceed the first 10%'s by `MIN_REWARD_GAIN` = 0.3 absolute AND by `NOISE_Z` = 4
-   standard errors of the difference of the two means (from the per-step rewards), so a run that does
-   not learn cannot pass by chance: a flat run's windows differ by ~1 SE, and the tiny CPU model with
-   lr ~0 (seeds 0-2, 60 steps) stayed below 0.02 mean reward. Why 5e-4 and 60 steps: the first H100
-   run (lr 1e-4, 30 steps) went from 0.068 to 0.120, i.e. the reward's log grew ~0.019 per step, ~5.6x
-   slower than the tiny CPU model's (hidden 64, lr 1.6e-3, the same task: 0.009 -> 0.22 in 30 steps,
-   ~0.107 per step); the old argument that Adam's logit steps grow with lr x hidden (so 1e-4 at hidden
-   1024 = 1.6e-3 at 64) overestimated the larger model's pace, whose noisy gradients add up more like
-   lr x sqrt(hidden) (1.6e-3 x sqrt(64/1024) = 4e-4). With 5x the lr the 0.6 B model's pace matches
-   the tiny model's, which at its own lr crossed 0.3 near step 35 and ended at ~0.97 after 60 steps
-   (seeds 0 and 1); at half that pace (tiny model, lr 8e-4) it still gained more than 0.3 in 60 steps;
-   at 3x the lr it either solved the task or sat on the 0.5-0.6 plateau of a policy that answers one
-   of the two symbols at random, which passes too. Not measured on a GPU yet.
+   standard errors of the difference of the two means (from the per-step rewards).
+   Why these settings (the tiny CPU model, hidden 64, on the same job otherwise, 60 steps; fp32 rollout):
+   the first H100 run (16 prompts, lr 1e-4, 30 steps) went from 0.068 to 0.120 mean reward, a growth of
+   the reward's log of ~0.021 per step, ~5.7x slower than the tiny model's at lr 1.6e-3 (0.009 -> 0.22
+   in 30 steps, ~0.12 per step). The old argument that Adam's logit steps grow with lr x hidden (so
+   1e-4 at hidden 1024 = 1.6e-3 at 64) overestimated the larger model's pace; noisy gradients add up
+   more like lr x sqrt(hidden) (1.6e-3 x sqrt(64/1024) = 4e-4), and 5x the lr brings the 0.6 B model to
+   about the tiny model's pace at 1.6e-3, where seeds 0-2 gained 0.95-0.96 (last 6 steps' mean ~0.96).
+   Margins if the GPU model is slower than that: at half the pace (tiny model, lr 8e-4) 16 prompts
+   gained only 0.34 and 0.42 (seeds 0, 1), 32 prompts 0.63-0.66 (seeds 0-2), hence 32 prompts (the
+   sequences are under 10 tokens: twice the batch costs a GPU little); at 3x the pace (lr 4.8e-3) it gained
+   0.55-0.98 (seed 0 stayed on the 0.5-0.6 plateau of a policy that answers one of the two symbols at
+   random). A run that does not learn cannot pass: with lr 1e-9 (seeds 0-2) the gain was -0.002 to
+   +0.005 against a noise bound of ~0.008, far below 0.3. Not run on a GPU yet.
 5. resume: the same job with `RESUME_STEPS` = 20 steps, killed (SIGKILL of the launcher, mid-run) once
    its step-10 checkpoint exists, then `--resume`d: every metric of every step after the checkpoint must
    equal the learning run's first 20 steps (wall times aside; the learning rate is constant, so no step
@@ -65,7 +67,7 @@ The checks, in order (each one's failure is recorded and the others still run); 
    generated per sequence by the transformers engine) and the learning job's `metrics.jsonl`
    (`perf/rollout_s`, `perf/old_logp_s`, `perf/update_s`, `perf/sync_s`, `perf/step_time_s`; tokens =
    `perf/tokens_per_s` x `perf/step_time_s`, generated tokens = `num_sequences` x `response/len_mean`;
-   the first 10% of the steps, at least 2, left out as warm-up). The job's sequences are ~7 tokens, so
+   the first 10% of the steps, at least 2, left out as warm-up). The job's sequences are under 10 tokens, so
    its rates show the per-call overheads of a tiny-sequence RL step, not the GPU's throughput.
 
 Not covered: vLLM (optional on GPU; see `tests/rollout/test_vllm_gpu.py`), multi-GPU expert
@@ -206,8 +208,9 @@ def _memory(out: Path, have_te: bool) -> dict:
     """Check 2: planned vs measured memory per phase (16 x 1024 tokens, micro-batch 1, full recompute)."""
     from benchmarks.memory_bench import CHECKED
 
-    results = _bench(out, "memory_bench", "--variants", "dist,dist_offload" if have_te else "dist", "--seq-len",
-                     "1024", "--seqs", "16", "--group", "4", "--minibatches", "2", "--steps", "2", "--tolerance", "0.15")
+    results = _bench(out, "memory_bench", "--variants", "dist,dist_offload" if have_te else "dist",
+                     "--seq-len", "1024", "--seqs", "16", "--group", "4", "--minibatches", "2", "--steps", "2",
+                     "--tolerance", "0.15")
     rows = memory_rows(results, checked=CHECKED, tolerance=0.15)
     bad = [f"{r['variant']}/{r['phase']} {r['rel_diff']:+.1%}" for r in rows if r["ok"] is False]
     return {"status": "fail" if bad else "pass", "rows": rows, "variants": [r["variant"] for r in results],
@@ -270,7 +273,7 @@ def job_config(steps: int, lr: float = JOB_LR):
     return config_from_dict({
         "model": {"path": None, "tiny": tiny, "init_seed": 0, "router_scale": 4.0, "params_dtype": "auto"},
         "parallel": {"expert_parallel_size": 1, "token_dispatcher": "alltoall"},
-        "rollout": {"engine": "hf", "dtype": "bfloat16", "prompts_per_step": 16, "samples_per_prompt": 8,
+        "rollout": {"engine": "hf", "dtype": "bfloat16", "prompts_per_step": 32, "samples_per_prompt": 8,
                     "max_new_tokens": 2, "record_routes": True, "record_probs": True},
         "algo": {"name": "gspo"},
         "task": {"name": "copy_first", "prompt_len": 4, "num_symbols": 2},
@@ -346,7 +349,8 @@ def _resume(out: Path) -> dict:
     """Check 5: the job (`RESUME_STEPS` steps) killed after its step-10 checkpoint and resumed, against the
     first `RESUME_STEPS` steps of the learning check's run (the learning rate is constant: nothing in a
     step depends on the run's length)."""
-    config, ref_dir, cut_dir = out / "job_resume.yaml", out / "runs" / "uninterrupted", out / "runs" / "killed_and_resumed"
+    config, ref_dir = out / "job_resume.yaml", out / "runs" / "uninterrupted"
+    cut_dir = out / "runs" / "killed_and_resumed"
     if not (ref_dir / "done.json").is_file():
         raise CheckFailed("needs the uninterrupted run of the learning check, which did not finish")
     config.write_text(job_config(RESUME_STEPS).to_yaml())

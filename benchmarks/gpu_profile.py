@@ -2,7 +2,8 @@
 
 `profile_to_file(fn, path)` runs `fn` once under `torch.profiler.profile` (CPU activity, and CUDA when
 CUDA is initialised in this process) and writes `key_averages().table(...)`: the `row_limit` ops with
-the most CUDA time (`device_time_total`, `cuda_time_total` before torch 2.4) on a GPU, the most self CPU time (`self_cpu_time_total`) on CPU.
+the most CUDA time (`device_time_total`; `cuda_time_total` in older torch) on a GPU, the most self
+CPU time (`self_cpu_time_total`) on CPU.
 Used by `benchmarks.memory_bench --profile-train-step` (and so by `benchmarks.gpu_check`, which saves
 `DIR/train_step_profile.txt` beside its report); works on CPU (tests/benchmarks/test_gpu_profile.py).
 """
@@ -40,7 +41,7 @@ def profile_to_file(fn, path: str | Path, *, title: str = "", row_limit: int = 2
     wall = time.perf_counter() - t0
     averages = prof.key_averages()
     sort_by = "self_cpu_time_total"
-    if cuda:  # torch >= 2.4 names it device_time_total (cuda_time_total before)
+    if cuda:  # newer torch: device_time_total; older: cuda_time_total
         sort_by = "device_time_total" if averages and hasattr(averages[0], "device_time_total") else "cuda_time_total"
     table = averages.table(sort_by=sort_by, row_limit=row_limit)
     top = [e.key for e in sorted(averages, key=lambda e: getattr(e, sort_by), reverse=True)[:10]]

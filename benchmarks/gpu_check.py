@@ -240,7 +240,8 @@ def _mfu(out: Path, peak: float | None, setting: dict) -> dict:
     first = variants[0]
     return {"status": "reported", "variants": variants, "setting": first["setting"],
             "profile": profile.name if profile.is_file() else None,
-            "memory_rows": memory_rows(results, checked=(), tolerance=0.0),
+            "memory_rows": [dict(r, variant=f"{r['variant']}, MFU setting")
+                            for r in memory_rows(results, checked=(), tolerance=0.0)],
             "headline": f"{first['setting']}: update {_fmt(first['update']['mfu'], '.1%')} "
                         f"({first['update']['tflops_per_s']:.0f} TFLOP/s), log-prob pass "
                         f"{_fmt(first['logprobs']['mfu'], '.1%')} ({first['logprobs']['tflops_per_s']:.0f} TFLOP/s)"}
@@ -250,9 +251,10 @@ def _throughput(out: Path) -> dict:
     """Tokens/s/GPU per phase (`gpu_check_report.bench_throughput` / `job_throughput`) of the runs that
     finished: the MFU setting's bench, the memory check's bench (which also generated), the learning job."""
     tables = []
-    for name in ("mfu_bench", "memory_bench"):
+    for name, label in (("mfu_bench", "MFU setting"), ("memory_bench", "memory-check setting")):
         if (out / f"{name}.json").is_file():
-            tables.append(bench_throughput(json.loads((out / f"{name}.json").read_text())["results"][0]))
+            bench = json.loads((out / f"{name}.json").read_text())["results"][0]
+            tables.append(bench_throughput(bench, label=f"{label} ({bench['variant']})"))
     metrics = out / "runs" / "uninterrupted" / "metrics.jsonl"
     if metrics.is_file():
         rows = _metrics(metrics.parent)

@@ -91,11 +91,12 @@ def job_throughput(rows: list[dict], *, skip: int, num_gpus: int = 1) -> dict:
             gen = sum(r["num_sequences"] * r["response/len_mean"] for r in rows)
             out.append(_row("generation, generated tokens", gen / n, secs / n, num_gpus))
     out.append(_row("RL step (end to end)", tokens / n, sum(r["perf/step_time_s"] for r in rows) / n, num_gpus))
-    return {"source": f"learning job, mean of steps {rows[0].get('step', skip)}-{rows[-1].get('step', skip + n - 1)}",
+    first, last = rows[0].get("step", skip), rows[-1].get("step", skip + n - 1)
+    return {"source": "learning job", "setting": f"mean of steps {first}-{last} (the first {skip} left out)",
             "num_steps": n, "num_gpus": num_gpus, "rows": out}
 
 
-def bench_throughput(bench: dict, *, num_gpus: int = 1) -> dict:
+def bench_throughput(bench: dict, *, label: str | None = None, num_gpus: int = 1) -> dict:
     """Tokens/s/GPU per phase of one `memory_bench` result (definition of `job_throughput`): tokens =
     the batch's `num_seqs` x `seq_len`, seconds = the phase's fastest repeat (the rollout runs once, on
     the first step); "generation, generated tokens" counts `rollout_tokens` (the responses the engine
@@ -110,7 +111,8 @@ def bench_throughput(bench: dict, *, num_gpus: int = 1) -> dict:
         out.append(_row(name, tokens, min(secs), num_gpus))
         if key == "rollout" and b.get("rollout_tokens"):
             out.append(_row("generation, generated tokens", b["rollout_tokens"], min(secs), num_gpus))
-    return {"source": f"bench ({bench['variant']}): {bench_setting(bench)}", "num_gpus": num_gpus, "rows": out}
+    return {"source": label or f"bench ({bench['variant']})", "setting": bench_setting(bench), "num_gpus": num_gpus,
+            "rows": out}
 
 
 # ---------------------------------------------------------------------------------------- verdicts
@@ -192,6 +194,7 @@ def throughput_lines(tables: list[dict]) -> list[str]:
         for r in t["rows"]:
             lines.append(f"| {t['source']} | {r['phase']} | {r['tokens']} | {r['seconds']:.3f} | "
                          f"{_fmt(r['tokens_per_s_per_gpu'], ',.0f')} |")
+    lines += [""] + [f"- {t['source']}: {t['setting']}" for t in tables if t.get("setting")]
     return lines
 
 
@@ -205,16 +208,16 @@ def render_markdown(result: dict) -> str:
              "| check | status | figures |", "|---|---|---|"]
     for name, c in checks.items():
         lines.append(f"| {name} | {c.get('status', '?')} | {c.get('headline', c.get('error', ''))} |")
-    mem = checks.get("memory", {})
-    if mem.get("rows"):
+    mem, mfu = checks.get("memory", {}), checks.get("mfu", {})
+    mem_rows = mem.get("rows", []) + mfu.get("memory_rows", [])  # the MFU setting's rows: reported only
+    if mem_rows:
         lines += ["", "## Memory per phase: planned (`moe_gspo.plan`) vs `torch.cuda.max_memory_allocated`", "",
                   "| variant | phase | planned GiB | measured GiB | planned/measured - 1 | checked |",
                   "|---|---|---|---|---|---|"]
-        for r in mem["rows"]:
+        for r in mem_rows:
             ok = {True: "ok", False: "OVER TOLERANCE", None: "reported"}[r["ok"]]
             lines.append(f"| {r['variant']} | {r['phase']} | {_fmt(r['planned_gib'], '.2f')} | "
                          f"{_fmt(r['measured_gib'], '.2f')} | {_fmt(r['rel_diff'], '+.1%')} | {ok} |")
-    mfu = checks.get("mfu", {})
     for m in mfu.get("variants", []):
         setting = f"{m['setting']}; " if m.get("setting") else ""
         lines += ["", f"## Learner MFU: {m.get('label', m['variant'])} ({setting}{m['tokens']} tokens per step, "

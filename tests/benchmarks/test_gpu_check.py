@@ -129,7 +129,8 @@ def test_job_throughput_by_hand():
     rows[3] = dict(rows[3], **{"perf/update_s": 3.0, "perf/tokens_per_s": 50.0, "perf/step_time_s": 2.0})
     t = gc.job_throughput(rows, skip=1, num_gpus=2)
     by = {r["phase"]: r for r in t["rows"]}
-    assert t["num_steps"] == 3 and t["source"] == "learning job, mean of steps 1-3"
+    assert t["num_steps"] == 3 and t["source"] == "learning job"
+    assert t["setting"] == "mean of steps 1-3 (the first 1 left out)"
     # tokens per step: 200, 200, 100 -> 500 in all; update seconds 1 + 1 + 3 = 5 -> 500 / 5 / 2 GPUs
     assert by["training"] == {"phase": "training", "tokens": 167, "seconds": pytest.approx(5 / 3, abs=1e-4),
                               "tokens_per_s_per_gpu": 50.0}
@@ -152,7 +153,8 @@ def test_bench_throughput_by_hand():
     by = {r["phase"]: r["tokens_per_s_per_gpu"] for r in t["rows"]}
     assert by == {"generation": pytest.approx(40 / 3, abs=0.05), "generation, generated tokens": 8.0,
                   "old-policy pass": 160.0, "training": 40.0}  # no weight_sync timed in this bench result
-    assert t["source"] == "bench (dist): 4 x 10 tokens, micro-batch 1 x 10 = 10 tokens, recompute full"
+    assert t["source"] == "bench (dist)" and gc.bench_throughput(b, label="MFU setting")["source"] == "MFU setting"
+    assert t["setting"] == "4 x 10 tokens, micro-batch 1 x 10 = 10 tokens, recompute full"
 
 
 def test_summary_files(tmp_path):
@@ -176,7 +178,8 @@ def test_summary_files(tmp_path):
     assert "| update |" in md and "TFLOP/s" in md
     assert "[train_step_profile.txt](train_step_profile.txt)" in md
     assert "## Throughput per phase (tokens/s/GPU)" in md
-    assert "| training | 40 | 1.000 | 40 |" in md
+    assert "| bench (dist) | training | 40 | 1.000 | 40 |" in md
+    assert "- bench (dist): 4 x 10 tokens, micro-batch 1 x 10 = 10 tokens, recompute full" in md
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]  # no temporary files left
 
 
@@ -306,3 +309,39 @@ def test_a_run_s_steps_do_not_depend_on_its_length(tmp_path):
         assert rc == 0
         rows[steps] = gc._metrics(d)
     assert gc.resume_verdict(rows[5][:3], rows[3], resumed_at=1)["status"] == "pass"
+
+
+def test_mfu_and_throughput_checks_from_the_benches_files(tmp_path, monkeypatch):
+    """`_mfu` and `_throughput` without a GPU: the bench runs replaced by their JSON results."""
+    mfu_res = _bench(seconds_update=(3.0, 2.0, 2.5))
+    mfu_res["batch"].update(micro_batch_size=2, recompute=False)
+    del mfu_res["phases"]["rollout"]["seconds"]  # --no-rollout
+    mem_res = dict(_bench(), batch=dict(_bench()["batch"], rollout_tokens=24))
+    (tmp_path / "memory_bench.json").write_text(json.dumps({"results": [mem_res]}))
+    calls = []
+
+    def fake_bench(out, name, *extra, timeout=900):
+        calls.append((name, extra))
+        (out / f"{name}.json").write_text(json.dumps({"results": [mfu_res]}))
+        (out / "train_step_profile.txt").write_text("# one train_step\n")
+        return [mfu_res]
+
+    monkeypatch.setattr(gc, "_bench", fake_bench)
+    m = gc._mfu(tmp_path, 989.4, gc.MFU_DEFAULTS)
+    assert calls[0][0] == "mfu_bench" and "--profile-train-step" in calls[0][1] and "--no-recompute" in calls[0][1]
+    assert [v["label"] for v in m["variants"]] == ["MFU setting", "memory-check setting (dist)"]
+    assert m["variants"][0]["update"]["seconds"] == 2.0 and m["profile"] == "train_step_profile.txt"
+    assert m["setting"] == "4 x 10 tokens, micro-batch 2 x 10 = 20 tokens, recompute off"
+    assert {r["variant"] for r in m["memory_rows"]} == {"dist, MFU setting"}
+    assert all(r["ok"] is None for r in m["memory_rows"])
+    run = tmp_path / "runs" / "uninterrupted"
+    run.mkdir(parents=True)
+    rows = [{"step": i, "perf/tokens_per_s": 100.0, "perf/step_time_s": 2.0, "perf/rollout_s": 0.5,
+             "perf/old_logp_s": 0.25, "perf/update_s": 1.0, "perf/sync_s": 0.1, "num_sequences": 20,
+             "response/len_mean": 3.0} for i in range(30)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = gc._throughput(tmp_path)
+    assert [x["source"] for x in t["tables"]] == ["MFU setting (dist)", "memory-check setting (dist)", "learning job"]
+    assert t["tables"][2]["num_steps"] == 27  # the first 10% (3 steps) left out as warm-up
+    assert "generation" not in {r["phase"] for r in t["tables"][0]["rows"]}  # the MFU bench does not generate
+    assert t["status"] == "reported" and t["headline"].startswith("tokens/s/GPU, MFU setting (dist): ")

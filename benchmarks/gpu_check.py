@@ -26,12 +26,14 @@ The checks, in order (each one's failure is recorded and the others still run); 
    (`train_step`: forward, backward, optimizer step) and of the old-policy log-prob pass from their
    fastest step. Model FLOPs by `moe_gspo.plan.flops` (PaLM's 6 N_active + 12 L a d T per token;
    recomputed forwards are not counted), over the GPU's dense bf16 peak (`PEAK_BF16_TFLOPS`, or
-   `--peak-tflops`). The memory check's setting is reported beside it for comparison (the README's
-   older 0.2% was that setting: micro-batch 1 and full recompute, ~18k small expert calls per update).
+   `--peak-tflops`). The memory check's setting is reported beside it for comparison (the first H100
+   run's 0.2%, docs/gpu.md, was that setting: micro-batch 1 and full recompute, ~18k small expert calls
+   per update).
    After the timed steps one more `train_step` runs under `torch.profiler` (CUDA activity): its
-   top-25 ops by CUDA time go to `DIR/train_step_profile.txt` (`benchmarks.gpu_profile`). At ~1 GFLOP
-   per token the defaults' update is ~34 TFLOP; without recompute its activations fit an 80 GB GPU
-   with room (the memory plan of the run is in `DIR/mfu_bench.log`).
+   top-25 ops by CUDA time go to `DIR/train_step_profile.txt` (`benchmarks.gpu_profile`). At 1.03 GFLOP
+   per token the defaults' update is 33.7 model TFLOP; the memory plan (`moe_gspo.plan`) puts its peak
+   at ~20 GiB without recompute (planned, not measured; the plan and the measurement are printed in
+   `DIR/mfu_bench.log` and reported in the summary's memory table).
 4. learning: the main job, `python -m moe_gspo.launch ... -m moe_gspo.train` (here through this
    module's `job` mode, which only makes torch deterministic first), `--steps` (default 60) RL steps on
    the same geometry with the shipped tiny tokenizer (vocabulary 51, ~0.6 B parameters): GSPO, the
@@ -67,8 +69,8 @@ The checks, in order (each one's failure is recorded and the others still run); 
    generated per sequence by the transformers engine) and the learning job's `metrics.jsonl`
    (`perf/rollout_s`, `perf/old_logp_s`, `perf/update_s`, `perf/sync_s`, `perf/step_time_s`; tokens =
    `perf/tokens_per_s` x `perf/step_time_s`, generated tokens = `num_sequences` x `response/len_mean`;
-   the first 10% of the steps, at least 2, left out as warm-up). The job's sequences are under 10 tokens, so
-   its rates show the per-call overheads of a tiny-sequence RL step, not the GPU's throughput.
+   the first 10% of the steps, at least 2, left out as warm-up). The job's sequences are under 10
+   tokens, so its rates show the per-call overheads of a tiny-sequence RL step, not the GPU's throughput.
 
 Not covered: vLLM (optional on GPU; see `tests/rollout/test_vllm_gpu.py`), multi-GPU expert
 parallelism (`tests/plan/test_plan_gpu.py`, `tests/learner` under torchrun).

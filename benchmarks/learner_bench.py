@@ -38,6 +38,7 @@ def main(argv=None) -> dict[str, float]:
     from moe_gspo.config import AlgoConfig, TrainConfig
     from moe_gspo.learner.batch import PackedBatch
     from moe_gspo.learner.learner import Learner
+    from moe_gspo.learner.old_pass import OldPolicyPass
     from moe_gspo.mcore.model import build_gpt_model
     from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
     from moe_gspo.mcore.weights import load_hf_model_into_megatron
@@ -65,13 +66,14 @@ def main(argv=None) -> dict[str, float]:
 
         plain, r2 = learner("none"), learner("r2")
         old = plain.compute_logprobs(batch).logp_BS
-        r2.compute_logprobs(batch)  # records the old routing that R2 replays
+        r2_old = r2.compute_logprobs(batch)  # with the old routing that R2 replays
         t = {
             "logprobs_s": _median_time(lambda: plain.compute_logprobs(batch), args.repeats),
             "logprobs_record_s": _median_time(lambda: plain.compute_logprobs(batch, record_routes=True),
                                               args.repeats),
             "train_step_s": _median_time(lambda: plain.train_step(batch, old), args.repeats),
-            "train_step_r2_s": _median_time(lambda: r2.train_step(batch, old), args.repeats),
+            "train_step_r2_s": _median_time(lambda: r2.train_step(batch, OldPolicyPass(logp_BS=old, natural=r2_old)),
+                                           args.repeats),
         }
     finally:
         destroy_distributed()

@@ -123,8 +123,6 @@ class Learner:
         """Whether this run warned about R3 fallback rows (`moe_gspo.run.learner_passes.warn_r3_fallback`)."""
         self.num_train_steps = 0
         """`train_step` calls so far (seeds the mini-batch shuffle; saved with the optimizer state)."""
-        self._recorded: tuple[torch.Tensor, list[np.ndarray]] | None = None
-        """R2: the last old-policy pass's (token ids, routes), replayed by the update (`release_step`)."""
 
     # ------------------------------------------------------------------ pass helpers (old_pass.py, backward.py)
     def forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
@@ -173,11 +171,6 @@ class Learner:
             outs.append(torch.cat([rows, pad]))
         return local, local_routes, outs
 
-    def release_step(self) -> None:
-        """Drop what this step's passes kept for its update (R2's recorded old-policy routes), once the
-        step's last pass has run: host memory of routes is then one step's, not two."""
-        self._recorded = None
-
     def gather_rows(self, local: torch.Tensor, num_seqs: int) -> torch.Tensor:
         """Concatenate every data-parallel rank's real rows of `local` ([num_rows, ...]) in rank order: the
         global [num_seqs, ...] (collective over the data-parallel group)."""
@@ -190,7 +183,8 @@ class Learner:
         dist.all_gather(bufs, local.contiguous(), group=ps.get_data_parallel_group())
         return torch.cat([b[:n] for b, n in zip(bufs, sizes)])
 
-    def _resolve_routes(self, batch: PackedBatch, replay_routes, *, update: bool) -> list | None:
+    def _resolve_routes(self, batch: PackedBatch, replay_routes, *, update: bool,
+                        natural: LogprobResult | None = None) -> list | None:
         if replay_routes is not None:
             if len(replay_routes) != batch.num_seqs:
                 raise ValueError(f"replay_routes has {len(replay_routes)} entries for B={batch.num_seqs}")
@@ -201,10 +195,14 @@ class Learner:
                                  "None): record them (rollout.record_routes=true) or pass replay_routes")
             return self.r3_replay_routes(batch)[0]
         if self.replay is ReplayMode.R2 and update:
-            if self._recorded is None or not torch.equal(self._recorded[0], batch.input_ids_BS.cpu()):
-                raise ValueError("routing replay r2: no old-policy routes recorded for this batch; call "
-                                 "compute_logprobs(batch) on the same batch first, or pass replay_routes")
-            return self._recorded[1]
+            if natural is None or natural.routes is None:
+                raise ValueError("routing replay r2 replays the old-policy pass's routes: give train_step that "
+                                 "pass (train_step(batch, compute_logprobs(batch)), or an OldPolicyPass with "
+                                 "natural=...), or replay_routes=")
+            if len(natural.routes) != batch.num_seqs:
+                raise ValueError(f"routing replay r2: the old-policy pass has {len(natural.routes)} sequences' "
+                                 f"routes for B={batch.num_seqs}; it was run on another batch")
+            return list(natural.routes)
         return None
 
     def r3_replay_routes(self, batch: PackedBatch, natural_routes=None) -> tuple[list[np.ndarray], dict[str, float]]:
@@ -228,7 +226,8 @@ class Learner:
         unless `keep_graph`).
 
         `record_routes`: also return every sequence's learner routing (top-k ids and probabilities).
-        Under R2 the routes are always recorded and kept for the next `train_step` on this batch.
+        Under R2 the routes are always recorded and returned: the update replays them (`train_step` takes
+        this result, or an `OldPolicyPass` whose `natural` it is).
         `replay_routes` (B arrays [T_b, L, K]): replay that routing (R3 does so with
         `batch.rollout_routes` by default). `micro_batch_size` 0 = `train.micro_batch_size`.
         `no_replay=True`: the learner's natural routing even under R3 (for drift measurement); R2 still
@@ -246,31 +245,30 @@ class Learner:
         if no_replay and replay_routes is not None:
             raise ValueError("compute_logprobs: pass either replay_routes or no_replay=True, not both")
         routes_in = None if no_replay else self._resolve_routes(batch, replay_routes, update=False)
-        record = record_routes or self.replay is ReplayMode.R2
+        record = record_routes = record_routes or self.replay is ReplayMode.R2
         mbs = micro_batch_size or (self.train.micro_batch_size if self.train is not None else 0)
         plan = plan_shards(batch.seq_lens_B.tolist(), dp_rank=self.parallel.dp_rank,
                            dp_size=self.parallel.dp_size, micro_batch_size=mbs)
         if keep_graph:
             check_fusable(self, routes_in, plan)
-        result, routes = logprob_pass(self, batch, plan, routes_in, record=record, record_routes=record_routes,
-                                      keep_graph=keep_graph, with_entropy=with_entropy)
-        if self.replay is ReplayMode.R2:
-            self._recorded = (batch.input_ids_BS.cpu().clone(), routes)
+        result, _ = logprob_pass(self, batch, plan, routes_in, record=record, record_routes=record_routes,
+                                 keep_graph=keep_graph, with_entropy=with_entropy)
         return result
 
     # ------------------------------------------------------------------ update
-    def train_step(self, batch: PackedBatch, old: OldPolicyPass | torch.Tensor, *, replay_routes=None,
+    def train_step(self, batch: PackedBatch, old: OldPolicyPass | LogprobResult | torch.Tensor, *, replay_routes=None,
                    ref_logp_BS: torch.Tensor | None = None, is_weights_BS: torch.Tensor | None = None,
                    rs_keep_BS: torch.Tensor | None = None, fused: FusedPass | None = None,
                    after_optimizer_step: Callable[[int, bool], None] | None = None) -> dict[str, float]:
         """One RL update on the global `batch`: `train.num_minibatches` optimizer steps.
 
         `old`: what the old-policy side of the step produced (`OldPolicyPass`, e.g.
-        `moe_gspo.run.learner_passes.old_policy_pass`), or only the [B, S] token-aligned log-probs of
-        the policy that sampled the batch (e.g. `compute_logprobs(batch).logp_BS`), with the other
-        hand-offs as keywords, which an `OldPolicyPass` carries itself (giving both is refused):
+        `moe_gspo.run.learner_passes.old_policy_pass`), or the old-policy pass itself (`LogprobResult` of
+        `compute_logprobs(batch)`: its log-probs, routes and kept graph), or only the [B, S] token-aligned
+        log-probs of the policy that sampled the batch, with the other hand-offs as keywords, which an
+        `OldPolicyPass` carries itself (giving both is refused):
         `replay_routes` (B arrays [T_b, L, K]) replays that routing; None replays per `self.replay` (R2:
-        the routes recorded by the last `compute_logprobs` of this batch; R3: `batch.rollout_routes`).
+        the old-policy pass's routes, `old.natural.routes`; R3: `batch.rollout_routes`).
         `ref_logp_BS` is needed when `algo.kl_coef > 0`.
         Rollout corrections (`moe_gspo.algos.rollout_correction`, computed once for the whole batch):
         `is_weights_BS` [B, S] multiply each token's policy-gradient term; `rs_keep_BS` [B, S] bool
@@ -287,7 +285,11 @@ class Learner:
         """
         if self.optimizer is None:
             raise ValueError("this Learner was built inference-only (train=None); pass a TrainConfig to train")
-        if not isinstance(old, OldPolicyPass):
+        if isinstance(old, LogprobResult):
+            kept, old.fused = old.fused, None  # handed on to the OldPolicyPass, consumed below
+            old = OldPolicyPass(logp_BS=old.logp_BS, natural=old, replay_routes=replay_routes, ref_logp_BS=ref_logp_BS,
+                                is_weights_BS=is_weights_BS, rs_keep_BS=rs_keep_BS, fused=fused or kept)
+        elif not isinstance(old, OldPolicyPass):
             old = OldPolicyPass(logp_BS=torch.as_tensor(old), replay_routes=replay_routes, ref_logp_BS=ref_logp_BS,
                                 is_weights_BS=is_weights_BS, rs_keep_BS=rs_keep_BS, fused=fused)
         elif any(x is not None for x in (replay_routes, ref_logp_BS, is_weights_BS, rs_keep_BS, fused)):
@@ -302,7 +304,7 @@ class Learner:
                                  f"expected the batch's [B, S] = {(B, S)}")
         if not 1 <= self.train.num_minibatches <= B:
             raise ValueError(f"train.num_minibatches={self.train.num_minibatches} must be in [1, B={B}]")
-        routes = self._resolve_routes(batch, old.replay_routes, update=True)
+        routes = self._resolve_routes(batch, old.replay_routes, update=True, natural=old.natural)
         if fused is not None:
             # the kept pass serves as the first mini-batch's forward only if the weights have not changed since
             if fused.batch is not batch:

@@ -54,10 +54,8 @@ Bytes per token (read in the code that allocates them):
   pass has the pass-end transient next to them, and its metrics (`policy_update_drift`, one call at a time)
   stack both sides' response rows and run `routing_drift`: `drift_bytes_per_token`,
   `2 L K b + max(17 L, K (b + 8))`.
-- **R2**: `Learner._recorded` holds the old-policy pass's routes (the same arrays as the step's learner
-  set, no copy) and an int64 clone of the token ids (8), from the old-policy pass until
-  `Learner.release_step()` at the end of `learner_update` (a probe pass replaces both); nothing of R2
-  outlives the step.
+- **R2**: the update replays the old-policy pass's routes (`OldPolicyPass.natural.routes`, the learner set
+  itself, no copy); nothing of R2 outlives the step.
 - **R3**: `merge_fallback_routes` copies a sequence that has fallback rows: counted as one more copy of
   the routes (`L K b`, every sequence; none is made when no row falls back). R2 / R3 replay build
   `build_replay_topk`'s int64 `[L, S, B_mb, K]` per micro-batch (its clone, the sort's values and
@@ -97,10 +95,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_gspo.plan.params import Geometry
-
-R2_TOKEN_IDS_BYTES = 8
-"""R2's int64 clone of the batch's token ids (`Learner._recorded`), per token."""
-
 
 def id_bytes(num_experts: int) -> int:
     """Bytes of one expert id as engines, traces and the learner's kept routes store it: uint8 up to 256
@@ -272,16 +266,15 @@ def route_host_bytes(geom: Geometry, *, num_seqs: int, seq_len: int, record_rout
     pass_t = max(float(tokens * per["learner_gather"]), record_mb)  # the pass end, or one micro-batch's
     metrics_t = float(tokens * per["metrics"])
     r3_copy = float(tokens * lkb) if replay == "r3" else 0.0
-    r2_ids = float(tokens * R2_TOKEN_IDS_BYTES) if replay == "r2" else 0.0
     replay_mb = replay_microbatch_bytes(geom, seqs=replay_mb_seqs, seq_len=seq_len) if replay in ("r2", "r3") else 0.0
     drift = max(0, int(drift_passes))
     drift_t = float(tokens * per["drift_metrics"])
     moments = {
         "rollout": {"rollout": (max(1, int(gen_rounds)) - 1 + max(1, int(gather_copies))) * rollout, "learner": 0.0,
                     "transient": float(gather_bytes)},
-        "old_logp": {"rollout": rollout, "learner": kept + r2_ids, "transient": pass_t},
-        "metrics": {"rollout": rollout, "learner": kept + r3_copy + r2_ids, "transient": metrics_t},
-        "update": {"rollout": rollout, "learner": kept * (1 + drift) + r3_copy + r2_ids,
+        "old_logp": {"rollout": rollout, "learner": kept, "transient": pass_t},
+        "metrics": {"rollout": rollout, "learner": kept + r3_copy, "transient": metrics_t},
+        "update": {"rollout": rollout, "learner": kept * (1 + drift) + r3_copy,
                    "transient": max(replay_mb, pass_t, drift_t) if drift else replay_mb},
     }
     prev_kept = kept * (2 if drift else 1)

@@ -208,7 +208,6 @@ def learner_update(cfg: Config, policy, batch: PackedBatch, samples, step: int, 
         with timer("drift"):
             new = probe.finish()
             metrics.update(probe.metrics())
-    policy.learner.release_step()  # R2's recorded routes: used by this step's updates only
     return StepPasses(metrics=metrics, old=natural, new=new, replayed_logp_BS=old.replayed_logp_BS,
                       rollout_routes=old.rollout_routes)
 

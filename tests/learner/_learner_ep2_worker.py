@@ -96,7 +96,7 @@ def run(info) -> dict:
     r2 = make_learner(model2, cfg, info, replay="r2", algo=AlgoConfig(name="grpo"), lr=5e-2, **{
         k: v for k, v in EP2_TRAIN.items() if k != "lr"})
     old = r2.compute_logprobs(batch, record_routes=True)
-    r2.train_step(batch, old.logp_BS)
+    r2.train_step(batch, old)
     new = r2.compute_logprobs(batch, record_routes=True)
     out["r2_flip_without_replay"] = flip_fraction(old.routes, new.routes)
     out["r2_flip_replayed_eval"] = flip_fraction(

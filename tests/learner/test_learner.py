@@ -9,6 +9,7 @@ import torch
 from _learner_common import (flip_fraction, hf_token_logprobs, make_batch, make_learner, params_snapshot,
                              surrogate_objective, tiny_pair, valid_mask)
 from moe_gspo.config import AlgoConfig
+from moe_gspo.learner.old_pass import OldPolicyPass
 from moe_gspo.learner.replay import ReplayMode
 from moe_gspo.learner.router_hooks import MegatronRouterRecorder
 from moe_gspo.mcore.model import moe_routers
@@ -76,12 +77,15 @@ def test_r2_replays_old_routing_while_the_router_still_learns(dist):
     learner = make_learner(model, cfg, dist, replay=ReplayMode.R2, lr=5e-2, micro_batch_size=4,
                            algo=AlgoConfig(name="grpo"))
     batch = make_batch(8, seed=6)
-    with pytest.raises(ValueError, match="compute_logprobs"):
-        learner.train_step(batch, batch.rollout_logp_BS)
-    old = learner.compute_logprobs(batch, record_routes=True)
+    with pytest.raises(ValueError, match="r2 replays the old-policy pass's routes"):
+        learner.train_step(batch, batch.rollout_logp_BS)  # log-probs alone: no routes to replay
+    old = learner.compute_logprobs(batch)
+    assert old.routes is not None and len(old.routes) == batch.num_seqs  # R2 always records them
+    with pytest.raises(ValueError, match="another batch"):
+        learner.train_step(batch.select(range(4)), OldPolicyPass(logp_BS=old.logp_BS[:4], natural=old))
     router_grads = []
     handles = [r.weight.register_hook(lambda g: router_grads.append(float(g.abs().sum()))) for r in moe_routers(model)]
-    learner.train_step(batch, old.logp_BS)
+    learner.train_step(batch, old)  # the pass itself: its routes are replayed
     # without replay the updated policy routes differently ...
     new = learner.compute_logprobs(batch, record_routes=True)
     assert flip_fraction(old.routes, new.routes) > 0.02

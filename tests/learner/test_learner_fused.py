@@ -28,7 +28,7 @@ def _run(dist, *, fuse: bool, replay=ReplayMode.NONE, algo="gspo", steps=2, entr
     for _ in range(steps):
         old = learner.compute_logprobs(batch, record_routes=True, keep_graph=fuse, with_entropy=entropy_coef > 0)
         olds.append(old)
-        metrics.append(learner.train_step(batch, old.logp_BS, fused=old.fused))
+        metrics.append(learner.train_step(batch, old))  # the pass itself: log-probs, routes (R2), kept graph
     return params_snapshot(model), metrics, olds, learner, batch
 
 

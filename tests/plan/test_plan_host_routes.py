@@ -96,13 +96,13 @@ def test_moments_by_hand():
     # a micro-batch of the whole batch: its recording (64 B per token here) outgrows the pass end's arrays
     whole = route_host_bytes(g, **small, replay_mb_seqs=8)
     assert whole.moments["old_logp"]["transient"] == tok * 64
-    # R2: its token ids' int64 clone from the old-policy pass to the end of the step, its routes are the
-    # learner set's; nothing of the previous step at the rollout (Learner.release_step)
+    # R2: its routes are the learner set's (the old-policy pass hands them to the update); nothing of the
+    # previous step at the rollout
     r2 = route_host_bytes(g, num_seqs=8, seq_len=16, record_routes=True, replay="r2", replay_mb_seqs=2)
     assert r2.total("rollout") == tok * 4
-    assert r2.total("old_logp") == tok * (4 + 36 + 8 + 36)
-    assert r2.total("metrics") == tok * (4 + 36 + 8 + 72)
-    assert r2.total("update") == tok * (4 + 36 + 8) + replay_microbatch_bytes(g, seqs=2, seq_len=16)
+    assert r2.total("old_logp") == tok * (4 + 36 + 36)
+    assert r2.total("metrics") == tok * (4 + 36 + 72)
+    assert r2.total("update") == tok * (4 + 36) + replay_microbatch_bytes(g, seqs=2, seq_len=16)
     # R3 may copy the routes (fallback rows)
     r3 = route_host_bytes(g, num_seqs=8, seq_len=16, record_routes=True, replay="r3")
     assert r3.total("metrics") == r.total("metrics") + tok * 4

@@ -22,7 +22,10 @@ The checks, in order (each one's failure is recorded and the others still run); 
    the MFU SETTING: `benchmarks.memory_bench` on `MODEL` without its rollout, `--mfu-seqs` (default 32)
    sequences of `--mfu-seq-len` (default 1024) tokens in 2 mini-batches, micro-batches of
    `--mfu-micro-batch` (default 4) sequences, i.e. 4 x 1024 = 4096 tokens per forward/backward, and
-   activation recomputation `--mfu-recompute` (default off), 3 timed steps; MFU of the update
+   activation recomputation `--mfu-recompute` (default off), the experts `--mfu-experts` (default
+   grouped: one `torch._grouped_mm` per projection, `model.batched_experts`, under Megatron's
+   non-distributed optimizer, which leaves the experts' weights where the GEMM views them without a copy;
+   `loop`: Megatron's SequentialMLP under the distributed optimizer), 3 timed steps; MFU of the update
    (`train_step`: forward, backward, optimizer step) and of the old-policy log-prob pass from their
    fastest step. Model FLOPs by `moe_gspo.plan.flops` (PaLM's 6 N_active + 12 L a d T per token;
    recomputed forwards are not counted), over the GPU's dense bf16 peak (`PEAK_BF16_TFLOPS`, or
@@ -110,9 +113,11 @@ RESUME_STEPS = 20
 `RESUME_STEPS` steps of the learning job's run)."""
 KILL_AFTER = "step_000010"
 JOB_ENV = "MOE_GSPO_GPU_CHECK_RUN"
-MFU_DEFAULTS = {"micro_batch": 4, "seq_len": 1024, "seqs": 32, "recompute": "off"}
+MFU_DEFAULTS = {"micro_batch": 4, "seq_len": 1024, "seqs": 32, "recompute": "off", "experts": "grouped"}
 """The MFU setting's defaults (`--mfu-*`): micro-batches of 4 x 1024 = 4096 tokens, 32 sequences (2
-mini-batches of 4 micro-batches), no recompute."""
+mini-batches of 4 micro-batches), no recompute, the experts as one grouped GEMM per projection
+(`model.batched_experts`, with Megatron's non-distributed optimizer, which leaves the experts' weights
+where the grouped GEMM views them without a copy: `moe_gspo/mcore/batched_experts.py`)."""
 
 
 class CheckFailed(Exception):
@@ -223,12 +228,14 @@ def _memory(out: Path, have_te: bool) -> dict:
             f"{sum(r['ok'] is True for r in rows)} checked phases within 15% of the plan"}
 
 
-def mfu_bench_args(micro_batch: int, seq_len: int, seqs: int, recompute: str) -> list[str]:
-    """`benchmarks.memory_bench` options of the MFU setting (check 3; no rollout, one `dist` variant)."""
+def mfu_bench_args(micro_batch: int, seq_len: int, seqs: int, recompute: str, experts: str = "grouped") -> list[str]:
+    """`benchmarks.memory_bench` options of the MFU setting (check 3; no rollout; grouped experts with the
+    `nodist` variant, Megatron's loop over experts with `dist`)."""
     if seqs % (2 * micro_batch):
         raise ValueError(f"--mfu-seqs {seqs} must be a multiple of 2 x --mfu-micro-batch ({2 * micro_batch}): "
                          "2 mini-batches of whole micro-batches")
-    return ["--variants", "dist", "--no-rollout", "--seq-len", str(seq_len), "--seqs", str(seqs), "--group", "4",
+    grouped = experts == "grouped"
+    return ["--variants", "nodist" if grouped else "dist", *(["--batched-experts"] if grouped else []), "--no-rollout", "--seq-len", str(seq_len), "--seqs", str(seqs), "--group", "4",
             "--minibatches", "2", "--micro-batch", str(micro_batch), "--steps", "3", "--tolerance", "1e9",
             *(["--no-recompute"] if recompute == "off" else [])]
 
@@ -478,9 +485,13 @@ def main(argv: list[str] | None = None) -> int:
                         "2 x --mfu-micro-batch)")
     p.add_argument("--mfu-recompute", choices=("off", "full"), default=d["recompute"],
                    help=f"MFU setting: activation recomputation (default {d['recompute']})")
+    p.add_argument("--mfu-experts", choices=("grouped", "loop"), default=d["experts"],
+                   help=f"MFU setting: the experts as one grouped GEMM per projection (model.batched_experts, "
+                        f"non-distributed optimizer) or Megatron's loop over experts (distributed optimizer) "
+                        f"(default {d['experts']})")
     args = p.parse_args(argv)
     mfu_setting = {"micro_batch": args.mfu_micro_batch, "seq_len": args.mfu_seq_len, "seqs": args.mfu_seqs,
-                   "recompute": args.mfu_recompute}
+                   "recompute": args.mfu_recompute, "experts": args.mfu_experts}
     try:
         mfu_bench_args(**mfu_setting)
     except ValueError as e:

@@ -73,7 +73,8 @@ def run_config(args, variant: str, cuda: bool):
 
     prompt_len = max(2, args.seq_len // 4)
     data = {
-        "model": {"params_dtype": "bfloat16" if cuda else "float32", "recompute": not args.no_recompute},
+        "model": {"params_dtype": "bfloat16" if cuda else "float32", "recompute": not args.no_recompute,
+                  "batched_experts": args.batched_experts},
         "parallel": {"expert_parallel_size": 1, "token_dispatcher": "alltoall" if cuda else "allgather"},
         "rollout": {"engine": "hf", "dtype": "bfloat16" if cuda else "float32",
                     "prompts_per_step": args.seqs // args.group, "samples_per_prompt": args.group,
@@ -238,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--no-recompute", action="store_true", help="no activation recomputation (model.recompute=false)")
     p.add_argument("--no-rollout", action="store_true", help="skip the rollout phase (transformers generate)")
+    p.add_argument("--batched-experts", action="store_true",
+                   help="the experts as one grouped GEMM per projection (model.batched_experts=true)")
     p.add_argument("--profile-train-step", default=None, metavar="PATH",
                    help="profile one more train_step after the timed steps; write the op table to PATH")
     p.add_argument("--tolerance", type=float, default=0.15, help="allowed |planned/measured - 1| on checked phases")

@@ -289,6 +289,10 @@ def test_mfu_setting_bench_options():
     assert args[args.index("--micro-batch") + 1] == "4" and args[args.index("--seq-len") + 1] == "1024"
     assert "--no-recompute" in args and "--no-rollout" in args and args[args.index("--seqs") + 1] == "32"
     assert "--no-recompute" not in gc.mfu_bench_args(micro_batch=1, seq_len=4096, seqs=8, recompute="full")
+    # grouped expert GEMMs by default, with the optimizer that keeps their weights viewable in place
+    assert "--batched-experts" in args and args[args.index("--variants") + 1] == "nodist"
+    loop = gc.mfu_bench_args(**{**gc.MFU_DEFAULTS, "experts": "loop"})
+    assert "--batched-experts" not in loop and loop[loop.index("--variants") + 1] == "dist"
     with pytest.raises(ValueError, match="multiple of"):
         gc.mfu_bench_args(micro_batch=4, seq_len=1024, seqs=12, recompute="off")
     with pytest.raises(SystemExit):

@@ -73,7 +73,7 @@ def test_formula_matches_saved_tensors(dist1, recompute):
     if not recompute:
         # the SDPA attention (model.sdpa_attention, the default without TE; is_causal, no mask) saves no [s, s]
         # scores: the plan's "unfused" count stays an upper bound for it, and its "flash" count is within 1%
-        # (measured: 1 KiB above it here, 3 MiB in all; with an explicit mask SDPA saved 16 KiB per layer more)
+        # (measured: 1 KiB below it here, of 3 MiB; with an explicit mask SDPA saved 16 KiB per layer more)
         sdpa = sum(saved_bytes_by_block(build_gpt_model(hf, fused_rope=False), ids).values())
         flash = activation_estimate(geom, mb, act_bytes=4, attention="flash", recompute=False, vocab_padded=hf.vocab_size)
         assert sdpa < est.stored_bytes

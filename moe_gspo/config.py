@@ -54,11 +54,13 @@ class ModelConfig:
     recompute: bool = False
     """Full activation recomputation in the learner (R2/R3 replay also covers the recompute pass)."""
     batched_experts: bool = False
-    """Learner MoE layers compute their local experts with two grouped matmuls (`torch._grouped_mm` on CPU; a
-    padded batched matmul elsewhere) instead of a loop over experts (`moe_gspo/mcore/batched_experts.py`; same
-    parameters and maths). For small models on CPU, where the per-expert overhead dominates (tiny default
-    config: `train_step` 0.84x, old-policy pass 0.92x, `python -m benchmarks.fastpath_bench`); it copies the
-    stacked expert weights every forward, so leave it off for real checkpoints."""
+    """Learner MoE layers compute their local experts as one grouped GEMM per projection (`torch._grouped_mm`
+    on CPU and in bf16 on sm90+ GPUs; a padded batched matmul elsewhere) instead of Megatron's loop over experts
+    with its host sync (`moe_gspo/mcore/batched_experts.py`; same parameters and maths; the weights viewed in
+    place, copied per forward under the distributed optimizer). Measured faster on the tiny CPU configs (on
+    there: `train_step` 0.84x, old-policy pass 0.92x, `python -m benchmarks.fastpath_bench`); off by default
+    until measured on a GPU (`python -m benchmarks.gpu_check --mfu-experts grouped|loop`). Not with
+    Transformer Engine, whose grouped GEMM is used then."""
     fused_rope: bool = True
     """Learner RoPE through Megatron's `apply_rope_fusion`: Transformer Engine's kernel, or without TE one
     autograd function (`moe_gspo/mcore/fused_rope.py`; bit-identical forward and gradients; tiny model:

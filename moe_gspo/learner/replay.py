@@ -58,6 +58,21 @@ class ReplayHandle:
             assert not any(left), f"recompute did not consume the replay targets: {left}"
 
 
+def detach_from_global_replay(model) -> int:
+    """Take `model`'s `RouterReplay` instances out of upstream's class-level list
+    (`RouterReplay.global_router_replay_instances`, which `set_global_router_replay_action` /
+    `set_replay_data` drive for every model of the process), so that only a `RoutingReplayDriver` of this
+    model makes it replay (the frozen KL reference beside the policy). Upstream's registry, edited through its
+    own list: no code of Megatron is changed. Returns how many were taken out."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    own = {id(r.router_replay) for r in moe_routers(model) if r.router_replay is not None}
+    before = len(RouterReplay.global_router_replay_instances)
+    RouterReplay.global_router_replay_instances[:] = [
+        r for r in RouterReplay.global_router_replay_instances if id(r) not in own]
+    return before - len(RouterReplay.global_router_replay_instances)
+
+
 class RoutingReplayDriver:
     """Sets and clears upstream router-replay state around one forward(/backward) of `model`."""
 

@@ -60,15 +60,14 @@ class ReferencePolicy:
     under the same expert choice (and is exactly 0 before the first update): natural routing without
     replay, the old-policy pass's routes under R2, the rollout engine's routes under R3. Upstream
     `RouterReplay` instances live in a class-level list that `set_global_router_replay_action` /
-    `set_replay_data` drive; the reference model's instances are taken out of that list, so only this
-    object's own per-instance driver (`RoutingReplayDriver`) can make it replay.
+    `set_replay_data` drive; the reference model's instances are taken out of that list
+    (`moe_gspo.learner.replay.detach_from_global_replay`), so only this object's own per-instance driver (`RoutingReplayDriver`) can make it replay.
     """
 
     def __init__(self, cfg: Config, info, policy_learner):
-        from megatron.core.transformer.moe.router_replay import RouterReplay
-
         from moe_gspo.learner.learner import Learner
-        from moe_gspo.mcore.model import build_gpt_model, moe_routers
+        from moe_gspo.learner.replay import detach_from_global_replay
+        from moe_gspo.mcore.model import build_gpt_model
         from moe_gspo.run.setup import learner_dtype
 
         self.replay = cfg.algo.routing_replay
@@ -78,9 +77,7 @@ class ReferencePolicy:
             vocab_pad_multiple=cfg.model.vocab_pad_multiple, recompute=False,
             batched_experts=cfg.model.batched_experts,
             sdpa_attention=cfg.model.sdpa_attention, fused_rope=cfg.model.fused_rope)
-        own = {id(r.router_replay) for r in moe_routers(model) if r.router_replay is not None}
-        RouterReplay.global_router_replay_instances[:] = [
-            r for r in RouterReplay.global_router_replay_instances if id(r) not in own]
+        detach_from_global_replay(model)
         model.load_state_dict(policy_learner.model.state_dict(), strict=True)
         model.requires_grad_(False)
         self.learner = Learner(model, policy_learner.hf_config, parallel=info, algo=cfg.algo, train=None,

@@ -6,19 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from _learner_common import make_batch, tiny_pair
+from _learner_common import make_batch
 from moe_gspo.learner.router_hooks import MegatronRouterRecorder
 from moe_gspo.mcore.model import forward_logits, moe_routers
 from moe_gspo.rollout.hf_router_hooks import HFRouterRecorder
 
 pytestmark = pytest.mark.usefixtures("dist")
-
-
-@pytest.fixture(scope="module")
-def pair(dist):
-    cfg, hf, model = tiny_pair(enable_routing_replay=False)
-    model.eval()
-    return cfg, hf, model
 
 
 def test_hooks_removable_and_absent_when_disabled(pair):

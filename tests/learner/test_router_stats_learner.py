@@ -8,19 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from _learner_common import make_batch, make_learner, tiny_pair
+from _learner_common import make_batch, make_learner
 from moe_gspo.learner.router_hooks import MegatronRouterRecorder
 from moe_gspo.mcore.model import forward_logits
 from moe_gspo.rollout.hf_router_hooks import HFRouterRecorder
 
 pytestmark = pytest.mark.usefixtures("dist")
-
-
-@pytest.fixture(scope="module")
-def pair(dist):
-    cfg, hf, model = tiny_pair(enable_routing_replay=False)
-    model.eval()
-    return cfg, hf, model
 
 
 def test_megatron_stats_match_transformers_per_sequence(pair):

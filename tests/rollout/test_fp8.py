@@ -81,11 +81,6 @@ def test_which_weights_are_quantized():
     assert not is_fp8_quantized_name("model.layers.1.mlp.gate.weight", router=False)
 
 
-@pytest.fixture(scope="module")
-def model():
-    return build_tiny_model(seed=0)
-
-
 @pytest.mark.parametrize("router", [True, False])
 def test_engine_holds_quantized_weights_and_the_rest_as_bf16(model, router):
     engine = HFEngine(model, quantization="fp8", fp8_router=router, device="cpu")

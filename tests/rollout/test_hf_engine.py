@@ -17,16 +17,6 @@ PROMPTS = [[2, 5, 6, 7, 8], [2, 9], [2, 10, 11, 12, 13, 14, 15, 16, 17]]
 
 
 @pytest.fixture(scope="module")
-def model():
-    return build_tiny_model(seed=0)
-
-
-@pytest.fixture(scope="module")
-def engine32(model):
-    return HFEngine(model, dtype="float32", device="cpu")
-
-
-@pytest.fixture(scope="module")
 def ckpt_dir(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), seed=7)
 

@@ -12,11 +12,6 @@ from moe_gspo.rollout.hf_router_hooks import HFRouterRecorder, find_routers, top
 from moe_gspo.tiny import build_tiny_model, tiny_qwen3_moe_config
 
 
-@pytest.fixture(scope="module")
-def model():
-    return build_tiny_model(seed=0)
-
-
 def _input_ids(batch=2, seq=7, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, 51, (batch, seq), generator=g)

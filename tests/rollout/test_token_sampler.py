@@ -8,21 +8,9 @@ import pytest
 import torch
 
 from moe_gspo.rollout.base import SamplingParams
-from moe_gspo.rollout.hf_engine import HFEngine
 from moe_gspo.rollout.token_sampler import TokenSampler, draw_tokens
-from moe_gspo.tiny import build_tiny_model
 
 PROMPTS = [[2, 5, 6, 7, 8], [2, 9], [2, 10, 11, 12, 13, 14]]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return build_tiny_model(seed=0)
-
-
-@pytest.fixture(scope="module")
-def engine32(model):
-    return HFEngine(model, dtype="float32", device="cpu")
 
 
 def _teacher_logits(model, sample) -> torch.Tensor:

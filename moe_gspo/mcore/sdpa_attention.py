@@ -86,9 +86,8 @@ def with_sdpa_attention(block_spec):
             attn.submodules.core_attention = SDPADotProductAttention
         elif getattr(core, "module", None) is DotProductAttention:
             core.module = SDPADotProductAttention
-    found = sum(1 for layer in spec.layer_specs
-                if SDPADotProductAttention in (core_of(layer)[1], getattr(core_of(layer)[1], "module", None)))
-    return spec, found
+    cores = [core_of(layer)[1] for layer in spec.layer_specs]
+    return spec, sum(SDPADotProductAttention in (core, getattr(core, "module", None)) for core in cores)
 
 
 __all__ = ["SDPADotProductAttention", "with_sdpa_attention"]

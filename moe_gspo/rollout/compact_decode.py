@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_gspo.rollout.cpu_gemm import ATTENTION_FP32, Fp32GemmForBf16
+from moe_gspo.rollout.fp8 import activation_quantizers
 from moe_gspo.rollout.hf_decoders import DecodeStep
 from moe_gspo.routing.router_stats import token_router_stats
 from moe_gspo.tensor_cache import TensorCache
@@ -115,10 +116,15 @@ class CompactDecoder:
             (`moe_gspo.routing.router_stats.token_router_stats`).
         cache: the engine's `TensorCache`, for the tensors derived from the parameters (concatenated
             weights, their fp32 copies, the fp32 copies the experts module uses when it runs); default: its own.
+        fp8_activations / fp8_router: W8A8 FP8 rollouts (`moe_gspo.rollout.fp8`): the input of every attention
+            and MLP GEMM (and of the router's with fp8_router) quantized per token, as the engine's
+            `Fp8ActivationQuantizer` hooks do in transformers' forward; when the model's experts module runs,
+            those hooks quantize its inputs.
     """
 
     def __init__(self, model: nn.Module, *, fp32_gemm: bool, record_probs: bool = True,
-                 cache: TensorCache | None = None, record_stats: bool = True, record_routes: bool = True):
+                 cache: TensorCache | None = None, record_stats: bool = True, record_routes: bool = True,
+                 fp8_activations: bool = False, fp8_router: bool = True):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"compact decoding does not support this model: {reason}; decode with "
@@ -137,6 +143,7 @@ class CompactDecoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.id_dtype = torch.int16 if config.num_experts <= torch.iinfo(torch.int16).max else torch.int32
         self._cache = cache if cache is not None else TensorCache()
+        self._qa, self._qr = activation_quantizers(fp8_activations, fp8_router)  # identities without W8A8
         self._layers: list[_Layer] = []
         self._K: list[torch.Tensor] = []
         self._V: list[torch.Tensor] = []
@@ -231,10 +238,10 @@ class CompactDecoder:
         mask = create_causal_mask(config=model.config, inputs_embeds=h, attention_mask=attention_mask_PT,
                                   past_key_values=DynamicCache(config=model.config), position_ids=positions_PT)
         cos_P1TD, sin_P1TD = (x[:, None] for x in model.model.rotary_emb(h, positions_PT))
-        rms, gemm = self._rms, self._gemm
+        rms, gemm, qa = self._rms, self._gemm, self._qa
         ids, probs, stats = [], [], []
         for layer, K, V in zip(self._layers, self._K, self._V):
-            qkv = gemm(rms(h, layer.norm1), layer.qkv)
+            qkv = gemm(qa(rms(h, layer.norm1)), layer.qkv)
             qk = rms(qkv[..., : (nh + nkv) * hd].view(num_prompts, num_prompt, nh + nkv, hd), layer.qk_norm)
             qk = self._rope(qk.transpose(1, 2), cos_P1TD, sin_P1TD)  # [P, heads, T, hd], as transformers' attention
             q, k = qk[:, :nh], qk[:, nh:]
@@ -250,7 +257,7 @@ class CompactDecoder:
                 out = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=mask.float() if mask.is_floating_point() else mask, scale=layer.scaling)
             out = out.to(self.dtype).transpose(1, 2).reshape(num_prompts, num_prompt, nh * hd)
-            h = h + gemm(out, layer.o)
+            h = h + gemm(qa(out), layer.o)
             h = h + self._ffn(layer, rms(h, layer.norm2), ids, probs, stats)
         logits_PV = gemm(rms(h[:, -1], self._final_norm), self._head, self._head_bias).float()
         return self._decode_step(logits_PV.repeat_interleave(repeat, dim=0), ids, probs, stats,
@@ -266,14 +273,14 @@ class CompactDecoder:
         assert slot < self._K[0].shape[2], "more decode steps than prefill() made room for"
         num_rows = tokens_B.shape[0]
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        gqa, rms, gemm = nh != nkv, self._rms, self._gemm
+        gqa, rms, gemm, qa = nh != nkv, self._rms, self._gemm, self._qa
         h_BH = F.embedding(tokens_B, self._embed)
         cos_B1D = self._cos_TD[positions_B][:, None]
         sin_B1D = self._sin_TD[positions_B][:, None]
         mask = None if self._mask_B11T is None else self._mask_B11T[..., : slot + 1]
         ids, probs, stats = [], [], []
         for layer, K, V in zip(self._layers, self._K, self._V):
-            qkv = gemm(rms(h_BH, layer.norm1), layer.qkv)
+            qkv = gemm(qa(rms(h_BH, layer.norm1)), layer.qkv)
             # q and k heads together: their norms (each head its own weight) and rotary embedding
             qk_BND = rms(qkv[:, : (nh + nkv) * hd].view(num_rows, nh + nkv, hd), layer.qk_norm)
             qk_BND = self._rope(qk_BND, cos_B1D, sin_B1D)
@@ -282,7 +289,7 @@ class CompactDecoder:
             out = F.scaled_dot_product_attention(
                 qk_BND[:, :nh, None].to(self.compute_dtype), K[:, :, : slot + 1], V[:, :, : slot + 1],
                 attn_mask=mask, scale=layer.scaling, enable_gqa=gqa)
-            h_BH = h_BH + gemm(out.to(self.dtype).reshape(num_rows, nh * hd), layer.o)
+            h_BH = h_BH + gemm(qa(out.to(self.dtype).reshape(num_rows, nh * hd)), layer.o)
             h_BH = h_BH + self._ffn(layer, rms(h_BH, layer.norm2), ids, probs, stats)
         self._slot = slot + 1
         logits_BV = gemm(rms(h_BH, self._final_norm), self._head, self._head_bias).float()
@@ -313,8 +320,8 @@ class CompactDecoder:
         """The layer's MLP (dense, or the MoE block on the flattened tokens, whose routes go to `ids` / `probs`
         / `stats`)."""
         if layer.router is None:
-            gate, up = self._gemm(x, layer.gate_up).chunk(2, dim=-1)
-            return self._gemm(F.silu(gate) * up, layer.down)
+            gate, up = self._gemm(self._qa(x), layer.gate_up).chunk(2, dim=-1)
+            return self._gemm(self._qa(F.silu(gate) * up), layer.down)
         y, ids_NK, probs_NK, stats_N2 = self._moe(layer, x.reshape(-1, x.shape[-1]))
         ids.append(ids_NK)
         probs.append(probs_NK)
@@ -323,7 +330,7 @@ class CompactDecoder:
 
     def _moe(self, layer: _Layer, x_BH: torch.Tensor):
         """The sparse MoE block: router as transformers' `Qwen3MoeTopKRouter`, then the experts."""
-        logits_BE = self._gemm(x_BH, layer.router)
+        logits_BE = self._gemm(self._qr(x_BH), layer.router)
         stats_B2 = token_router_stats(logits_BE, layer.top_k) if self.record_stats else None
         probs_BE = torch.softmax(logits_BE, dim=-1, dtype=torch.float32)
         top_BK, ids_BK = torch.topk(probs_BE, layer.top_k, dim=-1)
@@ -336,8 +343,8 @@ class CompactDecoder:
                     return layer.experts(x_BH, ids_BK, weights_BK), ids_BK, recorded, stats_B2
             return layer.experts(x_BH, ids_BK, weights_BK), ids_BK, recorded, stats_B2
         num_rows, num_experts = x_BH.shape[0], layer.down.shape[0]
-        gate, up = self._gemm(x_BH, layer.gate_up).view(num_rows, num_experts, -1).chunk(2, dim=-1)
-        act_BEI = F.silu(gate) * up
+        gate, up = self._gemm(self._qa(x_BH), layer.gate_up).view(num_rows, num_experts, -1).chunk(2, dim=-1)
+        act_BEI = self._qa(F.silu(gate) * up)  # W8A8: per (token, expert) row, as the experts' down_proj input
         out_EBH = torch.bmm(act_BEI.transpose(0, 1).to(self.compute_dtype), layer.down).to(self.dtype)
         hidden = out_EBH.shape[-1]
         chosen_BKH = out_EBH.transpose(0, 1).gather(1, ids_BK[:, :, None].expand(-1, -1, hidden))

@@ -44,7 +44,7 @@ from moe_gspo.algos.support import DEFAULT_SUPPORT_CAP, support_top_k
 from moe_gspo.rollout.base import RolloutEngine, RolloutSample, SamplingParams
 from moe_gspo.rollout.compact_decode import CompactDecoder, unsupported_reason
 from moe_gspo.rollout.cpu_gemm import fp32_gemms_in, needs_fp32_gemm
-from moe_gspo.rollout.fp8 import QUANTIZATIONS, Fp8WeightQuantizer
+from moe_gspo.rollout.fp8 import QUANTIZATIONS, Fp8ActivationQuantizer, Fp8WeightQuantizer
 from moe_gspo.rollout.hf_decoders import HFDecoder, TransformersDecoder
 from moe_gspo.rollout.hf_router_hooks import HFRouterRecorder, find_routers
 from moe_gspo.rollout.token_sampler import TokenSampler, draw_tokens
@@ -159,6 +159,9 @@ class HFEngine(RolloutEngine):
             every `update_weights` (`moe_gspo.rollout.fp8`: what it emulates of vLLM's FP8 and what not).
         fp8_scale: "channel" (one scale per output channel) or "tensor" (per matrix) for `quantization="fp8"`.
         fp8_router: with `quantization="fp8"`, quantize the MoE routers' gates too (vLLM's online FP8 does).
+        fp8_activations: with `quantization="fp8"`, W8A8: also quantize the input of every quantized layer
+            with a dynamic per-token e4m3 scale, as vLLM's FP8 kernels on Hopper do (`fp8.Fp8ActivationQuantizer`;
+            both decoders apply it). Config: rollout.fp8_activations.
     """
 
     def __init__(self, model_or_dir, *, dtype: str | torch.dtype = "bfloat16",
@@ -166,7 +169,7 @@ class HFEngine(RolloutEngine):
                  record_probs: bool = True, pad_token_id: int | None = None,
                  eos_token_id: int | list[int] | None = None, fp32_gemm: bool | None = None,
                  compact_decode: bool | None = None, quantization: str | None = None,
-                 fp8_scale: str = "channel", fp8_router: bool = True):
+                 fp8_scale: str = "channel", fp8_router: bool = True, fp8_activations: bool = False):
         self.dtype = _parse_dtype(dtype)
         if quantization is not None and quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={quantization!r} is not supported; use None or one of {QUANTIZATIONS}")
@@ -183,6 +186,11 @@ class HFEngine(RolloutEngine):
         if quantization == "fp8":
             self._fp8 = Fp8WeightQuantizer(self._model, granularity=fp8_scale, router=fp8_router)
             self._fp8.quantize_changed_()
+        if fp8_activations and quantization != "fp8":
+            raise ValueError(f"fp8_activations=True (rollout.fp8_activations) quantizes the activations of an FP8 "
+                             f"rollout; quantization={quantization!r}: pass quantization='fp8'")
+        self.fp8_activations = bool(fp8_activations)
+        self._fp8_act = Fp8ActivationQuantizer(self._model, router=fp8_router) if fp8_activations else None
         config = self._model.config
         self.vocab_size: int = config.vocab_size
         eos = eos_token_id if eos_token_id is not None else config.eos_token_id
@@ -208,7 +216,8 @@ class HFEngine(RolloutEngine):
             compact_decode = unsupported_reason(self._model) is None
         self._decoder: HFDecoder = (
             CompactDecoder(self._model, fp32_gemm=self.fp32_gemm, record_probs=self.record_probs, cache=self._cache,
-                           record_stats=self.record_probs, record_routes=record_routes)
+                           record_stats=self.record_probs, record_routes=record_routes,
+                           fp8_activations=self.fp8_activations, fp8_router=fp8_router)
             if compact_decode else
             TransformersDecoder(self._model, self.recorder, num_moe_layers=self.num_moe_layers, top_k=self._top_k))
 

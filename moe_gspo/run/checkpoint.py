@@ -70,13 +70,20 @@ class TrainState:
 
 
 def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+    """The RNG states as tensors and plain Python data only (so `torch.load(weights_only=True)` reads
+    them): numpy's MT19937 key array is stored as an int64 tensor."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos),
+                                                       int(has_gauss), float(gauss)),
+            "python": random.getstate(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(s: dict) -> None:
     torch.set_rng_state(s["torch"])
-    np.random.set_state(s["numpy"])
+    name, keys, *rest = s["numpy"]
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
+    np.random.set_state((name, keys.astype(np.uint32), *rest))
     random.setstate(s["python"])
     if s.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(s["cuda"])
@@ -255,6 +262,41 @@ def _incompatibility(path: Path, saved: dict | None, current: dict) -> str | Non
     return None
 
 
+class UnsafeCheckpoint(ValueError):
+    """A checkpoint file whose pickle names something other than tensors and plain data: loading it
+    would run code. Refused outright (never skipped for an older checkpoint)."""
+
+
+# numpy arrays of plain dtypes: checkpoints written before the RNG state was stored as tensors hold
+# numpy's MT19937 key array. Rebuilding one runs no code of the file's choosing.
+_NUMPY_SAFE = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+try:
+    _NUMPY_SAFE.append(np._core.multiarray._reconstruct)
+except AttributeError:  # numpy < 2
+    _NUMPY_SAFE.append(np.core.multiarray._reconstruct)
+
+
+def safe_load(path: Path) -> Any:
+    """`torch.load(path, weights_only=True)` on the CPU, allowing numpy arrays of plain dtypes too.
+    Raises `UnsafeCheckpoint` (a ValueError naming the file and what it would have run) when the file
+    names any other global (a crafted or foreign pickle); other failures (truncated, corrupt) propagate."""
+    import pickle
+
+    try:
+        with torch.serialization.safe_globals(_NUMPY_SAFE):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        text = str(e)
+        if "GLOBAL" not in text:  # a corrupt pickle stream: an unreadable file, not a foreign one
+            raise
+        what = next((l.strip() for l in text.splitlines() if "GLOBAL" in l), "")
+        what = what.split(" Please")[0][:160]
+        raise UnsafeCheckpoint(
+            f"--resume: {str(path)!r} is not a checkpoint this program wrote: loading it would run code "
+            f"({what or 'a pickled object other than tensors and plain data'}); refused. Remove that checkpoint "
+            f"directory if you trust none of it, or start afresh with --overwrite") from None
+
+
 def _read_candidate(path: Path, rank: int) -> tuple[str | None, dict | None, dict | None]:
     """(problem, meta, payload) for this rank's part of checkpoint `path`; problem None when usable."""
     try:
@@ -271,7 +313,13 @@ def _read_candidate(path: Path, rank: int) -> tuple[str | None, dict | None, dic
     if expected is not None and f.stat().st_size != expected:
         return f"{f.name} is truncated ({f.stat().st_size} of {expected} bytes)", meta, None
     try:
-        payload = torch.load(f, map_location="cpu", weights_only=False)
+        payload = safe_load(f)
+    except UnsafeCheckpoint:
+        raise
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return f"{f.name} is unreadable, truncated or corrupt ({first[:120]})", meta, None
+    try:
         assert isinstance(payload, dict) and {"learner", "rng", "train_state"} <= set(payload)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -298,7 +346,16 @@ def resume(run_dir: Path, *, learner, fingerprint: dict, params_finite: Callable
                          f"newer than it: leftovers of an earlier run. Move them away, or start afresh with --overwrite")
     rejected = []
     for i, path in enumerate(candidates):
-        problem, meta, payload = _read_candidate(path, rank)
+        try:
+            problem, meta, payload = _read_candidate(path, rank)
+        except UnsafeCheckpoint as e:  # never skipped for an older checkpoint: every rank stops
+            problem, meta, payload = None, None, None
+            unsafe = str(e)
+        else:
+            unsafe = None
+        unsafe_all = [u for u in _gather(unsafe) if u is not None]
+        if unsafe_all:
+            raise ValueError(unsafe_all[0])
         if meta is not None:
             if meta.get("world_size", world) != world:
                 raise ValueError(f"--resume: checkpoint {str(path)!r} was written by {meta['world_size']} processes, "

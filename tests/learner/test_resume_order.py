@@ -20,7 +20,7 @@ def _on_disk(state: dict) -> dict:
     buf = io.BytesIO()
     torch.save(state, buf)
     buf.seek(0)
-    return torch.load(buf, map_location="cpu", weights_only=False)
+    return torch.load(buf, map_location="cpu", weights_only=True)
 
 
 def _params(model) -> dict[str, torch.Tensor]:

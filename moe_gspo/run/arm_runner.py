@@ -14,6 +14,7 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,6 +22,32 @@ from typing import Callable, Iterable, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A `preexec_fn` that has the kernel send `sig` to the child when this process dies (Linux
+    `PR_SET_PDEATHSIG`; None elsewhere). The arms run in sessions of their own (so that stopping one
+    stops its whole process group), so without it `kill -9` of `moe_gspo.ablate` left the running arm
+    training. SIGTERM lets the arm's launcher stop its workers and say how to resume; the workers
+    themselves die with the launcher (`moe_gspo.run.activity.exit_with_launcher`). Note: the signal is
+    tied to the thread that started the child; the runner's thread waits for the child, so it lives
+    at least as long."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not in the forked child
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(1, int(sig), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the request took effect
+            os.kill(os.getpid(), sig)
+
+    return preexec
 
 
 class SubprocessArmRunner:
@@ -44,7 +71,7 @@ class SubprocessArmRunner:
                 if self._stopping:
                     raise KeyboardInterrupt("the matrix is stopping")
                 proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True)
+                                        start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM))
                 self._live.add(proc)
             try:
                 return proc.wait(timeout=self.timeout_s)

@@ -326,6 +326,12 @@ class TaskConfig:
     """A reward function of your own instead of the task's: `package.module:function` or
     `path/to/file.py:function`, called as `function(prompt=str, response=str, answer=str)` and returning
     a number (`moe_gspo/tasks/plugin.py`); null = the task's reward."""
+    reward_timeout_s: float | None = 60.0
+    """Longest time one call of the task.reward function may take (seconds); a call past it stops the run
+    with one line naming the prompt (exit code 2) instead of hanging it. Enforced with SIGALRM in the
+    main thread (a worker thread elsewhere), so a function that sets its own SIGALRM timer replaces it
+    for that call, and a hang inside C code that never returns to Python is caught only when it does;
+    null = no limit."""
 
 
 @dataclass(kw_only=True)

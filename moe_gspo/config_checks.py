@@ -288,6 +288,7 @@ def _check_task_io(cfg: Config) -> None:
     if t.reward is not None and (t.reward.count(":") != 1 or not all(t.reward.split(":"))):
         raise ValueError(f"task.reward={t.reward!r} must look like package.module:function or "
                          "path/to/file.py:function")
+    _check_positive("task.reward_timeout_s", t.reward_timeout_s)
     _check_positive("eval.every", e.every, allow_zero=True)
     _check_positive("eval.holdout", e.holdout, allow_zero=True)
     for k in ("num_prompts", "samples_per_prompt", "max_new_tokens"):

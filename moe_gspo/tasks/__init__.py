@@ -18,7 +18,7 @@ def make_task(cfg, *, holdout: int = 0) -> Task:
     if cfg.reward is not None:
         from moe_gspo.tasks.plugin import PluginRewardTask
 
-        task = PluginRewardTask(task, cfg.reward)
+        task = PluginRewardTask(task, cfg.reward, timeout_s=cfg.reward_timeout_s)
     return task
 
 

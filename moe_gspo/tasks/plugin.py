@@ -24,7 +24,10 @@ import hashlib
 import importlib
 import importlib.util
 import math
+import signal
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Callable
@@ -70,10 +73,59 @@ def _user_frame(e: BaseException) -> str:
     return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 
-def call_reward(fn: RewardFn, spec: str, *, prompt: Prompt, response: str) -> float:
-    """`fn`'s reward of one response, checked to be a finite number."""
+class _RewardTimeout(BaseException):
+    """Raised by the SIGALRM handler inside a reward call (a BaseException: the user's `except
+    Exception` does not swallow it)."""
+
+
+def _call_with_timeout(fn: RewardFn, kwargs: dict, timeout_s: float | None):
+    """fn(**kwargs), raising `_RewardTimeout` once it has run `timeout_s` seconds. In the main thread a
+    SIGALRM interval timer interrupts the call (the previous handler and timer are restored after);
+    elsewhere the call runs in a daemon thread that is abandoned on timeout."""
+    if timeout_s is None:
+        return fn(**kwargs)
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
+        def on_alarm(signum, frame):
+            raise _RewardTimeout
+
+        old_handler = signal.signal(signal.SIGALRM, on_alarm)
+        old_delay, _ = signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        started = time.monotonic()
+        try:
+            return fn(**kwargs)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old_handler)
+            if old_delay:  # someone else's timer was running: give it back what is left of it
+                signal.setitimer(signal.ITIMER_REAL, max(1e-3, old_delay - (time.monotonic() - started)))
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn(**kwargs)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="task.reward", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise _RewardTimeout
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def call_reward(fn: RewardFn, spec: str, *, prompt: Prompt, response: str, timeout_s: float | None = None) -> float:
+    """`fn`'s reward of one response, checked to be a finite number; a call longer than `timeout_s`
+    (`task.reward_timeout_s`) is a ValueError naming the prompt."""
     try:
-        value = fn(prompt=prompt.text, response=response, answer=prompt.answer)
+        value = _call_with_timeout(fn, {"prompt": prompt.text, "response": response, "answer": prompt.answer},
+                                   timeout_s)
+    except _RewardTimeout:
+        where = prompt.where or repr(prompt.text[:60])
+        raise ValueError(f"task.reward={spec!r} did not return within task.reward_timeout_s={timeout_s:g} s on the "
+                         f"prompt {where}; fix the function (or raise task.reward_timeout_s, null = no limit)") from None
     except Exception as e:  # noqa: BLE001 - the user's function
         where = prompt.where or repr(prompt.text[:60])
         raise ValueError(f"task.reward={spec!r} raised {type(e).__name__}: {e}{_user_frame(e)} on the prompt "
@@ -94,15 +146,15 @@ def call_reward(fn: RewardFn, spec: str, *, prompt: Prompt, response: str) -> fl
 class PluginRewardTask(Task):
     """`task`'s prompts, scored by the `task.reward` function instead of the task's own reward."""
 
-    def __init__(self, task: Task, spec: str):
-        self.task, self.spec = task, spec
+    def __init__(self, task: Task, spec: str, *, timeout_s: float | None = None):
+        self.task, self.spec, self.timeout_s = task, spec, timeout_s
         self.fn = load_reward_function(spec)
 
     def prompts(self, start: int, count: int, seed: int) -> list[Prompt]:
         return self.task.prompts(start, count, seed)
 
     def reward(self, response: str, prompt: Prompt) -> float:
-        return call_reward(self.fn, self.spec, prompt=prompt, response=response)
+        return call_reward(self.fn, self.spec, prompt=prompt, response=response, timeout_s=self.timeout_s)
 
     def longest_prompts(self) -> list[Prompt]:
         return self.task.longest_prompts()

@@ -16,6 +16,8 @@ The ablation YAML:
     variants:                            # optional; named override sets, one more matrix axis
       none: {}
       tis: {algo.rollout_is: token}
+    algo_overrides:                      # optional; per-algorithm overrides (e.g. each method's tuned
+      gspo: {train.lr: 2.0e-3}           # lr), after `overrides`, before the variant's
     exclude:                             # optional; drop arms matching all given fields
       - {algo: gspo_token, routing_replay: r2}
     extra_args: []                       # optional; extra train CLI flags, placed before overrides
@@ -68,7 +70,8 @@ from moe_gspo.run.arm_runner import SubprocessArmRunner, run_concurrently
 from moe_gspo.run.rundir import move_aside
 
 _SPEC_KEYS = {"base_config", "algos", "routing_replay", "seeds", "overrides", "nproc", "out_dir",
-              "exclude", "extra_args", "arm_timeout_s", "variants", "parallel_arms", "reward_threshold"}
+              "exclude", "extra_args", "arm_timeout_s", "variants", "parallel_arms", "reward_threshold",
+              "algo_overrides"}
 _VARIANT_RE = re.compile(r"^[A-Za-z0-9_.]+$")
 _AXIS_OVERRIDES = {"algo.name": "list it under 'algos'", "algo.routing_replay": "list it under 'routing_replay'"}
 _REQUIRED = ("base_config", "algos", "routing_replay", "seeds")
@@ -91,6 +94,8 @@ class AblationSpec:
     extra_args: list[str] = field(default_factory=list)
     arm_timeout_s: float | None = None
     variants: dict[str, dict[str, Any]] = field(default_factory=dict)
+    algo_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per-algorithm dotted overrides, applied after `overrides` and before the variant's."""
 
 
 @dataclass(frozen=True)
@@ -173,6 +178,11 @@ def parse_spec(raw: Any, out_dir: str | Path | None = None) -> AblationSpec:
         if not isinstance(val, int) or isinstance(val, bool) or val < 1:
             raise ValueError(f"ablation spec: '{key}' must be a positive int, got {val!r}")
     variants = _parse_variants(raw.get("variants"))
+    algo_overrides = _parse_variants(raw.get("algo_overrides"), what="algo_overrides")
+    algos = _str_list(raw, "algos", ALGOS)
+    stray = sorted(set(algo_overrides) - set(algos))
+    if stray:
+        raise ValueError(f"ablation spec: 'algo_overrides' names {stray}, not in 'algos' {algos}")
     exclude = raw.get("exclude") or []
     fields = {"algo", "routing_replay", "seed"} | ({"variant"} if variants else set())
     if not isinstance(exclude, list) or not all(isinstance(e, dict) and e and set(e) <= fields
@@ -191,35 +201,37 @@ def parse_spec(raw: Any, out_dir: str | Path | None = None) -> AblationSpec:
         raise ValueError("ablation spec: 'base_config' must be a path string")
     return AblationSpec(
         base_config=Path(raw["base_config"]),
-        algos=_str_list(raw, "algos", ALGOS),
+        algos=algos,
         routing_replay=_str_list(raw, "routing_replay", REPLAYS),
         seeds=list(seeds), overrides=dict(overrides), nproc=nproc, parallel_arms=parallel,
         out_dir=Path(out_dir if out_dir is not None else raw.get("out_dir", "runs/ablation")),
         exclude=list(exclude), extra_args=list(extra),
         arm_timeout_s=float(timeout) if timeout is not None else None, variants=variants,
-        reward_threshold=float(threshold))
+        reward_threshold=float(threshold), algo_overrides=algo_overrides)
 
 
-def _parse_variants(raw: Any) -> dict[str, dict[str, Any]]:
+def _parse_variants(raw: Any, what: str = "variants") -> dict[str, dict[str, Any]]:
+    """`variants` or `algo_overrides`: names mapped to dotted override mappings."""
     if raw is None:
         return {}
     if not isinstance(raw, dict) or not raw:
-        raise ValueError("ablation spec: 'variants' must be a mapping of names to override mappings, "
+        raise ValueError(f"ablation spec: '{what}' must be a mapping of names to override mappings, "
                          "e.g. {none: {}, tis: {algo.rollout_is: token}}")
     out = {}
+    entry = "variant" if what == "variants" else f"{what} entry"
     for name, overrides in raw.items():
         if not isinstance(name, str) or not _VARIANT_RE.match(name):
-            raise ValueError(f"ablation spec: variant name {name!r} must use letters, digits, '_' or '.'")
+            raise ValueError(f"ablation spec: {entry} name {name!r} must use letters, digits, '_' or '.'")
         overrides = overrides or {}
         if not isinstance(overrides, dict):
-            raise ValueError(f"ablation spec: variant {name!r} must map dotted keys to values, got {overrides!r}")
+            raise ValueError(f"ablation spec: {entry} {name!r} must map dotted keys to values, got {overrides!r}")
         for k in overrides:
             if not isinstance(k, str) or not _OVERRIDE_KEY_RE.match(k):
-                raise ValueError(f"ablation spec: variant {name!r}: override key {k!r} must be dotted, like "
+                raise ValueError(f"ablation spec: {entry} {name!r}: override key {k!r} must be dotted, like "
                                  "'algo.rollout_is'")
             reserved = {**_RESERVED_OVERRIDES, **_AXIS_OVERRIDES}
             if k in reserved:
-                raise ValueError(f"ablation spec: variant {name!r} sets {k!r}, an axis of the matrix; {reserved[k]}")
+                raise ValueError(f"ablation spec: {entry} {name!r} sets {k!r}, an axis of the matrix; {reserved[k]}")
         out[name] = dict(overrides)
     return out
 
@@ -300,6 +312,7 @@ def arm_overrides(spec: AblationSpec, arm: Arm) -> list[str]:
     """The dotted overrides of one arm, in the order the command passes them (later ones win)."""
     out = [f"train.seed={arm.seed}"]
     out += [format_override(k, v) for k, v in spec.overrides.items()]
+    out += [format_override(k, v) for k, v in spec.algo_overrides.get(arm.algo, {}).items()]
     out += [format_override(k, v) for k, v in spec.variants.get(arm.variant, {}).items()]
     return out
 

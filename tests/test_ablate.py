@@ -249,6 +249,29 @@ def test_variants_axis_names_runs_and_orders_overrides(tmp_path):
     assert build_command(spec, arms[0], resume=False)[-1] == "rollout.record_probs=false"
 
 
+def test_algo_overrides_apply_per_algorithm_before_the_variant(tmp_path):
+    spec = parse_spec(_spec_dict(tmp_path, algos=["grpo", "gspo"], routing_replay=["none"], seeds=[0], exclude=[],
+                                 algo_overrides={"gspo": {"train.lr": 0.002, "train.steps": 6}},
+                                 variants={"v": {"train.steps": 5}}))
+    by_name = {a.name: a for a in expand_arms(spec)}
+    gspo = build_command(spec, by_name["gspo-none-v-s0"], resume=False)
+    grpo = build_command(spec, by_name["grpo-none-v-s0"], resume=False)
+    # spec overrides, then the algorithm's, then the variant's (the variant's train.steps wins)
+    assert gspo[-6:] == ["train.seed=0", "train.steps=4", "rollout.record_probs=false", "train.lr=0.002",
+                         "train.steps=6", "train.steps=5"]
+    assert not any(a.startswith("train.lr=") for a in grpo)
+
+
+@pytest.mark.parametrize("algo_overrides,match", [
+    ({"sapo": {"train.lr": 1.0}}, "not in 'algos'"),
+    ({"grpo": {"algo.name": "gspo"}}, "axis of the matrix"),
+    ({"grpo": ["train.lr=1"]}, "must map dotted keys"),
+])
+def test_bad_algo_overrides_are_rejected(tmp_path, algo_overrides, match):
+    with pytest.raises(ValueError, match=match):
+        parse_spec(_spec_dict(tmp_path, algo_overrides=algo_overrides))
+
+
 @pytest.mark.parametrize("variants,match", [
     ({"a-b": {}}, "variant name"),
     ({"x": {"algo.name": "gspo"}}, "axis of the matrix"),

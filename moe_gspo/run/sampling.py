@@ -114,6 +114,7 @@ def collect_batch(policy: Policy, task: Task, cfg: Config, info: ParallelInfo, s
             samples = steps.rollout(policy, prompts, cfg, info, step, round_index=rounds)
         with timer("score"):
             rewards = steps.score(policy, task, prompts, samples)
+            steps.check_rewards_agree(rewards, prompts, samples)  # every rank scored the same samples
             drawn += _groups(prompts, samples, rewards, rounds * num, group_size)
         rounds += 1
         if not dynamic or sum(g.has_signal for g in drawn) >= num:

@@ -98,6 +98,33 @@ def score(policy: Policy, task: Task, prompts: list[Prompt], samples: list[Rollo
     return torch.tensor(rewards, dtype=torch.float32)
 
 
+def check_rewards_agree(rewards: torch.Tensor, prompts: list[Prompt], samples: list[RolloutSample]) -> None:
+    """Every rank scores the whole global batch (`generate` gives every rank all samples), so the
+    rewards must be identical everywhere; a reward that differs between ranks (randomness, the clock,
+    rank-dependent state in a `task.reward` function) would give each rank other advantages and
+    silently train on rank 0's view (`reward/mean`). Compares a digest of the rewards across ranks
+    (collective; a no-op in a world of one) and raises the same ValueError on every rank, naming the
+    first differing prompt and the values, when they differ."""
+    import hashlib
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    world = dist.get_world_size()
+    digests: list = [None] * world
+    dist.all_gather_object(digests, hashlib.sha256(rewards.numpy().tobytes()).hexdigest())
+    if len(set(digests)) == 1:
+        return
+    values: list = [None] * world
+    dist.all_gather_object(values, rewards.tolist())
+    i = next((i for i in range(len(values[0])) if len({v[i] if i < len(v) else None for v in values}) > 1), 0)
+    seen = ", ".join(f"rank {r}: {v[i] if i < len(v) else None!r}" for r, v in enumerate(values[:4]))
+    p = prompts[samples[i].prompt_index] if i < len(samples) else None
+    where = (p.where or repr(p.text[:60])) if p is not None else f"sample {i}"
+    raise ValueError(f"the reward differs between ranks for the same response (prompt {where}, sample {i}: {seen}); "
+                     "every rank scores the whole batch, so the reward (task.reward) must be a deterministic "
+                     "function of prompt, response and answer: no random numbers, clock or per-process state")
+
+
 def advantages(rewards: torch.Tensor, cfg: Config) -> torch.Tensor:
     return group_advantages(rewards, cfg.rollout.samples_per_prompt, eps=cfg.algo.adv_eps,
                             scale_rewards=cfg.algo.scale_rewards, std_correction=cfg.algo.adv_std_correction)

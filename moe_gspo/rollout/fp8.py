@@ -1,4 +1,4 @@
-"""FP8 rollouts in the transformers engine: the rollout copy's linear weights on the float8 e4m3 grid.
+"""FP8 rollouts in the transformers engine: the rollout copy's linear weights (W8A8: and their inputs) on the e4m3 grid.
 
 `rollout.quantization: fp8` (vLLM's name for the same option) makes the rollout engine sample from a
 policy whose linear weights are quantized to float8 e4m3 — one of the two sources of rollout/learner
@@ -38,9 +38,11 @@ What differs from vLLM's FP8 kernels (this is an emulation, not vLLM's arithmeti
   by the engine's usual bf16 GEMM (fp32 accumulation, one rounding of the output).
 - Activation scales: per token everywhere here (also with `rollout.fp8_scale=tensor`). vLLM chooses the
   activation scheme with the kernel and the weight scheme, and some of its paths (per-tensor weights,
-  some fused-MoE kernels) can use one dynamic scale per tensor instead: a coarser activation grid than here. vLLM
-  computes q = x * (1 / s) in some kernels, here x / s: a 1-ulp fp32 difference before the e4m3
-  rounding, rarely changing a rounded value.
+  some fused-MoE kernels) can use one dynamic scale per tensor instead: a coarser activation grid than
+  here. vLLM computes q = x * (1 / s) in some kernels, here x / s: a 1-ulp fp32 difference before the
+  e4m3 rounding, rarely changing a rounded value.
+- Attention itself (q k^T, softmax, the value product) and the KV cache stay in the engine dtype here and
+  in vLLM's default (its FP8 KV cache, `kv_cache_dtype="fp8"`, is a separate option, not emulated).
 - vLLM 0.32 quantizes a bf16 checkpoint online with `quantization="fp8_per_channel"` (one scale per
   output channel; activations dynamic per token) or "fp8_per_tensor" (one per tensor, per expert for the
   MoE weights); `rollout.fp8_scale` picks the same weight granularity here (default channel).

@@ -93,11 +93,12 @@ def test_inputs_of_every_quantized_gemm_are_on_a_per_token_grid(model):
     from torch.overrides import TorchFunctionMode
 
     seen = []
+    gemms_fns = (torch.nn.functional.linear, torch._grouped_mm, getattr(torch.nn.functional, "grouped_mm", None))
 
     class Record(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if func in (torch.nn.functional.linear, torch._grouped_mm, getattr(torch.nn.functional, "grouped_mm", None)):
+            if func in gemms_fns:
                 seen.append((args[1].shape, args[0]))
             return func(*args, **kwargs)
 

@@ -21,6 +21,7 @@ from moe_gspo.config import Config
 
 def train(cfg: Config, run_dir: Path, resume: bool = False, *, overwrite: bool = False) -> dict:
     """Run (or continue) a training run in `run_dir`; see `moe_gspo.run.rundir` for what may happen to it."""
+    from moe_gspo.plan.batch_bound import check_batch_fits_host
     from moe_gspo.run.evaluation import eval_prompts
     from moe_gspo.run.rundir import plan_run_dir
     from moe_gspo.run.setup import check_prompts_fit, init_run
@@ -30,6 +31,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, *, overwrite: bool =
     task = make_task(cfg.task, holdout=cfg.eval.holdout)  # data errors: before any compute
     evals = eval_prompts(cfg, task)  # the held-out eval set (eval.*); [] when off
     check_prompts_fit(cfg, task, evals)  # prompt + max_new_tokens within the engine's context; <unk> warning
+    check_batch_fits_host(cfg)  # absurd batch sizes: one line before any model is built (moe_gspo.plan.batch_bound)
     info = init_run(cfg)
     lock = lock_run_dir(plan, info, resume=resume, overwrite=overwrite)  # one run per RUN_DIR: rank 0 holds it
     try:

@@ -16,9 +16,12 @@ change per MoE layer (`update/layer_change`, `routing/layer_disagree`) per arm a
 Tables per arm: steps logged, final reward (per seed the mean of reward/mean over its last 10% of
 steps, as in the run report and done.json, then the interquartile mean over seeds with a 95% stratified-bootstrap CI, and the min–max
 across seeds); seed statistics that can rank arms (`analysis.seed_stats`: final reward, reward AUC,
-steps to a reward threshold, collapse rate, mismatch k3 KL as IQM [95% CI]) and pairwise verdicts
-(IQM difference and probability of improvement with CIs; every pair up to 6 arms, else the pairs
-whose names differ in one '-' component, or the pairs given); per-seed means
+steps to a reward threshold, mismatch k3 KL as IQM [95% bootstrap CI, each arm and quantity its own
+stream], the failure (collapse or stall) rate as k/n with its Clopper-Pearson CI) and pairwise verdicts
+(paired by seed where two arms share train.seed values, else unpaired; difference and probability of
+improvement with CIs, Wilcoxon / Mann-Whitney p, Holm-adjusted over the whole table, seeds needed for
+80% power; every pair up to 6 arms, else the pairs whose names differ in one '-' component, or the pairs
+given); per-seed means
 over steps of the drift / clip / gate / variance metrics, of the policy entropy and the share of groups
 without signal (`actor/entropy`, `reward/frac_zero_std`) and of the generation rounds per step
 (`sampling/num_gen_batches`, > 1 with dynamic sampling), averaged over seeds; mismatch vs mismatch_replayed
@@ -469,8 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reward-threshold", type=float, default=DEFAULT_REWARD_THRESHOLD,
                         help="reward the smoothed reward/mean must reach for 'steps to threshold' (default %(default)s)")
     parser.add_argument("--collapse-drop", type=float, default=DEFAULT_COLLAPSE_DROP,
-                        help="drop below the running best of the smoothed reward that counts as a collapse "
-                             "(default %(default)s)")
+                        help="drop below the running best of the 10-step trailing mean reward that counts as "
+                             "a collapse (pre-registered default %(default)s; moe_gspo.algos.collapse)")
     parser.add_argument("--bootstrap-reps", type=int, default=DEFAULT_REPS,
                         help="bootstrap resamples per arm and per pair (default %(default)s)")
     parser.add_argument("--pair", action="append", metavar="ARM_A,ARM_B",

@@ -1,36 +1,42 @@
-"""Few-seed statistics that can rank the arms of an ablation (Agarwal et al. 2021, "Deep RL at the
-edge of the statistical precipice", with their library `rliable`): per run a few scalars from its
-reward curve and mismatch metric (`run_quantities`), per arm their interquartile mean (IQM) with a
-stratified-bootstrap 95% confidence interval over seeds (`arm_estimates`), per pair of arms the
-IQM difference and the probability of improvement with their bootstrap CIs and a plain verdict
-(`compare_arms`). Arrays in, dataclasses out, no plotting: `analysis.compare` formats the tables.
+"""Few-seed statistics that can rank the arms of an ablation: per run a few scalars from its reward
+curve and mismatch metric (`reward_quantities`), per arm their interquartile mean (IQM, rliable) with
+a 95% bootstrap CI over seeds, or for the failure rate the exact Clopper-Pearson interval
+(`arm_estimates`); per pair of arms the difference with its CI, a rank test and a verdict after Holm's
+correction over every test of the report (`compare_arms`, `seed_statistics`). Arrays in,
+dataclasses out, no plotting: `analysis.compare` formats the tables. The statistics themselves are
+`analysis.stats`.
 
-Bootstrap: rliable's `get_interval_estimates` (percentile method; arms resampled independently in a
-pair). The statistic inside its resampling loop is a vectorised numpy form of rliable's own
-(`aggregate_iqm` = scipy's 25%-trimmed mean, `probability_of_improvement` = Mann-Whitney U / (n_a n_b)),
-because scipy's versions cost ~0.1-0.5 ms a call and the loop runs `reps` times per arm and pair;
-the point estimates are rliable's functions, and the tests check that both forms agree. Each
-quantity is resampled on its own (the quantities are stacked as rliable "tasks", which its
-stratified bootstrap resamples independently), always from the same seed, so a report is
-reproducible and an arm's CIs do not depend on which other arms are in it.
+- Each quantity of each arm (and of each pair) is resampled from its own stream, seeded by
+  `stats.stream_seed(seed, quantity, arm names)`: a CI does not depend on what else is in the report.
+- Arms that share `train.seed` values are compared paired by seed: the IQM (mean for a rate) of the
+  per-seed differences with a bootstrap CI over seeds and a Wilcoxon signed-rank p; otherwise
+  unpaired: IQM(A) - IQM(B) with each arm resampled on its own and a Mann-Whitney U p.
+- Verdicts: "A better than B (Holm-adjusted p = ...)" when the Holm-adjusted p is below 0.05, else
+  "not decided (...)" with the seeds per arm a two-sided test would need for 80% power at the
+  observed effect size.
+- A run fails when its reward collapses or it stalls without learning signal
+  (`moe_gspo.algos.collapse.detect_failure`, pre-registered `FailureCriteria`).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from rliable import library, metrics
+from rliable import metrics
 
-DEFAULT_REPS = 2000
-"""Bootstrap replications per arm and per pair (rliable's default for performance profiles)."""
+from analysis import stats as st
+from analysis.stats import Estimate, fmt_p
+from moe_gspo.algos.collapse import FailureCriteria, detect_failure
+
+DEFAULT_REPS = st.DEFAULT_REPS
+"""Bootstrap replications per arm and quantity, and per pair and quantity."""
 DEFAULT_SEED = 0
 DEFAULT_REWARD_THRESHOLD = 0.8
-DEFAULT_COLLAPSE_DROP = 0.3
+DEFAULT_COLLAPSE_DROP = FailureCriteria().drop
 MAX_ALL_PAIRS_ARMS = 6
 """Up to this many arms every pair is compared; beyond, the pairs that differ in one name component."""
 
@@ -41,15 +47,15 @@ class Quantity:
     label: str
     higher_is_better: bool
     aggregate: str = "iqm"
-    """'iqm' (rliable's interquartile mean), or 'mean' for a 0/1 quantity: the IQM would trim up to
-    half the seeds away (2 collapsed seeds of 8 would read 0), the mean is the rate."""
+    """'iqm' (rliable's interquartile mean), 'mean', or 'rate' for a 0/1 quantity (k/n with the exact
+    Clopper-Pearson interval; pairs compare the means)."""
 
 
 QUANTITIES = (
     Quantity("final_reward", "final reward", True),
     Quantity("reward_auc", "reward AUC", True),
     Quantity("steps_to_threshold", "steps to threshold", False),
-    Quantity("collapsed", "collapse rate", False, "mean"),
+    Quantity("collapsed", "failure (collapse or stall) rate", False, "rate"),
     Quantity("mismatch_kl", "mismatch k3 KL", False),
 )
 QUANTITY = {q.key: q for q in QUANTITIES}
@@ -84,12 +90,10 @@ def steps_to_threshold(rewards: np.ndarray, threshold: float) -> tuple[int, bool
     return int(hit[0]) + smoothing_window(len(rewards)), True
 
 
-def collapsed(rewards: np.ndarray, drop: float) -> bool:
-    """True when the smoothed reward falls `drop` or more below its running best and stays that far
-    below that best up to the last step. The running best cannot rise while the reward stays below it,
-    so this is: the last smoothed value is ≥ `drop` below the best smoothed value."""
-    s = smoothed(rewards)
-    return bool(s.size and s.max() - s[-1] >= drop - 1e-12)
+def collapsed(rewards: np.ndarray, drop: float = DEFAULT_COLLAPSE_DROP, zero_std: np.ndarray | None = None) -> bool:
+    """True when `detect_failure` finds a collapse or (with `zero_std`) a stall, `drop` replacing
+    the pre-registered 0.3."""
+    return detect_failure(rewards, zero_std, FailureCriteria(drop=drop)).kind is not None
 
 
 @dataclass
@@ -104,9 +108,15 @@ class RunQuantities:
     """See `steps_to_threshold`; num_steps + 1 when not reached."""
     reached_threshold: bool
     collapsed: float
-    """1.0 when `collapsed`, else 0.0."""
+    """1.0 when the run failed (collapse or stall, `detect_failure`), else 0.0."""
     mismatch_kl: float
     """Mean over steps of mismatch/k3_kl (rollout engine vs learner, natural routing)."""
+    seed: int | None = None
+    """The run's train.seed (pairs arms by seed when both have the same seeds)."""
+    failure_kind: str | None = None
+    failure_step: int | None = None
+    """Index of the failure step among the run's finite-reward steps (None: censored)."""
+    censored_at: int = -1
 
     def value(self, key: str) -> float:
         return float(getattr(self, key))
@@ -114,45 +124,29 @@ class RunQuantities:
 
 def reward_quantities(rewards: np.ndarray, final_reward: float, mismatch_kl: float, *,
                       reward_threshold: float = DEFAULT_REWARD_THRESHOLD,
-                      collapse_drop: float = DEFAULT_COLLAPSE_DROP) -> RunQuantities:
-    """The run's scalars from its reward/mean values in step order (non-finite steps are dropped)."""
+                      collapse_drop: float = DEFAULT_COLLAPSE_DROP, zero_std: np.ndarray | None = None,
+                      seed: int | None = None) -> RunQuantities:
+    """The run's scalars from its reward/mean values in step order (non-finite steps are dropped;
+    `zero_std`: reward/frac_zero_std at the same steps, for the stall half of the failure detector)."""
     rewards = np.asarray(rewards, np.float64)
-    rewards = rewards[np.isfinite(rewards)]
+    keep = np.isfinite(rewards)
+    if zero_std is not None:
+        zero_std = np.asarray(zero_std, np.float64)
+        zero_std = zero_std[keep] if zero_std.size == rewards.size else None
+    rewards = rewards[keep]
     if rewards.size == 0:
-        return RunQuantities(math.nan, math.nan, math.nan, False, math.nan, mismatch_kl)
+        return RunQuantities(math.nan, math.nan, math.nan, False, math.nan, mismatch_kl, seed)
     steps, reached = steps_to_threshold(rewards, reward_threshold)
-    return RunQuantities(final_reward, float(rewards.mean()), float(steps), reached,
-                         float(collapsed(rewards, collapse_drop)), mismatch_kl)
+    ev = detect_failure(rewards, zero_std, FailureCriteria(drop=collapse_drop))
+    return RunQuantities(final_reward, float(rewards.mean()), float(steps), reached, float(ev.kind is not None),
+                         mismatch_kl, seed, ev.kind, ev.step, ev.censored_at)
 
 
-# --------------------------------------------------------------------------- bootstrap
-
-@contextmanager
-def _seeded_global_rng(seed: int):
-    """rliable 1.2's StratifiedBootstrap / StratifiedIndependentBootstrap draw their resampling
-    indices from numpy's global legacy stream (`np.random.choice` in `update_indices`); the
-    `random_state` they accept goes to arch's generator, which they never use. So the global stream
-    is seeded here, and restored afterwards."""
-    state = np.random.get_state()
-    np.random.seed(seed)
-    try:
-        yield
-    finally:
-        np.random.set_state(state)
-
-
-def _interval(scores: np.ndarray | tuple[np.ndarray, ...], func: Callable[..., np.ndarray], reps: int,
-              seed: int, confidence: float) -> np.ndarray:
-    """[2, K] lower / upper ends of rliable's percentile stratified-bootstrap CIs of func's K outputs."""
-    with _seeded_global_rng(seed):
-        _, ci = library.get_interval_estimates({"x": scores}, func, reps=reps,
-                                               confidence_interval_size=confidence)
-    return np.asarray(ci["x"], np.float64).reshape(2, -1)
-
+# --------------------------------------------------------------------------- per arm
 
 def iqm_columns(x_NK: np.ndarray) -> np.ndarray:
     """Per column, rliable's `aggregate_iqm` (scipy trim_mean, int(n / 4) values cut each side)."""
-    return _aggregate_columns(x_NK, np.zeros(x_NK.shape[1], bool))
+    return st.iqm_rows(np.asarray(x_NK, np.float64).T)
 
 
 def poi_columns(a_NK: np.ndarray, b_MK: np.ndarray) -> np.ndarray:
@@ -162,53 +156,33 @@ def poi_columns(a_NK: np.ndarray, b_MK: np.ndarray) -> np.ndarray:
     return 0.5 + 0.5 * signs / (a_NK.shape[0] * b_MK.shape[0])
 
 
-def _aggregate_columns(x_NK: np.ndarray, use_mean: np.ndarray) -> np.ndarray:
-    """Per column the mean where `use_mean`, else the IQM (sums, not np.mean: this runs `reps` times)."""
-    n = x_NK.shape[0]
-    cut = int(0.25 * n)
-    x_NK = np.sort(x_NK, axis=0)
-    return np.where(use_mean, x_NK.sum(axis=0) / n, x_NK[cut:n - cut].sum(axis=0) / (n - 2 * cut))
+def _how(q: Quantity) -> str:
+    return "iqm" if q.aggregate == "iqm" else "mean"
 
 
-def _point(values: np.ndarray, key: str, quantities: Mapping[str, Quantity] = QUANTITY) -> float:
-    agg = metrics.aggregate_mean if quantities[key].aggregate == "mean" else metrics.aggregate_iqm
-    return float(agg(values[:, None])) if values.size else math.nan
-
-
-def _finite(values) -> np.ndarray:
-    values = np.asarray(values, np.float64).ravel()
-    return values[np.isfinite(values)]
-
-
-@dataclass
-class Estimate:
-    """A point estimate with its bootstrap CI (NaN ends with fewer than 2 seeds)."""
-
-    point: float
-    lo: float
-    hi: float
-    num_seeds: int
-    """Seeds with a finite value."""
+def _as_seed_map(values, seeds: Sequence[int] | None):
+    """{seed: value} when the seeds are given and unique, else the plain list."""
+    values = [float(v) for v in np.asarray(values, np.float64).ravel()]
+    if seeds is not None and len(seeds) == len(values) and len(set(seeds)) == len(seeds):
+        return dict(zip(seeds, values))
+    return values
 
 
 def arm_estimates(scores: Mapping[str, Sequence[float]], *, reps: int = DEFAULT_REPS,
                   seed: int = DEFAULT_SEED, confidence: float = 0.95,
-                  quantities: Mapping[str, Quantity] = QUANTITY) -> dict[str, Estimate]:
-    """Per quantity (a key of `quantities`, default QUANTITY) of one arm: the IQM (the mean for a rate)
-    over its seeds' finite values and the stratified-bootstrap CI. Quantities with the same number of
-    finite seeds go through one bootstrap, as separate rliable tasks (resampled independently)."""
-    finite = {k: _finite(v) for k, v in scores.items()}
-    out = {k: Estimate(_point(v, k, quantities), math.nan, math.nan, v.size) for k, v in finite.items()}
-    groups: dict[int, list[str]] = {}
-    for k, v in finite.items():
-        if v.size >= 2:
-            groups.setdefault(v.size, []).append(k)
-    for keys in groups.values():
-        use_mean = np.asarray([quantities[k].aggregate == "mean" for k in keys])
-        ci = _interval(np.stack([finite[k] for k in keys], 1), lambda x: _aggregate_columns(x, use_mean),
-                       reps, seed, confidence)
-        for i, k in enumerate(keys):
-            out[k].lo, out[k].hi = float(ci[0, i]), float(ci[1, i])
+                  quantities: Mapping[str, Quantity] = QUANTITY, arm: str = "") -> dict[str, Estimate]:
+    """Per quantity of one arm: the IQM (the mean for 'mean') over its seeds' finite values with a
+    percentile-bootstrap CI from the stream `stream_seed(seed, key, arm)`; a 'rate' quantity: k/n
+    with the exact Clopper-Pearson interval."""
+    out = {}
+    for k, v in scores.items():
+        q = quantities[k]
+        if q.aggregate == "rate":
+            f = st.finite(v)
+            out[k] = st.rate(int(f.sum()), int(f.size), confidence)
+        else:
+            out[k] = st.bootstrap_ci(v, how=_how(q), reps=reps, seed=st.stream_seed(seed, k, arm),
+                                     confidence=confidence)
     return out
 
 
@@ -222,84 +196,80 @@ class PairComparison:
     arm_b: str
     key: str
     diff: Estimate
-    """IQM(A) - IQM(B) (means for a rate) in the quantity's units, with its bootstrap CI (num_seeds:
-    the smaller arm's)."""
+    """A - B in the quantity's units with its bootstrap CI: paired, the IQM (mean for a rate) of the
+    per-seed differences; unpaired, IQM(A) - IQM(B) (num_seeds: the smaller arm's)."""
     poi: Estimate
     """Probability that a seed of A is better than a seed of B (> 0.5: A better; lower-is-better
-    quantities are negated first), with its bootstrap CI."""
+    quantities are negated first), with its bootstrap CI (arms resampled on their own)."""
     verdict: str
+    paired: bool = False
+    p: float = math.nan
+    """Wilcoxon signed-rank (paired) or Mann-Whitney U (unpaired), two-sided."""
+    p_holm: float = math.nan
+    """`p` after Holm's correction over the family it was decided in (`apply_holm`)."""
+    seeds_needed: int | None = None
+    """Seeds per arm for 80% power at the observed effect size (`stats.seeds_for_power`)."""
+    test: str = ""
 
 
-def seeds_needed(diff: float, lo: float, hi: float, num_seeds: int) -> int | None:
-    """Seeds per arm at which the CI of the difference would just reach |diff| from it on zero's side.
-
-    Assumes the CI shrinks like 1/sqrt(n) when both arms get more seeds in the same proportion, and
-    that the measured difference and per-seed spread hold: M = ceil(N (h / |diff|)^2) with N the
-    pair's larger seed count and h the distance from `diff` to the CI end on zero's side (the
-    half-width for a symmetric CI; the percentile CI need not be symmetric). At M seeds the CI would
-    exclude 0 about half the time if the measured difference is the true one: a rough size, not a
-    power calculation. None when diff is 0 (no difference measured); at least N + 1."""
-    if diff == 0 or not math.isfinite(diff):
-        return None
-    h = abs(diff - (lo if diff > 0 else hi))
-    return max(num_seeds + 1, math.ceil(num_seeds * (h / abs(diff)) ** 2))
-
-
-def verdict(arm_a: str, arm_b: str, diff: Estimate, n_a: int, n_b: int, higher_is_better: bool,
-            confidence: float = 0.95, max_seeds: int = 1000) -> str:
-    """'A better than B: ...' when the CI of A - B excludes 0, else 'not decided at N seeds; ...'
-    with `seeds_needed`."""
-    if min(n_a, n_b) < 2:
+def verdict(arm_a: str, arm_b: str, c: PairComparison | st.Estimate, n_a: int | None = None,
+            n_b: int | None = None, higher_is_better: bool = True, alpha: float = st.ALPHA) -> str:
+    """'A better than B (Holm-adjusted p = …)' when the adjusted p < alpha, else 'not decided (…)'."""
+    if not isinstance(c, PairComparison) or not math.isfinite(c.p_holm):
         return "not decided: fewer than 2 seeds"
-    if diff.lo > 0 or diff.hi < 0:
-        better, worse = (arm_a, arm_b) if (diff.lo > 0) == higher_is_better else (arm_b, arm_a)
-        return f"{better} better than {worse}: the {confidence:.0%} CI of the difference excludes 0"
-    seeds = str(n_a) if n_a == n_b else f"{n_a} and {n_b}"
-    m = seeds_needed(diff.point, diff.lo, diff.hi, max(n_a, n_b))
-    if m is None:
-        return f"not decided at {seeds} seeds; no difference measured"
-    if m > max_seeds:
-        return f"not decided at {seeds} seeds; > {max_seeds} seeds per arm"
-    return f"not decided at {seeds} seeds; ~{m} seeds per arm might decide it"
+    if c.p_holm < alpha and c.diff.point != 0 and math.isfinite(c.diff.point):
+        better, worse = (arm_a, arm_b) if (c.diff.point > 0) == higher_is_better else (arm_b, arm_a)
+        return f"{better} better than {worse} (Holm-adjusted p = {fmt_p(c.p_holm)})"
+    if c.seeds_needed is None:
+        need = "no difference measured"
+    elif c.seeds_needed > st.MAX_SEEDS:
+        need = f"> {st.MAX_SEEDS} seeds per arm for 80% power"
+    else:
+        need = f"~{c.seeds_needed} seeds per arm for 80% power"
+    return f"not decided (Holm-adjusted p = {fmt_p(c.p_holm)}; {need})"
+
+
+def apply_holm(comparisons: list[PairComparison], quantities: Mapping[str, Quantity] = QUANTITY) -> None:
+    """Holm-adjust the p-values of `comparisons` as one family and rewrite their verdicts (in place)."""
+    for c, p in zip(comparisons, st.holm([c.p for c in comparisons])):
+        c.p_holm = p
+        c.verdict = verdict(c.arm_a, c.arm_b, c, higher_is_better=quantities[c.key].higher_is_better)
+
+
+def _poi(fa: np.ndarray, fb: np.ndarray, sign: float, reps: int, seed: int, confidence: float) -> Estimate:
+    point = float(metrics.probability_of_improvement(sign * fa[:, None], sign * fb[:, None]))
+    e = Estimate(point, math.nan, math.nan, min(fa.size, fb.size))
+    if e.num_seeds >= 2:
+        rng = np.random.default_rng(seed)
+        sa = fa[rng.integers(0, fa.size, (reps, fa.size))]
+        sb = fb[rng.integers(0, fb.size, (reps, fb.size))]
+        pois = 0.5 + 0.5 * np.sign(sign * (sa[:, :, None] - sb[:, None, :])).mean(axis=(1, 2))
+        e.lo, e.hi = (float(x) for x in np.percentile(pois, [50 * (1 - confidence), 50 * (1 + confidence)]))
+    return e
 
 
 def compare_arms(arm_a: str, arm_b: str, scores_a: Mapping[str, Sequence[float]],
-                 scores_b: Mapping[str, Sequence[float]], *, reps: int = DEFAULT_REPS,
-                 seed: int = DEFAULT_SEED, confidence: float = 0.95,
-                 quantities: Mapping[str, Quantity] = QUANTITY) -> list[PairComparison]:
-    """Each quantity both arms have finite values of (in QUANTITIES order): IQM difference and
-    probability of improvement with stratified-bootstrap CIs (each arm resampled on its own), and
-    the verdict. Quantities with the same seed counts share one bootstrap (as separate tasks)."""
-    keys = [k for k in quantities if k in scores_a and k in scores_b]
-    fa = {k: _finite(scores_a[k]) for k in keys}
-    fb = {k: _finite(scores_b[k]) for k in keys}
-    keys = [k for k in keys if fa[k].size and fb[k].size]
-    sign = {k: 1.0 if quantities[k].higher_is_better else -1.0 for k in keys}
-    n = {k: min(fa[k].size, fb[k].size) for k in keys}
-    diff = {k: Estimate(_point(fa[k], k, quantities) - _point(fb[k], k, quantities), math.nan, math.nan, n[k]) for k in keys}
-    poi = {k: Estimate(float(metrics.probability_of_improvement(sign[k] * fa[k][:, None],
-                                                                sign[k] * fb[k][:, None])),
-                       math.nan, math.nan, n[k]) for k in keys}
-    groups: dict[tuple[int, int], list[str]] = {}
-    for k in keys:
-        if n[k] >= 2:
-            groups.setdefault((fa[k].size, fb[k].size), []).append(k)
-    for ks in groups.values():
-        use_mean = np.asarray([quantities[k].aggregate == "mean" for k in ks])
-        s = np.asarray([sign[k] for k in ks])
-
-        def func(a, b, use_mean=use_mean, s=s):
-            return np.concatenate([_aggregate_columns(a, use_mean) - _aggregate_columns(b, use_mean),
-                                   poi_columns(s * a, s * b)])
-
-        ci = _interval((np.stack([fa[k] for k in ks], 1), np.stack([fb[k] for k in ks], 1)), func,
-                       reps, seed, confidence)
-        for i, k in enumerate(ks):
-            diff[k].lo, diff[k].hi = float(ci[0, i]), float(ci[1, i])
-            poi[k].lo, poi[k].hi = float(ci[0, len(ks) + i]), float(ci[1, len(ks) + i])
-    return [PairComparison(arm_a, arm_b, k, diff[k], poi[k],
-                           verdict(arm_a, arm_b, diff[k], fa[k].size, fb[k].size,
-                                   quantities[k].higher_is_better, confidence)) for k in keys]
+                 scores_b: Mapping[str, Sequence[float]], *, seeds_a: Sequence[int] | None = None,
+                 seeds_b: Sequence[int] | None = None, reps: int = DEFAULT_REPS, seed: int = DEFAULT_SEED,
+                 confidence: float = 0.95, quantities: Mapping[str, Quantity] = QUANTITY) -> list[PairComparison]:
+    """Each quantity both arms have finite values of (in `quantities` order): A - B (paired by seed when
+    `seeds_a` / `seeds_b` give the same seeds, `stats.compare`), the probability of improvement, the
+    p-value and the verdict, Holm-adjusted over these quantities (`seed_statistics` re-adjusts over the
+    whole report). Each quantity's bootstrap: stream `stream_seed(seed, key, arm_a, arm_b)`."""
+    out = []
+    for k, q in quantities.items():
+        if k not in scores_a or k not in scores_b:
+            continue
+        fa, fb = st.finite(scores_a[k]), st.finite(scores_b[k])
+        if not (fa.size and fb.size):
+            continue
+        d = st.compare(_as_seed_map(scores_a[k], seeds_a), _as_seed_map(scores_b[k], seeds_b), how=_how(q),
+                       reps=reps, seed=st.stream_seed(seed, k, arm_a, arm_b), confidence=confidence)
+        poi = _poi(fa, fb, 1.0 if q.higher_is_better else -1.0, reps,
+                   st.stream_seed(seed, k, arm_a, arm_b, "poi"), confidence)
+        out.append(PairComparison(arm_a, arm_b, k, d.diff, poi, "", d.paired, d.p, math.nan, d.seeds_needed, d.test))
+    apply_holm(out, quantities)
+    return out
 
 
 def arm_pairs(arms: Sequence[str], max_all_pairs: int = MAX_ALL_PAIRS_ARMS) -> list[tuple[str, str]]:
@@ -326,24 +296,35 @@ class SeedStatistics:
     arms: dict[str, dict[str, Estimate]]
     """Per arm and quantity key, `arm_estimates`."""
     pairs: list[PairComparison] = field(default_factory=list)
+    """Holm-adjusted over all of them together."""
     reps: int = DEFAULT_REPS
     seed: int = DEFAULT_SEED
     confidence: float = 0.95
 
 
+def _seeds(rs: Sequence[RunQuantities]) -> list[int] | None:
+    seeds = [r.seed for r in rs]
+    return None if any(s is None for s in seeds) else seeds
+
+
 def seed_statistics(runs: Mapping[str, Sequence[RunQuantities]], *,
                     pairs: Sequence[tuple[str, str]] | None = None, reps: int = DEFAULT_REPS,
                     seed: int = DEFAULT_SEED, confidence: float = 0.95) -> SeedStatistics:
-    """`arm_estimates` of every arm and `compare_arms` of `pairs` (default `arm_pairs`). Raises
-    UnknownArmError for a pair naming an arm that is not in `runs`."""
+    """`arm_estimates` of every arm and `compare_arms` of `pairs` (default `arm_pairs`), with Holm's
+    correction over every pair and quantity together. Raises UnknownArmError for a pair naming an arm
+    that is not in `runs`."""
     unknown = sorted({a for p in pairs or () for a in p} - set(runs))
     if unknown:
         raise UnknownArmError(f"pairs name unknown arm(s) {', '.join(unknown)}; arms: {', '.join(runs)}")
     scores = {arm: {q.key: [r.value(q.key) for r in rs] for q in QUANTITIES} for arm, rs in runs.items()}
     opts = dict(reps=reps, seed=seed, confidence=confidence)
     pairs = arm_pairs(list(runs)) if pairs is None else pairs
+    comparisons = [c for a, b in pairs
+                   for c in compare_arms(a, b, scores[a], scores[b], seeds_a=_seeds(runs[a]),
+                                         seeds_b=_seeds(runs[b]), **opts)]
+    apply_holm(comparisons)
     return SeedStatistics(
         {arm: list(rs) for arm, rs in runs.items()},
-        {arm: arm_estimates(s, **opts) for arm, s in scores.items()},
-        [c for a, b in pairs for c in compare_arms(a, b, scores[a], scores[b], **opts)],
-        reps, seed, confidence)
+        {arm: arm_estimates(s, arm=arm, **opts) for arm, s in scores.items()},
+        comparisons, reps, seed, confidence)
+

@@ -12,6 +12,7 @@ from analysis.compare import (
     COMPARE_FIGURES, MAX_TABLE_LAYERS, ArmRun, arm_runs_from_dirs, build_comparison, main, seed_band,
 )
 from analysis.load import ReportInputError, RunData
+from analysis.stats import Estimate, fmt_ci
 from synth_run import NUM_STEPS, assert_real_png, write_degenerate_run, write_synthetic_run
 
 
@@ -65,20 +66,23 @@ def test_comparison_report(tmp_path):
     finals = [_final_reward(tmp_path / f"gspo-none-s{s}") for s in (0, 1)]
     assert rows["gspo-none"][2] == str(NUM_STEPS) and rows["grpo-r2"][2] == str(NUM_STEPS)
     # 2 seeds: the IQM is their mean; a quarter of the resamples is each seed twice, so the CI is [min, max]
-    assert rows["gspo-none"][3] == f"{np.mean(finals):.4g} [{min(finals):.4g}, {max(finals):.4g}]"
+    assert rows["gspo-none"][3] == fmt_ci(Estimate(float(np.mean(finals)), min(finals), max(finals), 2))
     assert rows["gspo-none"][4] == f"{min(finals):.4g}–{max(finals):.4g}"
     assert "grpo-r2 seed 2: left out" in md
     seeds = _table_rows(md, "Seed statistics")
-    assert seeds["header"] == ["arm", "seeds", "final reward", "reward AUC", "steps to threshold", "collapse rate",
-                               "mismatch k3 KL"]
+    assert seeds["header"] == ["arm", "seeds", "final reward", "reward AUC", "steps to threshold",
+                               "failure (collapse or stall) rate", "mismatch k3 KL"]
     assert seeds["gspo-none"][2] == rows["gspo-none"][3] and seeds["grpo-r2"][1] == "2"
     assert seeds["gspo-none"][4] == "13 [13, 13]; 2/2 not reached"  # synthetic rewards stay below 0.8
     section = md.split("## Pairwise verdicts")[1].split("\n## ")[0]
     verdicts = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines()
                 if line.startswith("| gspo-none vs grpo-r2 |")]
-    assert [v[1] for v in verdicts] == ["final reward", "reward AUC", "steps to threshold", "collapse rate",
-                                        "mismatch k3 KL"]
-    assert verdicts[3][2:] == ["0 [0, 0]", "0.5 [0.5, 0.5]", "not decided at 2 seeds; no difference measured"]
+    assert [v[1] for v in verdicts] == ["final reward", "reward AUC", "steps to threshold",
+                                        "failure (collapse or stall) rate", "mismatch k3 KL"]
+    # both arms have seeds 0 and 1 (grpo-r2's seed 2 never ran): paired by seed
+    assert verdicts[3][2:] == ["paired by seed (n=2)", "0 [0, 0]", "0.5 [0.5, 0.5]", "1 (Wilcoxon signed-rank)", "1",
+                               "not decided (Holm-adjusted p = 1; no difference measured)"]
+    assert seeds["gspo-none"][5] == "0/2 (0 %, 95% CI 0–84 %)"  # Clopper-Pearson, not a bootstrap
 
 
 def _curve_run(run_dir: Path, rewards: list[float], k3_kl: float) -> Path:
@@ -88,26 +92,28 @@ def _curve_run(run_dir: Path, rewards: list[float], k3_kl: float) -> Path:
 
 def test_seed_statistics_options_from_the_command_line(tmp_path, capsys):
     """--reward-threshold and --collapse-drop reach the per-run quantities; --pair picks the pairs."""
-    curves = {"up": [0.1, 0.3, 0.5, 0.7, 0.9, 0.9], "peak": [0.1, 0.6, 0.9, 0.7, 0.5, 0.4],
-              "flat": [0.3] * 6}
+    curves = {"up": [0.1, 0.3, 0.5, 0.7] + [0.9] * 36, "peak": [0.1] + [0.9] * 9 + [0.4] * 30,
+              "flat": [0.3] * 40}
     dirs = [str(_curve_run(tmp_path / f"{arm}-s{s}", [r + 0.01 * s for r in curve], 1e-3 * (s + 1)))
             for arm, curve in curves.items() for s in range(3)]
     out = tmp_path / "cmp"
-    assert main([str(out), *dirs, "--reward-threshold", "0.6", "--collapse-drop", "0.4",
+    assert main([str(out), *dirs, "--reward-threshold", "0.65", "--collapse-drop", "0.4",
                  "--pair", "up,peak", "--bootstrap-reps", "200"]) == 0
     md = (out / "report.md").read_text()
     rows = _table_rows(md, "Seed statistics")
-    # 6 steps, window 1: up reaches 0.6 at its 4th step (0.7), peak at its 2nd (0.6 + 0.01 s: seed 0 at 0.6)
-    assert rows["up"][4] == "4 [4, 4]" and rows["peak"][4] == "2 [2, 2]"
-    assert rows["flat"][4] == "7 [7, 7]; 3/3 not reached"
-    assert [rows[a][5] for a in ("up", "peak", "flat")] == ["0 [0, 0]", "1 [1, 1]", "0 [0, 0]"]  # 0.9 -> 0.4
-    assert rows["up"][6].startswith("0.002 [")  # k3 KL per seed 1e-3, 2e-3, 3e-3
+    # 40 steps, window 4: up's moving average reaches 0.65 over steps 3-6 (0.75), peak's over steps 1-4
+    assert rows["up"][4] == "6 [6, 6]" and rows["peak"][4] == "4 [4, 4]"
+    assert rows["flat"][4] == "41 [41, 41]; 3/3 not reached"
+    # peak: 10-step trailing mean from 0.9 down to 0.4, 0.5 below its best from step 17 on (≤ 40 - 20)
+    assert [rows[a][5] for a in ("up", "peak", "flat")] == [
+        "0/3 (0 %, 95% CI 0–71 %)", "3/3 (100 %, 95% CI 29–100 %)", "0/3 (0 %, 95% CI 0–71 %)"]
+    assert rows["up"][6] == "0.0020 [0.0010, 0.0030]"  # k3 KL per seed 1e-3, 2e-3, 3e-3: digits the CI supports
     verdicts = _table_rows(md, "Pairwise verdicts")
     assert set(verdicts) - {"header"} == {"up vs peak"}
     assert "reaches 0.6" in md and "≥ 0.4 below" in md
     assert main([str(out), *dirs, "--collapse-drop", "0.6", "--bootstrap-reps", "50"]) == 0
     rows = _table_rows((out / "report.md").read_text(), "Seed statistics")
-    assert rows["peak"][5] == "0 [0, 0]" and rows["up"][4] == "5 [5, 5]"  # defaults: threshold 0.8
+    assert rows["peak"][5].startswith("0/3 ") and rows["up"][4] == "7 [7, 7]"  # defaults: threshold 0.8
     assert main([str(out), *dirs, "--pair", "up,nope"]) == 2
     assert "unknown arm(s) nope" in capsys.readouterr().err
 

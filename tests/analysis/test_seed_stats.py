@@ -1,6 +1,7 @@
 """analysis.seed_stats (and analysis.seed_report's per-run scalars): per-run quantities on hand-made
-reward curves, rliable IQM / probability of improvement, the stratified bootstrap replayed by hand,
-verdicts and the pairs compared."""
+reward curves, rliable IQM / probability of improvement, each quantity's own bootstrap stream replayed
+by hand, Clopper-Pearson failure rates, paired / unpaired pairs, Holm-adjusted verdicts and the pairs
+compared."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ from rliable import metrics
 from analysis.load import load_run
 from analysis.seed_report import run_quantities
 from analysis.seed_stats import (
-    Estimate, RunQuantities, UnknownArmError, arm_estimates, arm_pairs, collapsed, compare_arms, iqm_columns,
-    poi_columns, reward_quantities, seed_statistics, seeds_needed, smoothed, smoothing_window,
+    PairComparison, RunQuantities, UnknownArmError, arm_estimates, arm_pairs, collapsed, compare_arms,
+    iqm_columns, poi_columns, reward_quantities, seed_statistics, smoothed, smoothing_window,
     steps_to_threshold, verdict,
 )
+from analysis.stats import Estimate, stream_seed
 from synth_run import recompute_headline, write_synthetic_run
 
 
@@ -50,27 +52,25 @@ def test_a_one_step_spike_does_not_reach_the_threshold():
     assert steps_to_threshold(np.r_[r[:19], 0.9], 0.8) == (21, False)
 
 
-@pytest.mark.parametrize("curve,expected", [
-    ([0.2, 0.6, 1.0, 0.9, 0.5], True),  # ends 0.5 below the best 1.0
-    ([0.2, 0.6, 1.0, 0.5, 0.9], False),  # fell 0.5 but recovered
-    ([0.2, 0.6, 1.0, 0.9, 0.75], False),  # ends only 0.25 below
-    ([0.9, 0.8, 0.7, 0.6], True),  # 0.3 below its first (best) value: ≥ 0.3 counts
-    ([0.0, 0.0, 0.0], False),
-])
-def test_collapse_by_hand(curve, expected):
-    assert collapsed(np.asarray(curve), 0.3) is expected
-
-
-def test_collapse_uses_the_smoothed_reward():
-    r = np.r_[np.ones(18), 0.0, 1.0]  # window 2: the last smoothed value is 0.5, the best 1.0
-    assert collapsed(r, 0.3) and not collapsed(r, 0.6)
-    assert not collapsed(np.r_[np.ones(19), 0.0], 0.6)  # one bad step: smoothed ends at 0.5
+def test_collapsed_is_the_failure_detector():
+    """Now `moe_gspo.algos.collapse.detect_failure`: 10-step trailing mean, ≥ 20 steps before the end."""
+    peak = np.r_[np.full(10, 0.9), np.full(30, 0.4)]  # trailing mean 0.3 below its best from step 15
+    assert collapsed(peak, 0.3) and collapsed(peak, 0.5) and not collapsed(peak, 0.6)
+    assert not collapsed(np.r_[np.full(10, 0.9), np.full(30, 0.4), np.full(15, 0.9)], 0.3)  # recovered
+    assert not collapsed(np.r_[np.full(30, 0.9), np.full(15, 0.4)], 0.3)  # too late: censored
+    stalled = np.full(40, 0.6)
+    assert not collapsed(stalled) and collapsed(stalled, zero_std=np.full(40, 0.95))
 
 
 def test_reward_quantities_auc_and_missing_values():
     q = reward_quantities(np.asarray([0.0, 0.5, math.nan, 1.0, 1.0]), 1.0, 2e-3, reward_threshold=0.9)
     assert q.reward_auc == pytest.approx(0.625)  # NaN step dropped: (0 + .5 + 1 + 1) / 4
     assert (q.steps_to_threshold, q.reached_threshold, q.collapsed) == (3.0, True, 0.0)
+    assert (q.failure_kind, q.failure_step, q.censored_at) == (None, None, 3)
+    r = np.r_[np.full(10, 0.9), math.nan, np.full(30, 0.4)]
+    z = np.r_[np.zeros(10), 5.0, np.zeros(30)]  # zero_std of the NaN-reward step is dropped with it
+    q2 = reward_quantities(r, 0.4, math.nan, zero_std=z, seed=4)  # 0.3 below 0.9 from step 15:
+    assert (q2.collapsed, q2.failure_kind, q2.failure_step, q2.censored_at, q2.seed) == (1.0, "collapse", 15, 39, 4)
     assert (q.final_reward, q.mismatch_kl) == (1.0, 2e-3)
     empty = reward_quantities(np.asarray([math.nan]), math.nan, math.nan)
     assert all(math.isnan(empty.value(k)) for k in ("final_reward", "reward_auc", "steps_to_threshold",
@@ -95,7 +95,10 @@ def test_run_quantities_of_a_run_directory(tmp_path):
 def test_iqm_by_hand():
     assert arm_estimates({"final_reward": np.arange(8.0)})["final_reward"].point == 3.5  # mean of 2..5
     assert arm_estimates({"final_reward": [0.0, 1.0, 2.0, 100.0]})["final_reward"].point == 1.5
-    assert arm_estimates({"collapsed": [0, 0, 0, 0, 0, 0, 1, 1]})["collapsed"].point == 0.25  # a rate
+    r = arm_estimates({"collapsed": [0, 0, 0, 0, 0, 0, 1, 1]})["collapsed"]  # a rate: k/n, Clopper-Pearson
+    assert (r.point, r.events, r.num_seeds) == (0.25, 2, 8) and r.lo == pytest.approx(0.0318, abs=1e-4)
+    z = arm_estimates({"collapsed": [0.0] * 8})["collapsed"]
+    assert (z.lo, round(z.hi, 4)) == (0.0, 0.3694)  # not "0 [0, 0]"
 
 
 @pytest.mark.parametrize("n,m", [(1, 1), (2, 3), (3, 3), (5, 4), (8, 8), (9, 2)])
@@ -113,35 +116,38 @@ def _iqm(x):
     return metrics.aggregate_iqm(x[:, None])
 
 
-def test_arm_ci_is_rliables_stratified_bootstrap_replayed_by_hand():
-    """rliable resamples from numpy's global stream: seed it and draw the same indices."""
+def test_arm_ci_is_its_own_stream_replayed_by_hand():
     x = np.asarray([0.1, 0.9, 0.3, 0.35, 0.6, 0.2])
     y = np.asarray([5.0, 1.0, 3.0, 2.0, 4.0, 8.0])
-    got = arm_estimates({"final_reward": x, "reward_auc": y}, reps=300, seed=7)
-    np.random.seed(7)
-    stats = []
-    for _ in range(300):
-        idx = np.random.choice(6, (6, 2), replace=True)  # one column of run indices per quantity
-        stats.append([_iqm(x[idx[:, 0]]), _iqm(y[idx[:, 1]])])
-    lo, hi = np.percentile(np.asarray(stats), [2.5, 97.5], axis=0)
-    for j, key in enumerate(("final_reward", "reward_auc")):
-        assert (got[key].lo, got[key].hi) == pytest.approx((lo[j], hi[j]))
+    got = arm_estimates({"final_reward": x, "reward_auc": y}, reps=300, seed=7, arm="A")
+    for key, v in (("final_reward", x), ("reward_auc", y)):
+        rng = np.random.default_rng(stream_seed(7, key, "A"))
+        stats = [_iqm(v[rng.integers(0, 6, 6)]) for _ in range(300)]
+        assert (got[key].lo, got[key].hi) == pytest.approx(tuple(np.percentile(stats, [2.5, 97.5])))
         assert got[key].num_seeds == 6
 
 
-def test_pair_ci_resamples_each_arm_on_its_own():
+def test_unpaired_pair_ci_resamples_each_arm_on_its_own():
     a, b = np.asarray([0.5, 0.7, 0.2, 0.9, 0.4]), np.asarray([0.3, 0.6, 0.1, 0.45])
     (c,) = compare_arms("A", "B", {"final_reward": a}, {"final_reward": b}, reps=300, seed=2)
-    np.random.seed(2)
-    diffs, pois = [], []
-    for _ in range(300):
-        ia, ib = np.random.choice(5, (5, 1), replace=True), np.random.choice(4, (4, 1), replace=True)
-        diffs.append(_iqm(a[ia[:, 0]]) - _iqm(b[ib[:, 0]]))
-        pois.append(metrics.probability_of_improvement(a[ia], b[ib]))
+    rng = np.random.default_rng(stream_seed(2, "final_reward", "A", "B"))
+    ia, ib = rng.integers(0, 5, (300, 5)), rng.integers(0, 4, (300, 4))
+    diffs = [_iqm(a[ia[i]]) - _iqm(b[ib[i]]) for i in range(300)]
+    assert not c.paired and c.test == "Mann-Whitney U"
     assert (c.diff.lo, c.diff.hi) == pytest.approx(tuple(np.percentile(diffs, [2.5, 97.5])))
-    assert (c.poi.lo, c.poi.hi) == pytest.approx(tuple(np.percentile(pois, [2.5, 97.5])))
     assert c.diff.point == pytest.approx(_iqm(a) - _iqm(b))
     assert c.poi.point == pytest.approx(metrics.probability_of_improvement(a[:, None], b[:, None]))
+
+
+def test_pairs_with_the_same_seeds_are_paired():
+    a, b = [0.9, 0.5, 0.7, 0.8, 0.6, 0.75], [0.8, 0.45, 0.6, 0.72, 0.58, 0.7]  # A higher on every seed
+    (c,) = compare_arms("A", "B", {"final_reward": a}, {"final_reward": b}, seeds_a=range(6), seeds_b=range(6),
+                        reps=300)
+    assert c.paired and c.test == "Wilcoxon signed-rank" and c.p == pytest.approx(1 / 32)  # exact: 2 / 2^6
+    assert c.verdict == "A better than B (Holm-adjusted p = 0.031)"
+    (u,) = compare_arms("A", "B", {"final_reward": a}, {"final_reward": b}, seeds_a=range(6),
+                        seeds_b=[0, 1, 2, 3, 4, 9], reps=300)
+    assert not u.paired and u.verdict.startswith("not decided (Holm-adjusted p = ")
 
 
 def test_ci_properties_and_reproducibility():
@@ -178,13 +184,16 @@ def _scores(**kw):
     return {k: np.asarray(v, float) for k, v in kw.items()}
 
 
-def test_separated_arms_are_decided():
-    a = _scores(final_reward=[0.9, 0.95, 1.0, 0.92], steps_to_threshold=[10, 12, 11, 13])
-    b = _scores(final_reward=[0.1, 0.2, 0.15, 0.3], steps_to_threshold=[40, 51, 45, 60])
+def test_separated_arms_are_decided_after_holm():
+    a = _scores(final_reward=[0.9, 0.95, 1.0, 0.92, 0.97, 0.93], steps_to_threshold=[10, 12, 11, 13, 9, 14])
+    b = _scores(final_reward=[0.1, 0.2, 0.15, 0.3, 0.25, 0.22], steps_to_threshold=[40, 51, 45, 60, 44, 50])
     got = {c.key: c for c in compare_arms("A", "B", a, b, reps=500)}
     for key in ("final_reward", "steps_to_threshold"):  # higher better; lower better
-        assert got[key].poi.point == 1.0 and (got[key].poi.lo, got[key].poi.hi) == (1.0, 1.0)
-        assert got[key].verdict == "A better than B: the 95% CI of the difference excludes 0"
+        c = got[key]
+        assert c.poi.point == 1.0 and (c.poi.lo, c.poi.hi) == (1.0, 1.0)
+        assert c.p == pytest.approx(0.002165, abs=1e-5)  # exact: 2 / C(12, 6), complete separation
+        assert c.p_holm == pytest.approx(2 * c.p)  # two tests in the family
+        assert c.verdict == "A better than B (Holm-adjusted p = 0.0043)"
     assert got["steps_to_threshold"].diff.point < 0 < got["final_reward"].diff.point
     back = {c.key: c for c in compare_arms("B", "A", b, a, reps=500)}
     assert back["steps_to_threshold"].verdict.startswith("A better than B")
@@ -193,40 +202,35 @@ def test_separated_arms_are_decided():
 
 def test_overlapping_arms_are_not_decided():
     a = _scores(final_reward=[0.1, 0.5, 0.9, 0.3, 0.7])
-    b = _scores(final_reward=[0.05, 0.45, 0.25, 0.65, 0.35])  # IQM 0.35 vs 0.5
+    b = _scores(final_reward=[0.05, 0.45, 0.25, 0.65, 0.35])
     (c,) = compare_arms("A", "B", a, b, reps=1000)
     assert c.diff.lo < 0 < c.diff.point < c.diff.hi and c.poi.lo < 0.5 < c.poi.point <= c.poi.hi
-    m = seeds_needed(c.diff.point, c.diff.lo, c.diff.hi, 5)
-    assert 5 < m < 1000 and c.verdict == f"not decided at 5 seeds; ~{m} seeds per arm might decide it"
+    assert 5 < c.seeds_needed < 1000
+    assert c.verdict == f"not decided (Holm-adjusted p = {c.p_holm:.2g}; ~{c.seeds_needed} seeds per arm for 80% power)"
 
 
 def test_degenerate_pairs_do_not_crash():
     same = compare_arms("A", "B", _scores(reward_auc=[0.5] * 3), _scores(reward_auc=[0.5] * 3), reps=100)[0]
     assert (same.diff.point, same.diff.lo, same.diff.hi, same.poi.point) == (0.0, 0.0, 0.0, 0.5)
-    assert same.verdict == "not decided at 3 seeds; no difference measured"
+    assert same.verdict == "not decided (Holm-adjusted p = 1; no difference measured)"
     one = compare_arms("A", "B", _scores(reward_auc=[0.9]), _scores(reward_auc=[0.1, 0.2]), reps=100)[0]
     assert one.verdict == "not decided: fewer than 2 seeds" and math.isnan(one.diff.lo)
     assert one.diff.point == pytest.approx(0.75) and one.poi.point == 1.0
     assert compare_arms("A", "B", _scores(mismatch_kl=[math.nan] * 2), _scores(mismatch_kl=[1.0, 2.0])) == []
     shifted = compare_arms("A", "B", _scores(collapsed=[0, 0, 0]), _scores(collapsed=[1, 1, 1]), reps=100)[0]
-    assert shifted.verdict.startswith("A better than B")  # constant but different: the CI is [-1, -1]
-
-
-def test_seeds_needed_by_hand():
-    assert seeds_needed(0.1, -0.1, 0.3, 4) == 16  # (0.2 / 0.1)^2 * 4
-    assert seeds_needed(0.1, -0.02, 0.2, 4) == 6  # asymmetric CI: the end on zero's side, ceil(5.76)
-    assert seeds_needed(-0.1, -0.3, 0.1, 4) == 16
-    assert seeds_needed(0.1, 0.0, 0.2, 4) == 5  # at least one more seed
-    assert seeds_needed(0.0, -0.1, 0.1, 4) is None
+    assert shifted.diff.point == -1.0 and shifted.p == pytest.approx(0.1)  # exact: 2 / C(6, 3); never < 0.05
+    assert shifted.verdict.startswith("not decided")
 
 
 def test_verdict_wording():
-    undecided = Estimate(0.001, -0.5, 0.5, 3)
-    assert verdict("A", "B", undecided, 3, 3, True) == "not decided at 3 seeds; > 1000 seeds per arm"
-    assert verdict("A", "B", Estimate(0.1, -0.1, 0.3, 3), 3, 5, True) == \
-        "not decided at 3 and 5 seeds; ~20 seeds per arm might decide it"
-    assert verdict("A", "B", Estimate(-0.2, -0.3, -0.1, 3), 3, 3, True).startswith("B better than A")
-    assert verdict("A", "B", Estimate(-0.2, -0.3, -0.1, 3), 3, 3, False).startswith("A better than B")
+    c = PairComparison("A", "B", "final_reward", Estimate(-0.2, -0.3, -0.1, 3), Estimate(0.0, 0, 0, 3), "",
+                       p=0.01, p_holm=0.03, seeds_needed=4)
+    assert verdict("A", "B", c, higher_is_better=True) == "B better than A (Holm-adjusted p = 0.03)"
+    assert verdict("A", "B", c, higher_is_better=False) == "A better than B (Holm-adjusted p = 0.03)"
+    c.p_holm = 0.2
+    assert verdict("A", "B", c) == "not decided (Holm-adjusted p = 0.2; ~4 seeds per arm for 80% power)"
+    c.seeds_needed = 5000
+    assert verdict("A", "B", c) == "not decided (Holm-adjusted p = 0.2; > 1000 seeds per arm for 80% power)"
 
 
 # --------------------------------------------------------------------------- pairs
@@ -250,6 +254,9 @@ def test_seed_statistics_pairs_and_unknown_arms():
     assert [(c.arm_a, c.arm_b) for c in stats.pairs if c.key == "final_reward"] == [("a", "b"), ("a", "c"),
                                                                                     ("b", "c")]
     assert {c.key for c in stats.pairs} == {"final_reward", "reward_auc", "steps_to_threshold", "collapsed"}
+    # Holm over every pair and quantity of the report together
+    from analysis.stats import holm
+    assert [c.p_holm for c in stats.pairs] == pytest.approx(holm([c.p for c in stats.pairs]), nan_ok=True)
     assert stats.arms["c"]["final_reward"].num_seeds == 2 and math.isnan(stats.arms["a"]["mismatch_kl"].point)
     only = seed_statistics(runs, pairs=[("c", "a")], reps=100)
     assert {(c.arm_a, c.arm_b) for c in only.pairs} == {("c", "a")}

@@ -209,9 +209,8 @@ def plan_run_dir(run_dir: str | os.PathLike, *, resume: bool, overwrite: bool, c
     if lock is not None and lock[0] == "held":
         raise ValueError(f"--run-dir {str(p)!r} is in use by a running run ({lock[1]}); wait for it to end or "
                          f"choose another --run-dir")
-    if lock is not None:
-        finished += f" (its last process, {lock[1]}, is no longer running: the lock it left is free)"
-    raise ValueError(f"--run-dir {str(p)!r} already holds a{finished} run ({', '.join(outputs)}); pass --resume "
+    dead = "" if lock is None else f"; its last process, {lock[1]}, is no longer running (the lock it left is free)"
+    raise ValueError(f"--run-dir {str(p)!r} already holds a{finished} run ({', '.join(outputs)}){dead}; pass --resume "
                      f"to continue it, --overwrite to start afresh (the old directory is moved to "
                      f"{p.name}.prev<k>, nothing is deleted), or choose another --run-dir")
 

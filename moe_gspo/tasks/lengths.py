@@ -55,6 +55,45 @@ def context_limit(hf_config, rollout) -> tuple[int, str]:
     return model_len, what
 
 
+_WHITESPACE = " \t\n\r\f\v"
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token of `tokenizer` can stand for: the longest vocabulary entry (for a
+    byte-level BPE the entries are one character per byte, so this bounds the decoded text too)."""
+    cached = getattr(tokenizer, "_moe_gspo_max_token_chars", None)
+    if cached is None:
+        try:
+            cached = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary to list: no bound
+            cached = 0
+        try:
+            tokenizer._moe_gspo_max_token_chars = cached
+        except Exception:  # noqa: BLE001
+            pass
+    return cached
+
+
+def check_prompt_chars(prompts: Sequence[Prompt], tokenizer, longest: int, *, context: str) -> None:
+    """Refuse, without tokenizing, a prompt that cannot fit `longest` tokens whatever its tokenization:
+    one token stands for at most `max_token_chars(tokenizer)` characters, so a prompt with more
+    non-whitespace characters than `longest` times that needs more tokens (whitespace is not counted, as
+    some tokenizers' normalizers drop it). Tokenizing a 20 MB line first took minutes and gigabytes."""
+    per_token = max_token_chars(tokenizer)
+    if per_token <= 0:
+        return
+    limit = longest * per_token
+    for i, p in enumerate(prompts):
+        if len(p.text) <= limit:
+            continue
+        chars = len(p.text) - sum(p.text.count(c) for c in _WHITESPACE)
+        if chars > limit:
+            where = p.where or f"prompt {i}"
+            raise ValueError(f"{where}: the prompt has {len(p.text)} characters, which cannot fit the {longest} tokens of "
+                             f"{context}: this tokenizer's tokens are at most {per_token} characters long, so a prompt "
+                             f"needs at most {limit} characters (not counting whitespace); shorten the prompt")
+
+
 def check_prompt_lengths(prompts: Sequence[Prompt], tokenizer, hf_config, rollout, *,
                          max_new_tokens_flag: str = "rollout.max_new_tokens", chat_template: str = "none",
                          system_prompt: str | None = None) -> int:
@@ -69,6 +108,8 @@ def check_prompt_lengths(prompts: Sequence[Prompt], tokenizer, hf_config, rollou
     if longest < 1:
         raise ValueError(f"{max_new_tokens_flag}={room} leaves no room for a prompt in the {rollout.engine} engine's "
                          f"context of {limit} tokens ({what}); lower {max_new_tokens_flag}")
+    check_prompt_chars(prompts, tokenizer, longest, context=f"the {rollout.engine} engine's context ({what}, minus "
+                       f"{max_new_tokens_flag}={room} for the response)")
     ids = encode_prompts(tokenizer, [p.text for p in prompts], chat_template=chat_template, system_prompt=system_prompt)
     counts = [len(x) for x in ids]
     bad = [i for i, n in enumerate(counts) if n > longest]

@@ -32,14 +32,22 @@ from pathlib import Path
 PROG = "python -m moe_gspo.launch"
 
 
+_STOPPED_BY_AGENT = (-int(signal.SIGTERM), 128 + int(signal.SIGTERM))
+"""Exit codes of a worker the agent stopped after another one failed: killed by its SIGTERM, or (our
+workers turn SIGTERM into one line and exit code 143) exited 143."""
+
+
 def root_failure(e):
-    """(rank, failure) of the root cause: the earliest worker that exited with an error code of its
-    own; workers the agent then stopped by signal are consequences (timestamps have 1 s resolution)."""
-    exited = {r: f for r, f in e.failures.items() if f.exitcode > 0}
-    if not exited:
+    """(rank, failure) of the root cause: the earliest worker that failed on its own, by an error code
+    of its own (2, 3, 1, ...) or a signal other than the agent's SIGTERM (SIGKILL, SIGSEGV, ...); the
+    workers the agent then stopped with SIGTERM (exit code -15, or 143 from our own handler) are
+    consequences. Timestamps have 1 s resolution, so among failures of the same second an exit code
+    of its own comes first, then a signal, then the lowest rank."""
+    own = {r: f for r, f in e.failures.items() if f.exitcode not in _STOPPED_BY_AGENT}
+    if not own:
         return e.get_first_failure()
-    rank = min(exited, key=lambda r: (exited[r].timestamp, r))
-    return rank, exited[rank]
+    rank = min(own, key=lambda r: (own[r].timestamp, own[r].exitcode < 0, r))
+    return rank, own[rank]
 
 
 def build_parser() -> argparse.ArgumentParser:

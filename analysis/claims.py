@@ -1,231 +1,175 @@
-"""The paper-claims experiment's verdicts: `python -m analysis.claims RUNS_DIR [--out FILE.md]`.
+"""The claims page of the drift experiment: `python -m analysis.claims RUNS_DIR|METRICS.jsonl.gz
+[--out FILE.md] [--figures DIR] [--save-metrics FILE.jsonl.gz]`.
 
-RUNS_DIR holds the runs of `configs/ablation_paper_claims_fine.yaml` (`<algo>-<replay>-<precision>-s<seed>`,
-precision bf16 or fp8). For each claim the page states the per-arm interquartile means with 95%
-stratified-bootstrap CIs over seeds and, where two arms are compared, the IQM difference, the
-probability of improvement and a verdict (`analysis.seed_stats`, rliable):
+RUNS_DIR holds runs named `<algo>-<replay>-<variant>-s<seed>` (`moe_gspo.ablate`; variant = drift level
+fp32 / bf16 / fp8 / w8a8, optionally `_tis`); the page has the sections whose arms are present, with
+these pre-registered tests, all Holm-adjusted as one family (`analysis.claims_stats`):
 
-- (a) R3 lowers the rollout/learner mismatch KL (R3 paper ~2x, prime-rl 3-7x on Qwen3-30B-A3B): per R3
-  run, mean over steps of `mismatch/k3_kl` (learner with its natural routing) over that of
-  `mismatch_replayed/k3_kl` (the learner pass replaying the rollout's routes: the pi_old R3's loss uses);
-  and across arms, the k3 KL of the pi_old each loss uses (replayed for R3, natural otherwise).
-- (b) when routing drifts (FP8), GRPO without replay is less stable than GRPO+R3 and GSPO: final
-  reward, reward AUC and collapse, GRPO-fp8 against GRPO+R3-fp8 and GSPO-fp8, and each method's
-  bf16 against its FP8 arm.
-- (c) GSPO's sequence-ratio variance stays far below the token ratio's, and GSPO trains as stably under
-  FP8 as under bf16: per run, the median over steps of `ratio/token_var` / `ratio/seq_var` (new/old
-  policy ratios inside the update); GSPO bf16 against GSPO fp8.
-- (d) about 10% of experts change per update (GSPO paper): mean over the measured steps of
-  `update/expert_change_frac` (learner routing of the step's response rows before vs after the first
-  optimizer step: the share of (token, layer) top-k entries that changed).
+- positive control: GRPO-none at the strongest drift level fails in more than half its runs (the
+  failure rate's point estimate; its Clopper-Pearson CI is reported, no test);
+- dose-response: GRPO-none at each drift level against GRPO-none at fp32, log-rank on time to failure;
+- fixes at the strongest drift: GRPO+R3, GRPO+R2, GRPO token-TIS and GSPO against GRPO-none, log-rank
+  (primary), paired-by-seed final reward and reward AUC (secondary);
+- zero point: GSPO-fp32 and GRPO+R3-fp32 against GRPO-fp32 (log-rank; the claim: no difference);
+- (a) R3: per R3 arm, k3 KL of the learner's natural routing against the pass replaying the rollout
+  routes, within runs (Wilcoxon over seeds); beside it the median per-step ratio and the absolute k3.
 
-Pure reading and statistics (no plotting); numbers per run come from `metrics.jsonl` only.
+Described, not tested: the drift per level against the papers' ~10% / ~94% / 1.5e-3, (c) the
+token/sequence ratio-variance quotient (a sanity check: ≈ the response length for near-independent
+token ratios), (d) experts changed per update without step 0, at constant lr and during the lr decay.
+A run fails when `moe_gspo.algos.collapse.detect_failure` finds a collapse or a stall (pre-registered
+`FailureCriteria`). Numbers per run come from `metrics.jsonl` only, so the saved metrics regenerate
+the same tables.
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import math
-import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-import numpy as np
+from analysis import stats as st
+from analysis.claims_runs import (
+    CLAIM_KEYS, ClaimRun, arm_level, level_rank, load_arms, load_runs, save_metrics,
+)
+from analysis.claims_stats import (
+    ClaimTest, arm_survival, claim_family, failure_rate, fix_arms, fmt_median, strongest_level,
+)
+from analysis.load import ReportInputError
+from moe_gspo.algos.collapse import FailureCriteria
 
-from analysis.load import ReportInputError, RunData, finite_mean, load_run, matrix_series, series
-from analysis.report import fmt_number
-from analysis.seed_report import fmt_estimate, run_quantities
-from analysis.seed_stats import QUANTITY, Quantity, arm_estimates, compare_arms
+__all__ = ["CLAIM_KEYS", "claims_page", "load_arms", "main"]
 
-_RUN_RE = re.compile(r"^(?P<algo>[a-z_]+)-(?P<replay>none|r2|r3)-(?P<precision>[A-Za-z0-9_.]+)-s(?P<seed>\d+)$")
-
-EXTRA = {q.key: q for q in (
-    Quantity("k3_natural", "k3 KL, rollout vs learner (natural routing)", False),
-    Quantity("k3_replayed", "k3 KL, rollout vs learner replaying the rollout routes", False),
-    Quantity("k3_reduction", "k3 natural / k3 replayed", True),
-    Quantity("k3_loss", "k3 KL, rollout vs the pi_old the loss uses", False),
-    Quantity("extreme_natural", "|dlogp| > ln 2, natural", False),
-    Quantity("extreme_replayed", "|dlogp| > ln 2, replayed", False),
-    Quantity("layer_disagree", "routing disagreement per MoE layer (mean over layers)", False),
-    Quantity("any_layer_flip", "tokens routed differently in >= 1 layer", False),
-    Quantity("var_quotient", "median over steps of token_var / seq_var", True),
-    Quantity("update_change", "update/expert_change_frac", False),
-    Quantity("final_entropy", "entropy, last 10% of steps (nats/token)", True),
-    Quantity("final_zero_std", "groups with all-equal rewards, last 10%", False),
-    Quantity("update_any_layer", "update/any_layer_change", False),
-    Quantity("update_layer_change", "update/layer_change (mean over layers)", False),
-)}
-QUANTITIES = {**QUANTITY, **EXTRA}
-PRECISIONS = ("bf16", "fp8")
-
-
-def _mean(run, key: str) -> float:
-    return finite_mean(series(run.records, key)[1])
-
-
-def _last10(run, key: str) -> float:
-    vals = series(run.records, key)[1]
-    return finite_mean(vals[-max(1, vals.size // 10):]) if vals.size else math.nan
-
-
-DEFAULT_THRESHOLD = 0.5
-"""Reward level for `steps_to_threshold` here: 250-step runs of the fine model end near 0.55-0.8."""
-
-
-def run_scores(run, reward_threshold: float = DEFAULT_THRESHOLD) -> dict[str, float]:
-    """Every per-run scalar the claims use (NaN where the run did not log the metric)."""
-    q = run_quantities(run, reward_threshold=reward_threshold)
-    k3_nat, k3_rep = _mean(run, "mismatch/k3_kl"), _mean(run, "mismatch_replayed/k3_kl")
-    _, ld = matrix_series(run.records, "routing/layer_disagree")
-    _, lc = matrix_series(run.records, "update/layer_change")
-    _, tok = series(run.records, "ratio/token_var")
-    _, seq = series(run.records, "ratio/seq_var")
-    ok = np.isfinite(tok) & np.isfinite(seq) & (seq > 0)
-    return {
-        "final_reward": q.final_reward, "reward_auc": q.reward_auc,
-        "steps_to_threshold": float(q.steps_to_threshold), "collapsed": float(q.collapsed),
-        "mismatch_kl": k3_nat, "k3_natural": k3_nat, "k3_replayed": k3_rep,
-        "k3_reduction": k3_nat / k3_rep if k3_rep > 0 else math.nan,
-        "k3_loss": k3_rep if math.isfinite(k3_rep) else k3_nat,
-        "extreme_natural": _mean(run, "mismatch/extreme_frac_ln2"),
-        "extreme_replayed": _mean(run, "mismatch_replayed/extreme_frac_ln2"),
-        "layer_disagree": finite_mean(ld.mean(axis=1)) if ld.size else math.nan,
-        "any_layer_flip": _mean(run, "routing/any_layer_flip"),
-        "var_quotient": float(np.median(tok[ok] / seq[ok])) if ok.any() else math.nan,
-        "update_change": _mean(run, "update/expert_change_frac"),
-        "update_any_layer": _mean(run, "update/any_layer_change"),
-        "update_layer_change": finite_mean(lc.mean(axis=1)) if lc.size else math.nan,
-        "final_entropy": _last10(run, "actor/entropy"), "final_zero_std": _last10(run, "reward/frac_zero_std"),
-    }
-
-
-CLAIM_KEYS = ("step", "reward/mean", "mismatch/k3_kl", "mismatch_replayed/k3_kl", "mismatch/extreme_frac_ln2",
-              "mismatch_replayed/extreme_frac_ln2", "routing/layer_disagree", "routing/any_layer_flip",
-              "ratio/token_var", "ratio/seq_var", "update/expert_change_frac", "update/any_layer_change",
-              "update/layer_change", "actor/entropy", "reward/frac_zero_std")
-"""The metrics the claims read: `--save-metrics` keeps only these (a few % of metrics.jsonl)."""
-
-
-def _finished_runs(runs_dir: Path) -> list[RunData]:
-    runs = []
-    for d in sorted(runs_dir.iterdir()):
-        if _RUN_RE.match(d.name) and (d / "done.json").is_file():
-            runs.append(load_run(d))
-    return runs
-
-
-def _saved_runs(path: Path) -> list[RunData]:
-    with gzip.open(path, "rt") as f:
-        return [RunData(source=Path(row["run"]), records=row["records"], traces={}) for row in map(json.loads, f)]
-
-
-def load_runs(source: str | Path) -> list[RunData]:
-    """The finished runs (with done.json) of a matrix directory, or those saved by `save_metrics`."""
-    source = Path(source)
-    if not source.exists():
-        raise ReportInputError(f"{str(source)!r} does not exist; pass the matrix's out_dir or a .jsonl.gz file "
-                               "written by --save-metrics")
-    runs = _saved_runs(source) if source.is_file() else _finished_runs(source)
-    if not runs:
-        raise ReportInputError(f"no finished run named <algo>-<replay>-<precision>-s<seed> under {source}")
-    return runs
-
-
-def save_metrics(runs: list[RunData], path: str | Path) -> None:
-    """One gzip'd JSON line per run with the `CLAIM_KEYS` of its records (temp file, then rename)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with gzip.open(tmp, "wt") as f:
-        for run in runs:
-            recs = [{k: r[k] for k in CLAIM_KEYS if k in r} for r in run.records]
-            f.write(json.dumps({"run": run.source.name, "records": recs}) + "\n")
-    tmp.replace(path)
-
-
-def load_arms(source: str | Path | list[RunData],
-              reward_threshold: float = DEFAULT_THRESHOLD) -> dict[str, list[dict[str, float]]]:
-    """{arm name: per-seed scores} of the finished runs of `source` (see `load_runs`)."""
-    runs = load_runs(source) if not isinstance(source, list) else source
-    arms: dict[str, list[dict[str, float]]] = {}
-    for run in runs:
-        m = _RUN_RE.match(run.source.name)
-        if m:
-            arms.setdefault(f"{m['algo']}-{m['replay']}-{m['precision']}", []).append(
-                run_scores(run, reward_threshold))
-    return dict(sorted(arms.items()))
-
-
-def _columns(seeds: list[dict[str, float]]) -> dict[str, list[float]]:
-    return {k: [s[k] for s in seeds] for k in seeds[0]}
+PAPER_DRIFT = {"layer_disagree": "~10% (R3 paper)", "any_layer_flip": "~94% of tokens in ≥ 1 of 48 layers (R3 paper)",
+               "k3_natural": "~1.5e-3 (R3 paper)"}
+LABELS = {
+    "final_reward": "final reward", "reward_auc": "reward AUC", "layer_disagree": "per-layer flips",
+    "any_layer_flip": "any-layer flips", "k3_natural": "k3 KL natural", "k3_replayed": "k3 KL replayed",
+    "k3_ratio_of_means": "ratio of means (k3 natural / replayed)",
+    "k3_ratio_median": "median per-step ratio", "var_quotient": "median token_var / seq_var",
+    "update_change": "expert change, steps > 0", "update_change_const": "at constant lr",
+    "update_change_decay": "during lr decay", "final_entropy": "entropy, last 10%",
+    "final_zero_std": "zero-signal groups, last 10%",
+}
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return out + ["| " + " | ".join(r) + " |" for r in rows]
+    return out + ["| " + " | ".join(r) + " |" for r in rows] + [""]
 
 
-def arm_table(arms: Mapping[str, list[dict[str, float]]], keys: list[str], reps: int) -> list[str]:
-    """One row per arm: seeds, then IQM [95% CI] of each key (the mean for a rate)."""
+def _est(arm: str, runs: list[ClaimRun], key: str, reps: int, seed: int) -> str:
+    return st.fmt_ci(st.bootstrap_ci([r.scores[key] for r in runs], reps=reps, seed=st.stream_seed(seed, key, arm)))
+
+
+def _arm_rows(arms: Mapping[str, list[ClaimRun]], keys: list[str], reps: int, seed: int) -> list[list[str]]:
+    return [[arm, str(len(runs))] + [_est(arm, runs, k, reps, seed) for k in keys] for arm, runs in arms.items()]
+
+
+def _by_level(arms: Mapping[str, list[ClaimRun]]) -> dict[str, list[ClaimRun]]:
+    return dict(sorted(arms.items(), key=lambda kv: (level_rank(arm_level(kv[0])), kv[0])))
+
+
+def _tests_table(tests: list[ClaimTest]) -> list[str]:
+    if not tests:
+        return ["No test: its arms are not in this experiment.", ""]
+    return _table(["test", "statistic", "estimate", "p", "Holm-adjusted p", "verdict"],
+                  [[t.label, t.test, t.estimate, st.fmt_p(t.p), st.fmt_p(t.p_holm), t.verdict] for t in tests])
+
+
+def failure_table(arms: Mapping[str, list[ClaimRun]], reps: int, seed: int) -> list[str]:
     rows = []
-    for arm, seeds in arms.items():
-        est = arm_estimates(_columns(seeds), reps=reps, quantities=QUANTITIES)
-        rows.append([arm, str(len(seeds))] + [fmt_estimate(est[k]) for k in keys])
-    return _table(["arm", "seeds"] + [QUANTITIES[k].label for k in keys], rows)
+    for arm, runs in _by_level(arms).items():
+        s = arm_survival(runs)
+        kinds = [r.failure.kind for r in runs]
+        rows.append([arm, str(len(runs)), st.fmt_rate(failure_rate(runs)), str(kinds.count("collapse")),
+                     str(kinds.count("stall")), fmt_median(s)]
+                    + [_est(arm, runs, k, reps, seed) for k in ("final_reward", "reward_auc", "final_entropy",
+                                                                 "final_zero_std")])
+    return _table(["arm", "seeds", "failed (collapse or stall)", "collapses", "stalls", "median time to failure (KM)",
+                   "final reward", "reward AUC", "entropy, last 10%", "zero-signal groups, last 10%"], rows)
 
 
-def pair_table(arms: Mapping[str, list[dict[str, float]]], pairs: list[tuple[str, str]], keys: list[str],
-               reps: int) -> list[str]:
-    """Per pair and key: IQM difference A - B [CI], P(A better) [CI], verdict."""
+def _header(arms: Mapping[str, list[ClaimRun]], tests: list[ClaimTest], reps: int, seed: int) -> list[str]:
+    c = FailureCriteria()
+    n = sorted({len(rs) for rs in arms.values()})
+    return [
+        f"Arms: {len(arms)}; seeds per arm: {', '.join(map(str, n))}; pre-registered tests: {len(tests)}, "
+        "Holm-adjusted as one family (alpha 0.05).", "",
+        f"Failure (pre-registered, `moe_gspo.algos.collapse.FailureCriteria`): with R̄ / Z̄ the {c.window}-step "
+        "trailing means of reward/mean and reward/frac_zero_std, a run collapses at step t when R̄ is ≥ "
+        f"{c.drop:g} below its running best and stays there to the end, and stalls when Z̄ ≥ {c.stall_enter:g} "
+        f"and R̄ < {c.solved:g} at t and Z̄ ≥ {c.stall_stay:g}, R̄ < {c.solved:g} to the end; the event counts "
+        f"when t is ≥ {c.min_persist} steps before the end (else censored at the last step). Time to failure: "
+        "Kaplan–Meier (lifelines), log-rank tests.", "",
+        f"Cells: interquartile mean over seeds [95% percentile bootstrap CI, {reps} resamples, each arm and "
+        f"quantity its own stream from seed {seed}], printed to the digits the CI supports; rates: k/n with the "
+        "exact Clopper–Pearson 95% CI. Pairs sharing train.seed values are paired by seed (Wilcoxon "
+        "signed-rank), others unpaired (Mann–Whitney U). Verdicts: reproduces / does not reproduce when the "
+        "Holm-adjusted p < 0.05 (by the effect's direction), else not decided with the seeds per arm a "
+        "two-sided t-test at 0.05 (before Holm's correction) would need for 80% power at the observed effect size "
+        "(log-rank rows: on the 0/1 failure indicator). Final reward: mean reward/mean "
+        "of the last 10% of steps; reward AUC: mean over all steps.", ""]
+
+
+def _positive_control(arms: Mapping[str, list[ClaimRun]], top: str | None) -> list[str]:
+    base = f"grpo-none-{top}"
+    if top is None or base not in arms:
+        return ["No GRPO-none arm.", ""]
+    r = failure_rate(arms[base])
+    holds = "holds" if r.point > 0.5 else "does not hold"
+    lo = ("its 95% CI's lower bound is above 0.5 too" if r.lo > 0.5
+          else "the 95% CI's lower bound is not above 0.5")
+    return [f"{base} (strongest drift present): failed {st.fmt_rate(r)} → the positive control **{holds}** "
+            f"(point estimate {'>' if r.point > 0.5 else '≤'} 0.5; {lo}).", ""]
+
+
+def _dose_table(arms: Mapping[str, list[ClaimRun]]) -> list[str]:
     rows = []
-    for a, b in pairs:
-        if a not in arms or b not in arms:
-            rows.append([f"{a} vs {b}", "all", "n/a", "n/a", "not run"])
-            continue
-        ca, cb = _columns(arms[a]), _columns(arms[b])
-        ca, cb = {k: ca[k] for k in keys}, {k: cb[k] for k in keys}
-        for c in compare_arms(a, b, ca, cb, reps=reps, quantities={k: QUANTITIES[k] for k in keys}):
-            rows.append([f"{a} vs {b}", QUANTITIES[c.key].label, fmt_estimate(c.diff), fmt_estimate(c.poi),
-                         c.verdict])
-    return _table(["pair (A vs B)", "quantity", "IQM difference A − B [95% CI]", "P(A better) [95% CI]",
-                   "verdict"], rows)
+    for arm, runs in _by_level(arms).items():
+        rows.append([arm, arm_level(arm), st.fmt_rate(failure_rate(runs)), fmt_median(arm_survival(runs))])
+    return _table(["arm", "drift level", "failure rate", "median time to failure (KM)"], rows)
 
 
-def claims_page(arms: Mapping[str, list[dict[str, float]]], reps: int = 2000,
-                reward_threshold: float = DEFAULT_THRESHOLD) -> str:
-    """The Markdown tables of claims (a)-(d) and the drift levels."""
-    a = lambda algo, rep, prec: f"{algo}-{rep}-{prec}"  # noqa: E731
-    n = sorted({len(s) for s in arms.values()})
-    lines = [f"Arms: {len(arms)}; seeds per arm: {', '.join(map(str, n))}. Cells: interquartile mean over seeds "
-             "[95% stratified-bootstrap CI] (rliable; rates: the mean). Verdicts: the 95% CI of the IQM difference "
-             "excludes 0, else 'not decided'. Final reward: mean of the last 10% of steps; reward AUC: mean over all "
-             f"steps; steps to threshold: first step whose 10%-window moving average reaches {reward_threshold:g} "
-             "(never: steps + 1); collapse: that average ends >= 0.3 below its best.", ""]
-    lines += ["### Drift levels (rollout engine vs learner, response tokens, mean over steps)", ""]
-    lines += arm_table(arms, ["layer_disagree", "any_layer_flip", "k3_natural"], reps) + [""]
-    lines += ["### (a) R3 and the rollout/learner mismatch", ""]
-    r3 = {k: v for k, v in arms.items() if "-r3-" in k}
-    if r3:
-        lines += arm_table(r3, ["k3_natural", "k3_replayed", "k3_reduction", "extreme_natural", "extreme_replayed"],
-                           reps) + [""]
-    lines += pair_table(arms, [(a("grpo", "r3", p), a("grpo", "none", p)) for p in PRECISIONS], ["k3_loss"], reps)
-    lines += ["", "### (b) Stability when routing drifts", ""]
-    lines += arm_table(arms, ["final_reward", "reward_auc", "steps_to_threshold", "collapsed", "final_entropy",
-                              "final_zero_std"], reps) + [""]
-    pairs = [(a("grpo", "r3", "fp8"), a("grpo", "none", "fp8")), (a("gspo", "none", "fp8"), a("grpo", "none", "fp8")),
-             (a("grpo", "r2", "fp8"), a("grpo", "none", "fp8")), (a("grpo", "r3", "bf16"), a("grpo", "none", "bf16")),
-             (a("gspo", "none", "bf16"), a("grpo", "none", "bf16")), (a("grpo", "none", "bf16"), a("grpo", "none", "fp8")),
-             (a("grpo", "r3", "bf16"), a("grpo", "r3", "fp8"))]
-    lines += pair_table(arms, pairs, ["final_reward", "reward_auc", "collapsed", "final_entropy"], reps)
-    lines += ["", "### (c) GSPO: token vs sequence ratio variance, and FP8 against bf16", ""]
-    lines += arm_table(arms, ["var_quotient"], reps) + [""]
-    lines += pair_table(arms, [(a("gspo", "none", "bf16"), a("gspo", "none", "fp8"))],
-                        ["final_reward", "reward_auc", "collapsed"], reps)
-    lines += ["", "### (d) Experts changed by one optimizer step", ""]
-    lines += arm_table(arms, ["update_change", "update_layer_change", "update_any_layer"], reps)
-    return "\n".join(lines) + "\n"
+def claims_page(arms: Mapping[str, list[ClaimRun]], reps: int = st.DEFAULT_REPS, seed: int = 0) -> str:
+    """The Markdown of the page (tables only; `--figures` draws the figures)."""
+    tests = claim_family(arms, reps, seed)
+    sec = lambda name: [t for t in tests if t.section == name]  # noqa: E731
+    top = strongest_level(arms)
+    lines = _header(arms, tests, reps, seed)
+    lines += ["### Drift per level (rollout engine vs learner, response tokens, mean over steps)", ""]
+    keys = ["layer_disagree", "any_layer_flip", "k3_natural"]
+    rows = _arm_rows(_by_level(arms), keys, reps, seed)
+    rows.append(["papers (Qwen3-30B-A3B)", ""] + [PAPER_DRIFT[k] for k in keys])
+    lines += _table(["arm", "seeds"] + [LABELS[k] for k in keys], rows)
+    lines += ["### Failures per arm", ""] + failure_table(arms, reps, seed)
+    lines += ["### Positive control", ""] + _positive_control(arms, top)
+    lines += ["### Dose–response: GRPO-none at each drift level against fp32", ""]
+    lines += _dose_table({a: r for a, r in arms.items() if a.startswith("grpo-none-")}) + _tests_table(sec("dose-response"))
+    present = [f"{label} ({a})" for a, label in fix_arms(top)] if top else []
+    lines += [f"### Fixes at the strongest drift ({top or 'n/a'}): against grpo-none-{top or '?'}", "",
+              f"Fixes looked for: {', '.join(present) or 'none'}.", ""] + _tests_table(sec("fixes"))
+    lines += ["### Zero point (fp32 rollouts: no routing drift)", ""] + _tests_table(sec("zero point"))
+    lines += ["### (a) R3 lowers the rollout/learner mismatch (R3 paper ~2×, prime-rl 3–7×; k3 ~1.5e-3)", ""]
+    r3 = {a: r for a, r in _by_level(arms).items() if a.startswith("grpo-r3-")}
+    keys = ["k3_natural", "k3_replayed", "k3_ratio_of_means", "k3_ratio_median"]
+    lines += (_table(["arm", "seeds"] + [LABELS[k] for k in keys], _arm_rows(r3, keys, reps, seed)) if r3
+              else ["No R3 arm.", ""]) + _tests_table(sec("(a) R3 mismatch"))
+    lines += ["### (c) Sanity check, not a reproduction: token vs sequence ratio variance", "",
+              "Median over steps of ratio/token_var / ratio/seq_var (new/old policy ratios in the update). For "
+              "near-independent per-token ratios the quotient is about the response length, whatever the method.", ""]
+    lines += _table(["arm", "seeds", LABELS["var_quotient"]], _arm_rows(_by_level(arms), ["var_quotient"], reps, seed))
+    lines += ["### (d) Experts changed by one optimizer step (GSPO paper: ~10%, 48 MoE layers)", "",
+              "update/expert_change_frac without step 0 (Adam's first step alone changes ~half); constant lr: steps "
+              "at the run's largest train/lr; decay: steps below it (n/a where train/lr was not logged).", ""]
+    keys = ["update_change", "update_change_const", "update_change_decay"]
+    rows = [row + [", ".join(sorted({str(int(r.scores["num_moe_layers"])) for r in arms[row[0]]})) + " (paper: 48)"]
+            for row in _arm_rows(_by_level(arms), keys, reps, seed)]
+    lines += _table(["arm", "seeds"] + [LABELS[k] for k in keys] + ["MoE layers"], rows)
+    lines += ["### All pre-registered tests (one Holm family)", ""] + _tests_table(tests)
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,15 +178,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-metrics", default=None, metavar="FILE.jsonl.gz",
                    help="also save the metrics the claims read, per finished run (to regenerate the page)")
     p.add_argument("--out", default=None, help="write the Markdown here (temp file, then rename); else stdout")
-    p.add_argument("--bootstrap-reps", type=int, default=2000)
-    p.add_argument("--reward-threshold", type=float, default=DEFAULT_THRESHOLD)
+    p.add_argument("--figures", default=None, metavar="DIR", help="write the dose-response and KM figures here")
+    p.add_argument("--bootstrap-reps", type=int, default=st.DEFAULT_REPS)
+    p.add_argument("--seed", type=int, default=0, help="base seed of the bootstrap streams")
     args = p.parse_args(argv)
     try:
         runs = load_runs(args.runs_dir)
         if args.save_metrics:
             save_metrics(runs, args.save_metrics)
-        text = claims_page(load_arms(runs, args.reward_threshold), reps=args.bootstrap_reps,
-                           reward_threshold=args.reward_threshold)
+        arms = load_arms(runs)
+        if not arms:
+            raise ReportInputError(f"no run named <algo>-<replay>-<variant>-s<seed> in {args.runs_dir}")
+        text = claims_page(arms, reps=args.bootstrap_reps, seed=args.seed)
+        if args.figures:
+            from analysis.claims_figures import write_figures
+
+            write_figures(arms, args.figures)
     except (ReportInputError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -59,7 +59,7 @@ PROBE_DEFAULTS = {"rollout": {"max_new_tokens": 32}}
 """The probe's config without --config: the built-in defaults, except 32-token responses."""
 PROBE_KEYS = ("model.path", "model.tokenizer", "model.params_dtype", "model.vocab_pad_multiple",
               "parallel.collective_timeout_s", "rollout.engine", "rollout.dtype", "rollout.quantization",
-              "rollout.fp8_scale", "rollout.fp8_router", "rollout.temperature",
+              "rollout.fp8_scale", "rollout.fp8_router", "rollout.fp8_activations", "rollout.temperature",
               "rollout.top_p", "rollout.max_new_tokens", "rollout.gpu_memory_utilization", "rollout.max_model_len",
               "rollout.kv_cache_gib", "train.seed", "logging.progress")
 """The config fields the probe uses; an override of any other is refused (it would have no effect)."""
@@ -217,7 +217,7 @@ def probe(args: argparse.Namespace, cfg=None) -> dict:
     m["num_routed_tokens"] = int(sum(min(len(a), len(b)) for a, b in zip(batch.rollout_routes, learner_routes)))
     m["num_sequences"] = len(samples)
     out = {"model": str(model_dir), "engine": r.engine, "dtype": r.dtype, "quantization": r.quantization,
-           "fp8_scale": r.fp8_scale,
+           "fp8_scale": r.fp8_scale, "fp8_activations": r.fp8_activations,
            "learner_dtype": str(learner_dtype(cfg)).replace("torch.", ""), "world_size": info.world_size,
            "layer_ids": moe_layer_ids(hf_config)}
     for k, v in sorted(m.items()):
@@ -241,7 +241,8 @@ def _num(v) -> str:
 def summary_text(res: dict) -> str:
     from moe_gspo.rollout.fp8 import rollout_precision
 
-    precision = rollout_precision(res["dtype"], res.get("quantization"), res.get("fp8_scale"), res["engine"])
+    precision = rollout_precision(res["dtype"], res.get("quantization"), res.get("fp8_scale"), res["engine"],
+                                  bool(res.get("fp8_activations")))
     lines = [f"probe of {res['model']}  (rollout: {res['engine']} engine in {precision}; learner: Megatron-core in "
              f"{res.get('learner_dtype', '?')}; {res['num_sequences']} sequences, {res['num_tokens']} response tokens)",
              "routing disagreement rollout vs learner (fraction of tokens whose top-k set differs):"]

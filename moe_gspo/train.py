@@ -195,7 +195,7 @@ def finish(cfg: Config, run_dir: Path, info, policy, state) -> dict:
         summary = learning_summary(run_dir / "metrics.jsonl")
         r = cfg.rollout
         done = {"step": state.step, "wall_s": state.wall_s, "segments": state.segments, "summary": summary,
-                "rollout": f"{r.engine} engine in {rollout_precision(r.dtype, r.quantization, r.fp8_scale, r.engine)}"}
+                "rollout": f"{r.engine} engine in {rollout_precision(r.dtype, r.quantization, r.fp8_scale, r.engine, r.fp8_activations)}"}
         atomic_write_text(run_dir / "done.json", json.dumps(done, indent=1))
         print(f"mean reward, first 10% of steps: {summary['reward_first10']:.4f}   "
               f"last 10%: {summary['reward_last10']:.4f}   ({state.step} steps, {state.wall_s:.0f} s)", flush=True)

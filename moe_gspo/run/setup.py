@@ -178,7 +178,7 @@ def build_engine(cfg: Config, hf_model_or_dir, tokenizer, *, load_weights: bool 
     return HFEngine(hf_model_or_dir, dtype=r.dtype, record_routes=r.record_routes,
                     record_probs=r.record_probs, pad_token_id=tokenizer.pad_token_id,
                     eos_token_id=tokenizer.eos_token_id, quantization=r.quantization,
-                    fp8_scale=r.fp8_scale or "channel", fp8_router=r.fp8_router,
+                    fp8_scale=r.fp8_scale or "channel", fp8_router=r.fp8_router, fp8_activations=r.fp8_activations,
                     compact_decode=r.compact_decode, fp32_gemm=r.fp32_gemm)
 
 

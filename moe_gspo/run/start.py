@@ -125,7 +125,7 @@ def run_facts(cfg: Config, info) -> dict:
     r = cfg.rollout
     return {"learner_dtype": str(learner_dtype(cfg)).removeprefix("torch."), "device": torch.device(info.device).type,
             "world_size": info.world_size, "expert_parallel_size": cfg.parallel.expert_parallel_size,
-            "rollout": f"{r.engine} engine in {rollout_precision(r.dtype, r.quantization, r.fp8_scale, r.engine)}",
+            "rollout": f"{r.engine} engine in {rollout_precision(r.dtype, r.quantization, r.fp8_scale, r.engine, r.fp8_activations)}",
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                          "megatron-core": megatron.core.__version__}}
 

@@ -25,7 +25,6 @@ the same tables.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -165,8 +164,9 @@ def claims_page(arms: Mapping[str, list[ClaimRun]], reps: int = st.DEFAULT_REPS,
               "update/expert_change_frac without step 0 (Adam's first step alone changes ~half); constant lr: steps "
               "at the run's largest train/lr; decay: steps below it (n/a where train/lr was not logged).", ""]
     keys = ["update_change", "update_change_const", "update_change_decay"]
-    rows = [row + [", ".join(sorted({str(int(r.scores["num_moe_layers"])) for r in arms[row[0]]})) + " (paper: 48)"]
-            for row in _arm_rows(_by_level(arms), keys, reps, seed)]
+    layers = lambda arm: ", ".join(sorted({str(int(r.scores["num_moe_layers"])) for r in arms[arm]  # noqa: E731
+                                           if r.scores["num_moe_layers"] > 0})) or "n/a"
+    rows = [row + [f"{layers(row[0])} (paper: 48)"] for row in _arm_rows(_by_level(arms), keys, reps, seed)]
     lines += _table(["arm", "seeds"] + [LABELS[k] for k in keys] + ["MoE layers"], rows)
     lines += ["### All pre-registered tests (one Holm family)", ""] + _tests_table(tests)
     return "\n".join(lines)

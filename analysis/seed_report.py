@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from analysis.load import ReportInputError, RunData, headline_numbers, series
-from analysis.report import Table, fmt_number
+from analysis.report import Table
 from analysis.seed_stats import (
     DEFAULT_COLLAPSE_DROP, DEFAULT_REPS, DEFAULT_REWARD_THRESHOLD, QUANTITIES, QUANTITY, Estimate,
     RunQuantities, SeedStatistics, UnknownArmError, reward_quantities, seed_statistics,

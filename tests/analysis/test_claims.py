@@ -67,6 +67,14 @@ def test_run_scores_by_hand(tmp_path):
     assert math.isnan(c.scores["k3_ratio_median"]) and method_of(c.arm) == "grpo-none+tis"
     c = claim_run(load_run(_write_run(tmp_path / "gspo-none-fp32-s0", LEARN)))
     assert (c.failure.kind, c.duration, c.observed) == (None, 39.0, False)
+    # routing/layer_disagree logged as one float per step: its mean, and no layer count
+    d = _write_run(tmp_path / "grpo-none-fp8-s1", LEARN)
+    rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        r["routing/layer_disagree"] = 0.07
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = claim_run(load_run(d)).scores
+    assert s["layer_disagree"] == pytest.approx(0.07) and s["num_moe_layers"] == 0
 
 
 SEEDS = range(8)

@@ -1,0 +1,1 @@
+"""Issue 39's search for a regime where rollout/learner drift destabilises GRPO: pilot specs and their summary."""

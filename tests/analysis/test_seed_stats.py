@@ -262,3 +262,22 @@ def test_seed_statistics_pairs_and_unknown_arms():
     assert {(c.arm_a, c.arm_b) for c in only.pairs} == {("c", "a")}
     with pytest.raises(UnknownArmError, match="unknown arm"):
         seed_statistics(runs, pairs=[("a", "zzz")])
+
+
+def test_an_arms_and_a_pairs_cis_do_not_depend_on_the_other_arms():
+    runs = {"a": _runs([0.9, 0.8, 0.85, 0.7]), "b": _runs([0.1, 0.2, 0.3, 0.25]), "c": _runs([0.5, 0.4])}
+    two = seed_statistics({k: runs[k] for k in ("a", "b")}, reps=300)
+    three = seed_statistics(runs, reps=300)
+    for key in ("final_reward", "reward_auc"):
+        assert (two.arms["a"][key].lo, two.arms["a"][key].hi) == (three.arms["a"][key].lo, three.arms["a"][key].hi)
+    pick = lambda s: next(c for c in s.pairs if (c.arm_a, c.arm_b, c.key) == ("a", "b", "final_reward"))  # noqa: E731
+    assert (pick(two).diff.lo, pick(two).diff.hi, pick(two).p) == (pick(three).diff.lo, pick(three).diff.hi,
+                                                                    pick(three).p)
+    assert pick(three).p_holm >= pick(two).p_holm  # only the Holm family grows
+
+
+def test_runs_with_seeds_are_paired_in_the_report():
+    seeded = {arm: [RunQuantities(f, f, 5.0, True, 0.0, math.nan, seed=s) for s, f in enumerate(finals)]
+              for arm, finals in {"a": [0.9, 0.8, 0.85], "b": [0.1, 0.2, 0.3]}.items()}
+    (c, *_) = seed_statistics(seeded, reps=100).pairs
+    assert c.paired and c.test == "Wilcoxon signed-rank" and c.diff.num_seeds == 3

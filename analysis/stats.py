@@ -255,7 +255,7 @@ class Survival:
     observed: np.ndarray
     """Per run, True when it failed."""
     median: float
-    """Kaplan-Meier median time to failure (inf when the curve stays above 0.5)."""
+    """Kaplan-Meier median time to failure: the first time S(t) ≤ 0.5 (inf when it stays above)."""
     timeline: np.ndarray
     survival: np.ndarray
     """The Kaplan-Meier estimate S(t) on `timeline`."""
@@ -269,10 +269,11 @@ def survival(durations, observed) -> Survival:
     e = np.asarray(observed, bool)
     if d.size == 0:
         return Survival(d, e, math.nan, np.zeros(0), np.zeros(0))
-    km = KaplanMeierFitter().fit(d, e)
-    sf = km.survival_function_
-    return Survival(d, e, float(km.median_survival_time_), sf.index.to_numpy(np.float64),
-                    sf.iloc[:, 0].to_numpy(np.float64))
+    sf = KaplanMeierFitter().fit(d, e).survival_function_
+    timeline, surv = sf.index.to_numpy(np.float64), sf.iloc[:, 0].to_numpy(np.float64)
+    # the first time S(t) ≤ 0.5 (lifelines' own median misses an S of exactly 0.5 by rounding: 4 of 8)
+    below = np.flatnonzero(surv <= 0.5 + 1e-9)
+    return Survival(d, e, float(timeline[below[0]]) if below.size else math.inf, timeline, surv)
 
 
 @dataclass

@@ -137,7 +137,7 @@ def test_page_and_round_trip(tmp_path):
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in figs.iterdir())
     assert ("grpo-none-w8a8 (strongest drift present): failed 8/8 (100 %, 95% CI 63–100 %) → the positive "
             "control **holds** (point estimate > 0.5; its 95% CI's lower bound is above 0.5 too)") in page
-    assert "| grpo-none-bf16 | 8 | 4/8 (50 %, 95% CI 16–84 %) | 0 | 4 |" in page
+    assert "| grpo-none-bf16 | 8 | 4/8 (50 %, 95% CI 16–84 %) | 0 | 4 | 13 |" in page  # KM: S(13) = 0.5
     assert "| grpo-none-w8a8 | 8 | 8/8 (100 %, 95% CI 63–100 %) | 8 | 0 | 15 |" in page
     assert "| papers (Qwen3-30B-A3B) |  | ~10% (R3 paper) |" in page
     assert "### (c) Sanity check, not a reproduction" in page and "4 (paper: 48)" not in page

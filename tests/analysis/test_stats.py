@@ -111,6 +111,8 @@ def test_kaplan_meier_and_logrank():
     assert a.median == 30.0
     km = KaplanMeierFitter().fit([10, 20, 30, 99, 99], [1, 1, 1, 0, 0])
     assert a.survival[-1] == pytest.approx(float(km.survival_function_.iloc[-1, 0])) == pytest.approx(0.4)
+    assert st.survival([13] * 4 + [39] * 4, [True] * 4 + [False] * 4).median == 13.0  # S = 0.5 exactly
+    assert st.survival([13, 13, 39, 39], [True, True, False, False]).median == 13.0
     b = st.survival([99] * 5, [False] * 5)
     assert b.median == math.inf
     lr = st.logrank(a, b)

@@ -5,14 +5,16 @@ RUNS_DIR holds runs named `<algo>-<replay>-<variant>-s<seed>` (`moe_gspo.ablate`
 fp32 / bf16 / fp8 / w8a8, optionally `_tis`); the page has the sections whose arms are present, with
 these pre-registered tests, all Holm-adjusted as one family (`analysis.claims_stats`):
 
-- positive control: GRPO-none at the strongest drift level fails in more than half its runs (the
-  failure rate's point estimate; its Clopper-Pearson CI is reported, no test);
+- positive control: GRPO-none with bf16 rollouts (else at the strongest drift level present) fails in at
+  least half its runs (the failure rate's point estimate; its Clopper-Pearson CI is reported, no test);
 - dose-response: GRPO-none at each drift level against GRPO-none at fp32, log-rank on time to failure;
 - fixes at the strongest drift: GRPO+R3, GRPO+R2, GRPO token-TIS and GSPO against GRPO-none, log-rank
   (primary), paired-by-seed final reward and reward AUC (secondary);
 - zero point: GSPO-fp32 and GRPO+R3-fp32 against GRPO-fp32 (log-rank; the claim: no difference);
-- (a) R3: per R3 arm, k3 KL of the learner's natural routing against the pass replaying the rollout
-  routes, within runs (Wilcoxon over seeds); beside it the median per-step ratio and the absolute k3.
+
+Exploratory, a Holm family of its own (not pre-registered): (a) R3, per R3 arm, k3 KL of the learner's
+natural routing against the pass replaying the rollout routes, within runs (Wilcoxon over seeds); beside
+it the median per-step ratio and the absolute k3.
 
 Described, not tested: the drift per level against the papers' ~10% / ~94% / 1.5e-3, (c) the
 token/sequence ratio-variance quotient (a sanity check: ≈ the response length for near-independent
@@ -34,7 +36,8 @@ from analysis.claims_runs import (
     CLAIM_KEYS, ClaimRun, arm_level, level_rank, load_arms, load_runs, save_metrics,
 )
 from analysis.claims_stats import (
-    ClaimTest, arm_survival, claim_family, failure_rate, fix_arms, fmt_median, strongest_level,
+    ClaimTest, arm_survival, claim_family, failure_rate, fix_arms, fmt_median, positive_control_arm, r3_family,
+    strongest_level,
 )
 from analysis.load import ReportInputError
 from moe_gspo.algos.collapse import FailureCriteria
@@ -114,15 +117,20 @@ def _header(arms: Mapping[str, list[ClaimRun]], tests: list[ClaimTest], reps: in
 
 
 def _positive_control(arms: Mapping[str, list[ClaimRun]], top: str | None) -> list[str]:
-    base = f"grpo-none-{top}"
-    if top is None or base not in arms:
+    base = positive_control_arm(arms)
+    if base is None:
         return ["No GRPO-none arm.", ""]
     r = failure_rate(arms[base])
-    holds = "holds" if r.point > 0.5 else "does not hold"
-    lo = ("its 95% CI's lower bound is above 0.5 too" if r.lo > 0.5
-          else "the 95% CI's lower bound is not above 0.5")
-    return [f"{base} (strongest drift present): failed {st.fmt_rate(r)} → the positive control **{holds}** "
-            f"(point estimate {'>' if r.point > 0.5 else '≤'} 0.5; {lo}).", ""]
+    holds = "holds" if r.point >= 0.5 else "does not hold"
+    lo = ("its 95% CI's lower bound is at or above 0.5 too" if r.lo >= 0.5
+          else "the 95% CI's lower bound is below 0.5")
+    out = [f"Pre-registered: GRPO-none with bf16 rollouts fails in at least half its seeds. {base}: failed "
+           f"{st.fmt_rate(r)} → the positive control **{holds}** (point estimate {'≥' if r.point >= 0.5 else '<'} "
+           f"0.5; {lo})."]
+    if top is not None and f"grpo-none-{top}" != base:
+        strongest = f"grpo-none-{top}"
+        out.append(f"At the strongest drift present, {strongest} failed {st.fmt_rate(failure_rate(arms[strongest]))}.")
+    return out + [""]
 
 
 def _dose_table(arms: Mapping[str, list[ClaimRun]]) -> list[str]:
@@ -146,7 +154,8 @@ def claims_page(arms: Mapping[str, list[ClaimRun]], reps: int = st.DEFAULT_REPS,
     lines += ["### Failures per arm", ""] + failure_table(arms, reps, seed)
     lines += ["### Positive control", ""] + _positive_control(arms, top)
     lines += ["### Dose–response: GRPO-none at each drift level against fp32", ""]
-    lines += _dose_table({a: r for a, r in arms.items() if a.startswith("grpo-none-")}) + _tests_table(sec("dose-response"))
+    lines += _dose_table({a: r for a, r in arms.items() if a.startswith("grpo-none-")})
+    lines += _tests_table(sec("dose-response"))
     present = [f"{label} ({a})" for a, label in fix_arms(top)] if top else []
     lines += [f"### Fixes at the strongest drift ({top or 'n/a'}): against grpo-none-{top or '?'}", "",
               f"Fixes looked for: {', '.join(present) or 'none'}.", ""] + _tests_table(sec("fixes"))
@@ -155,7 +164,9 @@ def claims_page(arms: Mapping[str, list[ClaimRun]], reps: int = st.DEFAULT_REPS,
     r3 = {a: r for a, r in _by_level(arms).items() if a.startswith("grpo-r3-")}
     keys = ["k3_natural", "k3_replayed", "k3_ratio_of_means", "k3_ratio_median"]
     lines += (_table(["arm", "seeds"] + [LABELS[k] for k in keys], _arm_rows(r3, keys, reps, seed)) if r3
-              else ["No R3 arm.", ""]) + _tests_table(sec("(a) R3 mismatch"))
+              else ["No R3 arm.", ""])
+    lines += ["Exploratory (not pre-registered): Holm over these tests only.", ""]
+    lines += _tests_table(r3_family(arms, reps, seed))
     lines += ["### (c) Sanity check, not a reproduction: token vs sequence ratio variance", "",
               "Median over steps of ratio/token_var / ratio/seq_var (new/old policy ratios in the update). For "
               "near-independent per-token ratios the quotient is about the response length, whatever the method.", ""]

@@ -14,7 +14,7 @@ import pytest
 from analysis import stats as st
 from analysis.claims import claims_page, main
 from analysis.claims_runs import claim_run, load_arms, method_of
-from analysis.claims_stats import claim_family
+from analysis.claims_stats import claim_family, r3_family
 from analysis.load import load_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -107,9 +107,12 @@ def test_family_verdicts_and_holm(tmp_path):
     assert "grpo-none-bf16 vs grpo-none-fp32: time to failure" in labels
     assert {"grpo-r3-w8a8 vs grpo-none-w8a8: final reward", "gspo-none-w8a8 vs grpo-none-w8a8: reward AUC",
             "grpo-none-w8a8_tis vs grpo-none-w8a8: time to failure",
-            "gspo-none-fp32 vs grpo-none-fp32: time to failure", "grpo-r3-fp32 vs grpo-none-fp32: time to failure",
-            "grpo-r3-w8a8: k3 natural vs replayed"} <= set(labels)
-    assert len(tests) == 2 + 3 * 3 + 2 + 2  # dose, 3 fixes x 3 (no R2 arm), zero point, (a) for 2 R3 arms
+            "gspo-none-fp32 vs grpo-none-fp32: time to failure", "grpo-r3-fp32 vs grpo-none-fp32: time to failure"
+            } <= set(labels)
+    assert len(tests) == 2 + 3 * 3 + 2  # dose, 3 fixes x 3 (no R2 arm), zero point
+    r3 = r3_family(arms, reps=200, seed=0)  # (a): exploratory, its own Holm family
+    assert [t.label for t in r3] == ["grpo-r3-fp32: k3 natural vs replayed", "grpo-r3-w8a8: k3 natural vs replayed"]
+    assert [t.p_holm for t in r3] == pytest.approx(st.holm([t.p for t in r3]))
     assert [t.p_holm for t in tests] == pytest.approx(st.holm([t.p for t in tests]))
     by = {t.label: t for t in tests}
     dose = by["grpo-none-w8a8 vs grpo-none-fp32: time to failure"]
@@ -135,16 +138,18 @@ def test_page_and_round_trip(tmp_path):
     assert sorted(p.name for p in figs.iterdir()) == ["dose_response.png", "km_bf16.png", "km_fp32.png",
                                                       "km_w8a8.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in figs.iterdir())
-    assert ("grpo-none-w8a8 (strongest drift present): failed 8/8 (100 %, 95% CI 63–100 %) → the positive "
-            "control **holds** (point estimate > 0.5; its 95% CI's lower bound is above 0.5 too)") in page
+    # pre-registered: GRPO-none at bf16 fails in at least half its seeds (4/8: holds, CI from 16 %)
+    assert ("grpo-none-bf16: failed 4/8 (50 %, 95% CI 16–84 %) → the positive control **holds** "
+            "(point estimate ≥ 0.5; the 95% CI's lower bound is below 0.5)") in page
+    assert "At the strongest drift present, grpo-none-w8a8 failed 8/8 (100 %, 95% CI 63–100 %)." in page
     assert "| grpo-none-bf16 | 8 | 4/8 (50 %, 95% CI 16–84 %) | 0 | 4 | 13 |" in page  # KM: S(13) = 0.5
     assert "| grpo-none-w8a8 | 8 | 8/8 (100 %, 95% CI 63–100 %) | 8 | 0 | 15 |" in page
     assert "| papers (Qwen3-30B-A3B) |  | ~10% (R3 paper) |" in page
     assert "### (c) Sanity check, not a reproduction" in page and "4 (paper: 48)" not in page
     # (d): (29 x 0.04 + 10 x 0.01) / 39 without step 0; constant across seeds: a degenerate CI, 4 digits
-    assert "| grpo-none-fp32 | 8 | 0.03231 [0.03231, 0.03231] | 0.04 [0.04, 0.04] | 0.01 [0.01, 0.01] | 2 (paper: 48) |" \
-        in page
-    assert "Arms: 8; seeds per arm: 8; pre-registered tests: 15" in page
+    assert ("| grpo-none-fp32 | 8 | 0.03231 [0.03231, 0.03231] | 0.04 [0.04, 0.04] | 0.01 [0.01, 0.01] "
+            "| 2 (paper: 48) |") in page
+    assert "Arms: 8; seeds per arm: 8; pre-registered tests: 13" in page
     assert main([str(runs), "--bootstrap-reps", "200", "--seed", "1", "--out", str(b_md)]) == 0
     assert b_md.read_text() != page  # another base seed: other bootstrap streams
 
@@ -172,3 +177,4 @@ def test_the_old_experiments_saved_metrics_still_load(tmp_path):
     assert "### Fixes at the strongest drift (fp8): against grpo-none-fp8" in page
     assert "### Dose–response" in page and "No test: its arms are not in this experiment." in page
     assert "| grpo-r3-fp8 vs grpo-none-fp8: final reward | Wilcoxon signed-rank (paired by seed, n=8) |" in page
+    assert "grpo-none-bf16: failed 1/8 (12 %, 95% CI 0.3–53 %) → the positive control **does not hold**" in page

@@ -23,6 +23,7 @@ import base64
 import html
 import math
 import os
+import re
 import sys
 import tempfile
 import warnings
@@ -193,18 +194,37 @@ def render_html(page: Page) -> str:
     return "\n".join(parts) + "\n"
 
 
+_MD_HTML = re.compile(r"<(?=[A-Za-z/!?])|&(?=#?\w+;)")  # what could start a tag or an entity ("< 0.5" stays)
+_MD_PUNCT = re.compile(r"([\\`*|~]|\](?=[(\[:])|(?<![0-9A-Za-z])_|_(?![0-9A-Za-z])|^#|^[>+-](?=\s))")
+
+
+def md_plain(text: str) -> str:
+    """Plain text safe in a Markdown line: HTML-escaped where it could start a tag or an entity (`<img ...>`
+    shows as text, `gate frac < 0.5` stays as written), Markdown punctuation
+    backslash-escaped (`_` only where it could start or end emphasis, so snake_case names stay readable;
+    `]` only where it could close a link),
+    line breaks as spaces."""
+    text = str(text).replace("\r\n", " ").replace("\n", " ").replace("\r", " ")
+    text = _MD_HTML.sub(lambda m: "&amp;" if m.group() == "&" else "&lt;", text)
+    return _MD_PUNCT.sub(r"\\\1", text)
+
+
 def _md_cell(s: str) -> str:
-    return s.replace("|", "\\|").replace("\n", " ")
+    return md_plain(s)
 
 
 def render_markdown(page: Page) -> str:
-    """The Markdown summary of a page (figures referenced as `<name>.png` beside it)."""
-    out = [f"# {page.title}", ""]
-    out += [line + "  " for line in page.intro]
+    """The Markdown summary of a page (figures referenced as `<name>.png` beside it). Plain text (the
+    title, which names the run directory, intro lines, table cells, figure titles, skipped reasons,
+    notes) is escaped (`md_plain`: HTML entities, Markdown punctuation), so a run named
+    `<img src=x onerror=...>` shows as text; summary sentences and captions may carry Markdown of
+    their own and are kept as written."""
+    out = [f"# {md_plain(page.title)}", ""]
+    out += [md_plain(line) + "  " for line in page.intro]
     if page.summary:
         out += ["", "## Summary", ""] + [f"- {line}" for line in page.summary]
     for t in page.tables:
-        out += ["", f"## {t.title}", "", "| " + " | ".join(map(_md_cell, t.columns)) + " |",
+        out += ["", f"## {md_plain(t.title)}", "", "| " + " | ".join(map(_md_cell, t.columns)) + " |",
                 "|" + "---|" * len(t.columns)]
         out += ["| " + " | ".join(map(_md_cell, row)) + " |" for row in t.rows]
     drawn = [f for f in page.figures if isinstance(f, RenderedFigure)]
@@ -212,16 +232,17 @@ def render_markdown(page: Page) -> str:
     if drawn:
         out += ["", "## Figures"]
     for f in drawn:
-        out += ["", f"### {f.title}", "", f"![{f.title}]({f.name}.png)", "", f.caption]
+        out += ["", f"### {md_plain(f.title)}", "", f"![{md_plain(f.title)}]({f.name}.png)", "", f.caption]
     for sec in page.sections:
-        out += ["", f"## {sec.title}", "", sec.markdown]
+        out += ["", f"## {md_plain(sec.title)}", "", sec.markdown]
     if skipped:
         out += ["", "## Skipped", ""]
-        out += [f"- **{s.title}** (`{s.name}`): {s.reason}" for s in skipped]
+        out += [f"- **{md_plain(s.title)}** (`{s.name}`): {md_plain(s.reason)}" for s in skipped]
     if page.notes:
-        out += ["", "## Input notes", ""] + [f"- {n}" for n in page.notes]
+        out += ["", "## Input notes", ""] + [f"- {md_plain(n)}" for n in page.notes]
     for summary, text in page.details:
-        out += ["", f"<details><summary>{summary}</summary>", "", "```", text.rstrip(), "```",
+        fence = "`" * max(3, 1 + max((len(m) for m in re.findall(r"`+", text)), default=0))
+        out += ["", f"<details><summary>{html.escape(summary)}</summary>", "", fence, text.rstrip(), fence,
                 "", "</details>"]
     return "\n".join(out) + "\n"
 

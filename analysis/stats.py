@@ -324,9 +324,10 @@ def fmt_at(x: float, res_exp: int) -> str:
 
 def ci_resolution(lo: float, hi: float) -> int | None:
     """The decimal exponent to print an estimate and its CI at: one digit below the first digit in
-    which the bounds differ (the order of magnitude of hi - lo). None for a degenerate CI."""
-    if not (math.isfinite(lo) and math.isfinite(hi)) or hi == lo:
-        return None
+    which the bounds differ (the order of magnitude of hi - lo). None for a degenerate CI (bounds equal
+    within a relative 1e-9)."""
+    if not (math.isfinite(lo) and math.isfinite(hi)) or hi - lo <= 1e-9 * max(abs(lo), abs(hi)):
+        return None  # equal bounds, or equal up to float rounding
     return _exp10(hi - lo) - 1
 
 

@@ -130,6 +130,7 @@ def test_kaplan_meier_and_logrank():
     (st.Estimate(-4.676e-05, -1.321e-4, -2.19e-05, 8), "-5e-05 [-1.3e-04, -2e-05]"),  # width 1.1e-4: to 1e-5
     (st.Estimate(1234.5, 1000.0, 1500.0, 8), "1230 [1000, 1500]"),
     (st.Estimate(0.4, 0.4, 0.4, 5), "0.4 [0.4, 0.4]"),
+    (st.Estimate(0.14999999999999997, 0.14999999999999991, 0.15000000000000002, 8), "0.15 [0.15, 0.15]"),  # rounding
     (st.Estimate(0.925, math.nan, math.nan, 1), "0.925 (1 seed)"),
     (st.Estimate(math.nan, math.nan, math.nan, 0), "n/a"),
 ])

@@ -103,7 +103,7 @@ def check_prompts_fit(cfg: Config, task, eval_prompts=()) -> None:
     import os
 
     from moe_gspo.run.errors import warn_once
-    from moe_gspo.tasks.encoding import check_chat_template, encode_prompts, unknown_token_report
+    from moe_gspo.tasks.encoding import check_chat_template, empty_prompt_report, encode_prompts, unknown_token_report
     from moe_gspo.tasks.lengths import check_prompt_lengths
 
     hf_config, tok = _hf_config_and_tokenizer(cfg)
@@ -119,6 +119,8 @@ def check_prompts_fit(cfg: Config, task, eval_prompts=()) -> None:
                              "rollout.max_new_tokens", **enc)
     if cfg.task.name == "jsonl" or eval_prompts:  # synthetic prompts use the tokenizer's own symbols
         everything = prompts + list(eval_prompts)
+        if (empty := empty_prompt_report(everything)) is not None:
+            warn_once(empty, is_main=int(os.environ.get("RANK", "0")) == 0)
         report = unknown_token_report(tok, everything, encode_prompts(tok, [p.text for p in everything], **enc))
         if report:
             warn_once(report, is_main=int(os.environ.get("RANK", "0")) == 0)

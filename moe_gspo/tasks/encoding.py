@@ -38,6 +38,18 @@ def encode_prompts(tokenizer, texts: Sequence[str], *, chat_template: str = "non
     return out
 
 
+def empty_prompt_report(prompts: Sequence[Prompt], *, max_listed: int = 3) -> str | None:
+    """A warning text naming the prompts that are empty or whitespace only (`file:line`), or None. Such a
+    prompt trains (the model answers nothing in particular), so it is a warning, not an error."""
+    bad = [p for p in prompts if not p.text.strip()]
+    if not bad:
+        return None
+    listed = ", ".join(p.where or repr(p.text) for p in bad[:max_listed])
+    more = f" and {len(bad) - max_listed} more" if len(bad) > max_listed else ""
+    return (f"{len(bad)} prompt(s) are empty or whitespace only: {listed}{more}; the model is trained to answer them "
+            "from nothing. Remove those lines or give them a prompt")
+
+
 def unknown_token_report(tokenizer, prompts: Sequence[Prompt], ids: Sequence[Sequence[int]], *,
                          max_listed: int = 3) -> str | None:
     """A warning text naming where prompts tokenize to the unknown token and which characters, or None."""

@@ -8,6 +8,15 @@ Numerics: float32 whatever the logits' dtype (`logsumexp` and a gather of the ta
 `log_softmax` tensor), processed in row chunks so that a bf16 `[B, S, V]` input never needs a full
 float32 copy at once in the forward. Differentiable.
 
+Memory for backward: float32 logits go through plain autograd ops, which keep each float32 chunk
+(the logits themselves, and with entropies the chunk's softmax too). Logits of any other dtype (bf16
+on a GPU) go through `ChunkedTokenLogprobs`, an autograd function that keeps only the input logits in
+their own dtype and O(tokens) floats (log-sum-exp, entropy, targets) and recomputes each chunk's
+softmax in float32 in the backward: at Qwen3's 151,936-token vocabulary and 4096 tokens it keeps
+1.24 GB (the bf16 logits, which the output layer made anyway) instead of a 2.5 GB float32 copy (5 GB
+with entropies). The values are those of the plain path (same float32 ops); the gradients equal it
+to float32 rounding (`tests/learner/test_logprobs.py`).
+
 Same-support log-probs (top-p / top-k sampling, `moe_gspo.algos.support`): with `support`, each listed
 response token's log-prob is the log-softmax over the support it was sampled from only (the other
 logits count as -inf), gathered as `[N, K]` logits (no `[B, S, V]` mask); entropies stay those of the full
@@ -42,13 +51,17 @@ def token_logprobs(logits_BSV: torch.Tensor, input_ids_BS: torch.Tensor, *, with
     tgt_N = targets_BS.reshape(B * S)
     chunk = max(1, int(chunk_elements) // max(V, 1))
     logps, ents = [], []
-    for i in range(0, B * S, chunk):
-        x = flat_NV[i:i + chunk].float()
-        lse = torch.logsumexp(x, dim=-1)
-        logps.append(x.gather(-1, tgt_N[i:i + chunk, None]).squeeze(-1) - lse)
-        if with_entropy:
-            p = torch.exp(x - lse[:, None])
-            ents.append(lse - (p * x).sum(-1))
+    if logits_BSV.dtype != torch.float32 and B * S:
+        logp_N, ent_N = ChunkedTokenLogprobs.apply(flat_NV, tgt_N, with_entropy, chunk)
+        logps, ents = [logp_N], ([ent_N] if with_entropy else [])
+    else:
+        for i in range(0, B * S, chunk):
+            x = flat_NV[i:i + chunk].float()
+            lse = torch.logsumexp(x, dim=-1)
+            logps.append(x.gather(-1, tgt_N[i:i + chunk, None]).squeeze(-1) - lse)
+            if with_entropy:
+                p = torch.exp(x - lse[:, None])
+                ents.append(lse - (p * x).sum(-1))
     zero_col = logits_BSV.new_zeros((B, 1), dtype=torch.float32)
 
     def align(parts):
@@ -60,6 +73,54 @@ def token_logprobs(logits_BSV: torch.Tensor, input_ids_BS: torch.Tensor, *, with
         logp_N = support_token_logprobs(logits_BSV, input_ids_BS, *support)
         logp_BS = logp_BS.index_put((support[0], support[1]), logp_N)
     return logp_BS, (align(ents) if with_entropy else None)
+
+
+class ChunkedTokenLogprobs(torch.autograd.Function):
+    """`(logp_N, entropy_N)` float32 of logits `[N, V]` (any dtype) and targets `[N]`, computed in float32
+    `chunk` rows at a time; saves for backward only the logits (their own dtype, no copy), the targets and
+    float32 `[N]` log-sum-exps and entropies, and recomputes each chunk's softmax in the backward.
+    `entropy_N` is an empty tensor unless `with_entropy`. The gradient has the logits' dtype."""
+
+    @staticmethod
+    def forward(ctx, logits_NV: torch.Tensor, tgt_N: torch.Tensor, with_entropy: bool, chunk: int):
+        N = logits_NV.shape[0]
+        logp_N = logits_NV.new_empty(N, dtype=torch.float32)
+        lse_N = logits_NV.new_empty(N, dtype=torch.float32)
+        ent_N = logits_NV.new_empty(N if with_entropy else 0, dtype=torch.float32)
+        for i in range(0, N, chunk):
+            x = logits_NV[i:i + chunk].float()  # the same float32 ops as token_logprobs' plain path
+            lse = torch.logsumexp(x, dim=-1)
+            lse_N[i:i + chunk] = lse
+            logp_N[i:i + chunk] = x.gather(-1, tgt_N[i:i + chunk, None]).squeeze(-1) - lse
+            if with_entropy:
+                p = torch.exp(x - lse[:, None])
+                ent_N[i:i + chunk] = lse - (p * x).sum(-1)
+        ctx.save_for_backward(logits_NV, tgt_N, lse_N, ent_N)
+        ctx.with_entropy, ctx.chunk = with_entropy, chunk
+        ctx.set_materialize_grads(False)
+        return logp_N, ent_N
+
+    @staticmethod
+    def backward(ctx, g_logp_N, g_ent_N):
+        logits_NV, tgt_N, lse_N, ent_N = ctx.saved_tensors
+        if g_logp_N is None and (g_ent_N is None or not ctx.with_entropy):
+            return None, None, None, None
+        grad_NV = torch.empty_like(logits_NV)
+        for i in range(0, logits_NV.shape[0], ctx.chunk):
+            j = min(i + ctx.chunk, logits_NV.shape[0])
+            x = logits_NV[i:j].float()
+            lse = lse_N[i:j, None]
+            p = torch.exp(x - lse)
+            g = torch.zeros_like(x)
+            if g_logp_N is not None:
+                # d logp / dx = onehot(target) - p
+                g_lp = g_logp_N[i:j, None]
+                g.sub_(p * g_lp).scatter_add_(-1, tgt_N[i:j, None], g_lp)
+            if ctx.with_entropy and g_ent_N is not None:
+                # H = lse - sum p x; dH / dx_v = -p_v (x_v - lse + H)
+                g.sub_(p * (x - lse + ent_N[i:j, None]) * g_ent_N[i:j, None])
+            grad_NV[i:j] = g
+        return grad_NV, None, None, None
 
 
 def _check_ids(ids: torch.Tensor, V: int) -> None:

@@ -26,9 +26,14 @@ layer spec, and checked against the bytes autograd really saves on the tiny mode
   probability-scaled product and the fc2 input (`I` each).
 - dense-MLP block (layers in `mlp_only_layers`): `N [p (3h + 5 I_d) + 4]`.
 
-**Loss head**: the final norm and output layer keep `3 N h p`; the loss (`moe_gspo.learner.logprobs`)
-keeps fp32 logits, `4 N V`, and while they are made the bf16 logits also live, `p N V`; the backward
-starts with an equal-sized gradient, so the head's peak is `(4 + p) N V` (8 N V in fp32).
+**Loss head**: the final norm and output layer keep `3 N h p`. The loss (`moe_gspo.learner.logprobs`)
+in fp32 keeps the fp32 logits, `4 N V`, and the backward starts with an equal-sized gradient: peak
+`8 N V`. With bf16 (any `p < 4`) logits its autograd function (`ChunkedTokenLogprobs`, issue 40) keeps
+only the bf16 logits, `p N V`, besides the targets and log-sum-exps both paths keep (+ `4 N`
+entropies), and recomputes the softmax one 128 MiB fp32 chunk at a time in the backward (a few
+chunk-sized fp32 temporaries, `LOGPROB_BACKWARD_CHUNKS` chunks) next to the bf16 gradient `p N V`: peak
+`2 p N V` + the chunks. Before issue 40 it kept an fp32 copy, `4 N V` (`8 N V` with entropies), and
+peaked at `(4 + p) N V`.
 
 **Peaks** (`ActivationEstimate.peak_bytes`):
 - without recomputation: every layer's saved tensors plus the head's peak;
@@ -54,6 +59,7 @@ from dataclasses import dataclass
 from moe_gspo.plan.params import Geometry
 
 LOGPROB_CHUNK_BYTES = 128 << 20  # moe_gspo.learner.logprobs processes fp32 logits in 128 MiB chunks
+LOGPROB_BACKWARD_CHUNKS = 4  # fp32 chunk-sized temporaries of ChunkedTokenLogprobs' backward (x, p, gradient, a product)
 ATTENTIONS = ("unfused", "flash")
 DISPATCHERS = ("allgather", "alltoall")
 
@@ -123,14 +129,20 @@ def layer_transient_bytes(geom: Geometry, mb: MicroBatch, *, is_moe: bool, act_b
 
 
 def head_saved_bytes(geom: Geometry, mb: MicroBatch, *, act_bytes: int, vocab_padded: int) -> float:
-    """Final norm + output layer inputs + the loss's fp32 logits (what the forward keeps)."""
+    """Final norm + output layer inputs + what the loss keeps: fp32 logits in fp32, else the logits in
+    their own dtype (`moe_gspo.learner.logprobs.ChunkedTokenLogprobs`; + 4 bytes per token of entropies)."""
     N = mb.tokens
-    return N * (3 * geom.hidden * act_bytes + 4) + 4 * N * vocab_padded + 20 * N
+    if act_bytes >= 4:
+        return N * (3 * geom.hidden * act_bytes + 4) + 4 * N * vocab_padded + 20 * N
+    return N * (3 * geom.hidden * act_bytes + 4) + act_bytes * N * vocab_padded + 24 * N
 
 
 def head_peak_bytes(geom: Geometry, mb: MicroBatch, *, act_bytes: int, vocab_padded: int) -> float:
     N = mb.tokens
-    return N * (3 * geom.hidden * act_bytes + 4) + (4 + act_bytes) * N * vocab_padded + 20 * N
+    if act_bytes >= 4:
+        return N * (3 * geom.hidden * act_bytes + 4) + (4 + act_bytes) * N * vocab_padded + 20 * N
+    chunks = LOGPROB_BACKWARD_CHUNKS * min(LOGPROB_CHUNK_BYTES, 4 * N * vocab_padded)
+    return N * (3 * geom.hidden * act_bytes + 4) + 2 * act_bytes * N * vocab_padded + chunks + 24 * N
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,9 +20,9 @@ def dist1():
     destroy_distributed()
 
 
-def saved_bytes_by_block(model, ids_BS) -> dict[str, int]:
+def saved_bytes_by_block(model, ids_BS, *, upcast: bool = False) -> dict[str, int]:
     """Bytes of the distinct non-parameter storages autograd saves during a training forward + loss,
-    keyed by decoder layer (`decoder.layers.N`) or 'other'."""
+    keyed by decoder layer (`decoder.layers.N`) or 'other'. `upcast`: the logits go to the loss as fp32."""
     from moe_gspo.learner.logprobs import token_logprobs
     from moe_gspo.mcore.model import forward_logits
 
@@ -44,7 +44,8 @@ def saved_bytes_by_block(model, ids_BS) -> dict[str, int]:
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            logp, _ = token_logprobs(forward_logits(model, ids_BS), ids_BS)
+            logits = forward_logits(model, ids_BS)
+            logp, _ = token_logprobs(logits.float() if upcast else logits, ids_BS)
     finally:
         for h in hooks:
             h.remove()
@@ -98,3 +99,37 @@ def test_scaling_properties():
     full = activation_estimate(geom, long, act_bytes=2, attention="flash", recompute=False, vocab_padded=64)
     ckpt = activation_estimate(geom, long, act_bytes=2, attention="flash", recompute=True, vocab_padded=64)
     assert ckpt.peak_bytes < full.peak_bytes
+
+
+def test_bf16_head_keeps_the_bf16_logits_not_an_fp32_copy(dist1):
+    """Issue 40: with bf16 logits the loss keeps the logits themselves and O(tokens) floats (the plan's
+    `head_saved_bytes` at act_bytes=2), not a 4 N V fp32 copy; the fp32 count is unchanged."""
+    from moe_gspo.mcore.model import build_gpt_model
+    from moe_gspo.plan.activations import LOGPROB_CHUNK_BYTES, head_peak_bytes, head_saved_bytes
+
+    hf = tiny_qwen3_moe_config()
+    geom = Geometry.from_hf(hf)
+    mb = MicroBatch(num_seqs=2, seq_len=64)
+    N, V = mb.tokens, hf.vocab_size
+    model = build_gpt_model(hf, params_dtype=torch.bfloat16)
+    ids = torch.randint(3, V, (mb.num_seqs, mb.seq_len))
+    new = saved_bytes_by_block(model, ids)["other"]
+    old = saved_bytes_by_block(model, ids, upcast=True)["other"]  # the pre-issue-40 path: an fp32 copy
+    head2 = head_saved_bytes(geom, mb, act_bytes=2, vocab_padded=V)
+    # the head's change, measured: the fp32 copy (4 N V) out, the bf16 logits (2 N V) in (both paths keep
+    # the targets and the log-sum-exps); the plan's bf16 term is 2 N V below its pre-issue-40 term, less the
+    # 4 N of the entropies kept when asked for
+    assert old - new == 4 * N * V - 2 * N * V
+    head_old = N * (3 * geom.hidden * 2 + 4) + 4 * N * V + 20 * N
+    assert head_old - head2 == 2 * N * V - 4 * N
+    head4 = head_saved_bytes(geom, mb, act_bytes=4, vocab_padded=V)
+    assert head4 - N * (3 * geom.hidden * 4 + 4) - 20 * N == 4 * N * V
+    # Qwen3's vocabulary at 4096 tokens: the kept logits drop from 2.5 GB (fp32) to 1.24 GB (bf16)
+    qwen = Geometry(**{**geom.__dict__, "vocab_size": 151936})
+    big = MicroBatch(num_seqs=4, seq_len=1024)
+    saved_old = big.tokens * (3 * qwen.hidden * 2 + 4) + 4 * big.tokens * 151936 + 20 * big.tokens
+    saved_new = head_saved_bytes(qwen, big, act_bytes=2, vocab_padded=151936)
+    assert saved_old - saved_new == pytest.approx(2 * 4096 * 151936, rel=0.001)
+    peak_new = head_peak_bytes(qwen, big, act_bytes=2, vocab_padded=151936)
+    assert peak_new < big.tokens * (3 * qwen.hidden * 2 + 4) + 6 * big.tokens * 151936 \
+        and peak_new >= 4 * big.tokens * 151936 + 4 * LOGPROB_CHUNK_BYTES

@@ -7,12 +7,17 @@ expert parallelism, DDP and routing replay see no difference. Only the forward c
 runs 2 GEMMs over all its local experts instead of 2 x num_local_experts small matmuls, each with its
 own Python and autograd overhead, and (upstream's loop) a `tokens_per_expert.tolist()` host sync:
 
-- **grouped** (`torch._grouped_mm`: on the CPU in any float dtype, on CUDA in bfloat16 on sm90+; the
-  widths meet its 16-byte stride rule): the tokens, already permuted by expert, stay contiguous and each
-  expert's rows are multiplied by that expert's weights (offsets = cumulative tokens per expert, moved
-  to the device without a sync); no padding. Forward and gradients equal the loop's
-  (`tests/mcore/test_batched_experts.py`, on CUDA too when present).
-- **padded bmm** (elsewhere: fp32 on CUDA, GPUs before sm90): the tokens are scattered into an
+- **grouped** (`torch._grouped_mm`: on the CPU in any float dtype, on CUDA in bfloat16 on compute
+  capability major 9 or 10 only; the widths meet its 16-byte stride rule): the tokens, already permuted
+  by expert, stay contiguous and each expert's rows are multiplied by that expert's weights (offsets =
+  cumulative tokens per expert, staged in pinned host memory and moved to the device without a sync);
+  no padding. Forward and gradients equal the loop's (`tests/mcore/test_batched_experts.py`, on CUDA
+  too when present). Why only majors 9 and 10 (issue 40): torch's fast grouped GEMM kernels exist for
+  those; on other GPUs (e.g. sm_120, or a future major) `_grouped_mm` falls back to copying the offsets
+  to the host (`offs.cpu()`, a sync) and a loop over experts. On major 10, pytorch#172439 reports
+  non-zero weight gradients for experts that received no tokens, so there the weight gradients of
+  experts without tokens are set to zero (`mask_empty_expert_grads`).
+- **padded bmm** (elsewhere: fp32 on CUDA, other GPUs): the tokens are scattered into an
   `[experts, max tokens per expert, hidden]` buffer for two `bmm`s; the padding rows are zeros and
   dropped. Padding to the busiest expert costs compute when the load is uneven. (Megatron's dispatcher
   hands `tokens_per_expert` over on the host, so its maximum is read without a sync.)
@@ -41,10 +46,20 @@ import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 
+def _cuda_capability(device) -> tuple[int, int]:
+    """The compute capability of a CUDA device (a function of its own so that tests can fake it)."""
+    return torch.cuda.get_device_capability(device)
+
+
+FAST_GROUPED_MM_MAJORS = (9, 10)
+"""Compute-capability majors with torch's fast grouped-GEMM kernels (sm90: H100/H200; sm100: B200);
+elsewhere `torch._grouped_mm` syncs (`offs.cpu()`) and loops over experts."""
+
+
 def grouped_mm_supported(x_TH: torch.Tensor, ffn: int) -> bool:
     """Whether `torch._grouped_mm` can multiply these experts here: a CPU kernel (torch >= 2.9, any float
-    dtype) or CUDA's (bfloat16, compute capability >= 9.0), with the operands' row strides (hidden and
-    expert widths, in bytes) multiples of 16."""
+    dtype) or CUDA's fast kernels (bfloat16, compute capability major 9 or 10), with the operands' row
+    strides (hidden and expert widths, in bytes) multiples of 16."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     size = x_TH.element_size()
@@ -52,8 +67,44 @@ def grouped_mm_supported(x_TH: torch.Tensor, ffn: int) -> bool:
     if x_TH.device.type == "cpu":
         return aligned
     if x_TH.device.type == "cuda":
-        return aligned and x_TH.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x_TH.device) >= (9, 0)
+        return aligned and x_TH.dtype == torch.bfloat16 and _cuda_capability(x_TH.device)[0] in FAST_GROUPED_MM_MAJORS
     return False
+
+
+def masks_empty_expert_grads(device: torch.device) -> bool:
+    """Whether the grouped path zeroes the weight gradients of experts without tokens on `device`: CUDA
+    capability major 10, where pytorch#172439 reports non-zero ones from `_grouped_mm`'s backward."""
+    return torch.device(device).type == "cuda" and _cuda_capability(device)[0] == 10
+
+
+class _MaskEmptyExpertGrads(torch.autograd.Function):
+    """Identity on `[E, ...]` expert weights; the backward sets the gradient of experts `e` with
+    `nonempty_E[e]` False to zero (`torch.where`, so a NaN there goes too)."""
+
+    @staticmethod
+    def forward(ctx, w_E: torch.Tensor, nonempty_E: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(nonempty_E)
+        return w_E.view_as(w_E)
+
+    @staticmethod
+    def backward(ctx, grad_E: torch.Tensor):
+        nonempty_E, = ctx.saved_tensors
+        keep = nonempty_E.view(-1, *([1] * (grad_E.dim() - 1)))
+        return torch.where(keep, grad_E, torch.zeros((), dtype=grad_E.dtype, device=grad_E.device)), None
+
+
+def mask_empty_expert_grads(w_E: torch.Tensor, nonempty_E: torch.Tensor) -> torch.Tensor:
+    """`w_E` (`[E, ...]`), whose gradient is zero for the experts where the bool `nonempty_E` is False."""
+    return _MaskEmptyExpertGrads.apply(w_E, nonempty_E)
+
+
+def to_device_pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device` without a host sync: a host tensor bound for CUDA is staged in pinned memory, so that
+    the non-blocking copy really is asynchronous (from pageable memory it is not); otherwise a plain `.to`."""
+    device = torch.device(device)
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
@@ -151,7 +202,10 @@ class BatchedSequentialMLP(SequentialMLP):
         w1_EHF = self._stacked("linear_fc1").transpose(1, 2)
         w2_EFH = self._stacked("linear_fc2").transpose(1, 2)
         if grouped_mm_supported(x_TH, w2_EFH.shape[1]):
-            offs_E = torch.cumsum(tokens_per_expert, 0).to(device=x_TH.device, dtype=torch.int32, non_blocking=True)
+            offs_E = to_device_pinned(torch.cumsum(tokens_per_expert, 0).to(torch.int32), x_TH.device)
+            if masks_empty_expert_grads(x_TH.device) and torch.is_grad_enabled():
+                nonempty_E = to_device_pinned(tokens_per_expert > 0, x_TH.device)
+                w1_EHF, w2_EFH = (mask_empty_expert_grads(w, nonempty_E) for w in (w1_EHF, w2_EFH))
             h_TF = _contiguous_grad(torch._grouped_mm(x_TH, w1_EHF, offs=offs_E))
             h_TF = self._activation(h_TF, permuted_probs)
             return _contiguous_grad(torch._grouped_mm(h_TF, w2_EFH, offs=offs_E)), None

@@ -29,6 +29,8 @@ class ClaimTest:
     null_claim: bool = False
     """The claim is 'no difference' (zero point): a significant difference does not reproduce it."""
     seeds_needed: int | None = None
+    num_seeds: int = 0
+    """Seeds of the smaller arm (runs, for a within-run test)."""
     p_holm: float = math.nan
     verdict: str = ""
 
@@ -44,13 +46,7 @@ def claim_verdict(t: ClaimTest, alpha: float = ALPHA) -> str:
         return f"reproduces ({hp})"
     if t.p_holm < alpha and t.agrees is False:
         return f"does not reproduce: the opposite direction ({hp})"
-    if t.seeds_needed is None:
-        need = "no effect measured"
-    elif t.seeds_needed > st.MAX_SEEDS:
-        need = f"> {st.MAX_SEEDS} seeds per arm for 80% power"
-    else:
-        need = f"~{t.seeds_needed} seeds per arm for 80% power"
-    return f"not decided ({hp}; {need})"
+    return f"not decided ({hp}; {st.fmt_seeds_needed(t.seeds_needed, t.num_seeds)})"
 
 
 def apply_holm(tests: list[ClaimTest]) -> list[ClaimTest]:
@@ -107,7 +103,8 @@ def logrank_row(section: str, a: str, b: str, arms: Mapping[str, list[ClaimRun]]
            f"median time to failure {fmt_median(sa)} vs {fmt_median(sb)}")
     return ClaimTest(section, f"{a} vs {b}: time to failure", "log-rank", est, lr.p,
                      _agrees(lr.observed_minus_expected, claim_sign), null_claim,
-                     _power_on(seed_map(arms[a], "failed"), seed_map(arms[b], "failed")))
+                     _power_on(seed_map(arms[a], "failed"), seed_map(arms[b], "failed")),
+                     min(len(arms[a]), len(arms[b])))
 
 
 def paired_row(section: str, a: str, b: str, key: str, label: str, arms: Mapping[str, list[ClaimRun]],
@@ -118,7 +115,7 @@ def paired_row(section: str, a: str, b: str, key: str, label: str, arms: Mapping
     design = f"paired by seed, n={d.diff.num_seeds}" if d.paired else "unpaired"
     return ClaimTest(section, f"{a} vs {b}: {label}", f"{d.test} ({design})",
                      f"A − B = {st.fmt_ci(d.diff)} (IQM, 95% bootstrap CI)", d.p, _agrees(d.diff.point, claim_sign),
-                     seeds_needed=d.seeds_needed)
+                     seeds_needed=d.seeds_needed, num_seeds=min(len(arms[a]), len(arms[b])))
 
 
 def r3_mismatch_row(arm: str, runs: list[ClaimRun], reps: int, seed: int) -> ClaimTest:
@@ -133,7 +130,7 @@ def r3_mismatch_row(arm: str, runs: list[ClaimRun], reps: int, seed: int) -> Cla
     return ClaimTest("(a) R3 mismatch", f"{arm}: k3 natural vs replayed", "Wilcoxon signed-rank (within runs)",
                      est, st.wilcoxon_p(diffs), _agrees(float(np.median(st.finite(diffs))) if st.finite(diffs).size
                                                         else math.nan, 1),
-                     seeds_needed=st.seeds_for_power(diffs, paired=True))
+                     seeds_needed=st.seeds_for_power(diffs, paired=True), num_seeds=int(st.finite(diffs).size))
 
 
 def grpo_levels(arms: Mapping[str, list[ClaimRun]]) -> list[str]:

@@ -220,12 +220,8 @@ def verdict(arm_a: str, arm_b: str, c: PairComparison | st.Estimate, n_a: int | 
     if c.p_holm < alpha and c.diff.point != 0 and math.isfinite(c.diff.point):
         better, worse = (arm_a, arm_b) if (c.diff.point > 0) == higher_is_better else (arm_b, arm_a)
         return f"{better} better than {worse} (Holm-adjusted p = {fmt_p(c.p_holm)})"
-    if c.seeds_needed is None:
-        need = "no difference measured"
-    elif c.seeds_needed > st.MAX_SEEDS:
-        need = f"> {st.MAX_SEEDS} seeds per arm for 80% power"
-    else:
-        need = f"~{c.seeds_needed} seeds per arm for 80% power"
+    need = ("no difference measured" if c.seeds_needed is None
+            else st.fmt_seeds_needed(c.seeds_needed, c.diff.num_seeds))
     return f"not decided (Holm-adjusted p = {fmt_p(c.p_holm)}; {need})"
 
 

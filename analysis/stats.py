@@ -359,6 +359,19 @@ def fmt_rate(e: Estimate) -> str:
     return f"{e.events}/{e.num_seeds} ({_pct(e.point)} %, 95% CI {_pct(e.lo)}–{_pct(e.hi)} %)"
 
 
+def fmt_seeds_needed(needed: int | None, num_seeds: int) -> str:
+    """The seeds clause of an undecided verdict: '~N seeds per arm for 80% power'; when N ≤ the seeds
+    already run, the t-test's figure is below what the rank test with Holm's correction needs, and says so."""
+    if needed is None:
+        return "no effect measured"
+    if needed > MAX_SEEDS:
+        return f"> {MAX_SEEDS} seeds per arm for 80% power"
+    if needed <= num_seeds:
+        return (f"a t-test would have 80% power at ~{needed} seeds per arm, but the rank test with Holm's "
+                f"correction does not decide it at {num_seeds}")
+    return f"~{needed} seeds per arm for 80% power"
+
+
 def fmt_p(p: float) -> str:
     """Two significant digits; '< 0.0001' below."""
     if not math.isfinite(p):

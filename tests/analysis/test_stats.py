@@ -140,3 +140,11 @@ def test_fmt_ci_prints_the_digits_the_ci_supports(e, text):
 
 def test_fmt_p():
     assert [st.fmt_p(p) for p in (0.012345, 1.0, 3e-6, math.nan)] == ["0.012", "1", "< 0.0001", "n/a"]
+
+
+def test_fmt_seeds_needed():
+    assert st.fmt_seeds_needed(12, 8) == "~12 seeds per arm for 80% power"
+    assert st.fmt_seeds_needed(None, 8) == "no effect measured"
+    assert st.fmt_seeds_needed(5000, 8) == "> 1000 seeds per arm for 80% power"
+    assert st.fmt_seeds_needed(2, 8).startswith("a t-test would have 80% power at ~2 seeds per arm, but the rank "
+                                                "test with Holm's correction does not decide it at 8")

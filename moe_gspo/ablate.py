@@ -200,7 +200,7 @@ def parse_spec(raw: Any, out_dir: str | Path | None = None) -> AblationSpec:
     if not isinstance(raw["base_config"], str):
         raise ValueError("ablation spec: 'base_config' must be a path string")
     return AblationSpec(
-        base_config=Path(raw["base_config"]),
+        base_config=_base_config_path(raw["base_config"]),
         algos=algos,
         routing_replay=_str_list(raw, "routing_replay", REPLAYS),
         seeds=list(seeds), overrides=dict(overrides), nproc=nproc, parallel_arms=parallel,
@@ -236,13 +236,24 @@ def _parse_variants(raw: Any, what: str = "variants") -> dict[str, dict[str, Any
     return out
 
 
+def _base_config_path(text: str) -> Path:
+    """The spec's base_config: a file, or a shipped run config by name (`configs/NAME.yaml`, `NAME`) from
+    any directory; as written when neither (`validate_arms` then names it)."""
+    from moe_gspo.config_load import resolve_config_path
+
+    try:
+        return resolve_config_path(text, flag="base_config")
+    except ValueError:
+        return Path(text)
+
+
 def load_spec(path: str | Path, out_dir: str | Path | None = None, overrides: list[str] = ()) -> AblationSpec:
     """Read and validate an ablation YAML; `overrides` (`section.key=value`) extend its `overrides`."""
     from moe_gspo.config_load import load_yaml_file, parse_override
 
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"ablation spec {str(path)!r} does not exist")
+    from moe_gspo.config_load import resolve_config_path
+
+    path = resolve_config_path(path, kind="ablation")  # a file, or a shipped spec by name from anywhere
     raw = load_yaml_file(path, what="ablation spec")
     if overrides and isinstance(raw, dict) and isinstance(raw.get("overrides") or {}, dict):
         raw = dict(raw, overrides=dict(raw.get("overrides") or {}))
@@ -413,7 +424,9 @@ def validate_arms(spec: AblationSpec) -> list[str]:
     try:
         check_output_dir(spec.out_dir, "out_dir")
         if not spec.base_config.is_file():
-            raise ValueError(f"base_config {str(spec.base_config)!r} does not exist (relative to {os.getcwd()})")
+            from moe_gspo.config_load import resolve_config_path
+
+            resolve_config_path(spec.base_config, flag="base_config")  # raises, listing the shipped configs
     except ValueError as e:
         return [str(e)]
     for arm in expand_arms(spec):

@@ -178,20 +178,34 @@ def config_from_dict(data: dict | None, overrides: list[str] = ()) -> Config:
     return validate(cfg)
 
 
-def resolve_config_path(path: str | Path) -> Path:
-    """`path` if it is a file; else, for a relative `configs/NAME`, the shipped config of that name, so
-    that `--config configs/tiny_cpu.yaml` (and the train default) work from any directory. Raises one
-    ValueError naming the shipped configs otherwise."""
+def shipped_configs(kind: str = "run") -> list[str]:
+    """File names of the shipped configs: run configs (`kind="run"`) or ablation specs (`"ablation"`)."""
+    if not CONFIG_DIR.is_dir():
+        return []
+    names = sorted(q.name for q in CONFIG_DIR.glob("*.yaml"))
+    return [n for n in names if n.startswith("ablation_") == (kind == "ablation")]
+
+
+def resolve_config_path(path: str | Path, *, kind: str = "run", flag: str = "--config") -> Path:
+    """`path` if it is a file; else the shipped config it names, from any directory: `NAME`,
+    `NAME.yaml` or `configs/NAME.yaml` (the shipped configs live in `configs/` of the checkout,
+    `CONFIG_DIR`; an editable install, as the README's, finds them from anywhere, a non-editable one has
+    none and needs a file path). Raises one ValueError listing the shipped configs of `kind` ("run" or
+    "ablation") otherwise."""
     p = Path(path)
     if p.is_file():
         return p
-    if not p.is_absolute() and p.parts[:1] == ("configs",) and (CONFIG_DIR / Path(*p.parts[1:])).is_file():
-        return CONFIG_DIR / Path(*p.parts[1:])
-    shipped = sorted(q.name for q in CONFIG_DIR.glob("*.yaml") if not q.name.startswith("ablation_")) if CONFIG_DIR.is_dir() else []
+    if not p.is_absolute() and CONFIG_DIR.is_dir():
+        rest = Path(*p.parts[1:]) if p.parts[:1] == ("configs",) and len(p.parts) > 1 else p
+        for cand in (CONFIG_DIR / rest, CONFIG_DIR / f"{rest}.yaml"):
+            if cand.is_file() and cand.resolve().parent == CONFIG_DIR.resolve():
+                return cand
+    shipped = shipped_configs(kind)
     where = f" (nor in the shipped {CONFIG_DIR})" if shipped and not p.is_absolute() else ""
-    fix = (f"pass --config FILE with an existing file, or one of the shipped configs/{{{', '.join(shipped)}}}"
-           if shipped else "pass --config FILE with an existing file")
-    raise ValueError(f"config file {str(p)!r} does not exist{where}; {fix}")
+    fix = (f"pass {flag} FILE with an existing file, or the name of a shipped one: {', '.join(shipped)}"
+           if shipped else f"pass {flag} FILE with an existing file")
+    what = "config file" if kind == "run" else "ablation spec"
+    raise ValueError(f"{what} {str(p)!r} does not exist{where}; {fix}")
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:

@@ -118,13 +118,12 @@ def probe_config(args: argparse.Namespace, *, need_model: bool = True):
 
 def _probe_fields(path: str) -> dict:
     """The `PROBE_KEYS` fields of a run config file (the rest, e.g. the task, is not the probe's)."""
-    from moe_gspo.config_load import load_yaml_file
+    from moe_gspo.config_load import load_yaml_file, resolve_config_path
 
-    if not Path(path).is_file():
-        raise ValueError(f"--config {path!r} does not exist; give a run config such as configs/tiny_cpu.yaml")
+    path = resolve_config_path(path)  # a file, or a shipped config by name from anywhere
     data = load_yaml_file(path, what="config file") or {}
     if not isinstance(data, dict):
-        raise ValueError(f"config file {path!r} must hold a mapping of sections, got {type(data).__name__}")
+        raise ValueError(f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
     return {sec: {k: v for k, v in body.items() if f"{sec}.{k}" in PROBE_KEYS}
             for sec, body in data.items() if isinstance(body, dict)}
 

@@ -240,17 +240,32 @@ def mfu_bench_args(micro_batch: int, seq_len: int, seqs: int, recompute: str, ex
             *(["--no-recompute"] if recompute == "off" else [])]
 
 
+def check_expert_path(bench: dict, experts: str) -> dict:
+    """The MFU bench's `experts` record (`memory_bench.expert_path`), checked against the setting's
+    `--mfu-experts`: `grouped` needs grouped expert modules in every MoE layer (ours, or TE's with
+    Transformer Engine), `loop` Megatron's loop; a CheckFailed otherwise (an MFU of the wrong path)."""
+    got = bench.get("experts") or {}
+    want = ("grouped", "te_grouped") if experts == "grouped" else ("loop",)
+    if got.get("path") not in want:
+        raise CheckFailed(f"--mfu-experts {experts}: the bench's model computes its experts by {got.get('path')!r} "
+                          f"({got}), not {' or '.join(want)}")
+    return got
+
+
 def _mfu(out: Path, peak: float | None, setting: dict) -> dict:
     """Check 3: the learner's MFU in the MFU setting (`--mfu-*`) with a `torch.profiler` table of one more
     train_step (`DIR/train_step_profile.txt`), and, for comparison, in the memory check's setting."""
     profile = out / "train_step_profile.txt"
     results = _bench(out, "mfu_bench", *mfu_bench_args(**setting), "--profile-train-step", str(profile))
+    experts = check_expert_path(results[0], setting.get("experts", "grouped"))
     variants = [dict(learner_mfu(results[0], peak), label="MFU setting")]
     if (out / "memory_bench.json").is_file():
         memory = json.loads((out / "memory_bench.json").read_text())["results"]
         variants += [dict(learner_mfu(r, peak), label=f"memory-check setting ({r['variant']})") for r in memory]
     first = variants[0]
     return {"status": "reported", "variants": variants, "setting": first["setting"],
+            "micro_batch": results[0]["batch"]["micro_batch_size"], "experts": experts,
+            "optimizer": results[0].get("optimizer"),
             "profile": profile.name if profile.is_file() else None,
             "memory_rows": [dict(r, variant=f"{r['variant']}, MFU setting")
                             for r in memory_rows(results, checked=(), tolerance=0.0)],

@@ -19,7 +19,9 @@ from which `benchmarks.gpu_check` computes the learner's MFU and its tokens/s/GP
 
 Options for a throughput/MFU measurement rather than a memory one: `--micro-batch` (sequences per
 forward/backward; `--micro-batch 4 --seq-len 1024` = micro-batches of 4096 tokens), `--no-recompute`,
-`--no-rollout` (skip the slow transformers-engine generate) and `--profile-train-step PATH` (after the
+`--no-rollout` (skip the slow transformers-engine generate), `--batched-experts` (the experts as one
+grouped GEMM per projection; the bench fails when the built model has none: the JSON's `experts` counts
+them, `optimizer` names the optimizer) and `--profile-train-step PATH` (after the
 timed steps, one more `train_step` under `torch.profiler`, its op table written to PATH;
 `benchmarks.gpu_profile`).
 
@@ -151,7 +153,6 @@ def run_variant(args, variant: str, cuda: bool) -> dict:
 
     from moe_gspo.learner.learner import Learner
     from moe_gspo.mcore.checkpoint import save_hf_checkpoint
-    from moe_gspo.mcore.model import build_gpt_model
     from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
     from moe_gspo.plan import plan_for_config
     from moe_gspo.plan.from_config import default_attention
@@ -168,8 +169,10 @@ def run_variant(args, variant: str, cuda: bool) -> dict:
     rollout_out, profile = None, None
     try:
         dtype = torch.bfloat16 if cuda else torch.float32
-        model = build_gpt_model(hf_config, params_dtype=dtype, token_dispatcher=cfg.parallel.token_dispatcher,
-                                recompute=cfg.model.recompute)
+        model = build_bench_model(cfg, hf_config, dtype)
+        experts = expert_path(model)
+        if args.batched_experts and experts["path"] == "loop":
+            raise RuntimeError(f"--batched-experts: the model was built with Megatron's loop over experts ({experts})")
         learner = Learner(model, hf_config, parallel=info, algo=cfg.algo, train=cfg.train,
                           recompute=cfg.model.recompute)
         device = torch.device("cuda" if cuda else "cpu")
@@ -203,6 +206,7 @@ def run_variant(args, variant: str, cuda: bool) -> dict:
             meter("hf_export", lambda: save_hf_checkpoint(learner.model, hf_config, Path(tmp) / "hf"))
     finally:
         destroy_distributed()
+    experts["weight_copies"] = expert_weight_copies(model)
     rows = compare_phases({p.name: p.parts_gib for p in plan.phases}, meter.peaks)
     for name, secs in meter.seconds.items():
         rows.setdefault(name, {"planned_gib": None})["seconds"] = [round(t, 4) for t in secs]
@@ -211,7 +215,45 @@ def run_variant(args, variant: str, cuda: bool) -> dict:
             "batch": {"num_seqs": args.seqs, "seq_len": args.seq_len, "num_minibatches": args.minibatches,
                       "micro_batch_size": args.micro_batch, "recompute": bool(cfg.model.recompute),
                       "rollout_tokens": _response_tokens(rollout_out)},
-            "phases": rows, "profile": profile}
+            "optimizer": {"distributed": bool(cfg.train.distributed_optimizer),
+                          "precision_aware": bool(cfg.train.precision_aware_optimizer),
+                          "cpu_offload": bool(cfg.train.optimizer_cpu_offload)},
+            "experts": experts, "phases": rows, "profile": profile}
+
+
+def build_bench_model(cfg, hf_config, dtype):
+    """The bench's Megatron model as the run config says (`model.recompute`, `model.batched_experts`,
+    the dispatcher). With Transformer Engine importable, `--batched-experts` means TE's own grouped GEMM
+    (`moe_grouped_gemm`, which `build_gpt_model` picks with TE; it refuses `batched_experts` there)."""
+    from moe_gspo.mcore.model import build_gpt_model
+    from moe_gspo.mcore.shims import have_transformer_engine
+
+    batched = bool(cfg.model.batched_experts) and not have_transformer_engine()
+    return build_gpt_model(hf_config, params_dtype=dtype, token_dispatcher=cfg.parallel.token_dispatcher,
+                           recompute=cfg.model.recompute, batched_experts=batched)
+
+
+def expert_path(model) -> dict:
+    """How `model`'s MoE layers compute their experts, counted over its modules: `grouped` (ours,
+    `BatchedSequentialMLP`: one `torch._grouped_mm` or padded `bmm` per projection), `te_grouped`
+    (Megatron's `TEGroupedMLP` / `GroupedMLP`), `loop` (Megatron's `SequentialMLP`), with the counts."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from moe_gspo.mcore.batched_experts import BatchedSequentialMLP
+
+    grouped = sum(isinstance(m, BatchedSequentialMLP) for m in model.modules())
+    loop = sum(type(m) is SequentialMLP for m in model.modules())
+    te = sum(type(m).__name__ in ("TEGroupedMLP", "GroupedMLP") for m in model.modules())
+    path = "grouped" if grouped and not (loop or te) else "te_grouped" if te and not (loop or grouped) else \
+        "loop" if loop and not (grouped or te) else "mixed" if (grouped or loop or te) else "none"
+    return {"path": path, "grouped_modules": grouped, "te_grouped_modules": te, "loop_modules": loop}
+
+
+def expert_weight_copies(model) -> int:
+    """Forwards of `model`'s grouped experts that had to copy the weights (`BatchedSequentialMLP.num_weight_copies`)."""
+    from moe_gspo.mcore.batched_experts import BatchedSequentialMLP
+
+    return sum(m.num_weight_copies for m in model.modules() if isinstance(m, BatchedSequentialMLP))
 
 
 def _response_tokens(samples) -> int | None:

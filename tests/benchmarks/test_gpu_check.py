@@ -319,6 +319,8 @@ def test_mfu_and_throughput_checks_from_the_benches_files(tmp_path, monkeypatch)
     """`_mfu` and `_throughput` without a GPU: the bench runs replaced by their JSON results."""
     mfu_res = _bench(seconds_update=(3.0, 2.0, 2.5))
     mfu_res["batch"].update(micro_batch_size=2, recompute=False)
+    mfu_res["experts"] = {"path": "grouped", "grouped_modules": 2, "te_grouped_modules": 0, "loop_modules": 0}
+    mfu_res["optimizer"] = {"distributed": False, "precision_aware": False, "cpu_offload": False}
     del mfu_res["phases"]["rollout"]["seconds"]  # --no-rollout
     mem_res = dict(_bench(), batch=dict(_bench()["batch"], rollout_tokens=24))
     (tmp_path / "memory_bench.json").write_text(json.dumps({"results": [mem_res]}))
@@ -335,6 +337,7 @@ def test_mfu_and_throughput_checks_from_the_benches_files(tmp_path, monkeypatch)
     assert calls[0][0] == "mfu_bench" and "--profile-train-step" in calls[0][1] and "--no-recompute" in calls[0][1]
     assert [v["label"] for v in m["variants"]] == ["MFU setting", "memory-check setting (dist)"]
     assert m["variants"][0]["update"]["seconds"] == 2.0 and m["profile"] == "train_step_profile.txt"
+    assert m["micro_batch"] == 2 and m["experts"]["path"] == "grouped" and m["optimizer"]["distributed"] is False
     assert m["setting"] == "4 x 10 tokens, micro-batch 2 x 10 = 20 tokens, recompute off"
     assert {r["variant"] for r in m["memory_rows"]} == {"dist, MFU setting"}
     assert all(r["ok"] is None for r in m["memory_rows"])
@@ -349,3 +352,56 @@ def test_mfu_and_throughput_checks_from_the_benches_files(tmp_path, monkeypatch)
     assert t["tables"][2]["num_steps"] == 27  # the first 10% (3 steps) left out as warm-up
     assert "generation" not in {r["phase"] for r in t["tables"][0]["rows"]}  # the MFU bench does not generate
     assert t["status"] == "reported" and t["headline"].startswith("tokens/s/GPU, MFU setting (dist): ")
+
+
+# --- issue 40: the MFU setting really builds the grouped experts ---
+
+@pytest.mark.parametrize("experts", ["grouped", "loop"])
+def test_mfu_setting_model_is_built_with_the_asked_expert_path(dist_ep1, experts):
+    """The MFU setting's model built exactly as `gpu_check` has `memory_bench` build it (its bench options,
+    parsed by the bench; the tiny geometry, as without CUDA): grouped experts in every MoE layer."""
+    from transformers import Qwen3MoeConfig
+
+    from benchmarks import memory_bench as mb
+    from moe_gspo.mcore.model import moe_layer_ids
+    from moe_gspo.mcore.shims import have_transformer_engine
+
+    opts = gc.mfu_bench_args(micro_batch=2, seq_len=24, seqs=8, recompute="off", experts=experts)
+    args = mb.build_parser().parse_args([*opts, "--tiny"])
+    cfg, _ = mb.run_config(args, "cpu", cuda=False)
+    assert cfg.model.batched_experts is (experts == "grouped") and cfg.train.micro_batch_size == 2
+    hf = Qwen3MoeConfig(**mb.geometry_from_args(args))
+    got = mb.expert_path(mb.build_bench_model(cfg, hf, torch.float32))
+    n_moe = len(moe_layer_ids(hf))
+    if experts == "loop":
+        assert got["path"] == ("te_grouped" if have_transformer_engine() else "loop")
+    elif have_transformer_engine():
+        assert got == {"path": "te_grouped", "grouped_modules": 0, "te_grouped_modules": n_moe, "loop_modules": 0}
+    else:
+        assert got == {"path": "grouped", "grouped_modules": n_moe, "te_grouped_modules": 0, "loop_modules": 0}
+        assert n_moe > 0
+    bench = {"experts": got}
+    if got["path"] == "loop":
+        assert gc.check_expert_path(bench, "loop") == got
+        with pytest.raises(gc.CheckFailed, match="not grouped or te_grouped"):
+            gc.check_expert_path(bench, "grouped")
+    else:
+        assert gc.check_expert_path(bench, "grouped") == got
+    with pytest.raises(gc.CheckFailed):
+        gc.check_expert_path({}, "grouped")  # a bench from before issue 40 records no experts
+
+
+def test_mfu_bench_json_records_grouped_experts_optimizer_and_micro_batch(tmp_path):
+    """`memory_bench` with the MFU setting's options (tiny model on CPU): the JSON names the expert path
+    (grouped modules counted after the build), the optimizer and the micro-batch."""
+    out = tmp_path / "bench.json"
+    opts = gc.mfu_bench_args(micro_batch=2, seq_len=24, seqs=8, recompute="off")
+    cmd = [sys.executable, "-m", "benchmarks.memory_bench", *opts, "--steps", "1", "--json", str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    res = json.loads(out.read_text())["results"][0]
+    assert res["experts"]["path"] in ("grouped", "te_grouped") and res["experts"]["loop_modules"] == 0
+    assert res["experts"]["grouped_modules"] + res["experts"]["te_grouped_modules"] > 0
+    assert res["experts"].get("weight_copies", 0) == 0  # viewed in place under the non-distributed optimizer
+    assert res["optimizer"]["distributed"] is False and res["batch"]["micro_batch_size"] == 2

@@ -130,6 +130,36 @@ def _rendezvous_lost(args: argparse.Namespace, since: float) -> int:
     return EXIT_RANK_FAILURE
 
 
+def planned_world_size(args: argparse.Namespace) -> int | None:
+    """The world size this launch will have (`--nproc-per-node` x `--nnodes`), or None when it is not
+    fixed here (`--nproc-per-node auto/gpu/cpu`, an elastic `--nnodes MIN:MAX` range)."""
+    try:
+        nproc = int(args.nproc_per_node)
+        lo, _, hi = str(args.nnodes).partition(":")
+        nodes_lo, nodes_hi = int(lo), int(hi or lo)
+    except (TypeError, ValueError):
+        return None
+    return nproc * nodes_lo if nodes_lo == nodes_hi else None
+
+
+def check_process_grid(cfg, args: argparse.Namespace) -> None:
+    """`parallel.expert_parallel_size` against the launch's world size (and the model's experts when its
+    geometry can be read here), before any worker starts; the workers check it again."""
+    from moe_gspo.mcore.parallel import validate_parallel_sizes
+
+    world = planned_world_size(args)
+    if world is None:
+        return
+    ep = cfg.parallel.expert_parallel_size
+    try:
+        from moe_gspo.plan.from_config import resolve_hf_config
+
+        num_experts = int(getattr(resolve_hf_config(cfg)[0], "num_experts", 0) or ep)
+    except Exception:  # noqa: BLE001 - no geometry on this node: the workers check the experts
+        num_experts = ep
+    validate_parallel_sizes(world_size=world, ep_size=ep, num_experts=num_experts)
+
+
 def check_train_command(args: argparse.Namespace) -> int:
     """For `-m moe_gspo.train`: validate its command line and config here, before any worker starts, so
     that a config error is one `error: ...` line (exit code 2) with nothing around it; 0 = go on
@@ -143,7 +173,8 @@ def check_train_command(args: argparse.Namespace) -> int:
     try:
         with warnings.catch_warnings():  # config warnings: the workers print them once, on rank 0
             warnings.simplefilter("ignore")
-            check_train_args(worker_args)
+            cfg = check_train_args(worker_args)
+        check_process_grid(cfg, args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR

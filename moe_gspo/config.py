@@ -483,6 +483,10 @@ class LoggingConfig:
     """Run name (defaults to the run directory's name)."""
     progress: bool = True
     """Show a progress bar on the console (rank 0)."""
+    progress_every: int = 10
+    """With logging.progress=false: print one plain line (step, reward, seconds per step) every N steps
+    and after the last one (rank 0; 0 = never), e.g. for logs that a progress bar would fill with
+    carriage returns."""
     samples_every: int = 10
     """Every N steps, save logging.num_samples of the step's prompts with their responses, rewards,
     advantages and per-token routing flips to RUN_DIR/samples.jsonl (0 = never)."""

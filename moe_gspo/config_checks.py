@@ -92,6 +92,7 @@ def validate(cfg: Config) -> Config:
     _check_lr_schedule(tr)
     _check_learner_memory_options(tr)
     _check_positive("logging.trace_every", lg.trace_every, allow_zero=True)
+    _check_positive("logging.progress_every", lg.progress_every, allow_zero=True)
     _check_positive("logging.update_drift_every", lg.update_drift_every, allow_zero=True)
     if not lg.router_margin_threshold >= 0:  # NaN too
         raise ValueError(f"logging.router_margin_threshold={lg.router_margin_threshold} must be >= 0 (router-logit units)")

@@ -161,6 +161,11 @@ def loop(cfg: Config, run_dir: Path, info, policy, task, evals, state, act, refe
                                 keep=cfg.train.keep_checkpoints, fingerprint=fingerprint(cfg, policy, info))
         bar.set_postfix({"reward": f"{metrics['reward/mean']:.3f}", "entropy": f"{metrics.get('actor/entropy', 0):.3f}",
                          "flip": f"{metrics.get('routing/any_layer_flip', 0):.3f}", "clip": f"{metrics.get('clip/token_frac', 0):.3f}"})
+        every = cfg.logging.progress_every  # logging.progress=false: a plain line every N steps instead of the bar
+        if (info.is_main and not cfg.logging.progress and every
+                and (state.step % every == 0 or state.step == cfg.train.steps)):
+            print(f"step {state.step}/{cfg.train.steps}: reward {metrics['reward/mean']:.3f}, entropy "
+                  f"{metrics.get('actor/entropy', 0):.3f}, {dt:.2f} s/step", flush=True)
         del drawn, samples, batch, passes  # the step's routes go now, not when the next step rebinds the names
     act("final evaluation")
     maybe_evaluate(cfg, policy, task, evals, info, sink, state.step, timer=None)  # the final policy: eval.jsonl

@@ -23,7 +23,7 @@ from moe_gspo.run.rundir import RunDirPlan, move_contents_aside
 from moe_gspo.run.sinks import atomic_write_text
 
 # Settings a resumed run may change freely (anything else that differs is listed in a note).
-_QUIET_CHANGES = ("train.steps", "logging.progress")
+_QUIET_CHANGES = ("train.steps", "logging.progress", "logging.progress_every")
 
 
 def _barrier() -> None:
@@ -109,8 +109,19 @@ def start_run(cfg: Config, plan: RunDirPlan, info, policy, *, resume_asked: bool
     if info.is_main:
         atomic_write_text(run_dir / "config.yaml", cfg.to_yaml())
         atomic_write_text(run_dir / "run.json", json.dumps(run_facts(cfg, info), indent=1))
-        print(cfg.to_yaml() if state.step == 0 else f"resuming at step {state.step} from {run_dir}", flush=True)
+        print(config_summary(cfg, info, run_dir) if state.step == 0 else f"resuming at step {state.step} from {run_dir}",
+              flush=True)
     return state
+
+
+def config_summary(cfg: Config, info, run_dir: Path) -> str:
+    """The one line a fresh run prints at start (the whole config is in RUN_DIR/config.yaml)."""
+    a, r, t, tr = cfg.algo, cfg.rollout, cfg.task, cfg.train
+    model = f"model.path={cfg.model.path}" if cfg.model.path else "the tiny model"
+    task = f"task {t.name}" + (f" ({t.path})" if t.path else "") + (f", reward {t.reward}" if t.reward else "")
+    return (f"{a.name} + routing replay {a.routing_replay} on {model}, {task}: {tr.steps} steps of "
+            f"{r.prompts_per_step} prompts x {r.samples_per_prompt} samples, lr {tr.lr:g}, {r.engine} rollouts, "
+            f"{info.world_size} process(es), EP {cfg.parallel.expert_parallel_size}; config: {run_dir / 'config.yaml'}")
 
 
 def run_facts(cfg: Config, info) -> dict:

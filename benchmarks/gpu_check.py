@@ -7,8 +7,12 @@ Transformer Engine, vLLM, wandb or network: a GPU machine with torch and transfo
 megatron-core's wheel with `pip install --no-deps megatron_core-0.16.1-*.whl`; see docs/gpu.md,
 "Validating a GPU machine"). Its wall time on an H100 with these defaults has not been measured yet.
 
-The checks, in order (each one's failure is recorded and the others still run); the pure pieces
-(verdicts, MFU and throughput arithmetic, the summary) are in `benchmarks.gpu_check_report`:
+The checks (`--checks`, any subset of mfu,parity,memory,learning,resume; default all) run MFU first
+(3 below: the figure a short device call is for), then 1, 2, 4, 5 and 6; each one's failure is recorded
+and the others still run, and the summary is rewritten after each check (unfinished ones marked "not
+run yet"), so a call cut short keeps what finished. The summary names each bench's micro-batch,
+optimizer (distributed or not) and expert path. The pure pieces (verdicts, MFU and throughput
+arithmetic, the summary) are in `benchmarks.gpu_check_report`:
 
 1. parity: a random Qwen3-MoE (`MODEL`, ~0.7 B parameters) in bf16 on CUDA, Megatron learner vs
    transformers, against the same model in fp32 (transformers) as the reference: token log-probs of a
@@ -25,7 +29,9 @@ The checks, in order (each one's failure is recorded and the others still run); 
    activation recomputation `--mfu-recompute` (default off), the experts `--mfu-experts` (default
    grouped: one `torch._grouped_mm` per projection, `model.batched_experts`, under Megatron's
    non-distributed optimizer, which leaves the experts' weights where the GEMM views them without a copy;
-   `loop`: Megatron's SequentialMLP under the distributed optimizer), 3 timed steps; MFU of the update
+   `loop`: Megatron's SequentialMLP under the distributed optimizer; the bench counts the expert modules
+   it built and the check fails on the wrong path), 3 timed steps; `--mfu-micro-batches 4,8,16` sweeps
+   micro-batches (one bench each; one out of GPU memory is recorded as "oom"); MFU of the update
    (`train_step`: forward, backward, optimizer step) and of the old-policy log-prob pass from their
    fastest step. Model FLOPs by `moe_gspo.plan.flops` (PaLM's 6 N_active + 12 L a d T per token;
    recomputed forwards are not counted), over the GPU's dense bf16 peak (`PEAK_BF16_TFLOPS`, or
@@ -211,7 +217,10 @@ def _bench(out: Path, name: str, *extra: str, timeout: float = 900) -> list[dict
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), timeout=timeout).returncode
     if not (out / f"{name}.json").is_file():
         raise CheckFailed(f"memory_bench exited {rc} without results; see {out / f'{name}.log'}")
-    return json.loads((out / f"{name}.json").read_text())["results"]
+    got = json.loads((out / f"{name}.json").read_text())
+    if not got["results"]:
+        raise CheckFailed(f"memory_bench exited {rc} without results: {got.get('failed')}; see {out / f'{name}.log'}")
+    return got["results"]
 
 
 def _memory(out: Path, have_te: bool) -> dict:
@@ -224,6 +233,8 @@ def _memory(out: Path, have_te: bool) -> dict:
     rows = memory_rows(results, checked=CHECKED, tolerance=0.15)
     bad = [f"{r['variant']}/{r['phase']} {r['rel_diff']:+.1%}" for r in rows if r["ok"] is False]
     return {"status": "fail" if bad else "pass", "rows": rows, "variants": [r["variant"] for r in results],
+            "setups": [{"variant": r["variant"], "micro_batch": r["batch"]["micro_batch_size"],
+                        "optimizer": r.get("optimizer"), "experts": r.get("experts")} for r in results],
             "headline": ("over 15%: " + ", ".join(bad)) if bad else
             f"{sum(r['ok'] is True for r in rows)} checked phases within 15% of the plan"}
 
@@ -252,26 +263,80 @@ def check_expert_path(bench: dict, experts: str) -> dict:
     return got
 
 
-def _mfu(out: Path, peak: float | None, setting: dict) -> dict:
-    """Check 3: the learner's MFU in the MFU setting (`--mfu-*`) with a `torch.profiler` table of one more
-    train_step (`DIR/train_step_profile.txt`), and, for comparison, in the memory check's setting."""
+def mfu_settings(setting: dict) -> list[dict]:
+    """One MFU setting per micro-batch of `setting["micro_batches"]` (`--mfu-micro-batches`; default the
+    single `micro_batch`), each a keyword set of `mfu_bench_args`."""
+    base = {k: v for k, v in setting.items() if k != "micro_batches"}
+    return [dict(base, micro_batch=int(mb)) for mb in (setting.get("micro_batches") or [setting["micro_batch"]])]
+
+
+def _is_oom(error: Exception, log: Path) -> bool:
+    text = str(error) + (log.read_text(errors="replace")[-20000:] if log.is_file() else "")
+    return "out of memory" in text.lower() or "OutOfMemoryError" in text
+
+
+def _mfu(out: Path, peak: float | None, setting: dict, progress=None) -> dict:
+    """Check 3: the learner's MFU in the MFU setting (`--mfu-*`; with `--mfu-micro-batches` one bench per
+    micro-batch, an out-of-memory one recorded as such), with a `torch.profiler` table of one more
+    train_step of the first micro-batch (`DIR/train_step_profile.txt`). `progress(partial)`: called after
+    each micro-batch with the check's result so far (the summary is rewritten)."""
     profile = out / "train_step_profile.txt"
-    results = _bench(out, "mfu_bench", *mfu_bench_args(**setting), "--profile-train-step", str(profile))
-    experts = check_expert_path(results[0], setting.get("experts", "grouped"))
-    variants = [dict(learner_mfu(results[0], peak), label="MFU setting")]
-    if (out / "memory_bench.json").is_file():
-        memory = json.loads((out / "memory_bench.json").read_text())["results"]
-        variants += [dict(learner_mfu(r, peak), label=f"memory-check setting ({r['variant']})") for r in memory]
+    sweep, variants, first_res, experts = [], [], None, None
+    for k, one in enumerate(mfu_settings(setting)):
+        mb = one["micro_batch"]
+        name = "mfu_bench" if k == 0 else f"mfu_bench_mb{mb}"
+        extra = ("--profile-train-step", str(profile)) if k == 0 else ()
+        try:
+            results = _bench(out, name, *mfu_bench_args(**one), *extra)
+            got = check_expert_path(results[0], one.get("experts", "grouped"))
+        except CheckFailed as e:
+            oom = _is_oom(e, out / f"{name}.log")
+            sweep.append({"micro_batch": mb, "status": "oom" if oom else "fail", "error": str(e)[:500],
+                          "tokens_per_micro_batch": mb * one["seq_len"]})
+        else:
+            m = dict(learner_mfu(results[0], peak), label=f"MFU setting, micro-batch {mb}",
+                     micro_batch=results[0]["batch"]["micro_batch_size"], experts=got,
+                     optimizer=results[0].get("optimizer"))
+            variants.append(m)
+            sweep.append({"micro_batch": mb, "status": "ok", "update_mfu": m["update"]["mfu"],
+                          "update_tflops_per_s": m["update"]["tflops_per_s"], "tokens_per_micro_batch":
+                          mb * one["seq_len"]})
+            if first_res is None:
+                first_res, experts = results[0], got
+        if progress is not None and variants:
+            progress(_mfu_result(variants, sweep, first_res, experts, profile))
+    if not variants:
+        raise CheckFailed("no MFU setting finished: " + "; ".join(f"micro-batch {r['micro_batch']}: {r['status']} "
+                                                                  f"({r['error'][:200]})" for r in sweep))
+    return _mfu_result(variants, sweep, first_res, experts, profile)
+
+
+def _mfu_result(variants: list[dict], sweep: list[dict], first_res: dict, experts: dict, profile: Path) -> dict:
     first = variants[0]
-    return {"status": "reported", "variants": variants, "setting": first["setting"],
-            "micro_batch": results[0]["batch"]["micro_batch_size"], "experts": experts,
-            "optimizer": results[0].get("optimizer"),
+    oom = [r["micro_batch"] for r in sweep if r["status"] == "oom"]
+    return {"status": "reported", "variants": list(variants), "setting": first["setting"], "sweep": list(sweep),
+            "micro_batch": first_res["batch"]["micro_batch_size"], "experts": experts,
+            "optimizer": first_res.get("optimizer"),
             "profile": profile.name if profile.is_file() else None,
             "memory_rows": [dict(r, variant=f"{r['variant']}, MFU setting")
-                            for r in memory_rows(results, checked=(), tolerance=0.0)],
+                            for r in memory_rows([first_res], checked=(), tolerance=0.0)],
             "headline": f"{first['setting']}: update {_fmt(first['update']['mfu'], '.1%')} "
                         f"({first['update']['tflops_per_s']:.0f} TFLOP/s), log-prob pass "
-                        f"{_fmt(first['logprobs']['mfu'], '.1%')} ({first['logprobs']['tflops_per_s']:.0f} TFLOP/s)"}
+                        f"{_fmt(first['logprobs']['mfu'], '.1%')} ({first['logprobs']['tflops_per_s']:.0f} TFLOP/s)"
+                        + "".join(f"; micro-batch {v['micro_batch']}: update {_fmt(v['update']['mfu'], '.1%')}"
+                                  for v in variants[1:])
+                        + (f"; out of memory at micro-batch {', '.join(map(str, oom))}" if oom else "")}
+
+
+def add_memory_setting_mfu(mfu: dict, out: Path, peak: float | None) -> None:
+    """The memory check's setting's MFU beside the MFU setting's (for comparison), once `memory_bench.json`
+    exists (the memory check runs after the MFU check)."""
+    if mfu.get("status") != "reported" or not (out / "memory_bench.json").is_file():
+        return
+    memory = json.loads((out / "memory_bench.json").read_text())["results"]
+    mfu["variants"] += [dict(learner_mfu(r, peak), label=f"memory-check setting ({r['variant']})",
+                             micro_batch=r["batch"]["micro_batch_size"], experts=r.get("experts"),
+                             optimizer=r.get("optimizer")) for r in memory]
 
 
 def _throughput(out: Path) -> dict:
@@ -426,7 +491,29 @@ def _versions() -> dict:
     return out
 
 
-def _run(out: Path, steps: int, peak_override: float | None, command: str, mfu_setting: dict | None = None) -> dict:
+CHECKS = ("mfu", "parity", "memory", "learning", "resume")
+"""The checks `--checks` selects from, in the order they run (the MFU figure first: a call cut short by a
+time limit still has it); `throughput` follows whenever a bench or the job ran."""
+
+
+def parse_checks(text: str) -> list[str]:
+    """`--checks`: comma-separated names of `CHECKS` (any subset, any order; run in `CHECKS`' order). A
+    ValueError names the unknown ones, an empty list, or `resume` without `learning` (it compares its
+    job with the learning check's run)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown:
+        raise ValueError(f"--checks: unknown {', '.join(unknown)}; choose from {','.join(CHECKS)}")
+    if not names:
+        raise ValueError(f"--checks: name at least one of {','.join(CHECKS)}")
+    if "resume" in names and "learning" not in names:
+        raise ValueError("--checks: resume needs learning (it compares its killed-and-resumed job with the "
+                         "learning check's uninterrupted run)")
+    return [c for c in CHECKS if c in names]
+
+
+def _run(out: Path, steps: int, peak_override: float | None, command: str, mfu_setting: dict | None = None,
+         checks_to_run: list[str] | tuple[str, ...] = CHECKS) -> dict:
     import torch
 
     from moe_gspo.mcore.shims import have_transformer_engine
@@ -435,12 +522,18 @@ def _run(out: Path, steps: int, peak_override: float | None, command: str, mfu_s
     name = torch.cuda.get_device_name(0)
     peak = peak_override or peak_bf16_tflops(name)
     have_te = have_transformer_engine()
-    result = {"status": "running", "command": command, "checks": {},
+    setting = mfu_setting or MFU_DEFAULTS
+    todo = list(checks_to_run)
+    if any(c in todo for c in ("mfu", "memory", "learning")):
+        todo.append("throughput")
+    result = {"status": "running", "command": command, "checks": {}, "pending": list(todo),
               "environment": {"device": name, "cuda": torch.version.cuda,
                               "gpu_mem_gib": torch.cuda.get_device_properties(0).total_memory / 2 ** 30,
                               "transformer_engine_importable": have_te, "peak_bf16_tflops": peak,
-                              "versions": _versions()}}
+                              "versions": _versions()},
+              "learner": {"mfu_setting": dict(setting), "expert_path_asked": setting.get("experts", "grouped")}}
     checks = result["checks"]
+    write_summary(result, out)  # at once: a call cut short still leaves a summary of what finished
 
     def record(name: str, fn):
         print(f"[gpu_check] {name} ...", flush=True)
@@ -452,14 +545,27 @@ def _run(out: Path, steps: int, peak_override: float | None, command: str, mfu_s
             checks[key] = value
             print(f"[gpu_check] {key}: {value.get('status')} - {value.get('headline', value.get('error', ''))}",
                   flush=True)
+        if name in result["pending"]:
+            result["pending"].remove(name)
+        result["wall_s"] = time.time() - t0
         write_summary(result, out)
 
-    record("parity", _parity_on_cuda)
-    record("memory", lambda: _memory(out, have_te))
-    record("mfu", lambda: _mfu(out, peak, mfu_setting or MFU_DEFAULTS))
-    record("learning", lambda: _learning(out, steps))
-    record("resume", lambda: _resume(out))
-    record("throughput", lambda: _throughput(out))
+    def mfu_progress(partial: dict) -> None:
+        checks["mfu"] = dict(partial, status="running")
+        result["wall_s"] = time.time() - t0
+        write_summary(result, out)
+
+    run = {"mfu": lambda: _mfu(out, peak, setting, progress=mfu_progress),
+           "parity": _parity_on_cuda,
+           "memory": lambda: _memory(out, have_te),
+           "learning": lambda: _learning(out, steps),
+           "resume": lambda: _resume(out),
+           "throughput": lambda: _throughput(out)}
+    for check in todo:
+        record(check, run[check])
+        if check == "memory" and "mfu" in checks:
+            add_memory_setting_mfu(checks["mfu"], out, peak)
+            write_summary(result, out)
     statuses = [c.get("status") for c in checks.values()]
     result["status"] = "fail" if "fail" in statuses else "pass"
     result["wall_s"] = time.time() - t0
@@ -485,6 +591,11 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 2)[2])
     p.add_argument("--out", required=True, help="directory for gpu_check.json, gpu_check.md and the run logs")
+    p.add_argument("--checks", default=",".join(CHECKS),
+                   help=f"comma-separated checks to run, any subset of {','.join(CHECKS)} (default all; they run in "
+                        "that order, the MFU figure first; resume needs learning; the throughput table follows "
+                        "when mfu, memory or learning ran). The summary is rewritten after each check (and after "
+                        "each MFU micro-batch), so a call cut short keeps what finished")
     p.add_argument("--steps", type=int, default=60,
                    help=f"RL steps of the learning job (default 60; at least {RESUME_STEPS})")
     p.add_argument("--peak-tflops", type=float, default=None,
@@ -492,6 +603,10 @@ def main(argv: list[str] | None = None) -> int:
     d = MFU_DEFAULTS
     p.add_argument("--mfu-micro-batch", type=int, default=d["micro_batch"],
                    help=f"MFU setting: sequences per forward/backward (default {d['micro_batch']})")
+    p.add_argument("--mfu-micro-batches", default=None, metavar="MB[,MB...]",
+                   help="MFU setting: sweep these micro-batches (e.g. 4,8,16: micro-batches of MB x --mfu-seq-len "
+                        "tokens), one bench each; one that runs out of GPU memory is recorded as such and the "
+                        "others still run (default: --mfu-micro-batch alone)")
     p.add_argument("--mfu-seq-len", type=int, default=d["seq_len"],
                    help=f"MFU setting: tokens per sequence (default {d['seq_len']}: micro-batches of "
                         f"{d['micro_batch'] * d['seq_len']} tokens)")
@@ -508,7 +623,15 @@ def main(argv: list[str] | None = None) -> int:
     mfu_setting = {"micro_batch": args.mfu_micro_batch, "seq_len": args.mfu_seq_len, "seqs": args.mfu_seqs,
                    "recompute": args.mfu_recompute, "experts": args.mfu_experts}
     try:
-        mfu_bench_args(**mfu_setting)
+        checks_to_run = parse_checks(args.checks)
+        if args.mfu_micro_batches is not None:
+            mbs = [m.strip() for m in args.mfu_micro_batches.split(",") if m.strip()]
+            if not mbs or not all(m.isdigit() and int(m) > 0 for m in mbs):
+                raise ValueError(f"--mfu-micro-batches {args.mfu_micro_batches!r}: positive integers, comma-separated")
+            mfu_setting["micro_batches"] = [int(m) for m in mbs]
+            mfu_setting["micro_batch"] = mfu_setting["micro_batches"][0]
+        for one in mfu_settings(mfu_setting):
+            mfu_bench_args(**one)
     except ValueError as e:
         p.error(str(e))
     import torch
@@ -517,12 +640,13 @@ def main(argv: list[str] | None = None) -> int:
         print("error: benchmarks.gpu_check needs CUDA (torch.cuda.is_available() is False here); run it on "
               "the GPU machine", file=sys.stderr)
         return 2
-    if args.steps < RESUME_STEPS:
+    if "resume" in checks_to_run and args.steps < RESUME_STEPS:
         print(f"error: --steps {args.steps}: at least {RESUME_STEPS} (the resume check compares its "
               f"{RESUME_STEPS}-step job with the learning job's first {RESUME_STEPS} steps)", file=sys.stderr)
         return 2
     out = Path(args.out)
-    result = _run(out, args.steps, args.peak_tflops, "python -m benchmarks.gpu_check " + " ".join(argv), mfu_setting)
+    result = _run(out, args.steps, args.peak_tflops, "python -m benchmarks.gpu_check " + " ".join(argv), mfu_setting,
+                  checks_to_run)
     jpath, mpath = write_summary(result, out)
     print(f"[gpu_check] {result['status'].upper()} in {result['wall_s']:.0f} s: {mpath} (details: {jpath})", flush=True)
     return 0 if result["status"] == "pass" else 1

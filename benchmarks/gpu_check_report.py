@@ -198,6 +198,42 @@ def throughput_lines(tables: list[dict]) -> list[str]:
     return lines
 
 
+def _optimizer_words(opt: dict | None) -> str:
+    if not opt:
+        return "?"
+    words = "distributed" if opt.get("distributed") else "non-distributed"
+    extras = [w for w, k in (("precision-aware", "precision_aware"), ("CPU offload", "cpu_offload")) if opt.get(k)]
+    return words + (f" ({', '.join(extras)})" if extras else "")
+
+
+def _experts_words(experts: dict | None) -> str:
+    if not experts:
+        return "?"
+    path = experts.get("path", "?")
+    count = {"grouped": experts.get("grouped_modules"), "te_grouped": experts.get("te_grouped_modules"),
+             "loop": experts.get("loop_modules")}.get(path)
+    words = {"grouped": "grouped GEMM (model.batched_experts)", "te_grouped": "Transformer Engine grouped GEMM",
+             "loop": "Megatron's loop over experts"}.get(path, path)
+    copies = experts.get("weight_copies")
+    return words + (f", {count} MoE layers" if count is not None else "") + \
+        (f", {copies} weight copies" if copies else "")
+
+
+def setup_lines(mfu: dict, mem: dict) -> list[str]:
+    """The learner setups the benches ran: micro-batch, optimizer (distributed or not) and expert path."""
+    rows = [(v.get("label", v.get("variant")), v.get("micro_batch"), v.get("optimizer"), v.get("experts"))
+            for v in mfu.get("variants", [])]
+    labels = {r[0] for r in rows}
+    rows += [(f"memory-check setting ({s['variant']})", s.get("micro_batch"), s.get("optimizer"), s.get("experts"))
+             for s in mem.get("setups", []) if f"memory-check setting ({s['variant']})" not in labels]
+    if not rows:
+        return []
+    out = ["", "## Learner setups", "", "| bench | micro-batch | optimizer | experts |", "|---|---|---|---|"]
+    out += [f"| {label} | {_fmt(mb, 'd')} | {_optimizer_words(opt)} | {_experts_words(ex)} |"
+            for label, mb, opt, ex in rows]
+    return out
+
+
 def render_markdown(result: dict) -> str:
     """The human summary of a `gpu_check.json` result."""
     env, checks = result["environment"], result["checks"]
@@ -208,7 +244,17 @@ def render_markdown(result: dict) -> str:
              "| check | status | figures |", "|---|---|---|"]
     for name, c in checks.items():
         lines.append(f"| {name} | {c.get('status', '?')} | {c.get('headline', c.get('error', ''))} |")
+    for name in result.get("pending", []):
+        if name not in checks:
+            lines.append(f"| {name} | not run yet | |")
     mem, mfu = checks.get("memory", {}), checks.get("mfu", {})
+    lines += setup_lines(mfu, mem)
+    if mfu.get("sweep"):
+        lines += ["", "## MFU setting per micro-batch", "", "| micro-batch | tokens per micro-batch | status | "
+                  "update MFU | update TFLOP/s |", "|---|---|---|---|---|"]
+        for r in mfu["sweep"]:
+            lines.append(f"| {r['micro_batch']} | {_fmt(r.get('tokens_per_micro_batch'), ',')} | {r['status']} | "
+                         f"{_fmt(r.get('update_mfu'), '.1%')} | {_fmt(r.get('update_tflops_per_s'), '.1f')} |")
     mem_rows = mem.get("rows", []) + mfu.get("memory_rows", [])  # the MFU setting's rows: reported only
     if mem_rows:
         lines += ["", "## Memory per phase: planned (`moe_gspo.plan`) vs `torch.cuda.max_memory_allocated`", "",

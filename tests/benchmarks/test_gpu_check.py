@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from benchmarks import gpu_check as gc
+from benchmarks import gpu_check_report as gcr
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -256,7 +257,7 @@ def test_one_failing_check_does_not_hide_the_others(tmp_path, monkeypatch):
     def memory_crashes(out, have_te):
         raise gc.CheckFailed("memory_bench exited 1 without results")
 
-    def mfu(out, peak, setting):
+    def mfu(out, peak, setting, progress=None):
         assert peak == 989.4 and setting == gc.MFU_DEFAULTS
         return {"status": "reported", "headline": "update 30%"}
 
@@ -265,7 +266,7 @@ def test_one_failing_check_does_not_hide_the_others(tmp_path, monkeypatch):
     monkeypatch.setattr(gc, "_learning", lambda out, steps: {"status": "pass", "headline": f"{steps} steps"})
     monkeypatch.setattr(gc, "_resume", lambda out: {"status": "inconclusive", "headline": "not reproducible"})
     result = gc._run(tmp_path, 30, None, "python -m benchmarks.gpu_check --out x")
-    assert list(result["checks"]) == ["parity", "memory", "mfu", "learning", "resume", "throughput"]
+    assert list(result["checks"]) == ["mfu", "parity", "memory", "learning", "resume", "throughput"]  # MFU first
     assert result["checks"]["throughput"]["status"] == "fail"  # nothing finished that it could read
     assert result["checks"]["memory"] == {"status": "fail", "error": "CheckFailed: memory_bench exited 1 without results"}
     assert result["status"] == "fail" and result["checks"]["learning"]["headline"] == "30 steps"
@@ -282,6 +283,7 @@ def test_help_documents_the_mfu_setting_and_the_throughput_table():
     assert "MFU SETTING" in out and "4 x 1024 = 4096 tokens per forward/backward" in out
     assert "tokens/s/GPU" in out and "old-policy log-prob pass" in out and "weight sync" in out
     assert "train_step_profile.txt" in out and "MIN_REWARD_GAIN" in out
+    assert "--checks" in out and "mfu,parity,memory,learning,resume" in out and "--mfu-micro-batches" in out
 
 
 def test_mfu_setting_bench_options():
@@ -335,7 +337,9 @@ def test_mfu_and_throughput_checks_from_the_benches_files(tmp_path, monkeypatch)
     monkeypatch.setattr(gc, "_bench", fake_bench)
     m = gc._mfu(tmp_path, 989.4, gc.MFU_DEFAULTS)
     assert calls[0][0] == "mfu_bench" and "--profile-train-step" in calls[0][1] and "--no-recompute" in calls[0][1]
-    assert [v["label"] for v in m["variants"]] == ["MFU setting", "memory-check setting (dist)"]
+    assert [v["label"] for v in m["variants"]] == ["MFU setting, micro-batch 4"]
+    gc.add_memory_setting_mfu(m, tmp_path, 989.4)  # after the memory check (which runs after the MFU check)
+    assert [v["label"] for v in m["variants"]] == ["MFU setting, micro-batch 4", "memory-check setting (dist)"]
     assert m["variants"][0]["update"]["seconds"] == 2.0 and m["profile"] == "train_step_profile.txt"
     assert m["micro_batch"] == 2 and m["experts"]["path"] == "grouped" and m["optimizer"]["distributed"] is False
     assert m["setting"] == "4 x 10 tokens, micro-batch 2 x 10 = 20 tokens, recompute off"
@@ -405,3 +409,165 @@ def test_mfu_bench_json_records_grouped_experts_optimizer_and_micro_batch(tmp_pa
     assert res["experts"]["grouped_modules"] + res["experts"]["te_grouped_modules"] > 0
     assert res["experts"].get("weight_copies", 0) == 0  # viewed in place under the non-distributed optimizer
     assert res["optimizer"]["distributed"] is False and res["batch"]["micro_batch_size"] == 2
+
+
+# --- issue 40: --checks, the summary after each check, the micro-batch sweep ---
+
+def test_parse_checks():
+    assert gc.parse_checks("mfu,parity,memory,learning,resume") == list(gc.CHECKS) == \
+        ["mfu", "parity", "memory", "learning", "resume"]
+    assert gc.parse_checks("memory, mfu") == ["mfu", "memory"]  # the fixed order, MFU first
+    assert gc.parse_checks("resume,learning") == ["learning", "resume"]
+    with pytest.raises(ValueError, match="unknown bogus; choose from mfu,parity,memory,learning,resume"):
+        gc.parse_checks("mfu,bogus")
+    with pytest.raises(ValueError, match="at least one"):
+        gc.parse_checks(" , ")
+    with pytest.raises(ValueError, match="resume needs learning"):
+        gc.parse_checks("mfu,resume")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--checks", "mfu,speed"], "unknown speed"),
+    (["--checks", "resume"], "resume needs learning"),
+    (["--mfu-micro-batches", "4,x"], "positive integers"),
+    (["--mfu-micro-batches", "4,0"], "positive integers"),
+    (["--mfu-micro-batches", "4,8,32"], "multiple of 2 x --mfu-micro-batch (64)"),  # 32 sequences: not 2 x 32
+])
+def test_bad_arguments_stop_with_a_clear_error(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        gc.main(["--out", "x", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def _fake_cuda(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: SimpleNamespace(total_memory=80 << 30))
+
+
+def test_only_the_selected_checks_run_mfu_first(tmp_path, monkeypatch):
+    _fake_cuda(monkeypatch)
+    ran = []
+    monkeypatch.setattr(gc, "_parity_on_cuda", lambda: ran.append("parity") or {"status": "pass"})
+    monkeypatch.setattr(gc, "_mfu", lambda out, peak, setting, progress=None: ran.append("mfu") or
+                        {"status": "reported", "headline": "x"})
+    monkeypatch.setattr(gc, "_memory", lambda out, have_te: ran.append("memory") or {"status": "pass"})
+    monkeypatch.setattr(gc, "_learning", lambda out, steps: pytest.fail("not selected"))
+    monkeypatch.setattr(gc, "_resume", lambda out: pytest.fail("not selected"))
+    monkeypatch.setattr(gc, "_throughput", lambda out: ran.append("throughput") or {"status": "reported"})
+    result = gc._run(tmp_path, 60, None, "cmd", checks_to_run=gc.parse_checks("memory,parity,mfu"))
+    assert ran == ["mfu", "parity", "memory", "throughput"] and list(result["checks"]) == ran
+    assert result["status"] == "pass" and result["pending"] == []
+    ran.clear()
+    result = gc._run(tmp_path / "p", 60, None, "cmd", checks_to_run=["parity"])
+    assert ran == ["parity"] and list(result["checks"]) == ["parity"]  # no bench, no job: no throughput table
+
+
+def test_the_summary_is_written_after_each_check_so_a_cut_run_keeps_what_finished(tmp_path, monkeypatch):
+    """A call killed during the third check (here: an exception that escapes, as a time limit would end it)
+    leaves gpu_check.json / .md with the first two checks and the rest marked as not run yet."""
+    _fake_cuda(monkeypatch)
+    seen = []
+
+    def mfu(out, peak, setting, progress=None):
+        seen.append(json.loads((out / "gpu_check.json").read_text())["pending"])  # written before the first check
+        return {"status": "reported", "headline": "update 31.0%"}
+
+    def parity():
+        seen.append(json.loads((tmp_path / "gpu_check.json").read_text())["checks"]["mfu"]["headline"])
+        return {"status": "pass", "headline": "close"}
+
+    class Cut(BaseException):
+        pass
+
+    def memory(out, have_te):
+        raise Cut()
+
+    monkeypatch.setattr(gc, "_mfu", mfu)
+    monkeypatch.setattr(gc, "_parity_on_cuda", parity)
+    monkeypatch.setattr(gc, "_memory", memory)
+    with pytest.raises(Cut):
+        gc._run(tmp_path, 60, None, "cmd")
+    assert seen == [["mfu", "parity", "memory", "learning", "resume", "throughput"], "update 31.0%"]
+    got = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert got["status"] == "running" and list(got["checks"]) == ["mfu", "parity"]
+    assert got["pending"] == ["memory", "learning", "resume", "throughput"]
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert md.startswith("# moe-gspo GPU check: RUNNING")
+    assert "| mfu | reported | update 31.0% |" in md and "| memory | not run yet | |" in md
+
+
+def _mfu_bench_result(mb: int) -> dict:
+    res = _bench(seconds_update=(2.0 / mb, 1.0 / mb))
+    res["batch"].update(micro_batch_size=mb, recompute=False)
+    res["experts"] = {"path": "grouped", "grouped_modules": 2, "te_grouped_modules": 0, "loop_modules": 0,
+                      "weight_copies": 0}
+    res["optimizer"] = {"distributed": False, "precision_aware": False, "cpu_offload": False}
+    return res
+
+
+def test_mfu_micro_batch_sweep_records_out_of_memory_and_goes_on(tmp_path, monkeypatch):
+    calls, progress = [], []
+
+    def fake_bench(out, name, *extra, timeout=900):
+        mb = int(extra[extra.index("--micro-batch") + 1])
+        calls.append((name, mb, "--profile-train-step" in extra))
+        if mb == 8:
+            (out / f"{name}.log").write_text("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3 GiB\n")
+            raise gc.CheckFailed(f"memory_bench exited 2 without results; see {name}.log")
+        if mb == 2:
+            raise gc.CheckFailed("memory_bench exited 1 without results; see x.log")
+        res = _mfu_bench_result(mb)
+        (out / f"{name}.json").write_text(json.dumps({"results": [res]}))
+        return [res]
+
+    monkeypatch.setattr(gc, "_bench", fake_bench)
+    setting = dict(gc.MFU_DEFAULTS, micro_batches=[4, 8, 16, 2], micro_batch=4)
+    m = gc._mfu(tmp_path, 989.4, setting, progress=progress.append)
+    assert calls == [("mfu_bench", 4, True), ("mfu_bench_mb8", 8, False), ("mfu_bench_mb16", 16, False),
+                     ("mfu_bench_mb2", 2, False)]
+    assert [(r["micro_batch"], r["status"]) for r in m["sweep"]] == [(4, "ok"), (8, "oom"), (16, "ok"), (2, "fail")]
+    assert [v["micro_batch"] for v in m["variants"]] == [4, 16] and m["micro_batch"] == 4
+    assert m["sweep"][0]["tokens_per_micro_batch"] == 4 * 1024
+    assert "out of memory at micro-batch 8" in m["headline"] and "micro-batch 16: update" in m["headline"]
+    assert len(progress) == 4 and [r["micro_batch"] for r in progress[1]["sweep"]] == [4, 8]
+    result = {"status": "pass", "command": "c", "environment": {}, "checks": {"mfu": m}}
+    md = gc.render_markdown(result)
+    assert "## MFU setting per micro-batch" in md and "| 8 | 8,192 | oom | n/a | n/a |" in md
+    assert "## Learner setups" in md
+    assert "| MFU setting, micro-batch 4 | 4 | non-distributed | grouped GEMM (model.batched_experts), 2 MoE layers |" in md
+    # every micro-batch out of memory: the check fails, naming them
+    monkeypatch.setattr(gc, "_bench", lambda out, name, *e, timeout=900: (_ for _ in ()).throw(
+        gc.CheckFailed("CUDA out of memory")))
+    with pytest.raises(gc.CheckFailed, match="micro-batch 4: oom"):
+        gc._mfu(tmp_path, 989.4, setting)
+
+
+def test_mfu_settings_and_memory_setups_in_the_summary():
+    assert [s["micro_batch"] for s in gc.mfu_settings(gc.MFU_DEFAULTS)] == [4]
+    sweep = gc.mfu_settings(dict(gc.MFU_DEFAULTS, micro_batches=[4, 8]))
+    assert [s["micro_batch"] for s in sweep] == [4, 8] and all("micro_batches" not in s for s in sweep)
+    gc.mfu_bench_args(**sweep[1])  # each one is a valid bench setting
+    mem = {"setups": [{"variant": "dist", "micro_batch": 1, "optimizer": {"distributed": True},
+                       "experts": {"path": "loop", "loop_modules": 12}}]}
+    lines = "\n".join(gcr.setup_lines({}, mem))
+    assert "| memory-check setting (dist) | 1 | distributed | Megatron's loop over experts, 12 MoE layers |" in lines
+
+
+def test_memory_bench_writes_its_failures_when_nothing_ran(tmp_path, monkeypatch):
+    """memory_bench: a variant out of memory is recorded in the JSON (`failed`), which then has no results."""
+    from benchmarks import memory_bench as mb
+
+    def oom(args, variant, cuda):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9 GiB")
+
+    monkeypatch.setattr(mb, "run_variant", oom)
+    out = tmp_path / "b.json"
+    assert mb.main(["--seqs", "8", "--group", "4", "--json", str(out)]) == 2
+    got = json.loads(out.read_text())
+    assert got["results"] == [] and "out of memory" in got["failed"]["cpu"]
+    with pytest.raises(gc.CheckFailed, match="out of memory"):
+        monkeypatch.setattr(gc.subprocess, "run", lambda *a, **k: type("P", (), {"returncode": 2})())
+        (tmp_path / "mfu_bench.json").write_text(out.read_text())
+        gc._bench(tmp_path, "mfu_bench")

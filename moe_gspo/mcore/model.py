@@ -88,6 +88,55 @@ def padded_vocab_size(vocab_size: int, multiple: int) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
+TE_PERMUTE_FUSION_MIN = (2, 1)
+"""Transformer Engine version from which Megatron-core 0.16's fused token permutation exists
+(`moe_permute_fusion`; `TransformerConfig.__post_init__` refuses it below: "Please install TE >= 2.1.0")."""
+TE_ROUTER_FUSION_MIN = (2, 7)
+"""Transformer Engine version from which Megatron-core 0.16 documents the fused top-k routing
+(`moe_router_fusion`: "only supported in TransformerEngine 2.7.0 and above"; its kernels' own error
+says 2.6.0, the documented bound is taken)."""
+
+
+def _version_tuple(version: str | None) -> tuple[int, ...] | None:
+    import re
+
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version or "")
+    return tuple(int(x) for x in m.groups() if x is not None) if m else None
+
+
+def te_version() -> str | None:
+    """The importable Transformer Engine's version (`moe_gspo.mcore.shims.have_transformer_engine`), or None."""
+    from moe_gspo.mcore.shims import have_transformer_engine
+
+    if not have_transformer_engine():
+        return None
+    import transformer_engine
+
+    version = getattr(transformer_engine, "__version__", None)
+    if version is None:
+        from importlib import metadata
+
+        for dist in ("transformer-engine", "transformer_engine"):
+            try:
+                return metadata.version(dist)
+            except metadata.PackageNotFoundError:
+                continue
+    return version
+
+
+def te_fusion_flags(te_version_str: str | None, *, cuda: bool, routing_replay: bool) -> dict[str, bool]:
+    """Megatron's MoE fusions this machine can take (issue 40): `moe_permute_fusion` with Transformer
+    Engine >= 2.1 on CUDA; `moe_router_fusion` with TE >= 2.7 on CUDA and only without routing replay,
+    because Megatron-core 0.16's fused top-k (`topk_routing_with_score_function(fused=True)`) returns
+    before it consults the `RouterReplay` (R2/R3 would be ignored silently), and every training run's
+    learner is built with replay enabled. Without TE (or CUDA) both stay off."""
+    v = _version_tuple(te_version_str)
+    if v is None or not cuda:
+        return {"moe_permute_fusion": False, "moe_router_fusion": False}
+    return {"moe_permute_fusion": v >= TE_PERMUTE_FUSION_MIN,
+            "moe_router_fusion": v >= TE_ROUTER_FUSION_MIN and not routing_replay}
+
+
 def transformer_config_from_hf(
     hf_config,
     *,
@@ -150,9 +199,10 @@ def transformer_config_from_hf(
         moe_layer_freq=moe_layer_pattern(hf_config),
         moe_token_dispatcher_type=token_dispatcher,
         moe_grouped_gemm=False,
-        moe_permute_fusion=False,
         moe_enable_routing_replay=enable_routing_replay,
     )
+    # with Transformer Engine on CUDA, Megatron's fused permutation (and router, without replay) kernels
+    kw.update(te_fusion_flags(te_version(), cuda=on_cuda, routing_replay=enable_routing_replay))
     if recompute:
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     kw.update(overrides)

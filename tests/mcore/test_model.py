@@ -117,3 +117,40 @@ def test_dense_and_unsupported_configs_are_rejected():
                                                num_key_value_heads=2, intermediate_size=128, vocab_size=51))
     with pytest.raises(ValueError, match="attention_bias=True"):
         transformer_config_from_hf(tiny_qwen3_moe_config(attention_bias=True))
+
+
+# --- issue 40: Megatron's MoE fusions with Transformer Engine ---
+
+@pytest.mark.parametrize("version,cuda,replay,permute,router", [
+    (None, True, False, False, False),            # no TE
+    ("2.0.0", True, False, False, False),         # below 2.1: neither
+    ("2.1.0", True, False, True, False),          # fused permutation from 2.1
+    ("2.6.0+cu12", True, False, True, False),     # the router's fusion from 2.7
+    ("2.7.0", True, False, True, True),
+    ("2.10.0.dev0+abc", True, False, True, True),  # versions compare as numbers, not strings
+    ("2.8.0", True, True, True, False),           # routing replay: the fused top-k would bypass it
+    ("2.8.0", False, False, False, False),        # no CUDA
+    ("garbage", True, False, False, False),
+])
+def test_te_fusion_flags(version, cuda, replay, permute, router):
+    from moe_gspo.mcore.model import te_fusion_flags
+
+    assert te_fusion_flags(version, cuda=cuda, routing_replay=replay) == \
+        {"moe_permute_fusion": permute, "moe_router_fusion": router}
+
+
+def test_transformer_config_takes_the_fusion_flags(monkeypatch):
+    """`transformer_config_from_hf` asks the TE version; without TE here (CPU) both fusions stay off, and a
+    faked TE version reaches the decision (CUDA faked off, so the config stays buildable on the CPU)."""
+    import moe_gspo.mcore.model as mm
+    from moe_gspo.tiny import tiny_qwen3_moe_config
+
+    cfg = mm.transformer_config_from_hf(tiny_qwen3_moe_config())
+    assert cfg.moe_permute_fusion is False and cfg.moe_router_fusion is False
+    asked = []
+    monkeypatch.setattr(mm, "te_version", lambda: "2.8.0")
+    real = mm.te_fusion_flags
+    monkeypatch.setattr(mm, "te_fusion_flags", lambda v, **kw: (asked.append((v, kw)), real(v, **kw))[1])
+    cfg = mm.transformer_config_from_hf(tiny_qwen3_moe_config(), enable_routing_replay=True)
+    assert asked == [("2.8.0", {"cuda": torch.cuda.is_available(), "routing_replay": True})]
+    assert cfg.moe_router_fusion is False

@@ -261,6 +261,12 @@ class AlgoConfig:
     routes were missing or malformed, and which therefore replayed the learner's own natural routes
     (r3/fallback_token_frac), exceeds this on a step; in [0, 1] (1 = never warn). See
     moe_gspo/routing/replay_checks.py."""
+    r3_max_mismatch: float | None = None
+    """With routing_replay=r3: stop the run (one line naming the step and the share) when
+    r3/replay_mismatch_frac, the share of replayed (token, MoE layer) rows whose experts in the learner's
+    replayed forward differ from the rollout routes it replayed (rows that fell back to natural routing
+    not counted), exceeds this on a step; in [0, 1]; null = never stop (the share is logged anyway; 0
+    when replay works). E.g. 0 in CI, or 0.01 as Miles' replay check. Ignored without R3."""
 
     def clip_range(self) -> tuple[float | None, float | None]:
         """(clip_low, clip_high) with the algorithm's defaults; (None, None) for sapo (no clip)."""

@@ -277,6 +277,9 @@ def _validate_opsm_and_r3(a: AlgoConfig) -> None:
             raise ValueError(f"algo.opsm_delta={a.opsm_delta} must be >= 0 (a drift threshold; null = 1e-4)")
     if not 0.0 <= a.r3_fallback_warn_frac <= 1.0:
         raise ValueError(f"algo.r3_fallback_warn_frac={a.r3_fallback_warn_frac} must be in [0, 1] (1 = never warn)")
+    if a.r3_max_mismatch is not None and not 0.0 <= a.r3_max_mismatch <= 1.0:
+        raise ValueError(f"algo.r3_max_mismatch={a.r3_max_mismatch} must be in [0, 1] (a share of replayed rows; "
+                         "null = never stop)")
 
 
 def _check_task_io(cfg: Config) -> None:

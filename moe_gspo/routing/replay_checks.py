@@ -178,3 +178,45 @@ def _first_failed(reasons_T: np.ndarray) -> int:
     """The index of the first failed row (len when none failed)."""
     bad = np.flatnonzero(reasons_T)
     return int(bad[0]) if bad.size else len(reasons_T)
+
+
+REPLAY_MISMATCH_KEY = "r3/replay_mismatch_frac"
+"""Share of the replayed (token, layer) rows whose experts in the learner's forward differ from the
+replayed ones (`replay_mismatch`)."""
+
+
+def replay_mismatch(replayed_routes: Sequence, used_routes: Sequence, reasons: Sequence[np.ndarray]) -> dict[str, float]:
+    """The R3 replay contract: did the learner's forward use the experts it was told to replay?
+
+    Args:
+        replayed_routes: B arrays [>= n_b - 1, L, K], the routes handed to the replayed pass (the engine's
+            rows, natural rows where they fell back: `merge_fallback_routes`).
+        used_routes: B arrays [>= n_b - 1, L, K], the top-k experts the same pass's routers actually sent each
+            token to (recorded by `moe_gspo.learner.router_hooks` from the router's routing map, the map the
+            token dispatcher uses).
+        reasons: B arrays [n_b] of `row_reasons` (`check_routes`).
+
+    Counted: every (row, MoE layer) pair of rows t = 0 .. n_b - 2 (`r3/num_rows`) whose reason is 0, i.e.
+    that replayed the engine's route. Rows that fell back to the learner's natural routing are left out
+    (`r3/fallback_*` counts them), and so is each sequence's last row (it produces no log-prob). A pair
+    counts as a mismatch when its used top-k *set* differs from the replayed one (order within the top-k
+    is not part of the contract). Returns {`r3/replay_mismatch_frac`: mismatched / counted pairs, NaN when
+    nothing is counted}.
+    """
+    if not len(replayed_routes) == len(used_routes) == len(reasons):
+        raise ValueError(f"replay_mismatch: {len(replayed_routes)} replayed, {len(used_routes)} used route arrays "
+                         f"and {len(reasons)} reason arrays; pass one of each per sequence")
+    mismatched = counted = 0
+    for b, (want, got, codes) in enumerate(zip(replayed_routes, used_routes, reasons)):
+        rows = np.flatnonzero(np.asarray(codes)[:max(len(codes) - 1, 0)] == 0)
+        if not rows.size:
+            continue
+        want, got = np.asarray(want), np.asarray(got)
+        if want.shape[0] <= rows[-1] or got.shape[0] <= rows[-1] or want.shape[1:] != got.shape[1:]:
+            raise ValueError(f"replay_mismatch: sequence {b} has replayed routes {want.shape} and used routes "
+                             f"{got.shape} for {len(codes)} tokens")
+        a = np.sort(want[rows].astype(np.int64), -1)
+        u = np.sort(got[rows].astype(np.int64), -1)
+        mismatched += int((a != u).any(-1).sum())
+        counted += a.shape[0] * a.shape[1]
+    return {REPLAY_MISMATCH_KEY: mismatched / counted if counted else math.nan}

@@ -176,8 +176,9 @@ def learner_update(cfg: Config, policy, batch: PackedBatch, samples, step: int, 
        `router/*`, `moe_gspo.run.router_diag`;
     2. under R3, the rollout routes checked row by row (`r3/*`; missing or malformed rows take the
        natural routes of pass 1, `moe_gspo.routing.replay_checks`; a warning once per run above
-       `algo.r3_fallback_warn_frac`), then the old-policy pass replaying them → pi_old of the loss and
-       `mismatch_replayed/*`; the update and the reference pass replay the same routes;
+       `algo.r3_fallback_warn_frac`), then the old-policy pass replaying them → pi_old of the loss,
+       `mismatch_replayed/*` and the replay contract `r3/replay_mismatch_frac` (`check_replay_contract`;
+       a stop above `algo.r3_max_mismatch`); the update and the reference pass replay the same routes;
     3. rollout corrections (`rollout_corr/*`) from pi_old vs pi_rollout, reference log-probs when
        `algo.kl_coef > 0` (steps 1-3: `old_policy_pass`, all they hand on in one `OldPolicyPass`);
     4. the update (`Learner.train_step(batch, old_pass)`; `algo.opsm` masks sequences there,
@@ -236,10 +237,14 @@ def old_policy_pass(cfg: Config, policy, batch: PackedBatch, samples, step: int,
         warn_r3_fallback(learner, r3_metrics, cfg.algo.r3_fallback_warn_frac, step)
     old_logp = natural.logp_BS
     if r3:
-        with timer("replayed_logp"):
-            old_logp = learner.compute_logprobs(batch, replay_routes=r3_routes).logp_BS
+        with timer("replayed_logp"):  # records what its routers used: the replay contract (r3/replay_mismatch_frac)
+            replayed = learner.compute_logprobs(batch, replay_routes=r3_routes, record_routes=True)
+            old_logp = replayed.logp_BS
             metrics.update(replayed_mismatch(rollout_logp_BS=batch.rollout_logp_BS, replayed_logp_BS=old_logp,
                                              response_mask_BS=batch.response_mask_BS))
+            metrics.update(check_replay_contract(learner, batch, r3_routes, replayed.routes,
+                                                 max_mismatch=cfg.algo.r3_max_mismatch, step=step))
+            del replayed
     is_weights, rs_keep, corr_metrics = step_correction(cfg.algo, batch, old_logp)
     metrics.update(corr_metrics)
     ref_logp = None
@@ -268,6 +273,30 @@ def checked_rollout_routes(learner, batch: PackedBatch, natural_routes: list | N
         return comparable, None, {}
     replay = merge_fallback_routes(batch.rollout_routes, reasons, natural_routes, num_experts=learner.num_experts)
     return comparable, replay, metrics
+
+
+def check_replay_contract(learner, batch: PackedBatch, replay_routes: list, used_routes: list, *,
+                          max_mismatch: float | None, step: int) -> dict[str, float]:
+    """R3's replay contract, checked in the learner's forward: `r3/replay_mismatch_frac`, the share of the
+    replayed (token, layer) rows whose experts in the replayed old-policy pass (`used_routes`, recorded by the
+    router hooks from the routing map the dispatcher uses) differ from the routes it was given
+    (`replay_routes`); rows that fell back to natural routing are not counted (`r3/fallback_*` counts them;
+    `moe_gspo.routing.replay_checks.replay_mismatch`). 0 when replay works. Above `algo.r3_max_mismatch`
+    (None = never) the run stops (ValueError, one line naming the step and the share) before the update
+    trains on a pi_old that did not replay the rollout routes. Every rank holds the same global routes,
+    so every rank stops alike."""
+    from moe_gspo.routing.replay_checks import REPLAY_MISMATCH_KEY, check_routes, replay_mismatch
+
+    dims = dict(num_layers=len(learner.layer_ids), top_k=learner.top_k, num_experts=learner.num_experts)
+    reasons, _ = check_routes(batch.rollout_routes, batch.seq_lens_B.tolist(), **dims)
+    out = replay_mismatch(replay_routes, used_routes, reasons)
+    frac = out[REPLAY_MISMATCH_KEY]
+    if max_mismatch is not None and frac > max_mismatch:
+        raise ValueError(f"step {step}: R3 replay contract broken: {frac:.2%} of the replayed (token, MoE layer) rows "
+                         f"ran other experts than the rollout routes they replayed ({REPLAY_MISMATCH_KEY}={frac:.4g} > "
+                         f"algo.r3_max_mismatch={max_mismatch:g}); the learner's router replay is not applying the "
+                         f"engine's routes (check the replay row order and the routes' layer order)")
+    return out
 
 
 def warn_r3_fallback(learner, r3_metrics: dict, threshold: float, step: int) -> None:

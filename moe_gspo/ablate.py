@@ -369,7 +369,7 @@ def run_arm(spec: AblationSpec, arm: Arm, arm_runner: ArmRunner) -> ArmResult:
 # --------------------------------------------------------------------------- matrix
 
 def run_ablation(spec: AblationSpec, arm_runner: ArmRunner | None = None, progress: bool = True,
-                 compare: bool = True) -> list[ArmResult]:
+                 compare: bool = True, progress_log: dict[str, list[str]] | None = None) -> list[ArmResult]:
     """Run every arm (`spec.parallel_arms` at a time), then (if `compare`) write `{out_dir}/comparison/`.
     Arms run seed by seed (every arm's first seed, then every arm's second, ...), so a matrix stopped
     midway has whole seeds of every arm; results come in `expand_arms` order."""
@@ -380,8 +380,14 @@ def run_ablation(spec: AblationSpec, arm_runner: ArmRunner | None = None, progre
     arms = expand_arms(spec)
     bar = tqdm(total=len(arms), desc="ablation", unit="arm", file=sys.stderr, disable=not progress)
 
-    def one(arm: Arm) -> ArmResult:
+    log = progress_log if progress_log is not None else {}
+
+    def one(arm: Arm) -> ArmResult:  # `log`: arm names "started", "ended", "finished_now" (for an interruption)
+        log.setdefault("started", []).append(arm.name)
         res = run_arm(spec, arm, arm_runner)
+        log.setdefault("ended", []).append(arm.name)
+        if res.status == "finished":
+            log.setdefault("finished_now", []).append(arm.name)
         bar.set_postfix_str(arm.name)
         bar.update()
         if res.status == "failed" and not getattr(arm_runner, "stopping", False):  # not when Ctrl-C ended it
@@ -505,16 +511,22 @@ def _run_locked(spec: AblationSpec, argv: list[str] | None, arm_runner: ArmRunne
     results: list[ArmResult] = []
     command = shlex.join(["python", "-m", "moe_gspo.ablate", *(sys.argv[1:] if argv is None else argv)])
 
+    progress: dict[str, list[str]] = {"started": [], "ended": [], "finished_now": []}
+
     def how_to_resume() -> str:
         arms = expand_arms(spec, warn=False)
-        done = sum(arm_state(a) == "done" for a in arms)
-        return (f"{done} of {len(arms)} arms finished. Rerun `{command}` to continue: finished arms are skipped, "
-                "the interrupted one resumes from its newest checkpoint (or, without one, restarts with its "
-                "partial run moved aside)")
+        done = [a.name for a in arms if arm_state(a) == "done"]  # the run directories' own record
+        now = [n for n in progress["finished_now"] if n in done]
+        cut = [n for n in progress["started"] if n not in progress["ended"] and n not in done]
+        return (f"{len(done)} of {len(arms)} arms finished ({len(now)} in this run, {len(done) - len(now)} before it)"
+                + (f"; interrupted: {', '.join(cut)}" if cut else "")
+                + f". Rerun `{command}` to continue: finished arms are skipped, the interrupted ones resume from "
+                "their newest checkpoint (or, without one, restart with their partial run moved aside)")
 
     from moe_gspo.run.errors import run_entry
 
-    code = run_entry(lambda: results.extend(run_ablation(spec, arm_runner)), how_to_resume=how_to_resume)
+    code = run_entry(lambda: results.extend(run_ablation(spec, arm_runner, progress_log=progress)),
+                     how_to_resume=how_to_resume)
     if code:  # interrupted (Ctrl-C / SIGTERM): the line above says how to resume
         return code
     counts = {s: sum(r.status == s for r in results) for s in ("finished", "skipped", "failed")}

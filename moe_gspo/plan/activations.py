@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from moe_gspo.plan.params import Geometry
 
 LOGPROB_CHUNK_BYTES = 128 << 20  # moe_gspo.learner.logprobs processes fp32 logits in 128 MiB chunks
-LOGPROB_BACKWARD_CHUNKS = 4  # fp32 chunk-sized temporaries of ChunkedTokenLogprobs' backward (x, p, gradient, a product)
+LOGPROB_BACKWARD_CHUNKS = 4  # fp32 chunk-sized temporaries of ChunkedTokenLogprobs' backward (x, p, grad, a product)
 ATTENTIONS = ("unfused", "flash")
 DISPATCHERS = ("allgather", "alltoall")
 

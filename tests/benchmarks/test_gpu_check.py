@@ -6,6 +6,7 @@ tiny model) work. The GPU run itself needs a GPU (docs/gpu.md, "Validating a GPU
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -402,7 +403,7 @@ def test_mfu_bench_json_records_grouped_experts_optimizer_and_micro_batch(tmp_pa
     opts = gc.mfu_bench_args(micro_batch=2, seq_len=24, seqs=8, recompute="off")
     cmd = [sys.executable, "-m", "benchmarks.memory_bench", *opts, "--steps", "1", "--json", str(out)]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     res = json.loads(out.read_text())["results"][0]
     assert res["experts"]["path"] in ("grouped", "te_grouped") and res["experts"]["loop_modules"] == 0
@@ -536,7 +537,8 @@ def test_mfu_micro_batch_sweep_records_out_of_memory_and_goes_on(tmp_path, monke
     md = gc.render_markdown(result)
     assert "## MFU setting per micro-batch" in md and "| 8 | 8,192 | oom | n/a | n/a |" in md
     assert "## Learner setups" in md
-    assert "| MFU setting, micro-batch 4 | 4 | non-distributed | grouped GEMM (model.batched_experts), 2 MoE layers |" in md
+    assert ("| MFU setting, micro-batch 4 | 4 | non-distributed | grouped GEMM (model.batched_experts), "
+            "2 MoE layers |") in md
     # every micro-batch out of memory: the check fails, naming them
     monkeypatch.setattr(gc, "_bench", lambda out, name, *e, timeout=900: (_ for _ in ()).throw(
         gc.CheckFailed("CUDA out of memory")))

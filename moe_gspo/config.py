@@ -55,7 +55,7 @@ class ModelConfig:
     """Full activation recomputation in the learner (R2/R3 replay also covers the recompute pass)."""
     batched_experts: bool = False
     """Learner MoE layers compute their local experts as one grouped GEMM per projection (`torch._grouped_mm`
-    on CPU and in bf16 on sm90+ GPUs; a padded batched matmul elsewhere) instead of Megatron's loop over experts
+    on CPU and in bf16 on sm90/sm100 GPUs; a padded batched matmul elsewhere) instead of Megatron's loop over experts
     with its host sync (`moe_gspo/mcore/batched_experts.py`; same parameters and maths; the weights viewed in
     place, copied per forward under the distributed optimizer). Measured faster on the tiny CPU configs (on
     there: `train_step` 0.84x, old-policy pass 0.92x, `python -m benchmarks.fastpath_bench`); off by default

@@ -8,7 +8,7 @@ Supported scope:
   of `shims.py`), the Transformer Engine spec when TE is importable (its fused norm weights,
   `linear_qkv.layer_norm_weight` / dense `linear_fc1.layer_norm_weight`, are handled by `weights`);
 - experts: Megatron's `SequentialMLP` loop, or with `model.batched_experts` one grouped GEMM per projection
-  over the local experts (`batched_experts`; `torch._grouped_mm` on the CPU and on sm90+ GPUs in bf16), or
+  over the local experts (`batched_experts`; `torch._grouped_mm` on the CPU and on sm90/sm100 GPUs in bf16), or
   with TE its `TEGroupedMLP` (`moe_grouped_gemm`); SwiGLU, no shared experts, no load-balancing loss;
 - models: transformers `Qwen3MoeForCausalLM` configs (`model.check_supported` says why others fail),
   tied or untied embeddings, optional vocabulary padding.

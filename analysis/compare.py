@@ -57,6 +57,7 @@ from analysis.load import (
 from analysis.report import Page, ReportPaths, Table, fmt_number, write_page
 from analysis.seed_report import arm_seed_statistics, fmt_estimate, seed_notes, seed_tables
 from analysis.seed_stats import DEFAULT_COLLAPSE_DROP, DEFAULT_REPS, DEFAULT_REWARD_THRESHOLD, SeedStatistics
+from analysis.stability_figures import CURVE_KEY, CURVE_KEY_REPLAYED, EXTREME_TAUS, mean_curve, tau_axis
 
 
 @dataclass
@@ -321,6 +322,52 @@ COMPARE_FIGURES: list[FigureSpec] = [
                fig_layer_change),
 ]
 
+def _any_logged(arms: Arms, key: str) -> bool:
+    return any(key in r for runs in arms.runs.values() for _, run in runs for r in run.records)
+
+
+def fig_extreme_frac_curve(arms: Arms) -> Figure:
+    """F(tau) per arm, one line each: per seed the mean over its steps, then the mean over seeds (band: seed
+    min/max); R3 arms' pass replaying the rollout routes dashed."""
+    fig = Figure(figsize=(7.2, 4.0), dpi=100, layout="constrained")
+    ax = fig.subplots()
+    colors, drawn, positive = _palette(arms), 0, False
+    for arm, runs in arms.runs.items():
+        for key, style, what in ((CURVE_KEY, "-", "natural"), (CURVE_KEY_REPLAYED, "--", "replayed")):
+            per_seed = [c for c in (mean_curve(run.records, key) for _, run in runs) if c is not None]
+            if not per_seed:
+                continue
+            c = np.asarray(per_seed)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                mean, lo, hi = np.nanmean(c, 0), np.nanmin(c, 0), np.nanmax(c, 0)
+            positive |= bool(np.nanmax(mean, initial=0) > 0)
+            ax.plot(EXTREME_TAUS, positive_or_nan(mean), marker="o", markersize=3, linestyle=style, color=colors[arm],
+                    label=f"{arm}, {what} (n={len(per_seed)})")
+            if len(per_seed) > 1:
+                ax.fill_between(EXTREME_TAUS, positive_or_nan(lo), positive_or_nan(hi), color=colors[arm], alpha=0.15,
+                                linewidth=0)
+            drawn += 1
+    if not drawn:
+        raise SkipFigure(f"'{CURVE_KEY}' has no step with one value per τ in any run")
+    if positive:
+        ax.set_yscale("log")
+    tau_axis(ax)
+    ax.legend(fontsize="x-small")
+    ax.set(ylabel="F(τ): share of response tokens", title="Extreme-token fraction F(τ) per arm")
+    return fig
+
+
+COMPARE_STABILITY_FIGURES: list[FigureSpec] = [
+    FigureSpec("cmp_extreme_frac_curve", "Extreme-token fraction curve F(τ) per arm",
+               "F(τ) = share of response tokens with |log p_learner − log p_rollout| > ln τ "
+               "(mismatch/extreme_frac_curve; the R3 paper's curve): per seed the mean over steps, line = mean "
+               "over seeds, band = seed min/max; dashed: R3 arms' pass replaying the rollout routes "
+               "(mismatch_replayed/extreme_frac_curve). Its points at τ = 2 and 5 are mismatch/extreme_frac_ln2 "
+               "and _ln5.", fig_extreme_frac_curve, applies=lambda a: _any_logged(a, CURVE_KEY)),
+]
+"""Figures of issue 41's stability metrics; left out silently when no run logged their metric (older runs)."""
+
 TABLE_COLUMNS = ["arm", "seeds", "steps", f"{FINAL_REWARD_LABEL}: IQM over seeds [95% CI]",
                  f"{FINAL_REWARD_LABEL}: seed range (min–max)", "any-layer flip", "update expert change",
                  "clip token frac (binding)", "clip out-of-range frac", "gate weight mean (sapo)",
@@ -447,7 +494,7 @@ def build_comparison(arm_runs: list[ArmRun], out_dir: str | Path,
     page = Page(title=title, intro=[f"{sum(map(len, arms.runs.values()))} runs in {len(arms.runs)} arms",
                                     *seed_notes(stats, reward_threshold, collapse_drop)])
     page.tables += comparison_tables(arms, stats)
-    page.figures = render_figures(COMPARE_FIGURES, arms)
+    page.figures = render_figures(COMPARE_FIGURES + COMPARE_STABILITY_FIGURES, arms)
     page.notes = arms.notes
     return write_page(page, out_dir)
 

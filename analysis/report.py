@@ -37,6 +37,7 @@ from analysis.figure_kit import RenderedFigure, SkippedFigure, render_figures
 from analysis.figures import RUN_FIGURES
 from analysis.probe_figures import PROBE_FIGURES
 from analysis.router_figures import ROUTER_FIGURES
+from analysis.stability_figures import STABILITY_FIGURES
 from analysis.samples import PER_STEP, pick_samples, read_samples, samples_html, samples_markdown
 from analysis.verdicts import run_verdicts
 from moe_gspo.rollout.fp8 import rollout_precision
@@ -46,7 +47,7 @@ from analysis.load import (
 )
 
 assert RUN_FIGURES[0].name == "reward"
-RUN_REPORT_FIGURES = [RUN_FIGURES[0], *EVAL_FIGURES, *RUN_FIGURES[1:], *ROUTER_FIGURES]
+RUN_REPORT_FIGURES = [RUN_FIGURES[0], *EVAL_FIGURES, *RUN_FIGURES[1:], *ROUTER_FIGURES, *STABILITY_FIGURES]
 """The run report's figures: the eval figure right after the training reward."""
 
 

@@ -60,9 +60,11 @@ def test_smoke_every_arm(tmp_path, algo, replay):
         replayed = [k for k in r if k.startswith("mismatch_replayed/")]
         if replay == "r3":
             assert {k.split("/")[1] for k in replayed} == {k.split("/")[1] for k in r if k.startswith("mismatch/")}
-            assert all(r[k] is not None and math.isfinite(r[k]) for k in replayed)
+            assert all(r[k] is not None and math.isfinite(r[k]) for k in replayed if not isinstance(r[k], list))
+            assert r["r3/replay_mismatch_frac"] == 0.0  # issue 41: the learner ran the replayed experts
         else:
             assert replayed == []
+        assert len(r["mismatch/extreme_frac_curve"]) == 7  # issue 41: F(tau) on its tau grid
         assert not any(k.startswith("rollout_corr/") for k in r)
     done = json.loads((run_dir / "done.json").read_text())
     assert done["step"] == 2

@@ -8,7 +8,9 @@ pi_b / pi_a, and tokens sampled from pi_a:
   negative; k3 is unbiased and never negative.
 - |d| (mean and max), and the fraction of "extreme" tokens with |d| > ln 2 and |d| > ln 5 (the
   probabilities differ by more than 2x / 5x), as reported in the Rollout Routing Replay paper
-  (Ma et al. 2025, arXiv 2510.11370) and related train-inference mismatch studies.
+  (Ma et al. 2025, arXiv 2510.11370) and related train-inference mismatch studies; the whole curve
+  F(tau) over a grid of tau is `extreme_frac_curve` (a separate function: `mismatch_metrics` returns
+  scalars only).
 - per-sequence PPL ratio exp(mean_t logp_a - mean_t logp_b) = PPL_b / PPL_a, averaged over
   sequences (1 = no mismatch; > 1 means b finds the sampled text less likely than a did).
 
@@ -89,3 +91,28 @@ def mismatch_metrics(
         stacked = torch.stack([k1, k3, abs_mean, abs_max, ext2, ext5, ppl_mean, num_tokens.double()])
         values = stacked.cpu().tolist()  # one host sync
     return {key: float(value) for key, value in zip(MISMATCH_KEYS, values)}
+
+
+EXTREME_TAUS = (1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
+"""The tau grid of `extreme_frac_curve` (`mismatch/extreme_frac_curve`); tau = 2 and 5 are
+`mismatch/extreme_frac_ln2` and `_ln5`."""
+
+
+def extreme_frac_curve(logp_a_BT: torch.Tensor, logp_b_BT: torch.Tensor, mask_BT: torch.Tensor, *,
+                       taus=EXTREME_TAUS) -> list[float]:
+    """F(tau), the Rollout Routing Replay paper's extreme-token fraction curve (Ma et al. 2025, arXiv
+    2510.11370): per tau of `taus`, the share of the valid tokens whose probability ratio between the two
+    sides lies beyond tau either way, |log p_a - log p_b| > ln tau (unclamped differences, as
+    `mismatch_metrics`, whose `extreme_frac_ln2` / `_ln5` are its points at tau = 2 and 5, bit for bit).
+    Non-increasing in tau; every value 0.0 with no valid token. Python floats, one per tau."""
+    check_token_tensors(mask_BT, logp_a_BT=logp_a_BT, logp_b_BT=logp_b_BT)
+    taus = [float(t) for t in taus]
+    if not all(t > 1.0 for t in taus):
+        raise ValueError(f"extreme_frac_curve: every tau must be > 1 (a probability ratio bound), got {taus}")
+    with torch.no_grad():
+        mask = as_bool_mask(mask_BT)
+        denom_tok = mask.sum().clamp(min=1).double()
+        abs_d = torch.where(mask, logp_a_BT.detach().double() - logp_b_BT.detach().double(), 0.0).abs()
+        fracs = [((abs_d > math.log(t)) & mask).sum() / denom_tok for t in taus]
+        values = torch.stack(fracs).cpu().tolist() if fracs else []
+    return [float(v) for v in values]

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from moe_gspo.algos import mismatch_metrics, ratio_stats
+from moe_gspo.algos.mismatch import extreme_frac_curve
 from moe_gspo.routing.drift import per_token_flip_mask, routing_drift
 
 _DRIFT_SCALARS = ("routing/layer_disagree", "routing/any_layer_flip", "routing/mean_layers_differing",
@@ -133,6 +134,7 @@ def rollout_vs_learner(*, rollout_logp_BS: torch.Tensor, learner_logp_BS: torch.
     mask = response_mask_BS.bool().cpu()
     a, b = rollout_logp_BS.detach().float().cpu(), learner_logp_BS.detach().float().cpu()
     out = dict(mismatch_metrics(a, b, mask))
+    out["mismatch/extreme_frac_curve"] = extreme_frac_curve(a, b, mask)  # F(tau) on EXTREME_TAUS
     out.update(_rename(_floats(ratio_stats(b, a, mask)), "ratio/", "mismatch_ratio/"))
     if rollout_routes is not None and learner_routes is not None:
         P_B, R_B = response_spans(mask)
@@ -164,8 +166,10 @@ def rollout_vs_learner(*, rollout_logp_BS: torch.Tensor, learner_logp_BS: torch.
 def replayed_mismatch(*, rollout_logp_BS: torch.Tensor, replayed_logp_BS: torch.Tensor,
                       response_mask_BS: torch.Tensor) -> dict:
     """`mismatch/*` of the learner pass that replays the rollout routes (R3), as `mismatch_replayed/*`."""
-    m = mismatch_metrics(rollout_logp_BS.detach().float().cpu(), replayed_logp_BS.detach().float().cpu(),
-                         response_mask_BS.bool().cpu())
+    a, b = rollout_logp_BS.detach().float().cpu(), replayed_logp_BS.detach().float().cpu()
+    mask = response_mask_BS.bool().cpu()
+    m = mismatch_metrics(a, b, mask)
+    m["mismatch/extreme_frac_curve"] = extreme_frac_curve(a, b, mask)
     return _rename(m, "mismatch/", "mismatch_replayed/")
 
 

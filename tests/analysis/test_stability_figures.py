@@ -1,0 +1,75 @@
+"""Issue 41's report figures (`analysis.stability_figures`, the comparison report's `cmp_*` counterparts): F(tau)
+averaged by hand, drawn in the run report and one line per arm in the comparison report; left out for runs that
+never logged the metrics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from analysis.compare import ArmRun, build_comparison
+from analysis.figure_kit import RenderedFigure, render_figures
+from analysis.load import load_run
+from analysis.report import build_report
+from analysis.stability_figures import STABILITY_FIGURES, mean_curve
+from synth_run import assert_real_png, write_synthetic_run
+
+CURVES = [[0.5, 0.4, 0.3, 0.2, 0.1, 0.05, 0.0], [0.3, 0.2, 0.1, 0.0, 0.0, 0.0, 0.0],
+          [0.1, None, 0.1, 0.1, 0.1, 0.05, 0.02], [0.2, 0.2, 0.1, 0.1, 0.0, 0.0, 0.0]]
+
+
+def _with_curves(run_dir: Path, curves=CURVES, replayed: bool = False) -> Path:
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for i, r in enumerate(rows):
+        r["mismatch/extreme_frac_curve"] = curves[i % len(curves)]
+        if replayed:
+            r["mismatch_replayed/extreme_frac_curve"] = [x / 2 if x is not None else None for x in curves[i % len(curves)]]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run_dir
+
+
+def test_mean_curve_hand_values():
+    records = [{"step": i, "mismatch/extreme_frac_curve": c} for i, c in enumerate(CURVES)]
+    records.append({"step": 9, "mismatch/extreme_frac_curve": [1.0, 1.0]})  # another grid: left out
+    got = mean_curve(records, "mismatch/extreme_frac_curve")
+    # tau = 1.25: the null of step 2 is left out, (0.4 + 0.2 + 0.2) / 3
+    want = [1.1 / 4, 0.8 / 3, 0.6 / 4, 0.4 / 4, 0.2 / 4, 0.1 / 4, 0.02 / 4]
+    assert got.tolist() == pytest.approx(want)
+    assert mean_curve(records, "mismatch/extreme_frac_curve", last_frac=0.25).tolist() == pytest.approx(CURVES[3])
+    assert mean_curve(records, "mismatch_replayed/extreme_frac_curve") is None
+
+
+def test_run_report_draws_f_tau(tmp_path):
+    run_dir = _with_curves(write_synthetic_run(tmp_path / "run", with_traces=False), replayed=True)
+    out = render_figures(STABILITY_FIGURES, load_run(run_dir))
+    names = [o.name for o in out if isinstance(o, RenderedFigure)]
+    assert "extreme_frac_curve" in names
+    paths = build_report(run_dir, tmp_path / "report")
+    assert_real_png(tmp_path / "report" / "extreme_frac_curve.png")
+    assert "extreme_frac_curve" in {p.stem for p in paths.figures}
+    # an older run without the curve: left out silently, not listed as skipped
+    old = build_report(write_synthetic_run(tmp_path / "old", with_traces=False), tmp_path / "old_report")
+    assert "extreme_frac_curve" not in {p.stem for p in old.figures} | {s.name for s in old.skipped}
+
+
+def test_comparison_draws_one_curve_per_arm(tmp_path):
+    arm_runs = [ArmRun(arm, seed, _with_curves(write_synthetic_run(tmp_path / f"{arm}-s{seed}", seed=seed,
+                                                                     with_traces=False), replayed=arm.endswith("r3")))
+                for arm in ("gspo-none", "grpo-r3") for seed in (0, 1)]
+    paths = build_comparison(arm_runs, tmp_path / "cmp")
+    assert_real_png(tmp_path / "cmp" / "cmp_extreme_frac_curve.png")
+    from analysis.compare import fig_extreme_frac_curve, load_arms
+
+    fig = fig_extreme_frac_curve(load_arms(arm_runs))
+    labels = [l.get_label() for l in fig.axes[0].get_lines()]
+    assert labels == ["gspo-none, natural (n=2)", "grpo-r3, natural (n=2)", "grpo-r3, replayed (n=2)"]
+    # both seeds log the same curves: the arm's line is their mean over steps (zeros left off the log scale)
+    want = mean_curve(load_run(arm_runs[0].run_dir).records, "mismatch/extreme_frac_curve")
+    got = np.asarray(fig.axes[0].get_lines()[0].get_ydata(), float)
+    np.testing.assert_allclose(got, np.where(want > 0, want, np.nan))
+    replayed = np.asarray(fig.axes[0].get_lines()[2].get_ydata(), float)
+    np.testing.assert_allclose(replayed, np.where(want > 0, want / 2, np.nan))
+    assert "cmp_extreme_frac_curve" in {p.stem for p in paths.figures}

@@ -32,8 +32,10 @@ def _train(run_dir: Path, *args: str) -> int:
 
 
 def _snapshot(d: Path) -> dict[str, str]:
+    """The run's files and their hashes; the lock file (`.moe_gspo.lock`, which records the last holder and
+    stays in RUN_DIR on --overwrite) is not run data."""
     return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-            for p in sorted(d.rglob("*"))}
+            for p in sorted(d.rglob("*")) if p.name != ".moe_gspo.lock"}
 
 
 def _errors(text: str) -> list[str]:

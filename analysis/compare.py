@@ -57,7 +57,10 @@ from analysis.load import (
 from analysis.report import Page, ReportPaths, Table, fmt_number, write_page
 from analysis.seed_report import arm_seed_statistics, fmt_estimate, seed_notes, seed_tables
 from analysis.seed_stats import DEFAULT_COLLAPSE_DROP, DEFAULT_REPS, DEFAULT_REWARD_THRESHOLD, SeedStatistics
-from analysis.stability_figures import CURVE_KEY, CURVE_KEY_REPLAYED, EXTREME_TAUS, mean_curve, tau_axis
+from analysis.stability_figures import (
+    CURVE_KEY, CURVE_KEY_REPLAYED, DEAD_KEY, EXTREME_TAUS, LOAD_KEYS, draw_load_steps, load_steps, mean_curve,
+    shown_layers, tau_axis,
+)
 
 
 @dataclass
@@ -331,7 +334,7 @@ def fig_extreme_frac_curve(arms: Arms) -> Figure:
     min/max); R3 arms' pass replaying the rollout routes dashed."""
     fig = Figure(figsize=(7.2, 4.0), dpi=100, layout="constrained")
     ax = fig.subplots()
-    colors, drawn, positive = _palette(arms), 0, False
+    colors, lines = _palette(arms), []
     for arm, runs in arms.runs.items():
         for key, style, what in ((CURVE_KEY, "-", "natural"), (CURVE_KEY_REPLAYED, "--", "replayed")):
             per_seed = [c for c in (mean_curve(run.records, key) for _, run in runs) if c is not None]
@@ -340,21 +343,68 @@ def fig_extreme_frac_curve(arms: Arms) -> Figure:
             c = np.asarray(per_seed)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
-                mean, lo, hi = np.nanmean(c, 0), np.nanmin(c, 0), np.nanmax(c, 0)
-            positive |= bool(np.nanmax(mean, initial=0) > 0)
-            ax.plot(EXTREME_TAUS, positive_or_nan(mean), marker="o", markersize=3, linestyle=style, color=colors[arm],
-                    label=f"{arm}, {what} (n={len(per_seed)})")
-            if len(per_seed) > 1:
-                ax.fill_between(EXTREME_TAUS, positive_or_nan(lo), positive_or_nan(hi), color=colors[arm], alpha=0.15,
-                                linewidth=0)
-            drawn += 1
-    if not drawn:
+                lines.append((arm, style, f"{arm}, {what} (n={len(per_seed)})", len(per_seed),
+                              np.nanmean(c, 0), np.nanmin(c, 0), np.nanmax(c, 0)))
+    if not lines:
         raise SkipFigure(f"'{CURVE_KEY}' has no step with one value per τ in any run")
+    positive = any(np.nanmax(mean, initial=0) > 0 for *_, mean, _, _ in lines)  # all zeros: a linear axis at 0
+    show = positive_or_nan if positive else (lambda v: v)
+    for arm, style, label, n, mean, lo, hi in lines:
+        ax.plot(EXTREME_TAUS, show(mean), marker="o", markersize=3, linestyle=style, color=colors[arm], label=label)
+        if n > 1:
+            ax.fill_between(EXTREME_TAUS, show(lo), show(hi), color=colors[arm], alpha=0.15, linewidth=0)
     if positive:
         ax.set_yscale("log")
     tau_axis(ax)
     ax.legend(fontsize="x-small")
     ax.set(ylabel="F(τ): share of response tokens", title="Extreme-token fraction F(τ) per arm")
+    return fig
+
+
+def arm_load_steps(runs: list[tuple[int, RunData]], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, loads [S, L, E]) of an expert-load key averaged over an arm's seeds, on the steps every seed
+    that logged it has (empty when none did)."""
+    per_seed = [load_steps(run.records, key) for _, run in runs]
+    per_seed = [(st, v) for st, v in per_seed if st.size]
+    if not per_seed or len({v.shape[1:] for _, v in per_seed}) != 1:
+        return np.zeros(0, np.int64), np.zeros((0, 0, 0))
+    common = sorted(set.intersection(*(set(st.tolist()) for st, _ in per_seed)))
+    if not common:
+        return np.zeros(0, np.int64), np.zeros((0, 0, 0))
+    stack = [v[np.searchsorted(st, common)] for st, v in per_seed]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.asarray(common, np.int64), np.nanmean(np.stack(stack), 0)
+
+
+def fig_expert_load_steps(arms: Arms) -> Figure:
+    """Per arm (rows) and side (columns), the expert load per layer against the step, seeds averaged."""
+    cells = {(arm, name): arm_load_steps(runs, key) for arm, runs in arms.runs.items() for key, name in LOAD_KEYS}
+    shapes = {v.shape[1:] for st, v in cells.values() if st.size}
+    if not shapes:
+        raise SkipFigure("no run logged routing/expert_load_rollout or routing/expert_load_learner per layer")
+    num_layers = max(sh[0] for sh in shapes)
+    layers = shown_layers(num_layers, 4)
+    labels = _arm_layer_labels(arms, num_layers)
+    vmax = max(float(np.nanmax(v)) if np.isfinite(v).any() else 0.0 for st, v in cells.values() if st.size) or 1.0
+    arm_names = list(arms.runs)
+    fig = Figure(figsize=(10.4, float(np.clip((0.5 * len(layers) + 1.2) * len(arm_names), 3.0, 24.0))), dpi=100,
+                 layout="constrained")
+    axes = fig.subplots(len(arm_names), len(LOAD_KEYS), squeeze=False)
+    im = None
+    for r, arm in enumerate(arm_names):
+        for c, (_, name) in enumerate(LOAD_KEYS):
+            ax = axes[r][c]
+            steps, vals = cells[(arm, name)]
+            if not steps.size or vals.shape[1] != num_layers:
+                ax.text(0.5, 0.5, f"{arm}: {name} load not logged", ha="center", va="center", transform=ax.transAxes)
+                ax.set_axis_off()
+                continue
+            im = draw_load_steps(ax, steps, vals, layers, labels, vmax=vmax, title=f"{arm}: {name}", ylabel=c == 0)
+    if im is not None:
+        fig.colorbar(im, ax=axes, label="share of the layer's top-k slots (mean over seeds)")
+    shown = "" if len(layers) == num_layers else f", {len(layers)} of {num_layers} layers shown"
+    fig.suptitle(f"Expert load per layer over training, per arm{shown}")
     return fig
 
 
@@ -365,6 +415,16 @@ COMPARE_STABILITY_FIGURES: list[FigureSpec] = [
                "over seeds, band = seed min/max; dashed: R3 arms' pass replaying the rollout routes "
                "(mismatch_replayed/extreme_frac_curve). Its points at τ = 2 and 5 are mismatch/extreme_frac_ln2 "
                "and _ln5.", fig_extreme_frac_curve, applies=lambda a: _any_logged(a, CURVE_KEY)),
+    FigureSpec("cmp_dead_experts", "Dead experts per arm",
+               "router/dead_experts: (MoE layer, expert) pairs to which the learner's old-policy pass routed no "
+               "response row in the last logging.dead_expert_window steps; line = mean over seeds, band = min/max.",
+               lambda a: _panels(a, [(DEAD_KEY, "(layer, expert) pairs", False)], "Dead experts (learner)"),
+               applies=lambda a: _any_logged(a, DEAD_KEY)),
+    FigureSpec("cmp_expert_load_steps", "Expert load per layer over training, per arm",
+               "Each expert's share of its layer's top-k slots on the response rows (routing/expert_load_rollout, "
+               "routing/expert_load_learner) against the step, the arm's seeds averaged on their common steps; "
+               "layers stacked (white lines), at most 4 shown.", fig_expert_load_steps,
+               applies=lambda a: _any_logged(a, DEAD_KEY)),
 ]
 """Figures of issue 41's stability metrics; left out silently when no run logged their metric (older runs)."""
 

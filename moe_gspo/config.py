@@ -504,6 +504,10 @@ class LoggingConfig:
     two no-grad learner passes over the step's batch (one when train.num_minibatches = 1): ~18% of a
     tiny-model step measured every step (`python -m benchmarks.step_profile`). The routing traces
     of kind `updated`, and the NaN/Inf check of the updated log-probs, run only on those steps."""
+    dead_expert_window: int = 20
+    """router/dead_experts counts the (MoE layer, expert) pairs to which the learner's old-policy pass
+    (natural routing) routed none of the response rows of the last N steps, the current one included
+    (fewer at the run's start); >= 1. See moe_gspo/routing/expert_usage.py."""
     router_margin_threshold: float = 0.01
     """Router-margin threshold, in router-logit units, of router/margin_small_frac_* and
     router/flip_frac_{small,large}_margin: a token counts as low-margin in a MoE layer when its k-th and

@@ -94,6 +94,7 @@ def validate(cfg: Config) -> Config:
     _check_positive("logging.trace_every", lg.trace_every, allow_zero=True)
     _check_positive("logging.progress_every", lg.progress_every, allow_zero=True)
     _check_positive("logging.update_drift_every", lg.update_drift_every, allow_zero=True)
+    _check_positive("logging.dead_expert_window", lg.dead_expert_window)
     if not lg.router_margin_threshold >= 0:  # NaN too
         raise ValueError(f"logging.router_margin_threshold={lg.router_margin_threshold} must be >= 0 (router-logit units)")
     _check_positive("task.prompt_len", t.prompt_len)

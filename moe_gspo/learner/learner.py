@@ -62,6 +62,7 @@ from moe_gspo.learner.router_hooks import MegatronRouterRecorder
 from moe_gspo.mcore.model import forward_logits, moe_layer_ids, moe_routers, unwrap
 from moe_gspo.mcore.parallel import ParallelInfo
 from moe_gspo.routing.align import build_replay_topk
+from moe_gspo.routing.expert_usage import ExpertUsageWindow
 from moe_gspo.routing.replay_checks import check_routes, merge_fallback_routes, needs_fallback
 
 
@@ -123,6 +124,9 @@ class Learner:
         """Whether this run warned about R3 fallback rows (`moe_gspo.run.learner_passes.warn_r3_fallback`)."""
         self.num_train_steps = 0
         """`train_step` calls so far (seeds the mini-batch shuffle; saved with the optimizer state)."""
+        self.expert_usage = ExpertUsageWindow()
+        """The old-policy pass's expert token counts of the last steps, for `router/dead_experts`
+        (`moe_gspo.run.learner_passes.old_policy_pass`; saved with the optimizer state)."""
 
     # ------------------------------------------------------------------ pass helpers (old_pass.py, backward.py)
     def forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
@@ -444,7 +448,7 @@ class Learner:
             raise ValueError("an inference-only Learner (train=None) has no training state to save")
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "skipped_steps": self.skipped_steps, "num_updates": self.num_updates,
-                "num_train_steps": self.num_train_steps}
+                "num_train_steps": self.num_train_steps, "expert_usage": self.expert_usage.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Inverse of `state_dict`. The optimizer state loads first and the weights last (see
@@ -455,3 +459,4 @@ class Learner:
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.num_updates = int(state.get("num_updates", 0))
         self.num_train_steps = int(state.get("num_train_steps", self.num_updates // self.train.num_minibatches))
+        self.expert_usage.load_state_dict(state.get("expert_usage"))  # absent in older checkpoints: empty

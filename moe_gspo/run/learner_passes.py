@@ -21,7 +21,8 @@ from moe_gspo.config import AlgoConfig, Config
 from moe_gspo.learner.batch import PackedBatch
 from moe_gspo.learner.lr_schedule import lr_at
 from moe_gspo.learner.old_pass import OldPolicyPass
-from moe_gspo.run.compare import policy_update_drift, replayed_mismatch, rollout_vs_learner
+from moe_gspo.run.compare import (policy_update_drift, replayed_mismatch, response_rows, response_spans,
+                                  rollout_vs_learner)
 from moe_gspo.run.router_diag import step_router_diagnostics
 from moe_gspo.run.timing import PhaseTimer
 
@@ -233,6 +234,8 @@ def old_policy_pass(cfg: Config, policy, batch: PackedBatch, samples, step: int,
         metrics.update(step_router_diagnostics(samples, natural, batch.response_mask_BS,
                                                num_experts=policy.num_experts,
                                                margin_threshold=cfg.logging.router_margin_threshold))
+        metrics["router/dead_experts"] = count_dead_experts(learner, batch, natural.routes,
+                                                            window=cfg.logging.dead_expert_window)
     if r3:
         warn_r3_fallback(learner, r3_metrics, cfg.algo.r3_fallback_warn_frac, step)
     old_logp = natural.logp_BS
@@ -256,6 +259,19 @@ def old_policy_pass(cfg: Config, policy, batch: PackedBatch, samples, step: int,
                         ref_logp_BS=ref_logp, is_weights_BS=is_weights, rs_keep_BS=rs_keep, fused=fused,
                         rollout_routes=rollout_routes)
     return old, metrics
+
+
+def count_dead_experts(learner, batch: PackedBatch, natural_routes: list, *, window: int) -> int:
+    """`router/dead_experts`: (MoE layer, expert) pairs to which the learner's old-policy pass (natural routing)
+    routed no token of the rows that produce response log-probs (those of `routing/*`) in the last `window` steps,
+    this one included (`logging.dead_expert_window`; fewer at the run's start); the window lives on the
+    learner (`Learner.expert_usage`, checkpointed). Call once per step."""
+    from moe_gspo.routing.expert_usage import expert_token_counts
+
+    lo, hi = response_rows(*response_spans(batch.response_mask_BS))
+    counts = expert_token_counts(natural_routes, lo, hi, num_layers=len(learner.layer_ids),
+                                 num_experts=learner.num_experts)
+    return learner.expert_usage.update(counts, window)
 
 
 def checked_rollout_routes(learner, batch: PackedBatch, natural_routes: list | None, *, r3: bool):

@@ -73,3 +73,48 @@ def test_comparison_draws_one_curve_per_arm(tmp_path):
     replayed = np.asarray(fig.axes[0].get_lines()[2].get_ydata(), float)
     np.testing.assert_allclose(replayed, np.where(want > 0, want / 2, np.nan))
     assert "cmp_extreme_frac_curve" in {p.stem for p in paths.figures}
+
+
+def _with_dead(run_dir: Path) -> Path:
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        r["router/dead_experts"] = r["step"] % 3
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run_dir
+
+
+def test_shown_layers():
+    from analysis.stability_figures import shown_layers
+
+    assert shown_layers(3).tolist() == [0, 1, 2]
+    assert shown_layers(48, 4).tolist() == [0, 16, 31, 47]
+
+
+def test_expert_load_heatmap_and_dead_experts_in_both_reports(tmp_path):
+    run_dir = _with_dead(write_synthetic_run(tmp_path / "run", with_traces=False))
+    paths = build_report(run_dir, tmp_path / "report")
+    names = {p.stem for p in paths.figures}
+    assert {"expert_load_steps", "dead_experts"} <= names
+    assert not {"expert_load_steps", "dead_experts"} & {s.name for s in paths.skipped}
+    for name in ("expert_load_steps", "dead_experts"):
+        assert_real_png(tmp_path / "report" / f"{name}.png")
+    from analysis.stability_figures import fig_dead_experts, fig_expert_load_steps
+
+    run = load_run(run_dir)
+    fig = fig_expert_load_steps(run)
+    image = fig.axes[1].images[0].get_array()  # learner: rows = (layer, expert), columns = steps
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    want = np.asarray([r["routing/expert_load_learner"] for r in rows])  # [S, L, E]
+    np.testing.assert_allclose(np.asarray(image), want.transpose(1, 2, 0).reshape(-1, len(rows)))
+    line = fig_dead_experts(run).axes[0].get_lines()[0]
+    assert np.asarray(line.get_ydata()).tolist() == [r["step"] % 3 for r in rows]
+    # the comparison report: dead experts one line per arm, the heatmaps per arm and side
+    arm_runs = [ArmRun(arm, seed, _with_dead(write_synthetic_run(tmp_path / f"{arm}-s{seed}", seed=seed,
+                                                                   with_traces=False)))
+                for arm in ("gspo-none", "grpo-r3") for seed in (0, 1)]
+    cmp = build_comparison(arm_runs, tmp_path / "cmp")
+    assert {"cmp_dead_experts", "cmp_expert_load_steps"} <= {p.stem for p in cmp.figures}
+    assert_real_png(tmp_path / "cmp" / "cmp_expert_load_steps.png")
+    # runs from before issue 41 (no router/dead_experts): both left out silently
+    old = build_report(write_synthetic_run(tmp_path / "old", with_traces=False), tmp_path / "old_report")
+    assert not {"expert_load_steps", "dead_experts"} & ({p.stem for p in old.figures} | {s.name for s in old.skipped})

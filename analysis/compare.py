@@ -400,7 +400,9 @@ def fig_expert_load_steps(arms: Arms) -> Figure:
                 ax.text(0.5, 0.5, f"{arm}: {name} load not logged", ha="center", va="center", transform=ax.transAxes)
                 ax.set_axis_off()
                 continue
-            im = draw_load_steps(ax, steps, vals, layers, labels, vmax=vmax, title=f"{arm}: {name}", ylabel=c == 0)
+            im = draw_load_steps(ax, steps, vals, layers, labels, vmax=vmax, title=f"{arm}: {name}", ylabel=False)
+            if c == 0:
+                ax.set_ylabel(f"MoE layer ({vals.shape[2]} experts each)", fontsize="small")
     if im is not None:
         fig.colorbar(im, ax=axes, label="share of the layer's top-k slots (mean over seeds)")
     shown = "" if len(layers) == num_layers else f", {len(layers)} of {num_layers} layers shown"

@@ -112,8 +112,15 @@ HAND_RECORDS = [
 # any-layer flip: (0.1 + 0.2 + 0.3) / 3 = 20% over 3 steps (the null step left out); per layer
 # (0.02 + 0.04 + 0.06) / 3 = 4% and (0.1 + 0.3 + 0.2) / 3 = 20%; token var (1e-3 + 3e-3) / 2 = 0.002,
 # seq var (1e-4 + 5e-4) / 2 = 0.0003: 6.67x (a ratio of means; the mean of the per-step ratios, 10 and 6,
-# would be 8); no ratio/* metric at all.
+# would be 8); no ratio/* metric at all. The "did drift matter" sentences open the summary (issue 43): no variance
+# share or clip fraction logged, and 2 step pairs (0→1, 1→2) with a flip rate and a reward change.
 HAND_SENTENCES = [
+    "Drift and ratio variance: not measured (no step with both mismatch_ratio/token_var_share_flipped and "
+    "mismatch_ratio/flipped_token_frac; mismatch_ratio/token_var_share_flipped never logged or never defined).",
+    "Drift and clipping: not tested (clip/token_frac never logged).",
+    "Drift and reward, a step's share of routing-flipped tokens (routing/any_layer_flip) vs the change of "
+    "reward/mean from that step to the next: too few step pairs to test (2 with both routing/any_layer_flip and "
+    "the reward change; at least 8 needed).",
     "Routing: 20% of response tokens were routed differently by the rollout engine and the learner (natural "
     "routing) in at least one MoE layer (routing/any_layer_flip, mean over 3 steps); per MoE layer 4% (layer 0) "
     "to 20% (layer 1) (routing/layer_disagree, mean over steps).",
@@ -136,6 +143,17 @@ def test_verdict_sentences_recompute_by_hand_and_open_the_report(tmp_path):
     html = paths.html.read_text()
     assert re.search(r"<h1>[^<]*</h1>(\s*<p>[^<]*</p>)*\s*<h2>Summary</h2>", html)  # after the setup lines only
     assert "had 6.67× the variance" in html
+
+
+def test_synthetic_report_opens_with_drift_verdicts(synthetic_report):
+    """A run with every metric (12 steps): the summary's first three sentences say whether drift mattered."""
+    md = synthetic_report.markdown.read_text()
+    summary = md.split("## Summary\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert summary[0].startswith("- Drift and ratio variance: tokens routed differently in at least one MoE layer")
+    assert summary[1].startswith("- Drift and clipping, per-step share of routing-flipped tokens")
+    assert "Spearman ρ = " in summary[1] and "n = 12 steps" in summary[1]
+    assert summary[2].startswith("- Drift and reward,") and "n = 11 step pairs" in summary[2]
+    assert summary[3].startswith("- Routing: ")
 
 
 def test_verdicts_say_what_is_missing_or_undefined():

@@ -70,6 +70,27 @@ class ModelConfig:
     Megatron's local baddbmm -> masked softmax -> bmm (`moe_gspo/mcore/sdpa_attention.py`; no parameters, same
     maths up to float rounding). Applies where Megatron's spec has its local attention (no Transformer
     Engine, which brings its own fused attention); false = upstream's local attention."""
+    freeze_router: bool = False
+    """Freeze the MoE routers during RL (NeMo-RL's Megatron recipes: `freeze_moe_router: true`): the learner's
+    router (gate) weights get requires_grad=False, so they are out of the DDP gradient buffers and the
+    optimizer and never change; the rollout engine, which receives the learner's weights, keeps them too.
+    Routing still drifts through the hidden states (attention, dense MLP and experts keep training), so
+    update/expert_change_frac then measures that part alone. false = the routers train (today's behaviour)."""
+    router_dtype: Literal["fp32", "fp64"] | None = None
+    """Dtype of the router computation (gate GEMM, softmax, top-k), on both sides. Learner: Megatron-core's
+    `moe_router_dtype` (NeMo-RL's RL recipes set fp64); null = fp32, what the Qwen3-MoE mapping always set.
+    hf rollout engine: the gate weights are kept in this dtype (the weight sync then copies the learner's
+    weights into them without rounding them to rollout.dtype) and the gate GEMM, softmax and top-k run in it
+    on the rollout.dtype hidden state upcast; the top-k weights go back to rollout.dtype for the expert
+    combine (moe_gspo/rollout/router_dtype.py); null = transformers' router (gate GEMM in rollout.dtype, softmax
+    in fp32). Not for rollout.engine=vllm (its fused MoE gate runs in the model dtype; no hook to change it),
+    nor with an FP8 router (rollout.quantization=fp8 with rollout.fp8_router=true)."""
+    router_bias_update_rate: float | None = None
+    """Update rate of the expert bias of aux-loss-free load balancing (Megatron-core's
+    `moe_router_bias_update_rate` with `moe_router_enable_expert_bias`; NeMo-RL's RL recipes set 0.0 so the
+    bias stays put). Applies to models with an expert bias only (DeepSeek-V3-style sigmoid routers;
+    megatron-core 0.16.1 refuses the bias with a softmax router): Qwen3-MoE, the only model family the
+    learner builds, has none, so any value is refused; null = no expert bias (today's behaviour)."""
 
 
 @dataclass(kw_only=True)
@@ -267,6 +288,17 @@ class AlgoConfig:
     replayed forward differ from the rollout routes it replayed (rows that fell back to natural routing
     not counted), exceeds this on a step; in [0, 1]; null = never stop (the share is logged anyway; 0
     when replay works). E.g. 0 in CI, or 0.01 as Miles' replay check. Ignored without R3."""
+    router_aux_loss: Literal["none", "aux_loss", "seq_aux_loss"] = "none"
+    """Router load-balancing loss added in the update (Megatron-core's `moe_router_load_balancing_type`):
+    none (today's behaviour, and NeMo-RL's RL recipes: "seq_aux_loss causes logprob error divergence for
+    grpo"), aux_loss (GShard/Switch, per micro-batch), seq_aux_loss (DeepSeek-V2/V3, per sequence). Computed
+    by Megatron's routers in the update's forward over every position of the micro-batch (prompt, response
+    and right padding), scaled by 1 / micro-batches per optimizer step; the no-grad passes (old policy,
+    reference, drift probes) carry none. Needs algo.router_aux_loss_coef > 0."""
+    router_aux_loss_coef: float = 0.0
+    """Coefficient of algo.router_aux_loss (Megatron-core's `moe_aux_loss_coeff`; Qwen3-MoE's pre-training
+    `router_aux_loss_coef` is 0.001, TRL's GRPOTrainer adds it by default); > 0 needs algo.router_aux_loss
+    != none, and the loss needs > 0."""
 
     def clip_range(self) -> tuple[float | None, float | None]:
         """(clip_low, clip_high) with the algorithm's defaults; (None, None) for sapo (no clip)."""

@@ -118,6 +118,7 @@ def validate(cfg: Config) -> Config:
         )
     _check_quantization(r)
     _check_rollout_fast_paths(r)
+    _check_router_policy(cfg)
     if r.engine == "vllm" and r.record_probs:
         # vLLM returns expert ids only; silently dropping probs would surprise in reports.
         r.record_probs = False
@@ -226,6 +227,36 @@ def _check_quantization(r: RolloutConfig) -> None:
     if r.dtype != "bfloat16":
         raise ValueError(f"rollout.quantization={r.quantization} with rollout.dtype={r.dtype}: FP8 rollouts keep "
                          "activations in bf16, as vLLM's FP8 weight path does; set rollout.dtype=bfloat16")
+
+
+def _check_router_policy(cfg: Config) -> None:
+    """The router-policy axes (docs/algorithms.md, "Router policy during RL"): model.freeze_router,
+    model.router_dtype, model.router_bias_update_rate, algo.router_aux_loss / router_aux_loss_coef."""
+    m, r, a = cfg.model, cfg.rollout, cfg.algo
+    if m.router_dtype is not None:
+        if r.engine == "vllm":
+            raise ValueError(f"model.router_dtype={m.router_dtype} applies to the learner and the hf rollout engine; "
+                             "vLLM's fused MoE gate runs in the model dtype with no hook to change it, so the two "
+                             "sides would route in different dtypes; use rollout.engine=hf or model.router_dtype=null")
+        if r.quantization == "fp8" and r.fp8_router:
+            raise ValueError(f"model.router_dtype={m.router_dtype} keeps the rollout routers' gate weights in "
+                             f"{m.router_dtype}, but rollout.quantization=fp8 with rollout.fp8_router=true quantizes "
+                             "them to float8; set rollout.fp8_router=false (the FP8 rollout keeps the gates out) or "
+                             "model.router_dtype=null")
+    if m.router_bias_update_rate is not None:
+        raise ValueError(f"model.router_bias_update_rate={m.router_bias_update_rate}: the expert bias of aux-loss-free "
+                         "load balancing exists in DeepSeek-V3-style sigmoid routers only (megatron-core 0.16.1 "
+                         "refuses moe_router_enable_expert_bias with a softmax router); Qwen3-MoE, the model "
+                         "family trained here, has no expert bias, so there is nothing to update: leave it null")
+    if not a.router_aux_loss_coef >= 0:  # NaN too
+        raise ValueError(f"algo.router_aux_loss_coef={a.router_aux_loss_coef} must be >= 0")
+    if a.router_aux_loss == "none" and a.router_aux_loss_coef > 0:
+        raise ValueError(f"algo.router_aux_loss_coef={a.router_aux_loss_coef} has no effect with "
+                         "algo.router_aux_loss=none; set algo.router_aux_loss=aux_loss|seq_aux_loss or drop it")
+    if a.router_aux_loss != "none" and a.router_aux_loss_coef == 0:
+        raise ValueError(f"algo.router_aux_loss={a.router_aux_loss} needs algo.router_aux_loss_coef > 0 (e.g. "
+                         "0.001, Qwen3-MoE's pre-training value); with 0 no loss is added: set "
+                         "algo.router_aux_loss=none instead")
 
 
 def _check_rollout_fast_paths(r: RolloutConfig) -> None:

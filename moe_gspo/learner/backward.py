@@ -44,6 +44,18 @@ class FusedPass:
     """`Learner.num_train_steps` when the pass ran: `train_step` refuses the piece after another update."""
 
 
+def set_router_aux_loss_scale(learner, num_micro_batches: int) -> None:
+    """With `algo.router_aux_loss` on: the gradient scale of Megatron's router load-balancing loss for the
+    next backward passes, 1 / this rank's micro-batches of the mini-batch (Megatron-LM sets loss_scale /
+    num_microbatches), so that after DDP's average over data-parallel ranks the gradient is that of
+    coef x the mean per-micro-batch aux loss. Nothing is touched without it."""
+    if learner.algo.router_aux_loss == "none":
+        return
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / max(num_micro_batches, 1), device=learner.device))
+
+
 def backward_minibatch(learner, mini: PackedBatch, routes, mask_all, loss_on):
     """Forward + backward of this rank's shard of `mini`, micro-batch by micro-batch. Returns (finite,
     the global log-probs [B_mini, S], their entropies (algo.entropy_coef > 0, else None), the loss
@@ -57,6 +69,7 @@ def backward_minibatch(learner, mini: PackedBatch, routes, mask_all, loss_on):
     ent_local = torch.zeros_like(logp_local) if with_entropy else None
     finite_t, m_all = torch.ones((), dtype=torch.bool, device=learner.device), None  # read once, after the loop
     whole = learner.parallel.dp_size == 1 and len(plan.micro_batches) == 1
+    set_router_aux_loss_scale(learner, len(plan.micro_batches))
     for mb in plan.micro_batches:
         rows, S_i = slice(mb.start, mb.stop), mb.seq_len
         ids = local.input_ids_BS[rows, :S_i]
@@ -92,6 +105,7 @@ def backward_fused(learner, fused: FusedPass, idx: np.ndarray, mask_all, loss_on
     this rank's rows of its shard that belong to the mini-batch (possibly none: a zero loss, still
     back-propagated, as expert parallelism's backward is collective)."""
     pos = {int(g): j for j, g in enumerate(fused.graph_rows)}
+    set_router_aux_loss_scale(learner, 1)
     sel = [(k, pos[int(g)]) for k, g in enumerate(idx) if int(g) in pos]
     S0 = fused.logp_graph.shape[1]
     with_entropy = fused.ent_graph is not None and learner.algo.entropy_coef > 0

@@ -337,6 +337,40 @@ def moe_routers(model) -> list:
     return [m for m in unwrap(model).modules() if isinstance(m, TopKRouter)]
 
 
+def router_policy_overrides(*, router_dtype: str | None = None, aux_loss: str = "none",
+                            aux_loss_coef: float = 0.0) -> dict[str, Any]:
+    """`TransformerConfig` overrides of the router-policy axes (`model.router_dtype`, `algo.router_aux_loss`,
+    `algo.router_aux_loss_coef`; docs/algorithms.md "Router policy during RL"), for `build_gpt_model(**...)`:
+    empty for the defaults, which keep the mapping's fp32 router without load-balancing loss."""
+    if aux_loss not in ("none", "aux_loss", "seq_aux_loss"):
+        raise ValueError(f"router aux loss {aux_loss!r}: use none, aux_loss or seq_aux_loss")
+    if (aux_loss == "none") != (aux_loss_coef == 0):
+        raise ValueError(f"router aux loss {aux_loss!r} with coefficient {aux_loss_coef}: a loss needs a "
+                         "coefficient > 0, none needs 0")
+    kw: dict[str, Any] = {}
+    if router_dtype is not None:
+        if router_dtype not in ("fp32", "fp64"):
+            raise ValueError(f"router_dtype={router_dtype!r}: use fp32, fp64 or None")
+        kw["moe_router_dtype"] = router_dtype
+    if aux_loss != "none":
+        kw.update(moe_router_load_balancing_type=aux_loss, moe_aux_loss_coeff=float(aux_loss_coef))
+    return kw
+
+
+def freeze_routers(model) -> int:
+    """Set requires_grad=False on every MoE router's parameters (`model.freeze_router`), before the model is
+    wrapped in DDP: Megatron's DDP and the optimizers take trainable parameters only, so the routers never
+    change. Returns the number of parameters frozen."""
+    frozen = 0
+    for router in moe_routers(model):
+        for p in router.parameters():
+            p.requires_grad_(False)
+            frozen += 1
+    if not frozen:
+        raise ValueError("freeze_routers: the model has no MoE router parameters")
+    return frozen
+
+
 def moe_layer_ids(hf_config) -> list[int]:
     """Model-layer indices (0-based) of the MoE layers."""
     return [i for i, is_moe in enumerate(moe_layer_pattern(hf_config)) if is_moe]

@@ -97,6 +97,7 @@ class _Layer:
     top_k: int = 0
     norm_topk_prob: bool = True
     experts: nn.Module | None = None  # the model's experts module, when it runs (many experts)
+    router_wide: bool = False  # the gate weight is wider than the model dtype: route in its dtype (router_dtype.py)
 
 
 class CompactDecoder:
@@ -186,8 +187,9 @@ class CompactDecoder:
             return _Layer(**common, gate_up=self._weight(f"{index}.gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight]),
                           down=self._weight(f"{index}.down", [mlp.down_proj.weight]))
         router, experts = mlp.gate, mlp.experts
-        moe = dict(router=self._weight(f"{index}.router", [router.weight]), top_k=router.top_k,
-                   norm_topk_prob=router.norm_topk_prob)
+        wide = router.weight.dtype != self.dtype  # model.router_dtype (moe_gspo/rollout/router_dtype.py)
+        moe = dict(router=router.weight.detach() if wide else self._weight(f"{index}.router", [router.weight]),
+                   top_k=router.top_k, norm_topk_prob=router.norm_topk_prob, router_wide=wide)
         if experts.num_experts > DENSE_EXPERTS_RATIO * router.top_k:
             empty = torch.empty(0)
             return _Layer(**common, **moe, gate_up=empty, down=empty, experts=experts)
@@ -330,13 +332,21 @@ class CompactDecoder:
 
     def _moe(self, layer: _Layer, x_BH: torch.Tensor):
         """The sparse MoE block: router as transformers' `Qwen3MoeTopKRouter`, then the experts."""
-        logits_BE = self._gemm(self._qr(x_BH), layer.router)
-        stats_B2 = token_router_stats(logits_BE, layer.top_k) if self.record_stats else None
-        probs_BE = torch.softmax(logits_BE, dim=-1, dtype=torch.float32)
-        top_BK, ids_BK = torch.topk(probs_BE, layer.top_k, dim=-1)
-        recorded = top_BK if self.record_probs else None
-        weights_BK = top_BK / top_BK.sum(dim=-1, keepdim=True) if layer.norm_topk_prob else top_BK
-        weights_BK = weights_BK.to(logits_BE.dtype)
+        if layer.router_wide:  # model.router_dtype: gate GEMM, softmax and top-k in the gate weight's dtype
+            from moe_gspo.rollout.router_dtype import route_in_dtype
+
+            logits_BE, weights_BK, ids_BK = route_in_dtype(x_BH, layer.router, layer.top_k, layer.norm_topk_prob)
+            stats_B2 = token_router_stats(logits_BE, layer.top_k) if self.record_stats else None
+            recorded = (torch.softmax(logits_BE, dim=-1, dtype=torch.float32).gather(1, ids_BK)  # as HFRouterRecorder
+                        if self.record_probs else None)
+        else:
+            logits_BE = self._gemm(self._qr(x_BH), layer.router)
+            stats_B2 = token_router_stats(logits_BE, layer.top_k) if self.record_stats else None
+            probs_BE = torch.softmax(logits_BE, dim=-1, dtype=torch.float32)
+            top_BK, ids_BK = torch.topk(probs_BE, layer.top_k, dim=-1)
+            recorded = top_BK if self.record_probs else None
+            weights_BK = top_BK / top_BK.sum(dim=-1, keepdim=True) if layer.norm_topk_prob else top_BK
+            weights_BK = weights_BK.to(logits_BE.dtype)
         if layer.experts is not None:
             if self.fp32_gemm:
                 with Fp32GemmForBf16(self._cache):

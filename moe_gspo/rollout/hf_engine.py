@@ -47,6 +47,7 @@ from moe_gspo.rollout.cpu_gemm import fp32_gemms_in, needs_fp32_gemm
 from moe_gspo.rollout.fp8 import QUANTIZATIONS, Fp8ActivationQuantizer, Fp8WeightQuantizer
 from moe_gspo.rollout.hf_decoders import HFDecoder, TransformersDecoder
 from moe_gspo.rollout.hf_router_hooks import HFRouterRecorder, find_routers
+from moe_gspo.rollout.router_dtype import parse_router_dtype, use_router_dtype_
 from moe_gspo.rollout.token_sampler import TokenSampler, draw_tokens
 from moe_gspo.rollout.weights_sync import load_named_tensors_
 from moe_gspo.routing.trace import ids_dtype
@@ -162,6 +163,8 @@ class HFEngine(RolloutEngine):
         fp8_activations: with `quantization="fp8"`, W8A8: also quantize the input of every quantized layer
             with a dynamic per-token e4m3 scale, as vLLM's FP8 kernels on Hopper do (`fp8.Fp8ActivationQuantizer`;
             both decoders apply it). Config: rollout.fp8_activations.
+        router_dtype: "fp32" / "fp64" (model.router_dtype): keep the MoE gates' weights in that dtype and route
+            in it (`moe_gspo.rollout.router_dtype`; both decoders); None = transformers' router.
     """
 
     def __init__(self, model_or_dir, *, dtype: str | torch.dtype = "bfloat16",
@@ -169,7 +172,8 @@ class HFEngine(RolloutEngine):
                  record_probs: bool = True, pad_token_id: int | None = None,
                  eos_token_id: int | list[int] | None = None, fp32_gemm: bool | None = None,
                  compact_decode: bool | None = None, quantization: str | None = None,
-                 fp8_scale: str = "channel", fp8_router: bool = True, fp8_activations: bool = False):
+                 fp8_scale: str = "channel", fp8_router: bool = True, fp8_activations: bool = False,
+                 router_dtype: str | torch.dtype | None = None):
         self.dtype = _parse_dtype(dtype)
         if quantization is not None and quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={quantization!r} is not supported; use None or one of {QUANTIZATIONS}")
@@ -182,6 +186,12 @@ class HFEngine(RolloutEngine):
         self.fp32_gemm = needs_fp32_gemm(self.device, self.dtype) if fp32_gemm is None else bool(fp32_gemm)
         self._cache = TensorCache()  # tensors derived from the weights, rebuilt as update_weights changes them
         self._model = _load_model(model_or_dir, self.dtype, self.device)
+        self.router_dtype = parse_router_dtype(router_dtype)
+        if self.router_dtype is not None:  # model.router_dtype: gates kept and routed in it (rollout/router_dtype.py)
+            if quantization == "fp8" and fp8_router:
+                raise ValueError(f"router_dtype={router_dtype} keeps the gate weights in {self.router_dtype}, but "
+                                 "quantization='fp8' with fp8_router=True quantizes them; pass fp8_router=False")
+            use_router_dtype_(self._model, self.router_dtype)
         self._fp8: Fp8WeightQuantizer | None = None
         if quantization == "fp8":
             self._fp8 = Fp8WeightQuantizer(self._model, granularity=fp8_scale, router=fp8_router)

@@ -69,7 +69,7 @@ class ReferencePolicy:
         from moe_gspo.learner.learner import Learner
         from moe_gspo.learner.replay import detach_from_global_replay
         from moe_gspo.mcore.model import build_gpt_model
-        from moe_gspo.run.setup import learner_dtype
+        from moe_gspo.run.setup import learner_dtype, megatron_router_overrides
 
         self.replay = cfg.algo.routing_replay
         model = build_gpt_model(
@@ -77,7 +77,8 @@ class ReferencePolicy:
             enable_routing_replay=self.replay != "none", token_dispatcher=cfg.parallel.token_dispatcher,
             vocab_pad_multiple=cfg.model.vocab_pad_multiple, recompute=False,
             batched_experts=cfg.model.batched_experts,
-            sdpa_attention=cfg.model.sdpa_attention, fused_rope=cfg.model.fused_rope)
+            sdpa_attention=cfg.model.sdpa_attention, fused_rope=cfg.model.fused_rope,
+            **megatron_router_overrides(cfg))  # the policy's router dtype (its aux loss never applies: no grad)
         detach_from_global_replay(model)
         model.load_state_dict(policy_learner.model.state_dict(), strict=True)
         model.requires_grad_(False)

@@ -177,11 +177,20 @@ def build_engine(cfg: Config, hf_model_or_dir, tokenizer, *, load_weights: bool 
         return VLLMEngine.from_hf_config(hf_model_or_dir.config, **kw)
     from moe_gspo.rollout.hf_engine import HFEngine
 
-    return HFEngine(hf_model_or_dir, dtype=r.dtype, record_routes=r.record_routes,
+    return HFEngine(hf_model_or_dir, dtype=r.dtype, record_routes=r.record_routes, router_dtype=cfg.model.router_dtype,
                     record_probs=r.record_probs, pad_token_id=tokenizer.pad_token_id,
                     eos_token_id=tokenizer.eos_token_id, quantization=r.quantization,
                     fp8_scale=r.fp8_scale or "channel", fp8_router=r.fp8_router, fp8_activations=r.fp8_activations,
                     compact_decode=r.compact_decode, fp32_gemm=r.fp32_gemm)
+
+
+def megatron_router_overrides(cfg: Config) -> dict:
+    """`build_gpt_model` overrides of the router-policy fields (model.router_dtype, algo.router_aux_loss,
+    algo.router_aux_loss_coef; `moe_gspo.mcore.model.router_policy_overrides`): empty for the defaults."""
+    from moe_gspo.mcore.model import router_policy_overrides
+
+    return router_policy_overrides(router_dtype=cfg.model.router_dtype, aux_loss=cfg.algo.router_aux_loss,
+                                   aux_loss_coef=cfg.algo.router_aux_loss_coef)
 
 
 def build_policy(cfg: Config, info: ParallelInfo) -> Policy:
@@ -194,7 +203,7 @@ def build_policy(cfg: Config, info: ParallelInfo) -> Policy:
         hf_config, ep_size=info.ep_size, params_dtype=learner_dtype(cfg), enable_routing_replay=True,
         token_dispatcher=cfg.parallel.token_dispatcher, vocab_pad_multiple=cfg.model.vocab_pad_multiple,
         recompute=cfg.model.recompute, batched_experts=cfg.model.batched_experts,
-        sdpa_attention=cfg.model.sdpa_attention, fused_rope=cfg.model.fused_rope,
+        sdpa_attention=cfg.model.sdpa_attention, fused_rope=cfg.model.fused_rope, **megatron_router_overrides(cfg),
     )
     if cfg.model.path is None:
         from moe_gspo.mcore.weights import load_hf_model_into_megatron
@@ -210,6 +219,10 @@ def build_policy(cfg: Config, info: ParallelInfo) -> Policy:
         sd = read_hf_weights(cfg.model.path, hf_config, ep_rank=info.ep_rank, ep_size=info.ep_size)
         load_into_megatron(model, sd, ep_rank=info.ep_rank, ep_size=info.ep_size)
         engine_src = cfg.model.path
+    if cfg.model.freeze_router:  # before the learner wraps it in DDP and builds the optimizer
+        from moe_gspo.mcore.model import freeze_routers
+
+        freeze_routers(model)
     learner = Learner(model, hf_config, parallel=info, algo=cfg.algo, train=cfg.train,
                       replay=ReplayMode(cfg.algo.routing_replay), recompute=cfg.model.recompute)
     # vLLM starts next to the learner's rollout-phase memory (train.offload_during_rollout), and asleep

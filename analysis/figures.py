@@ -218,18 +218,34 @@ def fig_mismatch(run: RunData) -> Figure:
     return fig
 
 
+ROLLOUT_CORR_PANELS = [
+    ("TIS: importance weights π_old / π_rollout", "value",
+     [("rollout_corr/is_weight_mean", "mean applied weight"), ("rollout_corr/is_raw_mean", "mean raw ratio"),
+      ("rollout_corr/is_raw_max", "max raw ratio"), ("rollout_corr/is_ess", "effective sample size (fraction)")]),
+    ("TIS truncation, MIS rejection", "fraction",
+     [("rollout_corr/is_truncated_frac", "IS units truncated (TIS)"),
+      ("rollout_corr/rs_masked_token_frac", "tokens rejected (MIS)"),
+      ("rollout_corr/rs_masked_seq_frac", "sequences with a rejected token (MIS)"),
+      ("rollout_corr/rs_frac_high", "units above the upper bound (MIS)"),
+      ("rollout_corr/rs_frac_low", "units below the lower bound (MIS)")]),
+    ("OPSM: masked sequences", "fraction / nats",
+     [("rollout_corr/opsm_masked_seq_frac", "sequences masked"),
+      ("rollout_corr/opsm_masked_token_frac", "tokens masked"),
+      ("rollout_corr/opsm_kl_mean", "mean drift log π_rollout − log π_θ")]),
+]
+"""The rollout-correction figure's panels: (title, y label, [(key, label)]); a panel is drawn when one of its
+keys was logged (TIS = algo.rollout_is, MIS = algo.rollout_rs, OPSM = algo.opsm)."""
+
+
 def fig_rollout_corr(run: RunData) -> Figure:
-    _need(run, "rollout_corr/is_ess", "rollout_corr/rs_masked_token_frac")
-    fig, axes = _fig(2, width=5.5)
-    _lines(axes[0], run, [("rollout_corr/is_weight_mean", "mean applied weight"),
-                          ("rollout_corr/is_raw_max", "max raw ratio"),
-                          ("rollout_corr/is_ess", "effective sample size (fraction)")])
-    axes[0].set(title="importance weights π_old / π_rollout", xlabel="training step", ylabel="value")
-    _lines(axes[1], run, [("rollout_corr/is_truncated_frac", "IS units truncated"),
-                          ("rollout_corr/rs_masked_token_frac", "tokens rejected"),
-                          ("rollout_corr/rs_masked_seq_frac", "sequences with a rejected token")])
-    _fraction_axis(axes[1])
-    axes[1].set(title="truncation and rejection", xlabel="training step", ylabel="fraction")
+    _need(run, *(k for _, _, pairs in ROLLOUT_CORR_PANELS for k, _ in pairs))
+    panels = [p for p in ROLLOUT_CORR_PANELS if any(k in r for r in run.records for k, _ in p[2])]
+    fig, axes = _fig(len(panels), width=5.5)
+    for ax, (title, ylabel, pairs) in zip(axes, panels):
+        _lines(ax, run, pairs)
+        if ylabel == "fraction":
+            _fraction_axis(ax)
+        ax.set(title=title, xlabel="training step", ylabel=ylabel)
     fig.suptitle("Rollout corrections (rollout_corr/*)")
     return fig
 
@@ -311,18 +327,34 @@ RUN_FIGURES: list[FigureSpec] = [
                "natural routing; under R3 also the pass replaying the rollout routes), and the share of "
                "tokens with |Δ log p| above ln 2 / ln 5.", fig_mismatch),
     FigureSpec("rollout_corr", "Rollout corrections",
-               "Truncated importance weights π_learner_old / π_rollout (mean applied, max raw, effective "
-               "sample size) and the fractions truncated / rejected, when algo.rollout_is / rollout_rs "
-               "are on.", fig_rollout_corr, applies=lambda run: _rollout_corr_on(run)),
+               "Truncated importance weights π_learner_old / π_rollout (TIS, algo.rollout_is: mean applied, "
+               "raw mean and max, effective sample size), the fractions truncated and rejected (MIS, "
+               "algo.rollout_rs), and the sequences masked by OPSM (algo.opsm) with their mean drift, for the "
+               "corrections the run used.", fig_rollout_corr, applies=lambda run: _rollout_corr_on(run)),
 ]
 
 
+def rollout_corrections_used(config: dict | None) -> list[str] | None:
+    """The rollout corrections config.yaml turns on, e.g. ['TIS (algo.rollout_is: token)', 'OPSM (algo.opsm)'];
+    None without an `algo` section."""
+    algo = (config or {}).get("algo")
+    if not isinstance(algo, dict):
+        return None
+    used = []
+    if algo.get("rollout_is", "none") not in ("none", None):
+        used.append(f"TIS (algo.rollout_is: {algo['rollout_is']})")
+    if algo.get("rollout_rs", "none") not in ("none", None):
+        used.append(f"MIS (algo.rollout_rs: {algo['rollout_rs']})")
+    if algo.get("opsm") is True:
+        used.append("OPSM (algo.opsm)")
+    return used
+
+
 def _rollout_corr_on(run: RunData) -> bool:
-    """False when no step logged rollout_corr/* and config.yaml says algo.rollout_is and
-    algo.rollout_rs are both none (the default): nothing to show, and that is no news."""
+    """False when no step logged rollout_corr/* and config.yaml turns no correction on (algo.rollout_is and
+    algo.rollout_rs none, algo.opsm false: the default), or there is no config.yaml: the run did not use one,
+    which the report's header says ("Rollout corrections: not used"), instead of listing the figure as
+    skipped for missing metrics."""
     if any(k.startswith("rollout_corr/") for r in run.records for k in r):
         return True
-    algo = (run.config or {}).get("algo")
-    if not isinstance(algo, dict):
-        return True
-    return algo.get("rollout_is", "none") != "none" or algo.get("rollout_rs", "none") != "none"
+    return bool(rollout_corrections_used(run.config))

@@ -34,7 +34,7 @@ import yaml
 
 from analysis.eval_report import EVAL_FIGURES, last_eval_rows
 from analysis.figure_kit import RenderedFigure, SkippedFigure, render_figures
-from analysis.figures import RUN_FIGURES
+from analysis.figures import ROLLOUT_CORR_PANELS, RUN_FIGURES, rollout_corrections_used
 from analysis.probe_figures import PROBE_FIGURES
 from analysis.router_figures import ROUTER_FIGURES
 from analysis.stability_figures import STABILITY_FIGURES
@@ -42,8 +42,8 @@ from analysis.samples import PER_STEP, pick_samples, read_samples, samples_html,
 from analysis.verdicts import run_verdicts
 from moe_gspo.rollout.fp8 import rollout_precision
 from analysis.load import (
-    HEADLINE_LABELS, PROBE_LABELS, ReportInputError, RunData, RunDataWarning, headline_numbers, load_probe,
-    load_run, probe_headline,
+    HEADLINE_LABELS, PROBE_LABELS, ReportInputError, RunData, RunDataWarning, finite_mean, headline_numbers,
+    load_probe, load_run, probe_headline, series,
 )
 
 assert RUN_FIGURES[0].name == "reward"
@@ -278,6 +278,28 @@ def headline_table(run: RunData) -> Table:
     return Table("Headline numbers", ["quantity", "value"], rows)
 
 
+def rollout_corr_table(run: RunData) -> Table | None:
+    """Mean over steps of each rollout_corr/* metric the run logged (TIS, MIS, OPSM); None when it logged none."""
+    keys = [k for _, _, pairs in ROLLOUT_CORR_PANELS for k, _ in pairs]
+    keys += sorted({k for r in run.records for k in r if k.startswith("rollout_corr/")} - set(keys))
+    rows = [[k, fmt_number(finite_mean(series(run.records, k)[1]))] for k in keys
+            if any(k in r for r in run.records)]
+    return Table("Rollout corrections (mean over steps)", ["metric", "value"], rows) if rows else None
+
+
+def rollout_corr_line(run: RunData) -> str:
+    """The header's 'Rollout corrections: ...' line: those config.yaml turns on, or 'not used'."""
+    used = rollout_corrections_used(run.config)
+    logged = any(k.startswith("rollout_corr/") for r in run.records for k in r)
+    if used:
+        return "Rollout corrections: " + ", ".join(used) + ("" if logged else "; no rollout_corr/* metric logged")
+    if logged:
+        return "Rollout corrections: rollout_corr/* metrics logged (config.yaml does not say which correction)"
+    if used is None:
+        return "Rollout corrections: not used (no rollout_corr/* metric logged; config.yaml has no algo section)"
+    return "Rollout corrections: not used (algo.rollout_is and algo.rollout_rs none, algo.opsm false)"
+
+
 def probe_setup_rows(probe: dict) -> list[list[str]]:
     """The probe's setup: model, both sides' engine and dtype (probe files before the learner dtype was
     recorded: float32 on CPU, bfloat16 on CUDA), world size."""
@@ -308,6 +330,7 @@ def _config_summary(run: RunData) -> list[str]:
     sides = _sides(cfg, run.run_info)
     if sides:
         lines.append(sides)
+    lines.append(rollout_corr_line(run))
     info = run.run_info or {}
     if info.get("device") is not None or info.get("world_size") is not None:
         lines.append(f"Learner device: {info.get('device', '?')}, {info.get('world_size', '?')} process(es) "
@@ -363,6 +386,9 @@ def samples_section(run: RunData) -> Section | SkippedSection:
 def build_run_page(run: RunData, probe: dict | None = None) -> Page:
     page = Page(title=f"Expert-drift report: {run.name}", intro=_config_summary(run), summary=run_verdicts(run))
     page.tables.append(headline_table(run))
+    corr = rollout_corr_table(run)
+    if corr is not None:
+        page.tables.append(corr)
     page.figures = render_figures(RUN_REPORT_FIGURES, run)
     samples = samples_section(run)
     if isinstance(samples, Section):

@@ -66,6 +66,52 @@ def fig_probe_variance(probe: dict) -> Figure:
     return fig
 
 
+LOCALIZE_FLOOR = 1e-12
+"""Where the depth figure draws an exact zero (bitwise equal) on its log axis."""
+
+
+def fig_probe_localize_depth(probe: dict) -> Figure:
+    """The divergence localiser's depth profile (`python -m moe_gspo.probe --localize`): per compared tensor,
+    the relative error max |delta| / max |learner| against the layer (log y; exact zeros drawn at
+    `LOCALIZE_FLOOR` with hollow markers; top-k ids: the share of rows whose sets differ), the tolerance
+    dashed, the first divergence circled."""
+    rel = probe.get("localize/rel_err")
+    if not isinstance(rel, dict) or not rel:
+        raise SkipFigure("probe has no 'localize/rel_err' (run the probe with --localize)")
+    layer_ids = list(probe.get("localize/layer_ids") or range(max(len(v) for v in rel.values())))
+    fig, (ax,) = _fig(width=6.5, height=3.8)
+    x_final = len(layer_ids)
+    for c, (name, vals) in enumerate(rel.items()):
+        pts = [(j, v) for j, v in enumerate(vals) if v is not None]
+        if not pts:
+            continue
+        xs = np.array([j for j, _ in pts], float)
+        ys = np.array([v for _, v in pts], float)
+        ax.plot(xs, np.where(ys > 0, ys, LOCALIZE_FLOOR), marker="o", color=f"C{c}", label=name,
+                markerfacecolor="none" if name == "topk_ids" else f"C{c}")
+    final = probe.get("localize/final") or {}
+    for c, (name, d) in enumerate(final.items(), start=len(rel)):
+        v = (d or {}).get("rel_err")
+        if v is not None:
+            ax.plot([x_final], [v if v > 0 else LOCALIZE_FLOOR], marker="s", linestyle="none", color=f"C{c}",
+                    label=name)
+    tol = probe.get("localize/tol")
+    if isinstance(tol, (int, float)):
+        ax.axhline(tol, color="k", linestyle="--", linewidth=1, label=f"tolerance {tol:g}")
+    first = probe.get("localize/first_divergence")
+    if isinstance(first, dict) and first.get("rel_err"):
+        xf = x_final if first["layer"] == "final" else layer_ids.index(first["layer"])
+        ax.plot([xf], [first["rel_err"]], marker="o", markersize=14, markerfacecolor="none", color="red",
+                linestyle="none", label=f"first divergence: {first['tensor']}")
+    ax.set_yscale("log")
+    ax.set_xticks(list(range(len(layer_ids))) + ([x_final] if final else []),
+                  [str(i) for i in layer_ids] + (["final"] if final else []))
+    ax.set(xlabel="decoder layer", ylabel="max |delta| / max |learner|  (0 drawn at 1e-12)")
+    _wrapped_title(ax, "Divergence localiser: rollout vs learner relative error by depth", 6.5)
+    _legend_below(ax)
+    return fig
+
+
 PROBE_FIGURES: list[FigureSpec] = [
     FigureSpec("probe_layer_disagree", "Probe: routing disagreement per layer",
                "Fraction of probed tokens whose top-k set differs between engine and learner.",
@@ -77,6 +123,11 @@ PROBE_FIGURES: list[FigureSpec] = [
                "a routing flip and on tokens routed identically (bars); the dashed mark on each bar is that "
                "set's share of the tokens, the share it would carry at the average variance.",
                fig_probe_variance),
+    FigureSpec("probe_localize_depth", "Probe: divergence localiser by depth",
+               "Relative error (max |delta| / max |learner tensor|) of each compared tensor, rollout engine vs "
+               "learner, per decoder layer, for the same tokens (probe --localize); exact zeros at 1e-12; the "
+               "first (layer, tensor) above the tolerance circled.", fig_probe_localize_depth,
+               applies=lambda probe: "localize/rel_err" in probe),
 ]
 
 

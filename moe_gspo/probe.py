@@ -87,6 +87,15 @@ def build_parser(*, add_help: bool = True):
     p.add_argument("--temperature", type=float, default=None, help="rollout.temperature")
     p.add_argument("--seed", type=int, default=None, help="train.seed (the sampling seed)")
     p.add_argument("--samples-per-prompt", type=int, default=4, help="responses per prompt (default 4)")
+    p.add_argument("--localize", action="store_true",
+                   help="divergence localiser (moe_gspo/routing/localize.py): compare the rollout engine's and the "
+                        "learner's per-layer tensors of the same tokens; adds localize/* keys and a depth figure "
+                        "(one process only)")
+    p.add_argument("--localize-tol", type=float, default=None,
+                   help="relative tolerance of --localize (max |delta| / max |learner tensor|): default 1e-5 for "
+                        "fp32 rollouts, 1e-2 for bf16")
+    p.add_argument("--localize-out", default=None,
+                   help="also write the --localize result alone to this JSON file (figure beside it)")
     return p
 
 
@@ -111,6 +120,10 @@ def probe_config(args: argparse.Namespace, *, need_model: bool = True):
         raise ValueError("give the checkpoint to probe: --model DIR (or model.path in --config)")
     if args.samples_per_prompt < 1:
         raise ValueError("--samples-per-prompt must be >= 1")
+    if getattr(args, "localize", False):
+        from moe_gspo.routing.localize_capture import check_localize_args
+
+        check_localize_args(args)
     # the probe compares routes, with one engine per process that never sleeps
     cfg.rollout = dataclasses.replace(cfg.rollout, record_routes=True, tensor_parallel_size=1, sleep_level=0)
     return cfg
@@ -212,6 +225,10 @@ def probe(args: argparse.Namespace, cfg=None) -> dict:
                            learner_routes=res.routes, num_experts=hf_config.num_experts,
                            group_ids=[smp.prompt_index for smp in samples])
     learner_routes = res.routes
+    if getattr(args, "localize", False):  # the divergence localiser (issue 41): same tokens, layer by layer
+        from moe_gspo.routing.localize_capture import probe_localize_keys
+
+        m.update(probe_localize_keys(args, engine, r, model, samples, res.logp_BS, hf_config, info))
     m["num_tokens"] = int(batch.response_mask_BS.sum())
     m["num_routed_tokens"] = int(sum(min(len(a), len(b)) for a, b in zip(batch.rollout_routes, learner_routes)))
     m["num_sequences"] = len(samples)
@@ -283,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
             out.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(out, json.dumps({k: _jsonable(v) for k, v in res.items()}, indent=1))  # NaN -> null
             print(summary_text(res))
+            if "localize/first_divergence" in res:
+                from moe_gspo.routing.localize_capture import write_localize_outputs
+
+                write_localize_outputs(res, out, args.localize_out)
             print(f"wrote {out}")
         return 0
 

@@ -191,6 +191,14 @@ def synthetic_probe(seed: int = 0) -> dict:
         "ratio/token_var_flipped": 3e-2, "ratio/token_var_agreed": 5e-4, "layer_ids": [1, 2],
         "ratio/token_var_share_flipped": 0.4, "ratio/token_var_share_agreed": 0.6,
         "ratio/flipped_token_frac": 0.05, "routing_prompt/any_layer_flip": 0.03,
+        # the divergence localiser (probe --localize); layer 0 dense
+        "localize/engine": "hf", "localize/tol": 1e-2, "localize/layer_ids": [0, 1, 2],
+        "localize/rel_err": {"attn_out": [6e-3, 5e-3, 7e-3], "hidden_after_attn": [6e-3, 7e-3, 9e-3],
+                             "router_logits": [None, 6e-3, 9e-3], "topk_ids": [None, 2e-3, 7e-3],
+                             "mlp_out": [8e-3, 0.28, 0.42], "hidden_after_mlp": [0.0, 1e-2, 1.3e-2]},
+        "localize/final": {"final_norm": {"max_abs": 0.06, "rel_err": 0.017},
+                           "logits": {"max_abs": 0.009, "rel_err": 0.015}},
+        "localize/first_divergence": {"layer": 1, "tensor": "topk_ids", "max_abs": 1.0, "rel_err": 2e-3},
     }
 
 

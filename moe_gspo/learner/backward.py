@@ -54,6 +54,7 @@ def set_router_aux_loss_scale(learner, num_micro_batches: int) -> None:
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / max(num_micro_batches, 1), device=learner.device))
+    learner.aux_loss_forwards += num_micro_batches  # the forwards that add to Megatron's tracker (loss/router_aux)
 
 
 def backward_minibatch(learner, mini: PackedBatch, routes, mask_all, loss_on):

@@ -122,6 +122,11 @@ class Learner:
         self.num_updates = 0
         self.r3_fallback_warned = False
         """Whether this run warned about R3 fallback rows (`moe_gspo.run.learner_passes.warn_r3_fallback`)."""
+        self.aux_loss_forwards = 0
+        """Update forwards since the last `train_step` that carried the router load-balancing loss (a fused
+        old-policy pass's kept piece is one of them; Megatron's tracker holds their sum, cleared here)."""
+        if algo.router_aux_loss != "none":
+            self._clear_router_aux_tracker()
         self.num_train_steps = 0
         """`train_step` calls so far (seeds the mini-batch shuffle; saved with the optimizer state)."""
         self.expert_usage = ExpertUsageWindow()
@@ -347,6 +352,8 @@ class Learner:
         self.offload.release_grads()
         kept = [m for m, skipped in results if not skipped] or [m for m, _ in results]
         metrics = {k: float(np.mean([m[k] for m in kept])) for k in kept[0]}
+        if self.algo.router_aux_loss != "none":
+            metrics["loss/router_aux"] = self._router_aux_loss_mean()
         metrics["train/skipped_steps"] = float(self.skipped_steps)
         metrics["train/lr"] = float(self.optimizer.lr)
         return metrics
@@ -397,6 +404,31 @@ class Learner:
         out = {k: float(v) for k, v in m_all.items()}
         out["grad/norm"] = norm
         return out, skip
+
+    def _clear_router_aux_tracker(self) -> None:
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+        clear_aux_losses_tracker()
+        self.aux_loss_forwards = 0
+
+    def _router_aux_loss_mean(self) -> float:
+        """`loss/router_aux`: the load-balancing loss (without its coefficient; Megatron's aux-loss tracker,
+        which sums it per MoE layer over the training forwards) averaged over the MoE layers, this step's
+        update forwards (one per micro-batch; model.recompute's recomputed forward adds nothing, tested)
+        and the data-parallel ranks."""
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for entry in get_moe_layer_wise_logging_tracker().values():
+            total = total + entry["values"].detach().double().sum()
+        value = total / (max(self.aux_loss_forwards, 1) * len(self.layer_ids))
+        self._clear_router_aux_tracker()
+        if self.parallel.dp_size > 1:
+            from megatron.core import parallel_state as ps
+
+            dist.all_reduce(value, group=ps.get_data_parallel_group())
+            value = value / self.parallel.dp_size
+        return float(value)
 
     def _opsm_weights(self, mini: PackedBatch, rows, logp: torch.Tensor, is_w: torch.Tensor | None):
         """With `algo.opsm`: the rollout-correction weights of `rows` of `mini` times the OPSM keep mask

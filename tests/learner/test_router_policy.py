@@ -123,3 +123,60 @@ def test_aux_loss_gradient_is_the_mean_over_micro_batches(dist):
         learner = make_learner(model, cfg, dist, algo=algo, lr=1e-2, micro_batch_size=mbs, grad_clip=0.0)
         norms.append(learner.train_step(b, b.rollout_logp_BS)["grad/norm"])
     assert norms[0] > 0 and norms[1] == pytest.approx(norms[0], rel=1e-5)
+
+
+def _switch_aux_loss(model, batch) -> float:
+    """GShard/Switch load-balancing loss by hand from the routers' logits of one forward over `batch` (all
+    positions): E / (T K) * sum_e tokens_e * mean_t softmax_e, averaged over the MoE layers."""
+    from moe_gspo.mcore.model import forward_logits
+
+    vals = []
+
+    def hook(router, args, out):
+        x = args[0].reshape(-1, args[0].shape[-1])
+        logits = torch.nn.functional.linear(x.float(), router.weight.float())
+        probs = torch.softmax(logits, -1)
+        E, K, T = probs.shape[1], router.topk, probs.shape[0]
+        counts = torch.zeros(E).index_add_(0, logits.topk(K, -1).indices.reshape(-1), torch.ones(T * K))
+        vals.append(float(E / (T * K) * (counts * probs.mean(0)).sum()))
+
+    hooks = [r.register_forward_hook(hook) for r in moe_routers(model)]
+    with torch.no_grad():
+        forward_logits(model, batch.input_ids_BS)
+    for h in hooks:
+        h.remove()
+    return float(np.mean(vals))
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_router_aux_metric_is_the_hand_computed_loss(dist, recompute):
+    batch = make_batch(8, seed=3)
+    cfg, model = _pair(recompute=recompute, **router_policy_overrides(aux_loss="aux_loss", aux_loss_coef=0.1))
+    expected = _switch_aux_loss(model, batch)
+    algo = AlgoConfig(name="gspo", router_aux_loss="aux_loss", router_aux_loss_coef=0.1)
+    learner = make_learner(model, cfg, dist, algo=algo, lr=1e-2, recompute=recompute)
+    m = learner.train_step(batch, batch.rollout_logp_BS)
+    assert m["loss/router_aux"] == pytest.approx(expected, rel=1e-4)
+    cfg, model = _pair()
+    assert "loss/router_aux" not in make_learner(model, cfg, dist).train_step(batch, batch.rollout_logp_BS)
+
+
+def test_aux_loss_with_recompute_and_with_the_fused_old_pass(dist):
+    """The same aux-only gradient with activation recomputation, and the same loss/router_aux when the first
+    mini-batch back-propagates through the kept old-policy pass (train.fuse_old_logp_pass)."""
+    batch = make_batch(8, seed=3)
+    batch.advantages_B.zero_()
+    over = router_policy_overrides(aux_loss="aux_loss", aux_loss_coef=0.1)
+    algo = AlgoConfig(name="gspo", router_aux_loss="aux_loss", router_aux_loss_coef=0.1)
+    out = {}
+    for name, kw in (("plain", {}), ("recompute", {"recompute": True}), ("fused", {})):
+        cfg, model = _pair(recompute=kw.get("recompute", False), **over)
+        learner = make_learner(model, cfg, dist, algo=algo, lr=1e-2, grad_clip=0.0, num_minibatches=2,
+                               fuse_old_logp_pass=name == "fused", **kw)
+        old = learner.compute_logprobs(batch, keep_graph=name == "fused")
+        m = learner.train_step(batch, old)
+        out[name] = (m["grad/norm"], m["loss/router_aux"])
+    assert out["plain"][0] > 0
+    for name in ("recompute", "fused"):
+        assert out[name][0] == pytest.approx(out["plain"][0], rel=1e-4), name
+        assert out[name][1] == pytest.approx(out["plain"][1], rel=1e-5), name

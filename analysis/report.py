@@ -380,7 +380,24 @@ def samples_section(run: RunData) -> Section | SkippedSection:
         return SkippedSection("samples", "Samples", f"could not read samples.jsonl: {e}")
     if not picked:
         return SkippedSection("samples", "Samples", "samples.jsonl holds no valid samples")
-    return Section("samples", "Samples", samples_html(picked, PER_STEP), samples_markdown(picked, PER_STEP))
+    enc = prompt_encoding_line(run)
+    return Section("samples", "Samples", f"<p>{html.escape(enc)}</p>\n" + samples_html(picked, PER_STEP),
+                   md_plain(enc) + "\n\n" + samples_markdown(picked, PER_STEP))
+
+
+def prompt_encoding_line(run: RunData) -> str:
+    """How the run turned prompt text into token ids (task.chat_template, task.system_prompt), from run.json,
+    else config.yaml."""
+    enc = (run.run_info or {}).get("prompt_encoding")
+    source = "run.json"
+    if not isinstance(enc, dict):
+        task = (run.config or {}).get("task")
+        enc, source = (task, "config.yaml") if isinstance(task, dict) else ({}, "")
+    if "chat_template" not in enc:
+        return "Prompt encoding: not recorded (task.chat_template is in neither run.json nor config.yaml)."
+    system = enc.get("system_prompt")
+    return (f"Prompt encoding: task.chat_template={enc['chat_template']}, task.system_prompt="
+            + ("none" if system is None else repr(system)) + f" ({source}).")
 
 
 def build_run_page(run: RunData, probe: dict | None = None) -> Page:

@@ -1,5 +1,7 @@
 """The samples part of a run report, from the run's `samples.jsonl` (one JSON object per saved sample:
-`step`, `prompt`, `answer`, `response`, `reward`, `advantage`, `finish_reason`, `response_tokens`
+`step`, `prompt`, `prompt_encoded` (the prompt as the rollout engine got it: after the chat template and
+system prompt, decoded from its token ids; absent in older files), `answer`, `response`, `reward`, `advantage`,
+`finish_reason`, `response_tokens`
 [str], `routing_flips` [int] per response token = MoE layers whose top-k expert set differs between
 rollout engine and learner (null for a token whose row one side did not compute), or null for the
 whole sample when routes were not recorded).
@@ -46,6 +48,8 @@ class Sample:
     flips: list[int | None] | None
     """Per response token, the MoE layers routed differently (None for a token not compared; the whole
     list None when not recorded or unusable)."""
+    prompt_encoded: str | None = None
+    """The decoded token ids the rollout engine got (chat template, system prompt); None when not saved."""
 
 
 def _text(v: Any) -> str:
@@ -69,7 +73,7 @@ def _sample(rec: dict[str, Any], where: str, notes: list[str]) -> Sample:
             flips = None
     return Sample(int(rec["step"]), _text(rec.get("prompt")), _text(rec.get("answer")), _text(rec.get("response")),
                   _float(rec.get("reward")), _float(rec.get("advantage")), _text(rec.get("finish_reason")),
-                  tokens, flips)
+                  tokens, flips, rec["prompt_encoded"] if isinstance(rec.get("prompt_encoded"), str) else None)
 
 
 def read_samples(path: str | Path, notes: list[str]) -> list[Sample]:
@@ -186,7 +190,11 @@ def samples_markdown(samples: list[Sample], per_step: int = PER_STEP) -> str:
         pieces, cut = response_pieces(s)
         response = "".join(_md_marked(t) if flipped else md_text(t) for t, flipped in pieces) + md_text(cut)
         out += ["", f"### Sample, {md_text(_heading(s))}", "",
-                f"- prompt: {md_text(shorten(s.prompt))}", f"- response: {response}",
+                f"- prompt: {md_text(shorten(s.prompt))}"]
+        if s.prompt_encoded is not None:
+            out.append("- prompt as encoded (the token ids the engine got, decoded): "
+                       + md_text(shorten(s.prompt_encoded)))
+        out += [f"- response: {response}",
                 f"- answer: {md_text(shorten(s.answer))}"]
     return "\n".join(out)
 
@@ -201,6 +209,8 @@ def samples_html(samples: list[Sample], per_step: int = PER_STEP) -> str:
         response = "".join(f"<mark>{e(t)}</mark>" if flipped else e(t) for t, flipped in pieces) + e(cut)
         out.append(f'<h3>Sample, {e(_heading(s))}</h3><table class="sample"><tbody>'
                    f'<tr><th>prompt</th><td class="text">{e(shorten(s.prompt))}</td></tr>'
+                   + (f'<tr><th>prompt as encoded</th><td class="text">{e(shorten(s.prompt_encoded))}</td></tr>'
+                      if s.prompt_encoded is not None else "") +
                    f'<tr><th>response</th><td class="text">{response}</td></tr>'
                    f'<tr><th>answer</th><td class="text">{e(shorten(s.answer))}</td></tr></tbody></table>')
     return "\n".join(out)

@@ -1,7 +1,9 @@
 """What the model wrote: a few of a step's samples saved to RUN_DIR/samples.jsonl (`logging.samples_every`,
 `logging.num_samples`), shown by the report.
 
-One JSON object per saved sample: `step`, `prompt`, `answer`, `response` (the text the reward judged),
+One JSON object per saved sample: `step`, `prompt`, `prompt_encoded` (the exact prompt token ids the rollout
+engine got, after `task.chat_template` and `task.system_prompt`, decoded with special tokens kept), `answer`,
+`response` (the text the reward judged),
 `reward`, `advantage`, `finish_reason`, `response_tokens` (each response token decoded on its own,
 special tokens kept) and `routing_flips`: for each response token, the number of MoE layers whose top-k
 expert set differs between the rollout engine and the learner's old-policy pass (natural routing) on the
@@ -50,7 +52,10 @@ def sample_rows(step: int, tokenizer, prompts, samples, rewards, advantages_B, *
         flips = None
         if rollout_routes is not None and learner_routes is not None:
             flips = token_flips(rollout_routes[b], learner_routes[b], len(s.prompt_ids), len(ids))
-        rows.append({"step": step, "prompt": p.text, "answer": p.answer, "response": response_text(tokenizer, ids),
+        prompt_ids = [int(t) for t in s.prompt_ids]
+        rows.append({"step": step, "prompt": p.text,
+                     "prompt_encoded": tokenizer.decode(prompt_ids, skip_special_tokens=False),
+                     "answer": p.answer, "response": response_text(tokenizer, ids),
                      "reward": float(rewards[b]), "advantage": float(advantages_B[b]), "finish_reason": s.finish_reason,
                      "response_tokens": [tokenizer.decode([t], skip_special_tokens=False) for t in ids],
                      "routing_flips": flips})

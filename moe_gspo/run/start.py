@@ -126,7 +126,8 @@ def config_summary(cfg: Config, info, run_dir: Path) -> str:
 
 def run_facts(cfg: Config, info) -> dict:
     """What the config leaves to the machine, as this segment resolved it (RUN_DIR/run.json, rewritten at
-    every start): the learner's parameter dtype, device type and world size, library versions."""
+    every start): the learner's parameter dtype, device type and world size, how prompts were encoded
+    (task.chat_template, task.system_prompt), library versions."""
     import megatron.core
     import transformers
 
@@ -136,6 +137,7 @@ def run_facts(cfg: Config, info) -> dict:
     r = cfg.rollout
     return {"learner_dtype": str(learner_dtype(cfg)).removeprefix("torch."), "device": torch.device(info.device).type,
             "world_size": info.world_size, "expert_parallel_size": cfg.parallel.expert_parallel_size,
+            "prompt_encoding": {"chat_template": cfg.task.chat_template, "system_prompt": cfg.task.system_prompt},
             "rollout": f"{r.engine} engine in {rollout_precision(r.dtype, r.quantization, r.fp8_scale, r.engine, r.fp8_activations)}",
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                          "megatron-core": megatron.core.__version__}}

@@ -108,3 +108,15 @@ def test_a_run_with_the_tokenizers_chat_template(tmp_path):
             lens[d] = z["prompt_lens"]
     # <bos> u : ... <eos> a : = 6 tokens around the text
     assert (lens["chat"] - lens["raw"] == 6).all(), lens
+    # issue 43: samples.jsonl shows each prompt as the engine got it, run.json the encoding setting
+    from moe_gspo.tasks.encoding import encode_prompts
+
+    for d, template in (("chat", "tokenizer"), ("raw", "none")):
+        assert json.loads((tmp_path / d / "run.json").read_text())["prompt_encoding"] == {
+            "chat_template": template, "system_prompt": None}
+        rows = [json.loads(line) for line in (tmp_path / d / "samples.jsonl").read_text().splitlines()]
+        assert rows
+        for r in rows:
+            (ids,) = encode_prompts(tok, [r["prompt"]], chat_template=template)
+            assert r["prompt_encoded"] == tok.decode(ids, skip_special_tokens=False)
+        assert all(r["prompt_encoded"].endswith("a:") == (d == "chat") for r in rows)

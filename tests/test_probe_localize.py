@@ -66,3 +66,40 @@ def test_localize_tol_must_be_positive(ckpt, tmp_path, capsys):
     assert rc == 2
     assert "--localize-tol" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_vllm_branch_compares_routes_and_log_probs_only(ckpt):
+    """What `--engine vllm` can compare (its outputs hold log-probs and routed experts, no hidden states): the
+    route-only branch, fed samples of the transformers engine (fp32: identical routes)."""
+    import torch
+
+    from moe_gspo.learner.batch import PackedBatch
+    from moe_gspo.mcore.checkpoint import load_hf_config, load_megatron_from_hf_dir
+    from moe_gspo.mcore.model import forward_logits, moe_layer_ids
+    from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
+    from moe_gspo.rollout.base import SamplingParams
+    from moe_gspo.rollout.hf_engine import HFEngine
+    from moe_gspo.routing.localize_capture import VLLM_NOTE, probe_localize
+
+    model_dir = ckpt / "model"
+    hf_config = load_hf_config(model_dir)
+    init_distributed(ep_size=1, num_experts=hf_config.num_experts, seed=0)
+    try:
+        model, _ = load_megatron_from_hf_dir(model_dir, ep_size=1, params_dtype=torch.float32,
+                                             enable_routing_replay=False, token_dispatcher="allgather")
+        engine = HFEngine(model_dir, dtype="float32", device="cpu")
+        samples = engine.generate([[3, 4, 5, 6], [7, 8]], SamplingParams(n=2, temperature=1.0, max_new_tokens=6,
+                                                                         seed=0))
+        batch = PackedBatch.from_samples(samples, torch.zeros(len(samples)), 0)
+        with torch.no_grad():
+            lp = torch.log_softmax(forward_logits(model, batch.input_ids_BS).float(), -1)
+        logp_BS = torch.zeros_like(batch.rollout_logp_BS)
+        logp_BS[:, 1:] = lp[:, :-1].gather(-1, batch.input_ids_BS[:, 1:, None])[..., 0]
+        res = probe_localize(None, "vllm", model, samples, logp_BS, tol=1e-5, layer_ids=[0, 1, 2],
+                             moe_layer_ids=moe_layer_ids(hf_config))
+    finally:
+        destroy_distributed()
+    assert res["compared"] == ["topk_ids"] and res["note"] == VLLM_NOTE
+    assert res["rel_err"] == {"topk_ids": [None, 0.0, 0.0]}
+    assert res["first_divergence"] is None
+    assert res["logp"]["max"] <= 1e-5 and res["logp"]["num_tokens"] == sum(len(s.response_ids) for s in samples)

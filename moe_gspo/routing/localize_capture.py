@@ -82,7 +82,7 @@ def hf_capture(model: nn.Module, input_ids_T: torch.Tensor, *, scope=None) -> tu
             def gate_hook(m, a, o, i=i):
                 cap.put(i, "router_logits", _f32(o[0]))
                 cap.put(i, "topk_ids", o[2].detach().to("cpu", torch.long).clone())
-            h.append(gate.register_forward_hook(lambda m, a, o, f=gate_hook: f(m, a, o)))
+            h.append(gate.register_forward_hook(gate_hook))
         h.append(layer.mlp.register_forward_hook(_hook(cap, i, "mlp_out", lambda m, a, o: _f32(_first(o)[0]))))
         h.append(layer.register_forward_hook(_hook(cap, i, "hidden_after_mlp", lambda m, a, o: _f32(_first(o)[0]))))
     h.append(model.model.norm.register_forward_hook(_hook(cap, None, "final_norm", lambda m, a, o: _f32(o[0]))))

@@ -459,24 +459,26 @@ PROBE_LABELS: dict[str, str] = {
     "mismatch/extreme_frac_ln2": "tokens with |Δ log p| > ln 2 (fraction)",
     "mismatch/extreme_frac_ln5": "tokens with |Δ log p| > ln 5 (fraction)",
     "mismatch/ppl_ratio_mean": "mean PPL ratio",
-    "ratio/token_var": "token-ratio variance (learner/rollout)",
-    "ratio/seq_var": "sequence-ratio variance (length-normalised)",
-    "ratio/seq_prod_logvar": "variance of the log ratio product",
-    "ratio/token_var_share_flipped": "share of the token-ratio variance on tokens with a routing flip",
-    "ratio/token_var_share_agreed": "share of the token-ratio variance on tokens routed identically",
-    "ratio/token_var_flipped": "token-ratio variance within tokens with a routing flip",
-    "ratio/token_var_agreed": "token-ratio variance within tokens routed identically",
+    "mismatch_ratio/token_var": "token-ratio variance (learner/rollout)",
+    "mismatch_ratio/seq_var": "sequence-ratio variance (length-normalised)",
+    "mismatch_ratio/seq_prod_logvar": "variance of the log ratio product",
+    "mismatch_ratio/token_var_share_flipped": "share of the token-ratio variance on tokens with a routing flip",
+    "mismatch_ratio/token_var_share_agreed": "share of the token-ratio variance on tokens routed identically",
+    "mismatch_ratio/token_var_flipped": "token-ratio variance within tokens with a routing flip",
+    "mismatch_ratio/token_var_agreed": "token-ratio variance within tokens routed identically",
     "routing_prompt/any_layer_flip": "prompt rows (each prompt once) routed differently in ≥1 layer (fraction)",
-    "ratio/flipped_token_frac": "response tokens with a routing flip (fraction)",
+    "mismatch_ratio/flipped_token_frac": "response tokens with a routing flip (fraction)",
 }
 
 
 def probe_value(probe: dict[str, Any], key: str) -> float:
-    """A scalar of the probe; `ratio/*` keys also accept the training metrics' `mismatch_ratio/*` name."""
+    """A scalar of the probe; a `mismatch_ratio/*` key is also read under `ratio/*`, the name probe files written
+    before issue 43 gave the learner/rollout ratio statistics (a probe has no new/old policy ratio)."""
     if key in probe:
         return _as_float(probe[key])
-    if key.startswith("ratio/") and "mismatch_" + key in probe:
-        return _as_float(probe["mismatch_" + key])
+    old = key.replace("mismatch_ratio/", "ratio/", 1)
+    if key.startswith("mismatch_ratio/") and old in probe:
+        return _as_float(probe[old])
     return math.nan
 
 

@@ -47,14 +47,14 @@ def fig_probe_variance(probe: dict) -> Figure:
     """Bars: each token set's share of the token-ratio variance. The token fraction is not a third bar
     on that axis: a dashed mark on each bar shows the token set's share of the tokens, i.e. the
     variance share it would carry if its tokens varied like the others."""
-    shares = [("routing flipped", probe_value(probe, "ratio/token_var_share_flipped")),
-              ("routing agreed", probe_value(probe, "ratio/token_var_share_agreed"))]
+    shares = [("routing flipped", probe_value(probe, "mismatch_ratio/token_var_share_flipped")),
+              ("routing agreed", probe_value(probe, "mismatch_ratio/token_var_share_agreed"))]
     if not any(np.isfinite(v) for _, v in shares):
-        raise SkipFigure("probe has no variance-share keys (ratio/token_var_share_flipped / _agreed)")
+        raise SkipFigure("probe has no variance-share keys (mismatch_ratio/token_var_share_flipped / _agreed)")
     fig, (ax,) = _fig(width=5.0)
     sns.barplot(x=[k for k, _ in shares], y=[0.0 if not np.isfinite(v) else v for _, v in shares], ax=ax,
                 color="C2", label="share of the token-ratio variance")
-    flipped = probe_value(probe, "ratio/flipped_token_frac")
+    flipped = probe_value(probe, "mismatch_ratio/flipped_token_frac")
     if np.isfinite(flipped):
         for x, frac in enumerate((flipped, 1.0 - flipped)):
             ax.hlines(frac, x - 0.4, x + 0.4, colors="k", linestyles="--", linewidth=1.2,

@@ -8,7 +8,9 @@ response log-probs; prompt rows under `routing_prompt/*`), the train-inference m
 (k1/k3 KL, extreme-token fractions), the token-ratio vs sequence-ratio variance of learner/rollout
 ratios, and each routing subset's share of that variance (flipped vs agreed tokens; NaN -> null
 when a subset is empty).
-Keys match the training loop's metrics.jsonl (there `ratio/*` of this file is `mismatch_ratio/*`).
+Keys are the training loop's metrics.jsonl names with their meaning there: the learner/rollout ratio statistics
+are `mismatch_ratio/*` (`ratio/*` is the new/old policy ratio inside an update, which a probe does not have;
+probe files written before issue 43 called them `ratio/*`, which `analysis.load.probe_value` still reads).
 
 Settings come as in `moe_gspo.train`: an optional `--config FILE` (a run config; the probe uses the
 fields listed by `--help`), then `section.key=value` overrides, e.g. `rollout.engine=vllm
@@ -237,7 +239,7 @@ def probe(args: argparse.Namespace, cfg=None) -> dict:
            "learner_dtype": str(learner_dtype(cfg)).replace("torch.", ""), "world_size": info.world_size,
            "layer_ids": moe_layer_ids(hf_config)}
     for k, v in sorted(m.items()):
-        out[k.replace("mismatch_ratio/", "ratio/")] = v
+        out[k] = v
     return out
 
 
@@ -268,9 +270,9 @@ def summary_text(res: dict) -> str:
               f"k1 KL / k3 KL               {res['mismatch/k1_kl']:.3e} / {res['mismatch/k3_kl']:.3e}",
               f"|dlogp| mean / max          {res['mismatch/logp_abs_diff_mean']:.3e} / {res['mismatch/logp_abs_diff_max']:.3e}",
               f"extreme tokens >ln2 / >ln5  {res['mismatch/extreme_frac_ln2']:.4f} / {res['mismatch/extreme_frac_ln5']:.4f}",
-              f"ratio var token / seq       {res['ratio/token_var']:.3e} / {res['ratio/seq_var']:.3e}",
+              f"ratio var token / seq       {res['mismatch_ratio/token_var']:.3e} / {res['mismatch_ratio/seq_var']:.3e}",
               f"share of token-ratio variance on flipped / agreed tokens  "
-              f"{_num(res['ratio/token_var_share_flipped'])} / {_num(res['ratio/token_var_share_agreed'])}"]
+              f"{_num(res['mismatch_ratio/token_var_share_flipped'])} / {_num(res['mismatch_ratio/token_var_share_agreed'])}"]
     return "\n".join(lines)
 
 

@@ -32,8 +32,11 @@ def test_fp32_rollout_matches_learner_exactly(ckpt, tmp_path, capsys):
     assert res["routing/layer_disagree"] == [0.0, 0.0]
     assert res["routing/any_layer_flip"] == 0.0
     assert res["mismatch/logp_abs_diff_max"] <= 1e-4
-    for key in ("mismatch/k1_kl", "mismatch/k3_kl", "mismatch/extreme_frac_ln2", "ratio/token_var", "ratio/seq_var"):
+    for key in ("mismatch/k1_kl", "mismatch/k3_kl", "mismatch/extreme_frac_ln2", "mismatch_ratio/token_var",
+                "mismatch_ratio/seq_var"):
         assert key in res
+    # issue 43: one meaning per name: ratio/* is the new/old policy ratio of metrics.jsonl, which a probe has not
+    assert not any(k.startswith("ratio/") for k in res)
     assert "any-layer flip fraction" in capsys.readouterr().out
 
 
@@ -43,7 +46,7 @@ def test_bf16_rollout_shows_routing_drift(ckpt, tmp_path):
     assert max(res["routing/layer_disagree"]) > 0
     assert res["mismatch/logp_abs_diff_mean"] > 1e-4
     # the flipped/agreed split covers the response tokens
-    assert 0 <= res["ratio/flipped_token_frac"] <= 1
+    assert 0 <= res["mismatch_ratio/flipped_token_frac"] <= 1
 
 
 @pytest.mark.parametrize("case,msg", [
@@ -168,8 +171,8 @@ def test_quantization_reaches_the_probe_config(tmp_path):
     assert (cfg.rollout.quantization, cfg.rollout.fp8_scale) == ("fp8", "tensor")
     res = {k: 0.0 for k in ("routing/any_layer_flip", "mismatch/k1_kl", "mismatch/k3_kl", "mismatch/logp_abs_diff_mean",
                             "mismatch/logp_abs_diff_max", "mismatch/extreme_frac_ln2", "mismatch/extreme_frac_ln5",
-                            "ratio/token_var", "ratio/seq_var", "ratio/token_var_share_flipped",
-                            "ratio/token_var_share_agreed")}
+                            "mismatch_ratio/token_var", "mismatch_ratio/seq_var",
+                            "mismatch_ratio/token_var_share_flipped", "mismatch_ratio/token_var_share_agreed")}
     summary = probe.summary_text(dict(res, model="m", engine="hf", dtype="bfloat16", quantization="fp8",
                                       fp8_scale="tensor", num_sequences=1, num_tokens=1, layer_ids=[],
                                       **{"routing/layer_disagree": []}))

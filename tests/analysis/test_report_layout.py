@@ -85,9 +85,9 @@ def test_probe_variance_figure_has_only_variance_shares_as_bars():
     probe = synthetic_probe()
     ax = _draw(fig_probe_variance(probe)).axes[0]
     heights = sorted(round(p.get_height(), 6) for p in ax.patches if p.get_height() > 0)
-    assert heights == sorted([probe["ratio/token_var_share_flipped"], probe["ratio/token_var_share_agreed"]])
+    assert heights == sorted([probe["mismatch_ratio/token_var_share_flipped"], probe["mismatch_ratio/token_var_share_agreed"]])
     marks = sorted(round(float(seg[0][1]), 6) for coll in ax.collections for seg in coll.get_segments())
-    assert marks == [probe["ratio/flipped_token_frac"], round(1 - probe["ratio/flipped_token_frac"], 6)]
+    assert marks == [probe["mismatch_ratio/flipped_token_frac"], round(1 - probe["mismatch_ratio/flipped_token_frac"], 6)]
 
 
 def test_an_all_zero_fraction_axis_does_not_run_below_zero(tmp_path):

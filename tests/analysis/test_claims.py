@@ -124,7 +124,7 @@ def test_family_verdicts_and_holm(tmp_path):
     assert fr.test == "Wilcoxon signed-rank (paired by seed, n=8)" and fr.p == pytest.approx(2 / 256)
     assert fr.agrees is True and fr.p_holm > 0.05 and fr.verdict.startswith("not decided (Holm-adjusted p = ")
     zero = by["gspo-none-fp32 vs grpo-none-fp32: time to failure"]
-    assert zero.p == 1.0 and zero.verdict.startswith("not decided: no difference detected")
+    assert zero.p == 1.0 and zero.verdict.startswith("not decided: no difference at the Holm-adjusted level")
 
 
 def test_page_and_round_trip(tmp_path):

@@ -18,8 +18,8 @@ PAGE = ROOT / "docs" / "paper_claims.md"
 TABLES = ROOT / "reports" / "unstable" / "claims.md"
 
 
-def _quoted_tables(text: str) -> list[str]:
-    begin, end = "<!-- analysis.claims:begin -->", "<!-- analysis.claims:end -->"
+def _quoted_tables(text: str, name: str = "") -> list[str]:
+    begin, end = "<!-- analysis.claims:begin" + (f" {name}" if name else "") + " -->", "<!-- analysis.claims:end -->"
     blocks, inside, cur = [], False, []
     for line in text.splitlines():
         if line.strip() == begin:
@@ -40,5 +40,15 @@ def test_the_page_and_its_tables_regenerate_from_the_saved_metrics():
     assert TABLES.read_text().rstrip("\n") == generated.rstrip("\n")
     quoted = _quoted_tables(PAGE.read_text())
     assert len(quoted) >= 3, "the page quotes the drift, failure and test tables"
+    for block in quoted:
+        assert block in generated, f"a table on the page is not what analysis.claims makes:\n{block[:300]}"
+
+
+def test_experiment_2s_tables_regenerate_from_its_saved_metrics():
+    root = ROOT / "reports" / "unstable_lr2e3"
+    generated = claims_page(load_arms(root / "metrics.jsonl.gz"))
+    assert (root / "claims.md").read_text().rstrip("\n") == generated.rstrip("\n")
+    quoted = _quoted_tables(PAGE.read_text(), "lr2e3")
+    assert len(quoted) >= 3
     for block in quoted:
         assert block in generated, f"a table on the page is not what analysis.claims makes:\n{block[:300]}"

@@ -6,7 +6,8 @@
 Per run (`<algo>-<replay>-<variant>-s<seed>`): run means of `update/expert_change_frac` (old vs new policy
 after one optimizer step; step 0, Adam's first step, left out), `routing/layer_disagree` (rollout vs learner,
 mean over MoE layers), `routing/any_layer_flip` and `mismatch/k3_kl`. Each variant against `base`, paired by
-`train.seed`: the mean of the per-seed differences with a 95% bootstrap CI (its own stream per quantity and
+`train.seed` (a variant named `X_<level>` against the variant `<level>` when there is one, e.g. `frozen_fp8`
+against `fp8`; every other variant against `base`): the mean of the per-seed differences with a 95% bootstrap CI (its own stream per quantity and
 variant, `analysis.stats`) and a paired t-test (scipy's `ttest_rel`; with 5 seeds the exact Wilcoxon test
 cannot reach p < 0.05, its smallest two-sided p is 1/16), Holm-adjusted over every test of the table.
 """
@@ -61,24 +62,34 @@ def load(runs_dir: Path) -> dict[str, dict[int, dict[str, float]]]:
     return dict(variants)
 
 
+def reference(variant: str, variants, base: str = "base") -> str:
+    """What `variant` is compared with: the variant `<level>` for a variant `X_<level>` when `<level>` ran
+    (`frozen_fp8` against `fp8`), else `base` (`fp8` itself against `base`: the drift level's own effect)."""
+    level = variant.rsplit("_", 1)[-1]
+    if "_" in variant and level in variants and level != base:
+        return level
+    return base
+
+
 def table(variants: dict[str, dict[int, dict[str, float]]], reps: int = st.DEFAULT_REPS, base: str = "base") -> str:
     if base not in variants:
         raise ValueError(f"no finished '{base}' runs to compare against; found variants {sorted(variants)}")
     rows, pvals = [], []
     for variant in [v for v in variants if v != base]:
-        seeds = sorted(set(variants[variant]) & set(variants[base]))
+        ref = reference(variant, variants, base)
+        seeds = sorted(set(variants[variant]) & set(variants[ref]))
         for key in QUANTITIES:
             a = np.array([variants[variant][s][key] for s in seeds])
-            b = np.array([variants[base][s][key] for s in seeds])
+            b = np.array([variants[ref][s][key] for s in seeds])
             ok = np.isfinite(a) & np.isfinite(b)
             d = a[ok] - b[ok]
-            est = st.bootstrap_ci(d, how="mean", reps=reps, seed=st.stream_seed(0, key, variant, base))
+            est = st.bootstrap_ci(d, how="mean", reps=reps, seed=st.stream_seed(0, key, variant, ref))
             p = float(sps.ttest_rel(a[ok], b[ok]).pvalue) if d.size >= 2 and np.ptp(d) > 0 else math.nan
-            rows.append([variant, QUANTITIES[key], f"{np.mean(b[ok]):.3g}", f"{np.mean(a[ok]):.3g}",
+            rows.append([f"{variant} vs {ref}", QUANTITIES[key], f"{np.mean(b[ok]):.3g}", f"{np.mean(a[ok]):.3g}",
                          st.fmt_ci(est), str(int(ok.sum()))])
             pvals.append(p)
     adjusted = st.holm(pvals)
-    lines = ["| variant | quantity | base (mean) | variant (mean) | variant − base, paired [95% CI] | seeds | p (paired t) "
+    lines = ["| variant vs reference | quantity | reference (mean) | variant (mean) | variant − reference, paired [95% CI] | seeds | p (paired t) "
              "| Holm-adjusted p | verdict |", "|---|---|---|---|---|---|---|---|---|"]
     for row, p, hp in zip(rows, pvals, adjusted):
         verdict = ("differs" if hp < st.ALPHA else "not decided") if math.isfinite(hp) else "not tested"

@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         print(text)
         return 0
-    from moe_gspo.run.sinks import atomic_write_text
+    from moe_gspo.files import atomic_write_text
 
     atomic_write_text(Path(args.out), text)
     print(args.out)

@@ -284,7 +284,7 @@ def render_markdown(result: dict) -> str:
 
 def write_summary(result: dict, out_dir: Path) -> tuple[Path, Path]:
     """`gpu_check.json` and `gpu_check.md` in `out_dir` (each written atomically)."""
-    from moe_gspo.run.sinks import atomic_write_text
+    from moe_gspo.files import atomic_write_text
 
     out_dir.mkdir(parents=True, exist_ok=True)
     jpath, mpath = out_dir / "gpu_check.json", out_dir / "gpu_check.md"

@@ -424,7 +424,7 @@ def write_comparison(spec: AblationSpec, arms: list[Arm]) -> Path | None:
 def validate_arms(spec: AblationSpec) -> list[str]:
     """One message per arm whose train command line would be refused (config, overrides, flags)."""
     from moe_gspo.run.cli import check_train_args
-    from moe_gspo.run.rundir import check_output_dir
+    from moe_gspo.files import check_output_dir
 
     problems = []
     try:

@@ -178,7 +178,7 @@ def probe(args: argparse.Namespace, cfg=None) -> dict:
     from moe_gspo.rollout.base import SamplingParams
     from moe_gspo.rollout.vllm_support import check_rollout_machine
     from moe_gspo.run.compare import rollout_vs_learner
-    from moe_gspo.run.rundir import check_output_file
+    from moe_gspo.files import check_output_file
     from moe_gspo.run.setup import build_engine, check_tokenizer_fits, derive_seed, learner_dtype, quiet_progress_bars
     from moe_gspo.run.steps import gather_samples
     from moe_gspo.tasks import Prompt
@@ -283,9 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     out_path: list[str] = []
 
     def body() -> int:
+        from moe_gspo.files import atomic_write_text
         from moe_gspo.run.activity import exit_with_launcher
         from moe_gspo.run.setup import quiet_known_warnings
-        from moe_gspo.run.sinks import _jsonable, atomic_write_text
+        from moe_gspo.run.sinks import _jsonable
 
         quiet_known_warnings()
         exit_with_launcher()  # kill -9 of torchrun must not leave this worker writing

@@ -180,7 +180,7 @@ def finish(cfg: Config, run_dir: Path, info, policy, state) -> dict:
     time summed over resumed segments)."""
     from moe_gspo.mcore.checkpoint import save_hf_checkpoint
     from moe_gspo.run.checkpoint import latest_checkpoint, save_checkpoint
-    from moe_gspo.run.sinks import atomic_write_text
+    from moe_gspo.files import atomic_write_text
     from moe_gspo.run.start import fingerprint
 
     last = latest_checkpoint(run_dir)

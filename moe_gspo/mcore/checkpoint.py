@@ -271,7 +271,7 @@ def _write_dir(tmp: Path, hf_sd: dict[str, torch.Tensor], hf_config, tokenizer_d
 
 
 def _write_atomically(out: Path, hf_sd, hf_config, tokenizer_dir, max_shard_size) -> None:
-    from moe_gspo.run.atomic import publish_mode
+    from moe_gspo.files import publish_mode
 
     _check_complete(hf_sd, hf_config)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -358,7 +358,7 @@ def _streamed_to_host(model, hf_config, *, keep: bool) -> tuple[dict[str, torch.
 
 def _write_hf_dir(out: Path, hf_sd, hf_config, tokenizer_dir, max_shard_size) -> None:
     """`_write_atomically`, with a full disk reported as one ValueError naming `out`."""
-    from moe_gspo.run.errors import writing
+    from moe_gspo.files import writing
 
     with writing(out, "the Hugging Face export"):
         _write_atomically(out, hf_sd, hf_config, tokenizer_dir, max_shard_size)

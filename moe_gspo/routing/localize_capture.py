@@ -213,7 +213,7 @@ def check_localize_args(args) -> None:
     if args.localize_tol is not None and not args.localize_tol > 0:
         raise ValueError(f"--localize-tol must be > 0, got {args.localize_tol}")
     if args.localize_out is not None:
-        from moe_gspo.run.rundir import check_output_file
+        from moe_gspo.files import check_output_file
 
         check_output_file(args.localize_out, "--localize-out")
 
@@ -238,7 +238,7 @@ def write_localize_outputs(res: dict, out_path, localize_out=None) -> list:
     from pathlib import Path
 
     from moe_gspo.routing.localize import summary_lines
-    from moe_gspo.run.sinks import atomic_write_text
+    from moe_gspo.files import atomic_write_text
 
     loc = {k[len("localize/"):]: v for k, v in res.items() if k.startswith("localize/")}
     for line in summary_lines(loc):

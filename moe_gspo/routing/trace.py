@@ -309,7 +309,7 @@ def save_trace(path: str | os.PathLike, trace: RoutingTrace) -> Path:
         arrays["router_probs"] = trace.router_probs
     if trace.router_margin is not None:
         arrays["router_margin"] = trace.router_margin
-    from moe_gspo.run.atomic import publish_mode
+    from moe_gspo.files import publish_mode
 
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

@@ -38,8 +38,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moe_gspo.run.errors import RankFailure, user_message, writing
-from moe_gspo.run.sinks import atomic_write_text
+from moe_gspo.files import atomic_write_text, writing
+from moe_gspo.run.errors import RankFailure, user_message
 
 META = "meta.json"
 _STEP_RE = re.compile(r"^step_(\d+)$")

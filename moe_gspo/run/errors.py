@@ -18,11 +18,13 @@ Under torchrun each failing worker also writes its line to torchelastic's error 
 (`TORCHELASTIC_ERROR_FILE`), so torchrun's failure summary quotes that line instead of a link; plain
 `torchrun` itself always exits 1 after a worker fails, with its ChildFailedError summary.
 `python -m moe_gspo.launch` takes torchrun's arguments and exits with the worker's code instead.
+
+A full disk is recognised and named by `moe_gspo.files` (`writing`, `is_disk_full`), the ground floor
+every layer writes through; this module only turns it into exit code 2.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import signal
@@ -30,62 +32,16 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Callable, Iterator
+
+from moe_gspo.files import disk_full_message, is_disk_full
 
 EXIT_USER_ERROR = 2
 EXIT_RANK_FAILURE = 3
-_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-_DISK_FULL_TEXT = ("No space left on device", "os error 28", "Disk quota exceeded", "os error 122")
 
 
 class RankFailure(RuntimeError):
     """Another rank stopped responding (collective timeout) or died; exit code 3."""
-
-
-def _chain(exc: BaseException) -> Iterator[BaseException]:
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
-
-
-def is_disk_full(exc: BaseException) -> bool:
-    """True when `exc` (or what caused it) is an out-of-space error: `OSError` ENOSPC/EDQUOT, or the
-    same reported as text by safetensors / torch's C++ writers."""
-    for e in _chain(exc):
-        if isinstance(e, OSError) and e.errno in _DISK_FULL_ERRNOS:
-            return True
-        if any(t in str(e) for t in _DISK_FULL_TEXT):
-            return True
-    return False
-
-
-def disk_full_message(path: str | os.PathLike, what: str) -> str:
-    where = Path(path)
-    probe = where if where.exists() else where.parent
-    free = ""
-    try:
-        import shutil
-
-        free = f" ({shutil.disk_usage(probe).free / 2**20:.1f} MiB free there)"
-    except OSError:
-        pass
-    return (f"disk full while writing {what} {str(where)!r}{free}: No space left on device; free space "
-            f"or choose another directory (the partial file was removed)")
-
-
-@contextmanager
-def writing(path: str | os.PathLike, what: str) -> Iterator[None]:
-    """Turn a full disk while writing `path` into a ValueError naming it (the caller removes its
-    temporary file)."""
-    try:
-        yield
-    except Exception as e:
-        if is_disk_full(e):
-            raise ValueError(disk_full_message(path, what)) from e
-        raise
 
 
 # gloo ("Timed out waiting 300000ms for recv operation"), the TCPStore ("Socket Timeout", "wait timeout"),

@@ -32,49 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from moe_gspo.files import check_output_dir
+
 RUN_OUTPUTS = ("metrics.jsonl", "done.json", "config.yaml", "run.json", "eval.jsonl", "samples.jsonl", "checkpoints",
                "hf_export", "traces", "wandb")
-
-
-def _ancestors_ok(path: Path, flag: str) -> None:
-    """Every existing ancestor of `path` is a directory and the nearest one is writable."""
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ValueError(f"{flag}={str(path)!r}: {str(parent)!r} is a file, not a directory; "
-                                 "choose another path")
-            if not os.access(parent, os.W_OK | os.X_OK):
-                raise ValueError(f"{flag}={str(path)!r}: cannot create it, {str(parent)!r} is not writable; "
-                                 "choose another path")
-            return
-
-
-def check_output_dir(path: str | os.PathLike, flag: str) -> Path:
-    """`path` is a writable directory or can be created; raises ValueError naming `flag`."""
-    p = Path(path)
-    if p.exists():
-        if not p.is_dir():
-            raise ValueError(f"{flag}={str(p)!r} is a file, not a directory; choose another path")
-        if not os.access(p, os.W_OK | os.X_OK):
-            raise ValueError(f"{flag}={str(p)!r} is not writable; choose another path or fix its permissions")
-        return p
-    _ancestors_ok(p, flag)
-    return p
-
-
-def check_output_file(path: str | os.PathLike, flag: str) -> Path:
-    """`path` can be written as a file (its directory exists or can be created; it is not a
-    directory); raises ValueError naming `flag`."""
-    p = Path(path)
-    if p.is_dir():
-        raise ValueError(f"{flag}={str(p)!r} is a directory; give a file path such as {str(p / 'drift.json')!r}")
-    if p.exists() and not os.access(p, os.W_OK):
-        raise ValueError(f"{flag}={str(p)!r} is not writable; choose another path or fix its permissions")
-    if p.parent.exists():
-        check_output_dir(p.parent, flag)
-    else:
-        _ancestors_ok(p, flag)
-    return p
 
 
 LOCK_FILE = ".moe_gspo.lock"

@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from moe_gspo.files import atomic_write_text, writing
+
 
 def _jsonable(v: Any) -> Any:
     if hasattr(v, "tolist"):
@@ -23,22 +25,6 @@ def _jsonable(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return [_jsonable(x) for x in v]
     return v
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write through a temporary sibling and rename; on any failure (a full disk: a ValueError
-    naming `path`) the temporary file is removed and `path` is unchanged."""
-    from moe_gspo.run.errors import writing
-
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with writing(path, "file"):
-            tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def truncate_metrics(path: Path, keep_before_step: int) -> None:
@@ -59,8 +45,6 @@ def truncate_metrics(path: Path, keep_before_step: int) -> None:
 def append_jsonl_line(path: Path, rec: dict[str, Any], what: str) -> None:
     """Append one JSON line and fsync it; on any failure (a full disk, an interrupt) the file is cut
     back to where it was, so no torn line is left behind."""
-    from moe_gspo.run.errors import writing
-
     data = memoryview((json.dumps({k: _jsonable(v) for k, v in rec.items()}, ensure_ascii=False) + "\n").encode())
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)  # no descriptor held between steps
     end = os.lseek(fd, 0, os.SEEK_END)

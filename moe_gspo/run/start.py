@@ -20,7 +20,7 @@ from moe_gspo.config import Config
 from moe_gspo.run.checkpoint import TrainState, agree, latest_checkpoint, resume, run_fingerprint
 from moe_gspo.run.errors import warn_once
 from moe_gspo.run.rundir import RunDirPlan, move_contents_aside
-from moe_gspo.run.sinks import atomic_write_text
+from moe_gspo.files import atomic_write_text
 
 # Settings a resumed run may change freely (anything else that differs is listed in a note).
 _QUIET_CHANGES = ("train.steps", "logging.progress", "logging.progress_every")

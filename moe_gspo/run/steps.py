@@ -13,7 +13,7 @@ from moe_gspo.algos import group_advantages, group_signal_metrics
 from moe_gspo.config import Config
 from moe_gspo.mcore.parallel import ParallelInfo
 from moe_gspo.rollout.base import RolloutSample, SamplingParams
-from moe_gspo.run.errors import writing
+from moe_gspo.files import writing
 from moe_gspo.run.setup import Policy, derive_seed
 from moe_gspo.tasks import Prompt, Task
 from moe_gspo.tasks.encoding import encode_prompts

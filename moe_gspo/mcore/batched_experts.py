@@ -222,17 +222,21 @@ class BatchedSequentialMLP(SequentialMLP):
         return out_TH, None
 
     def _activation(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        """Megatron's `MLP.forward` between its two linears (unfused path): the (gated) activation, then
-        the routing probabilities as `per_token_scale`; `probs` has the shape of `h` without its last dim."""
-        c = self.config
-        if c.gated_linear_unit:
-            h_glu, h_lin = torch.chunk(h, 2, dim=-1)
-            if (val := c.activation_func_clamp_value) is not None:
-                h_glu, h_lin = h_glu.clamp(min=None, max=val), h_lin.clamp(min=-val, max=val)
-            out = c.activation_func(h_glu) * (h_lin + c.glu_linear_offset)
-        else:
-            out = c.activation_func(h)
-        return (out * probs.unsqueeze(-1)).to(out.dtype)
+        return mlp_activation(self.config, h, probs)
+
+
+def mlp_activation(c, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Megatron's `MLP.forward` between its two linears (unfused path) under `TransformerConfig` `c`: the
+    (gated) activation, then the routing probabilities as `per_token_scale`; `probs` has the shape of `h`
+    without its last dim."""
+    if c.gated_linear_unit:
+        h_glu, h_lin = torch.chunk(h, 2, dim=-1)
+        if (val := c.activation_func_clamp_value) is not None:
+            h_glu, h_lin = h_glu.clamp(min=None, max=val), h_lin.clamp(min=-val, max=val)
+        out = c.activation_func(h_glu) * (h_lin + c.glu_linear_offset)
+    else:
+        out = c.activation_func(h)
+    return (out * probs.unsqueeze(-1)).to(out.dtype)
 
 
 def stack_expert_weights_(model) -> None:

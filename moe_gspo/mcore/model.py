@@ -22,6 +22,7 @@ TP = PP = 1; expert parallelism over the experts (see `moe_gspo.mcore.parallel`)
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -219,6 +220,7 @@ def build_gpt_model(
     vocab_pad_multiple: int = 1,
     recompute: bool = False,
     batched_experts: bool = False,
+    expert_layout: str = "per_expert",
     sdpa_attention: bool = True,
     fused_rope: bool = True,
     device: torch.device | str | None = None,
@@ -227,7 +229,11 @@ def build_gpt_model(
     """Build the Megatron `GPTModel` for `hf_config` (random init; load weights with `moe_gspo.mcore.weights`).
 
     `batched_experts`: the MoE layers' local experts as `moe_gspo.mcore.batched_experts.BatchedSequentialMLP`
-    (same parameters; local spec only). `sdpa_attention`: core attention as one fused
+    (same parameters; local spec only). `expert_layout` (`model.expert_layout`): `per_expert` (Megatron's
+    `SequentialMLP`, or `BatchedSequentialMLP` with `batched_experts`), `grouped` (one parameter per
+    projection: `moe_gspo.mcore.grouped_experts.GroupedExperts`, Megatron's legacy `GroupedMLP`; with
+    Transformer Engine its `TEGroupedMLP`; `batched_experts` is then ignored) or `auto`
+    (`grouped_experts.resolve_expert_layout`). `sdpa_attention`: core attention as one fused
     `scaled_dot_product_attention` call (`moe_gspo.mcore.sdpa_attention`) where the spec has upstream's
     local `DotProductAttention` (no Transformer Engine); no parameters, same maths up to rounding.
     `fused_rope`: Megatron's `apply_rope_fusion` (TE's fused RoPE kernel, or without TE
@@ -242,11 +248,22 @@ def build_gpt_model(
 
     from moe_gspo.mcore.shims import apply_shims, have_transformer_engine
 
+    from moe_gspo.mcore.grouped_experts import resolve_expert_layout
+
     apply_shims()
     use_te = have_transformer_engine()
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    grouped = resolve_expert_layout(expert_layout, device=device, params_dtype=params_dtype) == "grouped"
     # With TE, its grouped GEMM over the local experts (TEGroupedMLP; `weights` maps its names); without,
-    # the local SequentialMLP (`batched_experts`: ours, one grouped GEMM per projection).
-    config_overrides.setdefault("moe_grouped_gemm", use_te)
+    # the local SequentialMLP (`batched_experts`: ours, one grouped GEMM per projection), or with the grouped
+    # layout Megatron's legacy GroupedMLP on `torch._grouped_mm` (`moe_gspo.mcore.grouped_experts`).
+    if grouped and not use_te:
+        from moe_gspo.mcore.shims import install_grouped_gemm
+
+        install_grouped_gemm()
+        batched_experts = False
+    config_overrides.setdefault("moe_grouped_gemm", use_te or grouped)
     if fused_rope and "apply_rope_fusion" not in config_overrides:
         from moe_gspo.mcore.shims import install_torch_fused_rope
 
@@ -256,7 +273,14 @@ def build_gpt_model(
         enable_routing_replay=enable_routing_replay, token_dispatcher=token_dispatcher,
         recompute=recompute, **config_overrides,
     )
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+    with warnings.catch_warnings():  # the local spec's "legacy GroupedMLP will be deprecated": we replace it
+        warnings.filterwarnings("ignore", message=".*legacy GroupedMLP.*")
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+    if grouped and not use_te and config.num_moe_experts:
+        from moe_gspo.mcore.grouped_experts import with_grouped_experts
+
+        spec, found = with_grouped_experts(spec)
+        assert found, "moe_grouped_gemm on the local spec builds no GroupedMLP"
     if batched_experts and config.num_moe_experts:
         from moe_gspo.mcore.batched_experts import with_batched_experts
 
@@ -291,8 +315,6 @@ def build_gpt_model(
     model.hf_vocab_size = hf_config.vocab_size
     model.implicit_causal_mask = implicit_causal_mask
     model.hf_config = hf_config
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     model = model.to(device)
     if batched_experts:  # moving devices gave every parameter its own storage: lay the experts' out again
         from moe_gspo.mcore.batched_experts import stack_expert_weights_

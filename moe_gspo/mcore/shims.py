@@ -25,6 +25,11 @@ rather than by `apply_shims()`:
   `fused_apply_rotary_pos_emb`, which `rope_utils` sets to `None` when TE does not import; this puts
   `moe_gspo.mcore.fused_rope.rope_bshd` (one autograd function, bit-identical forward and gradients to
   Megatron's unfused RoPE) in that slot. With TE present, TE's own kernel stays.
+- `install_grouped_gemm()` (installed by `build_gpt_model(expert_layout="grouped")`): megatron-core's legacy
+  `GroupedMLP` refuses to build unless the `grouped_gemm` CUDA extension imports
+  (`transformer/moe/grouped_gemm_util.py`: `grouped_gemm`, `ops.gmm`); this puts
+  `moe_gspo.mcore.grouped_experts` (whose `ops.gmm` is that extension's contract on `torch._grouped_mm`)
+  in that slot. An installed extension stays.
 
 One guard runs before Megatron is imported at all (`moe_gspo.mcore`'s package import runs it):
 
@@ -233,6 +238,19 @@ def install_torch_fused_rope() -> bool:
         rope_utils.fused_apply_rotary_pos_emb = rope_bshd
         _APPLIED.add("torch_fused_rope")
     return rope_utils.fused_apply_rotary_pos_emb is not None
+
+
+def install_grouped_gemm() -> bool:
+    """Fill megatron's `grouped_gemm_util` slot with `moe_gspo.mcore.grouped_experts` where the `grouped_gemm`
+    extension is absent (see the module docstring); True when `GroupedMLP` can be built afterwards."""
+    from megatron.core.transformer.moe import grouped_gemm_util as gg
+
+    if gg.grouped_gemm is None:
+        from moe_gspo.mcore import grouped_experts
+
+        gg.grouped_gemm, gg.ops = grouped_experts, grouped_experts.ops
+        _APPLIED.add("torch_grouped_gemm")
+    return gg.grouped_gemm_is_available()
 
 
 def apply_shims() -> list[str]:

@@ -25,6 +25,10 @@ Layouts: ``"per_expert"`` (default) yields the on-disk checkpoint names
 copies; vLLM's loader and `moe_gspo.rollout.weights_sync` accept them. ``"fused"`` yields
 transformers 5's in-memory ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I]
 (strided views of the same buffer).
+
+With the grouped expert layout (`model.expert_layout=grouped`: `experts.weight1`/`weight2`, see
+`moe_gspo.mcore.weights`) the experts' HF tensors are transposed views of those parameters (per-expert
+layout at EP=1, no copy) or go through the same gathered buffer.
 """
 
 from __future__ import annotations
@@ -139,7 +143,8 @@ class HFWeightStream:
 
     def _buckets(self) -> Iterator[tuple[list[tuple[str, Tensor]], int]]:
         cfg = self.hf_config
-        params = _canonical_mcore({k: p.detach() for k, p in self._model.named_parameters()})
+        params = _canonical_mcore({k: p.detach() for k, p in self._model.named_parameters()},
+                                  ffn=cfg.moe_intermediate_size)  # the grouped layout split per expert (views)
         V = cfg.vocab_size
         yield [("model.embed_tokens.weight", params["embedding.word_embeddings.weight"][:V])], 0
         for l, is_moe in enumerate(moe_layer_pattern(cfg)):

@@ -18,6 +18,13 @@ Pure conversion (no file I/O; see `moe_gspo.mcore.checkpoint` for safetensors). 
   `mlp.experts.local_experts.{j}.linear_fc1.weight` = cat(gate_e, up_e) [2I, H] (which is exactly
   transformers 5's fused `experts.gate_up_proj[e]`), `linear_fc2.weight` = `down_e` [H, I]
   (= `experts.down_proj[e]`);
+- with the grouped expert layout (`model.expert_layout=grouped`, Megatron's legacy `GroupedMLP`:
+  `moe_gspo.mcore.grouped_experts`) a MoE layer's local experts are two tensors, `mlp.experts.weight1`
+  [H, E_local*2I] and `mlp.experts.weight2` [E_local*I, H], whose storage reads as [E_local, H, 2I] and
+  [E_local, I, H]: local expert j's `linear_fc1.weight` is `weight1.view(E_local, H, 2I)[j].T` (gate rows,
+  then up rows, as above) and its `linear_fc2.weight` is `weight2.view(E_local, I, H)[j].T`. Every
+  conversion goes through the per-expert names: `_canonical_mcore` splits the grouped tensors into those
+  (transposed views, no copy) and `load_into_megatron` stacks them back;
 - `model.embed_tokens` → `embedding.word_embeddings`, `model.norm` → `decoder.final_layernorm`,
   `lm_head` → `output_layer` (absent when `tie_word_embeddings`); vocabulary rows are zero-padded to
   a multiple of `vocab_pad_multiple` and stripped on the way back.
@@ -49,6 +56,8 @@ _TE_FUSED_TO_LOCAL = (
 # layer holding every local expert's weight as `weight{j}`, each shaped like `SequentialMLP`'s.
 _TE_GROUPED_EXPERT_RE = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.(linear_fc[12])\.weight(\d+)$")
 _LOCAL_EXPERT_RE = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+# The grouped layout (Megatron's legacy `GroupedMLP`): one tensor per projection over the local experts.
+_GROUPED_EXPERT_RE = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.weight([12])$")
 _LOCAL_TO_TE_FUSED = {
     ".input_layernorm.weight": ".self_attention.linear_qkv.layer_norm_weight",
     ".pre_mlp_layernorm.weight": ".mlp.linear_fc1.layer_norm_weight",
@@ -224,9 +233,26 @@ def hf_to_megatron(hf_sd: Mapping[str, Tensor], hf_config, *, ep_rank: int = 0, 
     return _hf_to_megatron_rows(hf_sd, hf_config, ep_rank=ep_rank, ep_size=ep_size, vocab_rows=rows)
 
 
-def _canonical_mcore(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
+def _split_grouped(prefix: str, which: str, w: Tensor, ffn: int | None) -> dict[str, Tensor]:
+    """The local per-expert names of a grouped-layout tensor `{prefix}.weight{which}` (module docstring):
+    transposed views of `w`, no copy (`w` is a parameter, its gradient, ...)."""
+    if ffn is None:
+        raise ValueError(f"{prefix}.weight{which}: splitting the grouped expert layout needs the config's "
+                         "moe_intermediate_size")
+    if which == "1":
+        (H, n), per, fc = w.shape, 2 * ffn, "linear_fc1"
+        w_E = w.reshape(n // per, H, per)
+    else:
+        (n, H), per, fc = w.shape, ffn, "linear_fc2"
+        w_E = w.reshape(n // per, per, H)
+    assert n % per == 0, (prefix, which, tuple(w.shape), ffn)
+    return {f"{prefix}.local_experts.{j}.{fc}.weight": w_E[j].t() for j in range(w_E.shape[0])}
+
+
+def _canonical_mcore(sd: Mapping[str, Tensor], *, ffn: int | None = None) -> dict[str, Tensor]:
     """Drop `_extra_state` and rename TE-fused norm weights and TE's grouped expert weights to their
-    local-spec names."""
+    local-spec names; split the grouped layout's `experts.weight{1,2}` into them (needs `ffn`, the
+    config's `moe_intermediate_size`)."""
     out = {}
     for k, v in sd.items():
         if k.endswith("_extra_state") or v is None:
@@ -236,16 +262,19 @@ def _canonical_mcore(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
                 k = pat.sub(repl, k)
                 break
         else:
+            if (mt := _GROUPED_EXPERT_RE.match(k)) is not None:
+                out.update(_split_grouped(mt[1], mt[2], v, ffn))
+                continue
             k = _TE_GROUPED_EXPERT_RE.sub(r"\1.local_experts.\3.\2.weight", k)
         out[k] = v
     return out
 
 
-def _merge_ranks(per_rank: list[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+def _merge_ranks(per_rank: list[Mapping[str, Tensor]], *, ffn: int | None = None) -> dict[str, Tensor]:
     """One Megatron dict with global expert ids from the dicts of EP ranks 0..n-1 (in EP-rank order)."""
     merged: dict[str, Tensor] = {}
     for rank, sd in enumerate(per_rank):
-        sd = _canonical_mcore(sd)
+        sd = _canonical_mcore(sd, ffn=ffn)
         num_local = {}
         for k in sd:
             mt = _MCORE_EXPERT_RE.match(k)
@@ -275,8 +304,9 @@ def megatron_to_hf(mcore_sd_per_rank: list[Mapping[str, Tensor]] | Mapping[str, 
     if layout not in ("fused", "per_expert"):
         raise ValueError(f"megatron_to_hf: layout={layout!r}; use 'fused' or 'per_expert'")
     check_supported(hf_config)
-    sd = (_merge_ranks(list(mcore_sd_per_rank)) if isinstance(mcore_sd_per_rank, (list, tuple))
-          else _canonical_mcore(mcore_sd_per_rank))
+    ffn = hf_config.moe_intermediate_size
+    sd = (_merge_ranks(list(mcore_sd_per_rank), ffn=ffn) if isinstance(mcore_sd_per_rank, (list, tuple))
+          else _canonical_mcore(mcore_sd_per_rank, ffn=ffn))
     V, E, I = hf_config.vocab_size, hf_config.num_experts, hf_config.moe_intermediate_size
     missing: list[str] = []
 
@@ -336,9 +366,31 @@ def megatron_to_hf(mcore_sd_per_rank: list[Mapping[str, Tensor]] | Mapping[str, 
     return out
 
 
+def _to_grouped_layout(sd: dict[str, Tensor], keys: set[str]) -> dict[str, Tensor]:
+    """`sd` with each MoE layer's local per-expert weights stacked into the grouped layout's
+    `experts.weight{1,2}` where the model has those (module docstring); a layer missing some of its experts
+    stays as it is (the load then names what is missing)."""
+    groups: dict[tuple[str, str], dict[int, str]] = {}
+    for k in sd:
+        if (mt := _LOCAL_EXPERT_RE.match(k)) is not None and f"{mt[1]}.weight{mt[3][-1]}" in keys:
+            groups.setdefault((mt[1], mt[3][-1]), {})[int(mt[2])] = k
+    out = dict(sd)
+    for (prefix, which), names in groups.items():
+        if sorted(names) != list(range(len(names))):
+            continue
+        stacked = torch.stack([sd[names[j]].t() for j in range(len(names))])  # [E, H, 2I] / [E, I, H]
+        out[f"{prefix}.weight{which}"] = stacked.reshape(-1, stacked.shape[2]) if which == "2" else \
+            stacked.reshape(stacked.shape[1], -1)
+        for name in names.values():
+            del out[name]
+    return out
+
+
 def _adapt_to_model_names(sd: dict[str, Tensor], model_keys: Iterable[str]) -> dict[str, Tensor]:
-    """Rename local-spec norm and expert names to the TE-fused / TE-grouped names where the model uses those."""
+    """Rename local-spec norm and expert names to the TE-fused / TE-grouped names where the model uses those,
+    and stack the experts into the grouped layout where the model has it."""
     keys = set(model_keys)
+    sd = _to_grouped_layout(sd, keys)
     out = {}
     for k, v in sd.items():
         if k not in keys and (grouped := _LOCAL_EXPERT_RE.sub(r"\1.\3.weight\2", k)) in keys:
@@ -414,7 +466,7 @@ def gather_to_hf(named_tensors: Mapping[str, Tensor], hf_config, *, layout: str 
     from megatron.core import parallel_state as ps
 
     group = ps.get_expert_model_parallel_group()
-    named = _canonical_mcore(named_tensors)
+    named = _canonical_mcore(named_tensors, ffn=hf_config.moe_intermediate_size)
     full: dict[str, Tensor] = {}
     by_dtype: dict[torch.dtype, list[tuple[str, re.Match]]] = {}
     num_local: dict[str, int] = {}

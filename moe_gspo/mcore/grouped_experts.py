@@ -1,0 +1,157 @@
+"""The experts as one parameter per projection: megatron-core's legacy `GroupedMLP`, on `torch._grouped_mm`.
+
+`model.expert_layout=grouped` (issue 40) builds the MoE layers with `moe_grouped_gemm=True` on the local
+(no Transformer Engine) spec, which gives megatron-core 0.16's legacy `GroupedMLP`: per MoE layer two
+parameters, `experts.weight1` [H, E*2F] and `experts.weight2` [E*F, H], whose storage is read as
+`[E, H, 2F]` and `[E, F, H]` (expert `e`'s fc1 is `weight1.view(E, H, 2F)[e]`, its gate columns first,
+then its up columns: the transpose of `SequentialMLP`'s `linear_fc1.weight` = cat(gate, up) [2F, H];
+its fc2 is `weight2.view(E, F, H)[e]`, the transpose of `linear_fc2.weight` [H, F]).
+`moe_gspo.mcore.weights` maps these names to and from HF's per-expert weights.
+
+Why: a grouped GEMM takes all experts' weights as one `[E, in, out]` tensor. With one parameter per
+expert (`SequentialMLP`, `batched_experts`) that tensor is a view only while the experts' weights lie back
+to back in one storage; Megatron's distributed optimizer moves every `param.data` into its buffer in
+reverse order, fc1 and fc2 interleaved, so there each forward copies all expert weights (`torch.stack`,
+and the copy is saved for backward). One parameter per projection is one contiguous slice of that
+buffer wherever DDP puts it: the `[E, in, out]` view needs no copy, under every optimizer
+(`GroupedExperts.num_weight_copies` counts forwards that did copy; tested to stay 0 under the
+distributed optimizer, `tests/mcore/test_grouped_experts.py`).
+
+Upstream `GroupedMLP` needs the `grouped_gemm` CUDA extension (`grouped_gemm.ops.gmm`) and asserts bf16.
+Here:
+- `gmm(a, b, batch_sizes, trans_b=False)` is that extension's contract on `torch._grouped_mm`, with int32
+  offsets (the cumulative `batch_sizes`) staged in pinned host memory and moved to the device without a
+  sync; `moe_gspo.mcore.shims.install_grouped_gemm` puts it in megatron's `grouped_gemm_util` slot so that
+  `GroupedMLP` can be built. Fast path where `batched_experts.grouped_mm_supported` says so (the CPU in any
+  float dtype; CUDA in bf16 on compute capability major 9 or 10, where on major 10 the weight gradients
+  of experts without tokens are zeroed, pytorch#172439); elsewhere a loop over the experts' row blocks
+  (its `batch_sizes.tolist()` syncs when the counts live on the device; megatron's dispatchers hand them
+  over on the host).
+- `GroupedExperts(GroupedMLP)` (what the spec builds) keeps upstream's parameters, init and checkpoint
+  sharding and replaces only the forward: any float dtype (fp32 on the CPU, for parity and tests),
+  `SequentialMLP`'s activation (`batched_experts.mlp_activation`: the same maths and rounding), no
+  `torch.compile`d activation (upstream's `jit_fuser`), and the copy counter. Experts without tokens take
+  part with zero rows; a layer whose experts got no token at all multiplies the empty input by the whole
+  weights, as upstream does, so every parameter still gets a (zero) gradient.
+
+With Transformer Engine importable, `moe_grouped_gemm` selects TE's `TEGroupedMLP` instead (one weight per
+expert inside TE's own grouped linear); this module is then not used.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import torch
+from megatron.core.transformer.moe.experts import GroupedMLP
+
+from moe_gspo.mcore.batched_experts import (_contiguous_grad, grouped_mm_supported, mask_empty_expert_grads,
+                                            masks_empty_expert_grads, mlp_activation, to_device_pinned)
+
+EXPERT_LAYOUTS = ("auto", "per_expert", "grouped")
+"""`model.expert_layout` values: `per_expert` (megatron's `SequentialMLP`, one parameter per expert and
+projection), `grouped` (`GroupedExperts`, one per projection), `auto` (see `resolve_expert_layout`)."""
+
+
+def resolve_expert_layout(layout: str, *, device: torch.device | str, params_dtype: torch.dtype) -> str:
+    """`per_expert` or `grouped` for `model.expert_layout` on this machine. `auto`: `grouped` on CUDA in bf16
+    on compute capability major 9 or 10 (torch's fast grouped GEMM, which the distributed optimizer, the
+    CUDA default, leaves copy-free only in this layout); `per_expert` elsewhere, the CPU included (measured
+    there: `docs/gpu.md`, "Expert layout")."""
+    from moe_gspo.mcore.batched_experts import FAST_GROUPED_MM_MAJORS, _cuda_capability
+
+    if layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"model.expert_layout={layout!r}: use one of {', '.join(EXPERT_LAYOUTS)}")
+    if layout != "auto":
+        return layout
+    device = torch.device(device)
+    fast = (device.type == "cuda" and params_dtype == torch.bfloat16
+            and _cuda_capability(device)[0] in FAST_GROUPED_MM_MAJORS)
+    return "grouped" if fast else "per_expert"
+
+
+def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False) -> torch.Tensor:
+    """`grouped_gemm.ops.gmm`: rows `a` [T, K], grouped by expert in order (`batch_sizes[e]` rows for expert
+    e, summing to T), times that expert's `b[e]` ([E, K, N]; with `trans_b`, `b` is [E, N, K]) -> [T, N]."""
+    w_EKN = b.transpose(1, 2) if trans_b else b
+    assert a.dim() == 2 and w_EKN.dim() == 3 and a.shape[1] == w_EKN.shape[1], (a.shape, b.shape, trans_b)
+    assert batch_sizes.numel() == w_EKN.shape[0], (batch_sizes.shape, b.shape)
+    if grouped_mm_supported(a, w_EKN.shape[2]):
+        offs_E = to_device_pinned(torch.cumsum(batch_sizes, 0).to(torch.int32), a.device)
+        if masks_empty_expert_grads(a.device) and torch.is_grad_enabled() and w_EKN.requires_grad:
+            w_EKN = mask_empty_expert_grads(w_EKN, to_device_pinned(batch_sizes > 0, a.device))
+        return _contiguous_grad(torch._grouped_mm(a, w_EKN, offs=offs_E))
+    rows = a.split(batch_sizes.tolist())  # not the fast path: a host sync where the counts are on the device
+    return torch.cat([x @ w_EKN[e] for e, x in enumerate(rows)])
+
+
+ops = types.SimpleNamespace(gmm=gmm)
+"""What megatron's `grouped_gemm_util.ops` expects (`ops.gmm`)."""
+
+
+class GroupedExperts(GroupedMLP):
+    """Megatron's legacy `GroupedMLP` (same parameters `weight1`/`weight2`) with a forward on `gmm` in any
+    float dtype (module docstring)."""
+
+    num_weight_copies: int = 0
+    """Forwards whose `[E, in, out]` weight views needed a copy (a parameter that is not one contiguous
+    tensor); 0 in every layout Megatron's optimizers give it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        c = self.config
+        if self.activation_recompute or c.fp8 or c.fp4 or self.tp_group.size() != 1:
+            raise ValueError("model.expert_layout=grouped supports no selective moe_act recompute, FP8/FP4 or "
+                             "expert tensor parallelism; use model.expert_layout=per_expert")
+
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`weight1` as [E, H, 2F] and `weight2` as [E, F, H], views of the parameters (a copy only where a
+        parameter is not contiguous: counted)."""
+        E, H = self.num_local_experts, self.config.hidden_size
+        w1_EHF, w2_EFH = self.weight1.reshape(E, H, -1), self.weight2.reshape(E, -1, H)
+        if w1_EHF.data_ptr() != self.weight1.data_ptr() or w2_EFH.data_ptr() != self.weight2.data_ptr():
+            self.num_weight_copies += 1
+        return w1_EHF, w2_EFH
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: torch.Tensor):
+        x_TH, probs_T = permuted_local_hidden_states, permuted_probs
+        if self.config.moe_apply_probs_on_input:  # upstream's: probabilities multiply the input instead
+            assert self.config.moe_router_topk == 1, "`moe_apply_probs_on_input` only works with topk=1"
+            x_TH = (probs_T.unsqueeze(-1) * x_TH).to(x_TH.dtype)
+            probs_T = torch.ones_like(probs_T)
+        w1_EHF, w2_EFH = self._weights()
+        if x_TH.shape[0] == 0:  # no token for any local expert: zero rows through the whole weights (grads)
+            h_TF = mlp_activation(self.config, x_TH @ self.weight1.view(self.config.hidden_size, -1), probs_T)
+            return h_TF @ self.weight2.view(-1, self.config.hidden_size), None
+        h_TF = mlp_activation(self.config, gmm(x_TH, w1_EHF, tokens_per_expert), probs_T)
+        return gmm(h_TF, w2_EFH, tokens_per_expert), None
+
+
+def with_grouped_experts(block_spec):
+    """A copy of a GPT decoder block spec whose legacy `GroupedMLP` experts are `GroupedExperts`; and how many."""
+    spec = copy.deepcopy(block_spec)
+    found = 0
+    for layer in spec.layer_specs:
+        mlp = getattr(layer.submodules, "mlp", None)
+        experts = getattr(getattr(mlp, "submodules", None), "experts", None)
+        if experts is not None and getattr(experts, "module", None) is GroupedMLP:
+            experts.module = GroupedExperts
+            found += 1
+    return spec, found
+
+
+def expert_modules(model) -> list:
+    """The expert modules of `model`'s MoE layers (`SequentialMLP`, `GroupedMLP`, `TEGroupedMLP`, ...), in order."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from moe_gspo.mcore.model import unwrap
+
+    return [m.experts for m in unwrap(model).modules() if isinstance(m, MoELayer)]
+
+
+def weight_copies(model) -> int:
+    """Forwards of `model`'s experts that copied their weights (`num_weight_copies` of `GroupedExperts` and
+    `batched_experts.BatchedSequentialMLP`, summed over layers)."""
+    return sum(getattr(m, "num_weight_copies", 0) for m in expert_modules(model))

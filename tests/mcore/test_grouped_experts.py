@@ -1,0 +1,217 @@
+"""`model.expert_layout=grouped` (issue 40): the experts as one parameter per projection (megatron-core's legacy
+`GroupedMLP`, `weight1` [H, E*2F] / `weight2` [E*F, H]) on `torch._grouped_mm`; the same function, weights and
+gradients as the per-expert layout, HF names both ways, and no weight copy under the distributed optimizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
+
+import moe_gspo.mcore.batched_experts as be
+import moe_gspo.mcore.grouped_experts as ge
+from moe_gspo.mcore.checkpoint import load_megatron_from_hf_dir, save_hf_checkpoint, to_per_expert_layout
+from moe_gspo.mcore.grouped_experts import (GroupedExperts, expert_modules, gmm, resolve_expert_layout,
+                                            weight_copies)
+from moe_gspo.mcore.model import build_gpt_model, forward_logits, moe_layer_ids
+from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
+from moe_gspo.mcore.weight_stream import HFWeightStream
+from moe_gspo.mcore.weights import _canonical_mcore, gather_hf_state_dict, load_hf_model_into_megatron, megatron_to_hf
+from moe_gspo.tiny import build_tiny_model, make_tiny_checkpoint, tiny_qwen3_moe_config
+
+from ._mcore_parity import logits_and_grads, max_abs_diff
+
+
+@pytest.fixture(scope="module", autouse=True)
+def dist_ep1():
+    info = init_distributed(ep_size=1, num_experts=8, seed=0)
+    yield info
+    destroy_distributed()
+
+
+def _ids(B=5, S=13, vocab=51, seed=1):
+    return torch.randint(3, vocab, (B, S), generator=torch.Generator().manual_seed(seed))
+
+
+def _pair(**tiny):
+    """(hf config, HF model, per-expert Megatron model, grouped Megatron model), the same HF weights, fp32."""
+    cfg = tiny_qwen3_moe_config(**tiny)
+    hf = build_tiny_model(cfg, seed=0)
+    per, grouped = build_gpt_model(cfg), build_gpt_model(cfg, expert_layout="grouped")
+    for m in (per, grouped):
+        load_hf_model_into_megatron(m, hf)
+    return cfg, hf, per, grouped
+
+
+def test_builds_megatrons_grouped_mlp_with_one_parameter_per_projection():
+    cfg, _, per, grouped = _pair()
+    E, H, F = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    experts = expert_modules(grouped)
+    assert [type(m) for m in experts] == [GroupedExperts] * len(moe_layer_ids(cfg))
+    assert all(isinstance(m, GroupedMLP) for m in experts) and grouped.config.moe_grouped_gemm
+    assert [type(m) for m in expert_modules(per)] == [SequentialMLP] * len(moe_layer_ids(cfg))
+    names = {n: tuple(p.shape) for n, p in grouped.named_parameters() if ".experts." in n}
+    l = moe_layer_ids(cfg)[0]
+    assert names[f"decoder.layers.{l}.mlp.experts.weight1"] == (H, E * 2 * F)
+    assert names[f"decoder.layers.{l}.mlp.experts.weight2"] == (E * F, H)
+    assert len(names) == 2 * len(moe_layer_ids(cfg))
+    from megatron.core.transformer.moe import grouped_gemm_util as gg
+
+    assert gg.grouped_gemm_is_available() and gg.ops.gmm is gmm  # the shim (moe_gspo.mcore.shims)
+
+
+def test_hf_to_grouped_to_hf_is_exact_in_both_hf_layouts():
+    cfg, hf, _, grouped = _pair()
+    ref = hf.state_dict()
+    fused = gather_hf_state_dict(grouped, layout="fused")
+    assert set(fused) == set(ref) and all(torch.equal(fused[k], ref[k]) for k in ref)
+    per_expert = gather_hf_state_dict(grouped, layout="per_expert")
+    want = to_per_expert_layout(ref, cfg)
+    assert set(per_expert) == set(want) and all(torch.equal(per_expert[k], want[k]) for k in want)
+    # expert 3 of layer 1 by hand: weight1's storage read [E, H, 2F], gate columns then up columns
+    E, H, F = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    w1 = grouped.decoder.layers[1].mlp.experts.weight1.detach().view(E, H, 2 * F)[3]
+    assert torch.equal(w1[:, :F].t(), want["model.layers.1.mlp.experts.3.gate_proj.weight"])
+    assert torch.equal(w1[:, F:].t(), want["model.layers.1.mlp.experts.3.up_proj.weight"])
+    w2 = grouped.decoder.layers[1].mlp.experts.weight2.detach().view(E, F, H)[3]
+    assert torch.equal(w2.t(), want["model.layers.1.mlp.experts.3.down_proj.weight"])
+    # the Megatron state dict of one layout converts to the other's HF weights
+    assert all(torch.equal(v, ref[k]) for k, v in megatron_to_hf(grouped.state_dict(), cfg).items())
+    with pytest.raises(ValueError, match="moe_intermediate_size"):
+        _canonical_mcore(dict(grouped.named_parameters()))
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_weight_stream_of_the_grouped_layout_equals_the_per_expert_models(layout):
+    _, _, per, grouped = _pair()
+    want = dict(HFWeightStream(per, layout=layout))
+    got = [(n, t.clone()) for n, t in HFWeightStream(grouped, layout=layout)]
+    assert [n for n, _ in got] == list(want) and all(torch.equal(t, want[n]) for n, t in got)
+
+
+def test_checkpoint_round_trip(tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "ckpt", seed=7)
+    model, cfg = load_megatron_from_hf_dir(path, expert_layout="grouped")
+    assert isinstance(expert_modules(model)[0], GroupedExperts)
+    out = save_hf_checkpoint(model, cfg, tmp_path / "saved", tokenizer_dir=path)
+    again, _ = load_megatron_from_hf_dir(out)  # per-expert layout
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(forward_logits(again, ids), forward_logits(load_megatron_from_hf_dir(path)[0], ids))
+
+
+@pytest.mark.parametrize("tiny", [{}, {"norm_topk_prob": False}])
+def test_same_logits_and_gradients_as_the_per_expert_layout(tiny):
+    cfg, _, per, grouped = _pair(**tiny)
+    (l0, g0), (l1, g1) = logits_and_grads((per, grouped), _ids())
+    assert (l0 - l1).abs().max() <= 1e-5
+    g1 = _canonical_mcore(g1, ffn=cfg.moe_intermediate_size)  # weight{1,2} gradients as per-expert names
+    assert g0.keys() == g1.keys()
+    assert max_abs_diff(g0, g1) <= 1e-5
+    assert max(float(g.abs().max()) for n, g in g1.items() if "local_experts" in n) > 1e-4
+
+
+def test_experts_without_tokens_uneven_counts_and_no_token_at_all():
+    cfg, _, per, grouped = _pair()
+    seq = expert_modules(per)[0]
+    experts = expert_modules(grouped)[0]
+    gen = torch.Generator().manual_seed(2)
+    for counts in ([3, 0, 5, 1, 0, 0, 7, 2], [0] * 8):
+        counts = torch.tensor(counts)
+        T = int(counts.sum())
+        x = torch.randn(T, cfg.hidden_size, generator=gen)
+        probs = torch.rand(T, generator=gen)
+        outs = []
+        for m in (seq, experts):
+            m.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_()
+            out, _ = m(xi, counts, probs)
+            (out * torch.arange(out.numel()).view_as(out).sin()).sum().backward()
+            outs.append((out.detach(), xi.grad))
+        assert outs[0][0].shape == outs[1][0].shape == (T, cfg.hidden_size)
+        assert torch.allclose(outs[0][0], outs[1][0], rtol=0, atol=1e-5)
+        assert torch.allclose(outs[0][1], outs[1][1], rtol=0, atol=1e-5)
+        grads = _canonical_mcore({n: p.grad for n, p in experts.named_parameters(prefix="decoder.layers.1.mlp.experts")},
+                                 ffn=cfg.moe_intermediate_size)
+        assert len(grads) == 2 * cfg.num_experts  # every expert has a gradient, zero for the empty ones
+        for e in torch.nonzero(counts == 0).flatten().tolist():
+            assert not grads[f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc1.weight"].any()
+        for e, fc in enumerate(seq.local_experts):
+            g = grads[f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc1.weight"]
+            want = fc.linear_fc1.weight.grad
+            assert (g - (want if want is not None else torch.zeros_like(g))).abs().max() <= 1e-5
+
+
+def test_gmm_adapter_contract_in_fp32_and_bf16(monkeypatch):
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.tensor([2, 0, 3, 4])
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(9, 16, generator=gen).to(dtype)
+        b = torch.randn(4, 16, 8, generator=gen).to(dtype)
+        want = torch.cat([x @ b[e] for e, x in enumerate(a.split(counts.tolist()))])
+        assert torch.equal(gmm(a, b, counts), want)
+        assert torch.equal(gmm(a, b.transpose(1, 2).contiguous(), counts, trans_b=True), want)
+    # off the fast path (e.g. fp32 on CUDA): the loop over row blocks, the same numbers
+    a, b = torch.randn(9, 16, generator=gen), torch.randn(4, 16, 8, generator=gen)
+    fast = gmm(a, b, counts)
+    monkeypatch.setattr(ge, "grouped_mm_supported", lambda x, n: False)
+    assert torch.allclose(gmm(a, b, counts), fast, atol=1e-6)
+
+
+def test_empty_experts_gradients_are_masked_where_asked(monkeypatch):
+    """Capability major 10 (pytorch#172439): the weight gradients of experts without tokens are zeroed by
+    `mask_empty_expert_grads` (faked here on the CPU)."""
+    calls = []
+    real = be.mask_empty_expert_grads
+
+    def spy(w, nonempty):
+        calls.append(nonempty.tolist())
+        return real(w, nonempty)
+
+    monkeypatch.setattr(ge, "masks_empty_expert_grads", lambda device: True)
+    monkeypatch.setattr(ge, "mask_empty_expert_grads", spy)
+    a = torch.randn(5, 16, requires_grad=True)
+    b = torch.randn(3, 16, 8, requires_grad=True)
+    gmm(a, b, torch.tensor([2, 0, 3])).sum().backward()
+    assert calls == [[True, False, True]] and not b.grad[1].any() and b.grad[0].any()
+
+
+def test_zero_weight_copies_under_the_distributed_optimizer():
+    """Megatron's DDP with `use_distributed_optimizer=True` moves every parameter into its buffer (reverse
+    order, fc1 and fc2 interleaved): the per-expert layout's grouped forward (`batched_experts`) then copies
+    the expert weights every forward; the grouped layout views them in place."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    cfg = tiny_qwen3_moe_config()
+    hf = build_tiny_model(cfg, seed=0)
+    ids = _ids()
+    copies = {}
+    for name, kw in (("per_expert_batched", {"batched_experts": True}), ("grouped", {"expert_layout": "grouped"})):
+        model = build_gpt_model(cfg, **kw)
+        load_hf_model_into_megatron(model, hf)
+        model.train()
+        before = forward_logits(model, ids).detach()
+        assert weight_copies(model) == 0  # as built: laid out for the grouped GEMM
+        ddp = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
+            use_distributed_optimizer=True, overlap_grad_reduce=False))
+        experts = expert_modules(ddp)
+        w = experts[0].weight1 if name == "grouped" else experts[0].local_experts[0].linear_fc1.weight
+        assert w.data.untyped_storage().data_ptr() == ddp.buffers[0].param_data.untyped_storage().data_ptr()
+        logits = forward_logits(ddp, ids)
+        logits.sum().backward()
+        assert torch.equal(logits.detach(), before)
+        copies[name] = weight_copies(ddp)
+    assert copies["grouped"] == 0
+    assert copies["per_expert_batched"] == 2 * len(moe_layer_ids(cfg))  # fc1 and fc2 of every MoE layer
+
+
+def test_resolve_expert_layout(monkeypatch):
+    assert resolve_expert_layout("auto", device="cpu", params_dtype=torch.float32) == "per_expert"
+    assert resolve_expert_layout("auto", device="cpu", params_dtype=torch.bfloat16) == "per_expert"
+    assert resolve_expert_layout("grouped", device="cpu", params_dtype=torch.float32) == "grouped"
+    for major, want in ((8, "per_expert"), (9, "grouped"), (10, "grouped"), (12, "per_expert")):
+        monkeypatch.setattr(be, "_cuda_capability", lambda device, m=major: (m, 0))
+        assert resolve_expert_layout("auto", device="cuda", params_dtype=torch.bfloat16) == want
+        assert resolve_expert_layout("auto", device="cuda", params_dtype=torch.float32) == "per_expert"
+    with pytest.raises(ValueError, match="model.expert_layout"):
+        resolve_expert_layout("stacked", device="cpu", params_dtype=torch.float32)

@@ -22,10 +22,10 @@ leaves held (RSS), plus `tracemalloc`'s peak (numpy allocations only; torch's ar
   (the pass `learner_update` runs every step): the gathered batch as uint8 ids (the device dtype up to 256
   experts), fp32 probabilities and fp32 margin/entropy, then the per-sequence unpadded copies it keeps
   (`LogprobResult`: `astype` / `.copy()`), the whole-batch arrays freed when it returns;
-- `metrics_compare`, `metrics_router`: the real `moe_gspo.run.compare.rollout_vs_learner` and
-  `moe_gspo.run.router_diag.router_diagnostics` on those routes (whole-batch concatenations, float64 copies
+- `metrics_compare`, `metrics_router`: the real `moe_gspo.routing.drift_metrics.rollout_vs_learner` and
+  `moe_gspo.routing.router_diag.router_diagnostics` on those routes (whole-batch concatenations, float64 copies
   of the router stats; MaxVio counts per layer in the ids' dtype);
-- `drift_metrics`: the real `moe_gspo.run.compare.policy_update_drift` (the drift probe's metrics) between
+- `drift_metrics`: the real `moe_gspo.routing.drift_metrics.policy_update_drift` (the drift probe's metrics) between
   that learner set and another (5% of the rows moved);
 - `replay_microbatch`: `moe_gspo.routing.align.build_replay_topk` for one micro-batch of one sequence;
 - `int64_whole_batch`: what converting every route to int64 at once would cost (no code does it now);
@@ -222,8 +222,8 @@ def run(args) -> dict:
     from moe_gspo.plan.params import Geometry
     from moe_gspo.routing.align import build_replay_topk
     from moe_gspo.routing.replay_checks import check_routes, merge_fallback_routes, usable_prefix
-    from moe_gspo.run.compare import policy_update_drift, rollout_vs_learner
-    from moe_gspo.run.router_diag import router_diagnostics
+    from moe_gspo.routing.drift_metrics import policy_update_drift, rollout_vs_learner
+    from moe_gspo.routing.router_diag import router_diagnostics
     from torch.distributed.distributed_c10d import _object_to_tensor, _tensor_to_object
 
     geom = Geometry(vocab_size=151936, hidden=2048, num_layers=L_MOE, num_heads=32, num_kv_heads=4, head_dim=128,
@@ -275,20 +275,20 @@ def run(args) -> dict:
         st.extra["plan_bytes"] = tokens * (plan["learner_kept"] + plan["learner_gather"])
     del learner_src
     logp = torch.full((N, batch.seq_len_padded), -1.0)
-    with m.stage("metrics_compare", tokens, "run.compare.rollout_vs_learner") as st:
+    with m.stage("metrics_compare", tokens, "routing.drift_metrics.rollout_vs_learner") as st:
         out = rollout_vs_learner(rollout_logp_BS=batch.rollout_logp_BS, learner_logp_BS=logp,
                                  response_mask_BS=batch.response_mask_BS, rollout_routes=comparable,
                                  learner_routes=l_routes, num_experts=NUM_EXPERTS,
                                  group_ids=[s.prompt_index for s in samples])
         st.extra["expert_change_frac"] = out["routing/expert_change_frac"]
         st.extra["plan_bytes"] = tokens * plan["metrics_compare"]  # every row as a response row: an upper bound
-    with m.stage("metrics_router", tokens, "run.router_diag.router_diagnostics (float64 stats)") as st:
+    with m.stage("metrics_router", tokens, "routing.router_diag.router_diagnostics (float64 stats)") as st:
         router_diagnostics(response_mask_BS=batch.response_mask_BS, num_experts=NUM_EXPERTS, margin_threshold=0.01,
                            learner_routes=l_routes, learner_stats=l_stats,
                            rollout_routes=[s.routes_TLK for s in samples])
         st.extra["plan_bytes"] = N * resp * plan["metrics_router"]  # the response rows
     new_routes = [perturb(rng, r, 0.05) for r in l_routes]  # the probe's pass after the update
-    with m.stage("drift_metrics", tokens, "run.compare.policy_update_drift (drift probe)") as st:
+    with m.stage("drift_metrics", tokens, "routing.drift_metrics.policy_update_drift (drift probe)") as st:
         out = policy_update_drift(l_routes, new_routes, batch.response_mask_BS, num_experts=NUM_EXPERTS)
         st.extra["expert_change_frac"] = out["update/expert_change_frac"]
         st.extra["plan_bytes"] = N * resp * plan["drift_metrics"]  # the response rows

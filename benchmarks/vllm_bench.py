@@ -109,7 +109,7 @@ def run(args) -> dict:
     from moe_gspo.mcore.parallel import init_distributed
     from moe_gspo.mcore.weights import load_hf_model_into_megatron
     from moe_gspo.rollout.vllm_engine import VLLMEngine
-    from moe_gspo.run.compare import rollout_vs_learner
+    from moe_gspo.routing.drift_metrics import rollout_vs_learner
     from moe_gspo.run.steps import gather_samples
     from moe_gspo.tiny import build_tiny_model, tiny_qwen3_moe_config
 

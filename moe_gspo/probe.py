@@ -177,7 +177,7 @@ def probe(args: argparse.Namespace, cfg=None) -> dict:
     from moe_gspo.mcore.parallel import init_distributed
     from moe_gspo.rollout.base import SamplingParams
     from moe_gspo.rollout.vllm_support import check_rollout_machine
-    from moe_gspo.run.compare import rollout_vs_learner
+    from moe_gspo.routing.drift_metrics import rollout_vs_learner
     from moe_gspo.files import check_output_file
     from moe_gspo.run.setup import build_engine, check_tokenizer_fits, derive_seed, learner_dtype, quiet_progress_bars
     from moe_gspo.run.steps import gather_samples

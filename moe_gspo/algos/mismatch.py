@@ -49,6 +49,7 @@ def mismatch_metrics(
     mask_BT: torch.Tensor,
     *,
     max_log_ratio: float = 20.0,
+    namespace: str = "mismatch",
 ) -> dict[str, float]:
     """Mismatch between log-probs `a` (sampler: rollout engine / old policy) and `b` (learner /
     new policy) of the same tokens.
@@ -58,6 +59,7 @@ def mismatch_metrics(
         logp_b_BT: [B, T] log-probs of the same tokens under pi_b.
         mask_BT: [B, T] bool or 0/1 mask of valid response tokens.
         max_log_ratio: clamp of the exponents of k3 and of the PPL ratio.
+        namespace: the keys' namespace (`mismatch_replayed` for R3's replayed pass: the same names).
 
     Returns:
         python floats keyed `mismatch/k1_kl`, `mismatch/k3_kl`, `mismatch/logp_abs_diff_mean`,
@@ -90,7 +92,7 @@ def mismatch_metrics(
 
         stacked = torch.stack([k1, k3, abs_mean, abs_max, ext2, ext5, ppl_mean, num_tokens.double()])
         values = stacked.cpu().tolist()  # one host sync
-    return {key: float(value) for key, value in zip(MISMATCH_KEYS, values)}
+    return {f"{namespace}/{key.partition('/')[2]}": float(value) for key, value in zip(MISMATCH_KEYS, values)}
 
 
 EXTREME_TAUS = (1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)

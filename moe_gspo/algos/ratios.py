@@ -88,6 +88,7 @@ def ratio_stats(
     mask_BT: torch.Tensor,
     *,
     max_log_ratio: float = 20.0,
+    namespace: str = "ratio",
 ) -> dict[str, torch.Tensor]:
     """Statistics of the importance ratios exp(logp - old_logp) over the valid tokens of a batch.
 
@@ -97,6 +98,7 @@ def ratio_stats(
         mask_BT: [B, T] bool or 0/1 mask of valid response tokens (may be any sub-mask, e.g. the
             tokens whose routing flipped; a sequence's length is its number of masked-in tokens).
         max_log_ratio: per-token (and per-sequence, for chi2_seq) clamp of the log ratio.
+        namespace: the keys' namespace (`mismatch_ratio` for learner vs rollout engine: the same names).
 
     Returns:
         dict with detached 0-dim float64 tensors:
@@ -143,4 +145,4 @@ def ratio_stats(
         num_tokens.double(),
         num_seqs.double(),
     )
-    return dict(zip(RATIO_KEYS, values))
+    return {f"{namespace}/{key.partition('/')[2]}": value for key, value in zip(RATIO_KEYS, values)}

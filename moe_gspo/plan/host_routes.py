@@ -31,7 +31,7 @@ Bytes per token (read in the code that allocates them):
   `max((8 + b) L K, 4 L K + 16 L)`), per micro-batch token (padded rows included); it never coexists with
   the pass-end arrays (counted as the larger of the two, an upper bound).
 - **metrics, transient** (`metrics_bytes_per_token`, the larger of the two, which run one after the other):
-  - `moe_gspo.run.compare.rollout_vs_learner` (`compare_bytes_per_token`; only with rollout routes): both
+  - `moe_gspo.routing.drift_metrics.rollout_vs_learner` (`compare_bytes_per_token`; only with rollout routes): both
     sides' response rows and, for `routing_prompt/*`, the first group member's prompt rows, concatenated
     (`stack_rows`, `2 L K b`, in the ids' dtype), kept until it returns; `routing_drift` adds its `[n, L]`
     int32 intersection, the bool difference, `2 K - inter` (int32) and the float64 Jaccard ratio (`17 L`)
@@ -40,7 +40,7 @@ Bytes per token (read in the code that allocates them):
     again (`2 L K b`) with its bool `[B, S]` output (1), its int64 row and column indices (16; 32 while
     the columns are computed) and `per_token_flip_mask`'s int32 intersection and bool difference (`5 L`):
     `max(2 L K b + max(17 L, K (b + 8)), 4 L K b + 1 + max(32, 16 + 5 L))`.
-  - `moe_gspo.run.router_diag.router_diagnostics` (`router_bytes_per_token`): both sides' rows concatenated
+  - `moe_gspo.routing.router_diag.router_diagnostics` (`router_bytes_per_token`): both sides' rows concatenated
     (`L K b` each; the learner's only without rollout routes) and the learner's stats (fp32, `8 L`), then
     `router_summary` makes float64 copies of the margin, of the small-margin indicator and of the entropy
     (`24 L`; the transformers engine's rollout side does the same on its fp16 rows, less); MaxVio

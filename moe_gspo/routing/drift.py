@@ -34,6 +34,7 @@ compared token equally.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -135,6 +136,55 @@ def topk_prob_l1(topk_a_NLK: Any, probs_a_NLK: Any, topk_b_NLK: Any, probs_b_NLK
     return float(total / (n * a.shape[1]))
 
 
+def _check_ids(a: np.ndarray, b: np.ndarray, num_experts: int) -> None:
+    for name, x in (("topk_a_NLK", a), ("topk_b_NLK", b)):
+        if x.size and (int(x.min()) < 0 or int(x.max()) >= num_experts):
+            raise ValueError(f"{name} holds expert ids outside [0, num_experts={num_experts})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SetDrift:
+    """How the top-k sets of two routings of the same N tokens differ (every value 0 when N = 0 or L = 0).
+    The step metrics (`moe_gspo.routing.drift_metrics`) log these fields under their own keys."""
+
+    layer_disagree: list[float]
+    """[L] fraction of tokens whose top-k set differs in that layer."""
+    any_layer_flip: float
+    """Fraction of tokens whose set differs in at least one layer."""
+    mean_layers_differing: float
+    """Mean number of differing layers per token."""
+    topk_overlap: float
+    """Mean |A∩B|/K over tokens and layers."""
+    jaccard: float
+    """Mean |A∩B|/|A∪B| over tokens and layers."""
+    expert_change_frac: float
+    """1 − topk_overlap: the share of activated experts that differ."""
+    num_tokens: int
+    """N, the tokens compared."""
+
+
+def _set_drift(a: np.ndarray, b: np.ndarray) -> SetDrift:
+    n, num_layers, k = a.shape
+    if n == 0 or num_layers == 0:
+        return SetDrift(layer_disagree=[0.0] * num_layers, any_layer_flip=0.0, mean_layers_differing=0.0,
+                        topk_overlap=0.0, jaccard=0.0, expert_change_frac=0.0, num_tokens=int(n))
+    inter = _intersection(a, b)                                   # [n, L]
+    diff = inter < k
+    overlap = float(inter.mean() / k)
+    return SetDrift(layer_disagree=diff.mean(axis=0).tolist(), any_layer_flip=float(diff.any(axis=1).mean()),
+                    mean_layers_differing=float(diff.sum(axis=1).mean()), topk_overlap=overlap,
+                    jaccard=float((inter / (2 * k - inter)).mean()), expert_change_frac=1.0 - overlap,
+                    num_tokens=int(n))
+
+
+def set_drift(topk_a_NLK: Any, topk_b_NLK: Any, *, num_experts: int) -> SetDrift:
+    """The top-k set comparison of `routing_drift` (no expert loads, no probabilities) as a `SetDrift`;
+    ValueError for arrays that are not [N, L, K] integer ids in [0, num_experts)."""
+    a, b = _check_pair(topk_a_NLK, topk_b_NLK)
+    _check_ids(a, b, int(num_experts))
+    return _set_drift(a, b)
+
+
 def routing_drift(topk_a_NLK: Any, topk_b_NLK: Any, *, num_experts: int, probs_a_NLE: Any = None,
                   probs_b_NLE: Any = None, topk_probs_a_NLK: Any = None, topk_probs_b_NLK: Any = None,
                   token_mask_N: Any = None) -> dict[str, Any]:
@@ -147,9 +197,7 @@ def routing_drift(topk_a_NLK: Any, topk_b_NLK: Any, *, num_experts: int, probs_a
     a, b = _check_pair(topk_a_NLK, topk_b_NLK)
     num_experts = int(num_experts)
     n_all, num_layers, k = a.shape
-    for name, x in (("topk_a_NLK", a), ("topk_b_NLK", b)):
-        if x.size and (int(x.min()) < 0 or int(x.max()) >= num_experts):
-            raise ValueError(f"{name} holds expert ids outside [0, num_experts={num_experts})")
+    _check_ids(a, b, num_experts)
     pa, pb = _np(probs_a_NLE), _np(probs_b_NLE)
     if (pa is None) != (pb is None):
         raise ValueError("pass both probs_a_NLE and probs_b_NLE, or neither")
@@ -173,23 +221,11 @@ def routing_drift(topk_a_NLK: Any, topk_b_NLK: Any, *, num_experts: int, probs_a
     n = a.shape[0]
 
     load_a, load_b = expert_load(a, num_experts), expert_load(b, num_experts)
-    out: dict[str, Any] = {}
-    if n == 0 or num_layers == 0:
-        out.update({"routing/layer_disagree": [0.0] * num_layers, "routing/any_layer_flip": 0.0,
-                    "routing/mean_layers_differing": 0.0, "routing/topk_overlap": 0.0,
-                    "routing/jaccard": 0.0, "routing/expert_change_frac": 0.0})
-    else:
-        inter = _intersection(a, b)                                   # [n, L]
-        diff = inter < k
-        overlap = float(inter.mean() / k)
-        out.update({
-            "routing/layer_disagree": diff.mean(axis=0).tolist(),
-            "routing/any_layer_flip": float(diff.any(axis=1).mean()),
-            "routing/mean_layers_differing": float(diff.sum(axis=1).mean()),
-            "routing/topk_overlap": overlap,
-            "routing/jaccard": float((inter / (2 * k - inter)).mean()),
-            "routing/expert_change_frac": 1.0 - overlap,
-        })
+    sets = _set_drift(a, b)
+    out: dict[str, Any] = {
+        "routing/layer_disagree": sets.layer_disagree, "routing/any_layer_flip": sets.any_layer_flip,
+        "routing/mean_layers_differing": sets.mean_layers_differing, "routing/topk_overlap": sets.topk_overlap,
+        "routing/jaccard": sets.jaccard, "routing/expert_change_frac": sets.expert_change_frac}
     out["routing/expert_load_a"] = load_a.tolist()
     out["routing/expert_load_b"] = load_b.tolist()
     out["routing/expert_load_diff"] = (load_b - load_a).tolist()

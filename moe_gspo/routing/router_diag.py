@@ -1,8 +1,9 @@
 """The `router/*` metrics of a training step: expert-load imbalance (MaxVio), router entropy and router
 margin on the rollout side and the learner side, and how often low-margin tokens flip (definitions, and
-why the margin is taken on logits: `moe_gspo.routing.router_stats`).
+why the margin is taken on logits: `moe_gspo.routing.router_stats`). Pure maths: no config, no
+torch.distributed.
 
-Which rows: those of `routing/*` (`moe_gspo.run.compare`), the rows that produce response log-probs,
+Which rows: those of `routing/*` (`moe_gspo.routing.rows`), the rows that produce response log-probs,
 positions P-1 .. P+R-2 of every sequence (the last prompt token and every response token but the last).
 Both sides are measured on the same rows; the learner side is its old-policy pass with natural routing
 (also under R2/R3, like `routing/*`). Per layer a list, pooled `_mean` (over layers = over all (token,
@@ -43,7 +44,7 @@ import torch
 
 from moe_gspo.routing.drift import per_token_layer_diff
 from moe_gspo.routing.router_stats import flip_by_margin, router_summary
-from moe_gspo.run.compare import response_rows, response_spans
+from moe_gspo.routing.rows import response_rows, response_spans
 
 
 def _rows(arrays: Sequence[np.ndarray | None] | None, lo_B, hi_B, tail: tuple, dtype=np.float32) -> np.ndarray | None:

@@ -3,7 +3,7 @@
 Pure functions (arrays in, values / metrics out; no config, no torch.distributed), used by both sides:
 the rollout engine's router hooks and the learner's old-policy pass compute the per-token statistics
 (`token_router_stats`) on the fly, and `router_summary` turns them into the `router/*` metrics
-(`moe_gspo.run.router_diag` picks the rows).
+(`moe_gspo.routing.router_diag` picks the rows).
 
 Definitions (per MoE layer l; N tokens; E experts; top-k K):
 

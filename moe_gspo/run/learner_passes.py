@@ -21,9 +21,9 @@ from moe_gspo.config import AlgoConfig, Config
 from moe_gspo.learner.batch import PackedBatch
 from moe_gspo.learner.lr_schedule import lr_at
 from moe_gspo.learner.old_pass import OldPolicyPass
-from moe_gspo.run.compare import (policy_update_drift, replayed_mismatch, response_rows, response_spans,
-                                  rollout_vs_learner)
-from moe_gspo.run.router_diag import step_router_diagnostics
+from moe_gspo.routing.drift_metrics import policy_update_drift, replayed_mismatch, rollout_vs_learner
+from moe_gspo.routing.router_diag import step_router_diagnostics
+from moe_gspo.routing.rows import response_rows, response_spans
 from moe_gspo.run.timing import PhaseTimer
 
 UPDATE_PREFIX = "update/"
@@ -175,7 +175,7 @@ def learner_update(cfg: Config, policy, batch: PackedBatch, samples, step: int, 
        policy's entropy over the response tokens (`actor/entropy`) and the rollout-vs-learner metrics
        (`mismatch/*`, `mismatch_ratio/*`, `routing/*`, `routing_prompt/*`; the engine's routes cut at
        each sequence's first missing or malformed row), the router diagnostics of both sides
-       `router/*`, `moe_gspo.run.router_diag`;
+       `router/*`, `moe_gspo.routing.router_diag`;
     2. under R3, the rollout routes checked row by row (`r3/*`; missing or malformed rows take the
        natural routes of pass 1, `moe_gspo.routing.replay_checks`; a warning once per run above
        `algo.r3_fallback_warn_frac`), then the old-policy pass replaying them → pi_old of the loss,

@@ -114,7 +114,7 @@ def test_reference_policy_is_the_frozen_initial_policy(dist, replay):
 
 
 def test_update_drift_probe_after_the_first_and_after_all_minibatches(dist):
-    from moe_gspo.run.compare import policy_update_drift
+    from moe_gspo.routing.drift_metrics import policy_update_drift
 
     hf_cfg, _, model = tiny_pair()
     algo = AlgoConfig(name="grpo")

@@ -88,7 +88,7 @@ def sleep_case(tmp: str, out: str, sleep_level: str) -> None:
     from moe_gspo.mcore.parallel import destroy_distributed
     from moe_gspo.rollout.base import SamplingParams
     from moe_gspo.rollout.vllm_engine import VLLMEngine
-    from moe_gspo.run.compare import rollout_vs_learner
+    from moe_gspo.routing.drift_metrics import rollout_vs_learner
 
     torch.backends.cuda.matmul.allow_tf32 = False
     res: dict = {}

@@ -52,7 +52,7 @@ def setup(tmp_path_factory):
 def _compare(setup, samples):
     """Rollout-vs-learner metrics of `samples` (learner in fp32, its own routing)."""
     from moe_gspo.learner.batch import PackedBatch
-    from moe_gspo.run.compare import rollout_vs_learner
+    from moe_gspo.routing.drift_metrics import rollout_vs_learner
 
     batch = PackedBatch.from_samples(samples, torch.zeros(len(samples)), pad_id=0)
     res = setup["learner"].compute_logprobs(batch, record_routes=True, no_replay=True)

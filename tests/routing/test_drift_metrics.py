@@ -1,4 +1,4 @@
-"""moe_gspo.run.compare on a constructed batch: which routing rows `routing/*`, `routing_prompt/*`
+"""moe_gspo.routing.drift_metrics (and the rows of moe_gspo.routing.rows) on a constructed batch: which routing rows `routing/*`, `routing_prompt/*`
 and `update/*` use, the variance attribution, and NaN for empty subsets."""
 
 import math
@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from moe_gspo.run.compare import (flipped_response_mask, policy_update_drift, prompt_rows, replayed_mismatch,
-                                  response_rows, response_spans, rollout_vs_learner)
+from moe_gspo.routing.drift_metrics import (flipped_response_mask, policy_update_drift, replayed_mismatch,
+                                            rollout_vs_learner)
+from moe_gspo.routing.rows import prompt_rows, response_rows, response_spans
 
 # Three sequences, one MoE layer, top-1 of 4 experts. Groups: seqs 0 and 1 share a prompt (P = 3),
 # seq 2 has its own (P = 2). Responses R = 2, 1, 2. Padded length S = 5.

@@ -1,4 +1,4 @@
-"""The `router/*` step metrics (moe_gspo.run.router_diag) on a hand-computed batch, and a tiny training run
+"""The `router/*` step metrics (moe_gspo.routing.router_diag) on a hand-computed batch, and a tiny training run
 that logs them on both sides and saves router margins in its traces."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from moe_gspo import train
 from moe_gspo.routing.trace import load_trace
-from moe_gspo.run.router_diag import router_diagnostics
+from moe_gspo.routing.router_diag import router_diagnostics
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,0 +1,59 @@
+"""Which routing rows of a training step's sequences the step metrics compare (`moe_gspo.routing.drift_metrics`,
+`moe_gspo.routing.router_diag`, `moe_gspo.routing.expert_usage`).
+
+The log-prob of response token t (positions P .. P+R-1 of `prompt + response`) is produced by the forward at
+position t-1, so the rows that produce response log-probs are positions P-1 .. P+R-2 (the last prompt token and
+every response token but the last): `response_rows`. The prompt rows 0 .. P-2 produce no log-prob that the loss
+uses: `prompt_rows` (each group's prompt once). Per sequence, routes are [T_b, L, K] arrays (T_b may differ
+between the two sides: a row only one side has is never compared).
+
+Pure numpy on the host (the response mask may be a torch tensor); no config, no torch.distributed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def response_spans(response_mask_BS: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """(P_B, R_B) int64: prompt length (index of the first response token) and response length of
+    every sequence, read from the response mask (R = 0 gives P = 0)."""
+    mask = response_mask_BS.detach().cpu().bool()
+    lens = mask.sum(-1).numpy().astype(np.int64)
+    first = mask.int().argmax(-1).numpy().astype(np.int64)
+    return np.where(lens > 0, first, 0), lens
+
+
+def response_rows(P_B, R_B) -> tuple[np.ndarray, np.ndarray]:
+    """[lo, hi) of the rows that produce response log-probs: P-1 .. P+R-2 (empty when R = 0)."""
+    P_B, R_B = np.asarray(P_B, np.int64), np.asarray(R_B, np.int64)
+    lo = np.maximum(P_B - 1, 0)
+    return lo, np.where(R_B > 0, P_B + R_B - 1, lo)
+
+
+def prompt_rows(P_B, group_ids=None) -> tuple[np.ndarray, np.ndarray]:
+    """[lo, hi) of the prompt rows 0 .. P-2, for the first sequence of each group only (others empty)."""
+    P_B = np.asarray(P_B, np.int64)
+    hi = np.maximum(P_B - 1, 0)
+    if group_ids is not None:
+        seen, first = set(), np.zeros(len(P_B), bool)
+        for b, g in enumerate(group_ids):
+            if g not in seen:
+                seen.add(g)
+                first[b] = True
+        hi = np.where(first, hi, 0)
+    return np.zeros_like(hi), hi
+
+
+def stack_rows(routes_a: list, routes_b: list, lo_B, hi_B) -> tuple[np.ndarray, np.ndarray]:
+    """Rows [lo_b, hi_b) of every sequence that both sides have, concatenated: (a_NLK, b_NLK)."""
+    a_parts, b_parts = [], []
+    for ra, rb, lo, hi in zip(routes_a, routes_b, lo_B, hi_B):
+        hi = min(int(hi), len(ra), len(rb))
+        lo = min(int(lo), hi)
+        a_parts.append(np.asarray(ra[lo:hi]))
+        b_parts.append(np.asarray(rb[lo:hi]))
+    if not a_parts:
+        return np.zeros((0, 0, 0), np.int64), np.zeros((0, 0, 0), np.int64)
+    return np.concatenate(a_parts), np.concatenate(b_parts)

@@ -96,6 +96,7 @@ def bench_rollout(cfg, repeats: int) -> dict[str, float]:
 def bench_learner(cfg, repeats: int) -> dict[str, float]:
     from moe_gspo.learner.batch import PackedBatch
     from moe_gspo.learner.learner import Learner
+    from moe_gspo.learner.old_pass import OldPolicyPass
     from moe_gspo.mcore.model import build_gpt_model
     from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
     from moe_gspo.mcore.weights import load_hf_model_into_megatron
@@ -121,19 +122,20 @@ def bench_learner(cfg, repeats: int) -> dict[str, float]:
                                           ("local attention", True, False, True), ("unfused RoPE", True, True, False)):
             model = build_gpt_model(hf_cfg, batched_experts=batched, sdpa_attention=sdpa, fused_rope=rope)
             load_hf_model_into_megatron(model, hf)
-            learners[name] = Learner(model, hf_cfg, parallel=info, algo=cfg.algo, train=cfg.train, replay="none")
+            learners[name] = Learner(model, hf_cfg, parallel=info, algo=cfg.algo, train=cfg.train)
         old = learners["default"].compute_logprobs(batch).logp_BS
         passes = interleaved({k: (lambda L=L: L.compute_logprobs(batch, record_routes=True, no_replay=True,
                                                                  with_entropy=True)) for k, L in learners.items()},
                              repeats)
-        steps = interleaved({k: (lambda L=L: L.train_step(batch, old)) for k, L in learners.items()}, repeats)
+        steps = interleaved({k: (lambda L=L: L.train_step(batch, OldPolicyPass(logp_BS=old)))
+                             for k, L in learners.items()}, repeats)
         default = learners["default"]
 
         def old_pass_and_update(fuse: bool):
             def call():
                 result = default.compute_logprobs(batch, record_routes=True, no_replay=True, with_entropy=True,
                                                   keep_graph=fuse)
-                default.train_step(batch, result.logp_BS, fused=result.fused)
+                default.train_step(batch, OldPolicyPass(logp_BS=result.logp_BS, fused=result.fused))
             return call
 
         both = interleaved({"fused old pass": old_pass_and_update(True), "separate passes": old_pass_and_update(False)},

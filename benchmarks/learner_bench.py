@@ -62,7 +62,7 @@ def main(argv=None) -> dict[str, float]:
         def learner(replay: str) -> Learner:
             model = build_gpt_model(cfg, enable_routing_replay=replay != "none")
             load_hf_model_into_megatron(model, hf)
-            return Learner(model, cfg, parallel=info, algo=AlgoConfig(name="gspo"), train=train, replay=replay)
+            return Learner(model, cfg, parallel=info, algo=AlgoConfig(name="gspo", routing_replay=replay), train=train)
 
         plain, r2 = learner("none"), learner("r2")
         old = plain.compute_logprobs(batch).logp_BS
@@ -71,7 +71,7 @@ def main(argv=None) -> dict[str, float]:
             "logprobs_s": _median_time(lambda: plain.compute_logprobs(batch), args.repeats),
             "logprobs_record_s": _median_time(lambda: plain.compute_logprobs(batch, record_routes=True),
                                               args.repeats),
-            "train_step_s": _median_time(lambda: plain.train_step(batch, old), args.repeats),
+            "train_step_s": _median_time(lambda: plain.train_step(batch, OldPolicyPass(logp_BS=old)), args.repeats),
             "train_step_r2_s": _median_time(lambda: r2.train_step(batch, OldPolicyPass(logp_BS=old, natural=r2_old)),
                                            args.repeats),
         }

@@ -152,6 +152,7 @@ def run_variant(args, variant: str, cuda: bool) -> dict:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from moe_gspo.learner.learner import Learner
+    from moe_gspo.learner.old_pass import OldPolicyPass
     from moe_gspo.mcore.checkpoint import save_hf_checkpoint
     from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
     from moe_gspo.plan import plan_for_config
@@ -192,13 +193,14 @@ def run_variant(args, variant: str, cuda: bool) -> dict:
                     n=args.group, max_new_tokens=args.seq_len - prompt_len, seed=step)))
             learner.reload_after_rollout()
             old = meter("logprobs", lambda: learner.compute_logprobs(batch))
-            meter("update", lambda: learner.train_step(batch, old.logp_BS))
+            meter("update", lambda: learner.train_step(batch, OldPolicyPass(logp_BS=old.logp_BS)))
             meter("weight_sync", lambda: engine.update_weights(learner.hf_weight_stream()))
         if args.profile_train_step:
             from benchmarks.gpu_profile import profile_to_file
 
             old = learner.compute_logprobs(batch)
-            profile = profile_to_file(lambda: learner.train_step(batch, old.logp_BS), args.profile_train_step,
+            profile = profile_to_file(lambda: learner.train_step(batch, OldPolicyPass(logp_BS=old.logp_BS)),
+                                      args.profile_train_step,
                                       title=f"one train_step, {variant}: {args.seqs} x {args.seq_len} tokens, "
                                             f"micro-batch {args.micro_batch}, recompute "
                                             f"{'full' if cfg.model.recompute else 'off'}, {device.type}")

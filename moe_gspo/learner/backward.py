@@ -3,11 +3,12 @@ shard micro-batch by micro-batch, or the backward of the first mini-batch throug
 with its graph (`train.fuse_old_logp_pass`, `Learner.compute_logprobs(keep_graph=True)`, handed to the
 update as `LogprobResult.fused` / `OldPolicyPass.fused`).
 
-Both take the `Learner` and use only its public pass helpers (`local_shard`, `replay_context`, `forward`,
-`gather_rows`, and its `parallel`, `train`, `algo`, `device`), and `loss_on(logp, rows, S, mask, ent)`,
-which returns `(loss, scaled loss to back-propagate, metrics)` for rows of the mini-batch, and return
-`(finite, global log-probs [B_mini, S], their entropies or None, the loss metrics when one piece covered
-the whole mini-batch, else None)`.
+Both take the `Learner` only for its public pass helpers (`local_shard`, `replay_context`, `forward`,
+`gather_rows`, `parallel`, `device`); what else they need comes as arguments: the shard plan, the routes,
+`with_entropy`, and `loss_on(logp, rows, S, mask, ent)`, which returns `(loss, scaled loss to
+back-propagate, metrics)` for rows of the mini-batch. They return `(finite, global log-probs [B_mini, S],
+their entropies or None, the loss metrics when one piece covered the whole mini-batch, else None)`. The
+Learner sets the router aux-loss scale before calling them (`Learner._scale_router_aux_loss`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moe_gspo.learner.batch import PackedBatch, plan_shards
+from moe_gspo.learner.batch import PackedBatch, ShardPlan
 from moe_gspo.learner.logprobs import token_logprobs
 
 
@@ -44,33 +45,18 @@ class FusedPass:
     """`Learner.num_train_steps` when the pass ran: `train_step` refuses the piece after another update."""
 
 
-def set_router_aux_loss_scale(learner, num_micro_batches: int) -> None:
-    """With `algo.router_aux_loss` on: the gradient scale of Megatron's router load-balancing loss for the
-    next backward passes, 1 / this rank's micro-batches of the mini-batch (Megatron-LM sets loss_scale /
-    num_microbatches), so that after DDP's average over data-parallel ranks the gradient is that of
-    coef x the mean per-micro-batch aux loss. Nothing is touched without it."""
-    if learner.algo.router_aux_loss == "none":
-        return
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / max(num_micro_batches, 1), device=learner.device))
-    learner.aux_loss_forwards += num_micro_batches  # the forwards that add to Megatron's tracker (loss/router_aux)
-
-
-def backward_minibatch(learner, mini: PackedBatch, routes, mask_all, loss_on):
-    """Forward + backward of this rank's shard of `mini`, micro-batch by micro-batch. Returns (finite,
-    the global log-probs [B_mini, S], their entropies (algo.entropy_coef > 0, else None), the loss
-    metrics when one piece covered all)."""
-    plan = plan_shards(mini.seq_lens_B.tolist(), dp_rank=learner.parallel.dp_rank, dp_size=learner.parallel.dp_size,
-                       micro_batch_size=learner.train.micro_batch_size)
+def backward_minibatch(learner, mini: PackedBatch, plan: ShardPlan, routes, mask_all, loss_on, *,
+                       with_entropy: bool):
+    """Forward + backward of this rank's shard of `mini` per `plan` (`plan_shards` of the mini-batch),
+    micro-batch by micro-batch, replaying `routes` (B_mini arrays, or None). Returns (finite, the global
+    log-probs [B_mini, S], their entropies (`with_entropy`, else None), the loss metrics when one piece
+    covered all)."""
     local, local_routes, (keep_l,) = learner.local_shard(mini, plan, routes, mask_all)
     lens_local = local.seq_lens_B.tolist()  # host metadata (`PackedBatch.to`): no device sync
     logp_local = torch.zeros(keep_l.shape, dtype=torch.float32, device=learner.device)
-    with_entropy = learner.algo.entropy_coef > 0
     ent_local = torch.zeros_like(logp_local) if with_entropy else None
     finite_t, m_all = torch.ones((), dtype=torch.bool, device=learner.device), None  # read once, after the loop
     whole = learner.parallel.dp_size == 1 and len(plan.micro_batches) == 1
-    set_router_aux_loss_scale(learner, len(plan.micro_batches))
     for mb in plan.micro_batches:
         rows, S_i = slice(mb.start, mb.stop), mb.seq_len
         ids = local.input_ids_BS[rows, :S_i]
@@ -101,15 +87,15 @@ def backward_minibatch(learner, mini: PackedBatch, routes, mask_all, loss_on):
     return bool(finite_t), learner.gather_rows(logp_local, mini.num_seqs), ent_all, m_all
 
 
-def backward_fused(learner, fused: FusedPass, idx: np.ndarray, mask_all, loss_on):
+def backward_fused(learner, fused: FusedPass, idx: np.ndarray, mask_all, loss_on, *, with_entropy: bool):
     """Backward of the first mini-batch (global rows `idx`) through the kept piece of the old-policy pass:
     this rank's rows of its shard that belong to the mini-batch (possibly none: a zero loss, still
-    back-propagated, as expert parallelism's backward is collective)."""
+    back-propagated, as expert parallelism's backward is collective). `with_entropy`: the loss takes the
+    piece's entropies (when it kept them)."""
     pos = {int(g): j for j, g in enumerate(fused.graph_rows)}
-    set_router_aux_loss_scale(learner, 1)
     sel = [(k, pos[int(g)]) for k, g in enumerate(idx) if int(g) in pos]
     S0 = fused.logp_graph.shape[1]
-    with_entropy = fused.ent_graph is not None and learner.algo.entropy_coef > 0
+    with_entropy = fused.ent_graph is not None and with_entropy
     m_all = None
     if sel:
         k_rows = torch.as_tensor([k for k, _ in sel], dtype=torch.long, device=learner.device)

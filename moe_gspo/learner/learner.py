@@ -23,19 +23,19 @@ policy-gradient term computed in every micro-batch from the current log-probs (n
 unchanged); a caller's `after_optimizer_step` hook runs after each optimizer step (the routing-drift
 probe of `moe_gspo.run.learner_passes` measures the routing after the first one).
 
-Routing Replay (`replay.py`): R2 records the top-k of the old-policy pass (`compute_logprobs`) and
-replays it in the update; R3 replays the rollout engine's routes (`batch.rollout_routes`) in both the
-old-policy pass and the update, checked row by row first: missing or malformed rows replay the
-learner's natural routes instead (`r3_replay_routes`, `moe_gspo.routing.replay_checks`). Replay
-tensors are built per micro-batch with `moe_gspo.routing.align.build_replay_topk` from the routes of
-exactly that micro-batch's sequences.
+Routing Replay: the mode (`algo.routing_replay`) is a `moe_gspo.learner.replay_plan.ReplayModeSpec`, which
+says which routes each pass replays (R2: the update replays the old-policy pass's routes; R3: pi_old and
+the update replay the rollout engine's routes, checked row by row, failed rows taking the old pass's).
+`plan_replay` builds the step's `ReplayPlan` from the mode and the batch, once; the passes ask it for
+their routes. Replay tensors are built per micro-batch with `moe_gspo.routing.align.build_replay_topk`
+from the routes of exactly that micro-batch's sequences (`replay.py` drives upstream's RouterReplay).
 
 Hand-offs (`old_pass.py`): `compute_logprobs` returns a `LogprobResult` (with `keep_graph=True` also the
-kept first-mini-batch piece, `.fused`); `train_step` takes what the old-policy side produced as one
-`OldPolicyPass` (pi_old, the natural pass, replay routes, reference log-probs, rollout-correction
-weights and mask, the kept piece), or the bare old log-probs with keywords. The log-prob pass itself
-is `old_pass.logprob_pass`, the per-mini-batch backward passes `backward.py`; both use the public pass
-helpers below (`forward`, `replay_context`, `local_shard`, `gather_rows`, `minibatch_indices`).
+kept first-mini-batch piece, `.fused`); `train_step(batch, old)` takes what the old-policy side produced
+as one `OldPolicyPass` (pi_old, the natural pass, the replay plan, reference log-probs, rollout-correction
+weights and mask, the kept piece) and changes neither. The log-prob pass itself is `old_pass.logprob_pass`,
+the per-mini-batch backward passes `backward.py`; both take what they need as arguments and use only the
+public pass helpers below (`forward`, `replay_context`, `local_shard`, `gather_rows`, `minibatch_indices`).
 """
 
 from __future__ import annotations
@@ -57,22 +57,23 @@ from moe_gspo.learner.batch import PackedBatch, ShardPlan, plan_shards
 from moe_gspo.learner.old_pass import LogprobResult, OldPolicyPass, check_fusable, logprob_pass
 from moe_gspo.learner.offload import LearnerOffload
 from moe_gspo.learner.optim import LearnerOptimizer, any_rank, resolve_optimizer_options
-from moe_gspo.learner.replay import ReplayMode, RoutingReplayDriver
+from moe_gspo.learner.replay import RoutingReplayDriver
+from moe_gspo.learner.replay_plan import LearnerPass, ReplayPlan, RouteSource, build_replay_plan, replay_spec
 from moe_gspo.learner.router_hooks import MegatronRouterRecorder
 from moe_gspo.mcore.model import forward_logits, moe_layer_ids, moe_routers, unwrap
 from moe_gspo.mcore.parallel import ParallelInfo
 from moe_gspo.routing.align import build_replay_topk
 from moe_gspo.routing.expert_usage import ExpertUsageWindow
-from moe_gspo.routing.replay_checks import check_routes, merge_fallback_routes, needs_fallback
 
 
 class Learner:
     """Megatron `GPTModel` + DDP + optimizer + routing replay for GSPO / GRPO updates."""
 
     def __init__(self, model, hf_config, *, parallel: ParallelInfo, algo: AlgoConfig, train: TrainConfig | None,
-                 replay: ReplayMode | str | None = None, recompute: bool = False):
+                 recompute: bool = False):
         """`train=None` builds an inference-only learner (log-probs and routes, as in `moe_gspo.probe`):
-        no DDP gradient buffers and no optimizer state are allocated, and `train_step` is refused."""
+        no DDP gradient buffers and no optimizer state are allocated, and `train_step` is refused. The
+        routing replay mode is `algo.routing_replay` (`self.replay_spec`)."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         self.model = unwrap(model)
@@ -80,8 +81,8 @@ class Learner:
         self.parallel = parallel
         self.algo = algo
         self.train = train
-        self.replay = ReplayMode(replay.value if isinstance(replay, ReplayMode) else
-                                 (replay if replay is not None else algo.routing_replay))
+        self.replay_spec = replay_spec(algo.routing_replay)
+        """The routing replay mode: which routes each pass replays (`moe_gspo.learner.replay_plan`)."""
         model_recompute = getattr(self.model.config, "recompute_granularity", None) == "full"
         if bool(recompute) != model_recompute:
             raise ValueError(f"Learner(recompute={recompute}) but the model was built with recompute="
@@ -112,9 +113,7 @@ class Learner:
         routers = moe_routers(self.model)
         self.replay_driver = (RoutingReplayDriver(self.model, recompute=self.recompute)
                               if all(r.router_replay is not None for r in routers) else None)
-        if self.replay is not ReplayMode.NONE and self.replay_driver is None:
-            raise ValueError(f"routing replay {self.replay.value} needs the model built with "
-                             "build_gpt_model(..., enable_routing_replay=True)")
+        self.replay_spec.check_model(has_replay=self.replay_driver is not None)
         self.top_k = self.recorder.top_k
         self.num_experts = self.recorder.num_experts
         self.layer_ids = moe_layer_ids(hf_config)
@@ -192,40 +191,16 @@ class Learner:
         dist.all_gather(bufs, local.contiguous(), group=ps.get_data_parallel_group())
         return torch.cat([b[:n] for b, n in zip(bufs, sizes)])
 
-    def _resolve_routes(self, batch: PackedBatch, replay_routes, *, update: bool,
-                        natural: LogprobResult | None = None) -> list | None:
-        if replay_routes is not None:
-            if len(replay_routes) != batch.num_seqs:
-                raise ValueError(f"replay_routes has {len(replay_routes)} entries for B={batch.num_seqs}")
-            return list(replay_routes)
-        if self.replay is ReplayMode.R3:
-            if batch.rollout_routes is None:
-                raise ValueError("routing replay r3 needs the rollout engine's routes (batch.rollout_routes is "
-                                 "None): record them (rollout.record_routes=true) or pass replay_routes")
-            return self.r3_replay_routes(batch)[0]
-        if self.replay is ReplayMode.R2 and update:
-            if natural is None or natural.routes is None:
-                raise ValueError("routing replay r2 replays the old-policy pass's routes: give train_step that "
-                                 "pass (train_step(batch, compute_logprobs(batch)), or an OldPolicyPass with "
-                                 "natural=...), or replay_routes=")
-            if len(natural.routes) != batch.num_seqs:
-                raise ValueError(f"routing replay r2: the old-policy pass has {len(natural.routes)} sequences' "
-                                 f"routes for B={batch.num_seqs}; it was run on another batch")
-            return list(natural.routes)
-        return None
-
-    def r3_replay_routes(self, batch: PackedBatch, natural_routes=None) -> tuple[list[np.ndarray], dict[str, float]]:
-        """The routes R3 replays for `batch` and their `r3/*` metrics: the engine's routes
-        (`batch.rollout_routes`; None = none for any sample) checked row by row, with the learner's natural
-        routes on the rows that are missing or malformed (`moe_gspo.routing.replay_checks`).
-        `natural_routes`: B arrays [seq_len_b, L, K] of a natural-routing pass over this batch with the
-        current weights (the old-policy pass's `routes`); None runs that pass here when a row needs it."""
-        dims = dict(num_layers=len(self.layer_ids), top_k=self.top_k, num_experts=self.num_experts)
-        reasons, metrics = check_routes(batch.rollout_routes, batch.seq_lens_B.tolist(), **dims)
-        if natural_routes is None and needs_fallback(reasons):
-            natural_routes = self.compute_logprobs(batch, record_routes=True, no_replay=True).routes
-        return merge_fallback_routes(batch.rollout_routes, reasons, natural_routes,
-                                     num_experts=self.num_experts), metrics
+    def plan_replay(self, batch: PackedBatch, old_pass_routes: list | None = None) -> ReplayPlan:
+        """The step's `ReplayPlan` for `batch` under this learner's mode: which routes each pass replays, and
+        the one row-by-row check of `batch.rollout_routes` (`moe_gspo.routing.replay_checks`).
+        `old_pass_routes`: B arrays [seq_len_b, L, K] of the old-policy pass over this batch with the current
+        weights and natural routing (its `routes`); R2 replays them, R3's failed rows take them. None: R3
+        runs that pass here when a row needs it."""
+        return build_replay_plan(
+            self.replay_spec, batch.rollout_routes, batch.seq_lens_B.tolist(), old_pass_routes=old_pass_routes,
+            num_layers=len(self.layer_ids), top_k=self.top_k, num_experts=self.num_experts,
+            old_pass=lambda: self.compute_logprobs(batch, record_routes=True, no_replay=True).routes)
 
     # ------------------------------------------------------------------ old-policy pass
     def compute_logprobs(self, batch: PackedBatch, *, record_routes: bool = False, replay_routes=None,
@@ -235,58 +210,63 @@ class Learner:
         unless `keep_graph`).
 
         `record_routes`: also return every sequence's learner routing (top-k ids and probabilities).
-        Under R2 the routes are always recorded and returned: the update replays them (`train_step` takes
-        this result, or an `OldPolicyPass` whose `natural` it is).
-        `replay_routes` (B arrays [T_b, L, K]): replay that routing (R3 does so with
-        `batch.rollout_routes` by default). `micro_batch_size` 0 = `train.micro_batch_size`.
-        `no_replay=True`: the learner's natural routing even under R3 (for drift measurement); R2 still
-        records. `with_entropy`: also return each token's predictive entropy (`entropy_BS`, no gradient).
+        Where the mode replays the old-policy pass's routes (R2) they are always recorded and returned:
+        the update replays them (`train_step` takes an `OldPolicyPass` whose `natural` this result is).
+        `replay_routes` (B arrays [T_b, L, K]): replay that routing; None replays what the mode's pi_old
+        pass replays (`LearnerPass.PI_OLD` of `plan_replay(batch)`: R3's checked rollout routes; none and
+        R2 route naturally). `micro_batch_size` 0 = `train.micro_batch_size`.
+        `no_replay=True`: the learner's natural routing even under R3 (the old-policy pass, drift
+        measurement). `with_entropy`: also return each token's predictive entropy (`entropy_BS`, no gradient).
         `keep_graph=True` (the old-policy pass of `train.fuse_old_logp_pass`): the pass runs in train mode
         (the same numbers: the model has no dropout and no auxiliary router loss) in two pieces, this
         rank's rows of the next `train_step`'s first mini-batch with autograd, the other rows without;
         the first piece with its graph is returned as `result.fused`; the next `train_step` on this same
-        batch object, given it (`train_step(batch, OldPolicyPass(..., fused=result.fused))` or
-        `train_step(batch, result.logp_BS, fused=result.fused)`), back-propagates the first mini-batch
+        batch object, given it (`train_step(batch, OldPolicyPass(..., fused=result.fused))`), back-propagates
+        the first mini-batch
         through it instead of running that forward again. Needs the natural (or R2) routing and one
         micro-batch per rank; the graph holds one mini-batch's activations (at most) until that
         `train_step` (or until the caller drops `result.fused`).
         """
         if no_replay and replay_routes is not None:
             raise ValueError("compute_logprobs: pass either replay_routes or no_replay=True, not both")
-        routes_in = None if no_replay else self._resolve_routes(batch, replay_routes, update=False)
-        record = record_routes = record_routes or self.replay is ReplayMode.R2
+        if replay_routes is not None:
+            if len(replay_routes) != batch.num_seqs:
+                raise ValueError(f"replay_routes has {len(replay_routes)} entries for B={batch.num_seqs}")
+            routes_in = list(replay_routes)
+        elif no_replay or self.replay_spec.source(LearnerPass.PI_OLD) is RouteSource.NONE:
+            routes_in = None
+        else:
+            routes_in = self.plan_replay(batch).routes(LearnerPass.PI_OLD)
+        record = record_routes = record_routes or self.replay_spec.replays_old_pass
         mbs = micro_batch_size or (self.train.micro_batch_size if self.train is not None else 0)
         plan = plan_shards(batch.seq_lens_B.tolist(), dp_rank=self.parallel.dp_rank,
                            dp_size=self.parallel.dp_size, micro_batch_size=mbs)
         if keep_graph:
             check_fusable(self, routes_in, plan)
-        result, _ = logprob_pass(self, batch, plan, routes_in, record=record, record_routes=record_routes,
-                                 keep_graph=keep_graph, with_entropy=with_entropy)
+        if self.ddp.training != keep_graph:  # switching walks every module (~2 ms on the tiny model)
+            self.ddp.train(keep_graph)
+        result, _ = logprob_pass(self, self.recorder, batch, plan, routes_in, record=record,
+                                 record_routes=record_routes, keep_graph=keep_graph, with_entropy=with_entropy,
+                                 num_train_steps=self.num_train_steps)
         return result
 
     # ------------------------------------------------------------------ update
-    def train_step(self, batch: PackedBatch, old: OldPolicyPass | LogprobResult | torch.Tensor, *, replay_routes=None,
-                   ref_logp_BS: torch.Tensor | None = None, is_weights_BS: torch.Tensor | None = None,
-                   rs_keep_BS: torch.Tensor | None = None, fused: FusedPass | None = None,
+    def train_step(self, batch: PackedBatch, old: OldPolicyPass, *,
                    after_optimizer_step: Callable[[int, bool], None] | None = None) -> dict[str, float]:
         """One RL update on the global `batch`: `train.num_minibatches` optimizer steps.
 
         `old`: what the old-policy side of the step produced (`OldPolicyPass`, e.g.
-        `moe_gspo.run.learner_passes.old_policy_pass`), or the old-policy pass itself (`LogprobResult` of
-        `compute_logprobs(batch)`: its log-probs, routes and kept graph), or only the [B, S] token-aligned
-        log-probs of the policy that sampled the batch, with the other hand-offs as keywords, which an
-        `OldPolicyPass` carries itself (giving both is refused):
-        `replay_routes` (B arrays [T_b, L, K]) replays that routing; None replays per `self.replay` (R2:
-        the old-policy pass's routes, `old.natural.routes`; R3: `batch.rollout_routes`).
-        `ref_logp_BS` is needed when `algo.kl_coef > 0`.
-        Rollout corrections (`moe_gspo.algos.rollout_correction`, computed once for the whole batch):
-        `is_weights_BS` [B, S] multiply each token's policy-gradient term; `rs_keep_BS` [B, S] bool
-        removes the rejected response tokens from the loss (and from every logged `loss/`, `clip/`,
-        `ratio/` metric) and from the mini-batch normalisation.
-        `fused`: the piece of `compute_logprobs(batch, keep_graph=True)` kept with its graph
-        (`LogprobResult.fused`), on this same batch object and with no update in between: the first
-        mini-batch back-propagates through it instead of a new forward (ignored when the mini-batch
-        split changed since). It is consumed: `old.fused` is set to None.
+        `moe_gspo.run.learner_passes.old_policy_pass`): pi_old's [B, S] token-aligned log-probs, the natural
+        old-policy pass (`natural`, whose routes R2 replays), the step's `ReplayPlan` (`replay`; None: planned
+        here from the batch and `natural`), the reference log-probs (needed when `algo.kl_coef > 0`), the
+        rollout corrections (`moe_gspo.algos.rollout_correction`, computed once for the whole batch:
+        `is_weights_BS` [B, S] multiply each token's policy-gradient term; `rs_keep_BS` [B, S] bool removes
+        the rejected response tokens from the loss, from every logged `loss/`, `clip/`, `ratio/` metric and
+        from the mini-batch normalisation) and `fused`, the piece of `compute_logprobs(batch, keep_graph=True)`
+        kept with its graph (`LogprobResult.fused`), on this same batch object and with no update in between:
+        the first mini-batch back-propagates through it instead of a new forward (ignored when the mini-batch
+        split changed since; its graph is used up: a second `train_step` with it is refused). The update
+        replays `old.replay.routes(LearnerPass.UPDATE)`. Neither `batch` nor `old` is changed.
         `after_optimizer_step(minibatch_index, applied)` is called on every rank after each mini-batch's
         optimizer step (`applied` False when the NaN guard skipped it), e.g. to measure how the routing
         moved after the first update; it may run no-grad passes of this learner.
@@ -294,17 +274,10 @@ class Learner:
         """
         if self.optimizer is None:
             raise ValueError("this Learner was built inference-only (train=None); pass a TrainConfig to train")
-        if isinstance(old, LogprobResult):
-            kept, old.fused = old.fused, None  # handed on to the OldPolicyPass, consumed below
-            old = OldPolicyPass(logp_BS=old.logp_BS, natural=old, replay_routes=replay_routes, ref_logp_BS=ref_logp_BS,
-                                is_weights_BS=is_weights_BS, rs_keep_BS=rs_keep_BS, fused=fused or kept)
-        elif not isinstance(old, OldPolicyPass):
-            old = OldPolicyPass(logp_BS=torch.as_tensor(old), replay_routes=replay_routes, ref_logp_BS=ref_logp_BS,
-                                is_weights_BS=is_weights_BS, rs_keep_BS=rs_keep_BS, fused=fused)
-        elif any(x is not None for x in (replay_routes, ref_logp_BS, is_weights_BS, rs_keep_BS, fused)):
-            raise ValueError("train_step: an OldPolicyPass carries replay_routes, ref_logp_BS, is_weights_BS, "
-                             "rs_keep_BS and fused; do not pass them as keywords too")
-        fused, old.fused = old.fused, None  # consumed: the kept graph does not outlive this update
+        if not isinstance(old, OldPolicyPass):
+            raise TypeError(f"train_step(batch, old): old must be an OldPolicyPass, got {type(old).__name__}; wrap "
+                            "the old log-probs: OldPolicyPass(logp_BS=..., natural=compute_logprobs(batch), ...)")
+        fused = old.fused
         B, S = batch.num_seqs, batch.seq_len_padded
         for name in ("logp_BS", "ref_logp_BS", "is_weights_BS", "rs_keep_BS"):
             t = getattr(old, name)
@@ -313,7 +286,12 @@ class Learner:
                                  f"expected the batch's [B, S] = {(B, S)}")
         if not 1 <= self.train.num_minibatches <= B:
             raise ValueError(f"train.num_minibatches={self.train.num_minibatches} must be in [1, B={B}]")
-        routes = self._resolve_routes(batch, old.replay_routes, update=True, natural=old.natural)
+        plan = old.replay
+        if plan is None:
+            plan = self.plan_replay(batch, old_pass_routes=None if old.natural is None else old.natural.routes)
+        elif plan.num_seqs != B:
+            raise ValueError(f"train_step: the replay plan is for B={plan.num_seqs} sequences, the batch has B={B}")
+        routes = plan.routes(LearnerPass.UPDATE)
         if fused is not None:
             # the kept pass serves as the first mini-batch's forward only if the weights have not changed since
             if fused.batch is not batch:
@@ -324,9 +302,10 @@ class Learner:
                 raise ValueError("train_step: algo.entropy_coef > 0 needs the entropies of the first mini-batch's "
                                  "forward; run the fused old-policy pass with them: compute_logprobs(keep_graph=True, "
                                  "with_entropy=True)")
-            if old.replay_routes is not None:
-                raise ValueError("train_step: replay_routes with a fused old-policy pass (compute_logprobs(keep_graph="
-                                 "True)), which routed naturally; run that pass without keep_graph")
+            if not plan.spec.fusable:
+                raise ValueError(f"train_step: a fused old-policy pass (compute_logprobs(keep_graph=True)) routed "
+                                 f"naturally, but routing replay {plan.spec.name}'s update replays other routes; run "
+                                 "that pass without keep_graph")
         self.offload.restore_grads()  # train.offload_during_rollout: gradient buffers back for the update
         batch = batch.to(self.device)
         old_BS = torch.as_tensor(old.logp_BS).to(self.device, torch.float32)
@@ -380,10 +359,17 @@ class Learner:
         if not self.ddp.training:
             self.ddp.train()
         self.optimizer.zero_grad()
+        with_entropy = algo.entropy_coef > 0
         if fused is not None:
-            finite, logp_all, ent_all, m_all = backward_fused(self, fused, idx, mask_all, loss_on)
+            self._scale_router_aux_loss(1)
+            finite, logp_all, ent_all, m_all = backward_fused(self, fused, idx, mask_all, loss_on,
+                                                              with_entropy=with_entropy)
         else:
-            finite, logp_all, ent_all, m_all = backward_minibatch(self, mini, routes, mask_all, loss_on)
+            plan = plan_shards(mini.seq_lens_B.tolist(), dp_rank=self.parallel.dp_rank, dp_size=dp,
+                               micro_batch_size=self.train.micro_batch_size)
+            self._scale_router_aux_loss(len(plan.micro_batches))
+            finite, logp_all, ent_all, m_all = backward_minibatch(self, mini, plan, routes, mask_all, loss_on,
+                                                                  with_entropy=with_entropy)
         self.ddp.finish_grad_sync()
         norm = self.optimizer.grad_norm()
         skip = any_rank(not (finite and math.isfinite(norm)), self.device)
@@ -404,6 +390,19 @@ class Learner:
         out = {k: float(v) for k, v in m_all.items()}
         out["grad/norm"] = norm
         return out, skip
+
+    def _scale_router_aux_loss(self, num_micro_batches: int) -> None:
+        """With `algo.router_aux_loss` on: the gradient scale of Megatron's router load-balancing loss for the
+        next backward passes, 1 / this rank's micro-batches of the mini-batch (Megatron-LM sets loss_scale /
+        num_microbatches), so that after DDP's average over data-parallel ranks the gradient is that of
+        coef x the mean per-micro-batch aux loss; the forwards are counted for `loss/router_aux`. Nothing is
+        touched without it."""
+        if self.algo.router_aux_loss == "none":
+            return
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / max(num_micro_batches, 1), device=self.device))
+        self.aux_loss_forwards += num_micro_batches  # the forwards that add to Megatron's tracker
 
     def _clear_router_aux_tracker(self) -> None:
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker

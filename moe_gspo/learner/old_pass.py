@@ -2,15 +2,16 @@
 hands to the update (`OldPolicyPass`, consumed by `Learner.train_step`).
 
 `logprob_pass` runs one pass over the global batch: this rank's shard (`moe_gspo.learner.batch.plan_shards`)
-micro-batch by micro-batch, optionally replaying given routes and recording the learner's routing, the
-results gathered over the data-parallel ranks. With `keep_graph` (`train.fuse_old_logp_pass`) it runs in
+micro-batch by micro-batch, optionally replaying given routes and recording the learner's routing (with the
+router recorder it is given), the results gathered over the data-parallel ranks. It uses the Learner's
+public pass helpers only; the caller (`Learner.compute_logprobs`) sets the model's train/eval mode. With `keep_graph` (`train.fuse_old_logp_pass`) it runs in
 train mode in two pieces and returns the first mini-batch's piece with its graph (`LogprobResult.fused`,
 `moe_gspo.learner.backward.FusedPass`), which the update back-propagates instead of a new forward.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,7 +19,8 @@ import torch
 from moe_gspo.learner.backward import FusedPass
 from moe_gspo.learner.batch import PackedBatch, ShardPlan, split_first_minibatch
 from moe_gspo.learner.logprobs import token_logprobs
-from moe_gspo.learner.replay import ReplayMode
+from moe_gspo.learner.replay_plan import ReplayPlan
+from moe_gspo.routing.trace import ids_dtype
 
 
 @dataclass
@@ -28,7 +30,7 @@ class LogprobResult:
     logp_BS: torch.Tensor
     """float32 [B, S] token-aligned log-probs (0 at position 0 and past each sequence's end)."""
     routes: list[np.ndarray] | None = None
-    """B arrays [seq_len_b, L, K] (uint8/uint16) of the learner's top-k experts, when recorded."""
+    """B arrays [seq_len_b, L, K] (`moe_gspo.routing.trace.ids_dtype`) of the learner's top-k experts, when recorded."""
     probs: list[np.ndarray] | None = None
     """B arrays [seq_len_b, L, K] float32 full-softmax router probabilities of those experts."""
     router_stats: list[np.ndarray] | None = None
@@ -43,27 +45,22 @@ class LogprobResult:
 
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class OldPolicyPass:
-    """What the old-policy side of an RL step produces for the update, handed to `Learner.train_step` as one
-    argument (built by `moe_gspo.run.learner_passes.old_policy_pass`; a bare `[B, S]` tensor of old
-    log-probs given to `train_step` becomes one with only `logp_BS`). Global batch, host tensors."""
+    """What the old-policy side of an RL step produces for the update, handed to `Learner.train_step` as its
+    one argument besides the batch (built by `moe_gspo.run.learner_passes.old_policy_pass`; a test may give
+    only `logp_BS`). Global batch, host tensors; `train_step` changes nothing in it."""
 
     logp_BS: torch.Tensor
-    """[B, S] token-aligned log-probs of pi_old in the loss: the natural pass's, under R3 the pass that
-    replays `replay_routes`."""
+    """[B, S] token-aligned log-probs of pi_old in the loss: the natural pass's, or (R3) those of the pass that
+    replays `replay.routes(LearnerPass.PI_OLD)`."""
     natural: LogprobResult | None = None
     """The old-policy pass with the learner's natural routing: its log-probs, routes (which R2 replays),
     router probabilities and stats, entropies (`actor/entropy`)."""
-    replay_routes: list[np.ndarray] | None = None
-    """B arrays [T_b, L, K] the update replays (R3: the checked rollout routes,
-    `moe_gspo.run.learner_passes.checked_rollout_routes`); None = the learner's replay mode decides (R2:
-    the old-policy pass's recorded routes; R3: `batch.rollout_routes`)."""
-    r3_metrics: dict[str, float] = field(default_factory=dict)
-    """The `r3/*` metrics of the row-by-row route checks (under R3)."""
-    rollout_routes: list[np.ndarray] | None = None
-    """The engine's routes for comparisons and traces, each cut at its first missing or malformed row
-    (`moe_gspo.routing.replay_checks.usable_prefix`); None when not recorded. Not used by the update."""
+    replay: ReplayPlan | None = None
+    """The step's routing replay plan (`Learner.plan_replay`): the routes the update and the reference pass
+    replay, the row-by-row check of the rollout routes and its `r3/*` metrics. None: `train_step` plans it
+    from the batch and `natural`."""
     ref_logp_BS: torch.Tensor | None = None
     """[B, S] the frozen reference policy's log-probs (needed with `algo.kl_coef > 0`)."""
     is_weights_BS: torch.Tensor | None = None
@@ -72,8 +69,14 @@ class OldPolicyPass:
     """[B, S] bool rollout-correction rejection: False removes the token from the loss and the normalisation."""
     fused: FusedPass | None = None
     """The natural pass's piece kept with its graph (`compute_logprobs(keep_graph=True)`,
-    `train.fuse_old_logp_pass`): the update's first mini-batch back-propagates through it. `train_step`
-    takes it (sets this to None) so that the graph does not outlive the update."""
+    `train.fuse_old_logp_pass`): the update's first mini-batch back-propagates through it, which frees the
+    graph (a second `train_step` with it is refused)."""
+
+    @property
+    def rollout_routes(self) -> list[np.ndarray] | None:
+        """The engine's routes for comparisons and traces, each cut at its first missing or malformed row
+        (`ReplayPlan.comparable_routes`); None when not recorded (or no plan). Not used by the update."""
+        return None if self.replay is None else self.replay.comparable_routes
 
     @property
     def replayed_logp_BS(self) -> torch.Tensor | None:
@@ -85,7 +88,7 @@ def check_fusable(learner, routes_in: list | None, plan: ShardPlan) -> None:
     """Refuse `compute_logprobs(keep_graph=True)` where the kept graph could not serve the update."""
     if learner.optimizer is None:
         raise ValueError("compute_logprobs(keep_graph=True) needs a training Learner (train=...)")
-    if routes_in is not None or learner.replay is ReplayMode.R3:
+    if routes_in is not None or not learner.replay_spec.fusable:
         raise ValueError("compute_logprobs(keep_graph=True): the fused pass must route naturally (replay none "
                          "or r2, no replay_routes); R3's update replays the rollout routes, which this pass "
                          "does not")
@@ -96,22 +99,30 @@ def check_fusable(learner, routes_in: list | None, plan: ShardPlan) -> None:
                          f"{len(plan.micro_batches)}: set train.micro_batch_size=0 (or fuse_old_logp_pass=false)")
 
 
-def logprob_pass(learner, batch: PackedBatch, plan: ShardPlan, routes_in: list | None, *, record: bool,
-                 record_routes: bool, keep_graph: bool, with_entropy: bool = False
+def device_ids_dtype(num_experts: int) -> torch.dtype:
+    """The device dtype of recorded expert ids while they are gathered over the data-parallel ranks:
+    `moe_gspo.routing.trace.ids_dtype`'s where torch collectives carry it (uint8), else int32 (gloo has no
+    int16 / uint16)."""
+    return torch.uint8 if ids_dtype(num_experts) == np.uint8 else torch.int32
+
+
+def logprob_pass(learner, recorder, batch: PackedBatch, plan: ShardPlan, routes_in: list | None, *, record: bool,
+                 record_routes: bool, keep_graph: bool, with_entropy: bool = False, num_train_steps: int = 0
                  ) -> tuple[LogprobResult, list[np.ndarray] | None]:
     """The log-prob pass of `Learner.compute_logprobs` over the global `batch`, this rank's shard per `plan`
-    (replaying `routes_in`, B arrays [T_b, L, K], when given). `record`: record the routing (returned as
-    the second value, B arrays [T_b, L, K]; also set on the result with `record_routes`). `keep_graph`:
-    in train mode, in two pieces, the first mini-batch's rows with autograd: their graph is the result's
-    `fused` (check it first with `check_fusable`). Collective over the learner's ranks."""
+    (replaying `routes_in`, B arrays [T_b, L, K], when given), the model already in train mode iff
+    `keep_graph`. `recorder`: the learner's `MegatronRouterRecorder`. `record`: record the routing (returned
+    as the second value, B arrays [T_b, L, K]; also set on the result with `record_routes`). `keep_graph`:
+    in two pieces, the first mini-batch's rows with autograd: their graph is the result's `fused` (check it
+    first with `check_fusable`), stamped with `num_train_steps` (the learner's updates so far). Collective
+    over the learner's ranks."""
     local, local_routes, _ = learner.local_shard(batch.to(learner.device), plan, routes_in)
     S = batch.seq_len_padded
     L, K = len(learner.layer_ids), learner.top_k
     logp_local = torch.zeros((plan.num_rows, S), dtype=torch.float32, device=learner.device)
     ent_local = torch.zeros((plan.num_rows, S), dtype=torch.float32, device=learner.device) if with_entropy else None
-    # expert ids as they are kept (uint8 up to 256 experts); gloo has no int16, so int32 above that
-    ids_dtype = torch.uint8 if learner.num_experts <= 256 else torch.int32
-    ids_local = torch.zeros((plan.num_rows, S, L, K), dtype=ids_dtype, device=learner.device) if record else None
+    ids_local = (torch.zeros((plan.num_rows, S, L, K), dtype=device_ids_dtype(learner.num_experts), device=learner.device)
+                 if record else None)
     probs_local = torch.zeros((plan.num_rows, S, L, K), dtype=torch.float32, device=learner.device) if record else None
     stats_local = torch.zeros((plan.num_rows, S, L, 2), dtype=torch.float32, device=learner.device) if record else None
     kept, routes = None, None
@@ -122,10 +133,8 @@ def logprob_pass(learner, batch: PackedBatch, plan: ShardPlan, routes_in: list |
         pieces = [(p.rows, p.num_pad, p.seq_len, grad) for p, grad in ((first, True), (rest, False)) if p is not None]
     else:
         pieces = [(np.arange(mb.start, mb.stop), 0, mb.seq_len, False) for mb in plan.micro_batches]
-    if learner.ddp.training != keep_graph:  # switching walks every module (~2 ms on the tiny model)
-        learner.ddp.train(keep_graph)
-    learner.recorder.clear()
-    learner.recorder.enabled = record
+    recorder.clear()
+    recorder.enabled = record
     lens_local = local.seq_lens_B.tolist()  # host metadata (`PackedBatch.to`): no device sync
     try:
         for rows_np, num_pad, S_i, grad in pieces:
@@ -144,21 +153,21 @@ def logprob_pass(learner, batch: PackedBatch, plan: ShardPlan, routes_in: list |
                 ent_local[rows, :S_i] = ent[:n].detach()
             if grad:
                 kept = FusedPass(batch=batch, graph_rows=plan.indices[rows_np], logp_graph=logp,
-                                 ent_graph=ent, logp_BS=torch.empty(0), num_train_steps=learner.num_train_steps,
+                                 ent_graph=ent, logp_BS=torch.empty(0), num_train_steps=num_train_steps,
                                  first_rows=first_rows)
             logp_local[rows, :S_i] = logp[:n].detach()
             if record:
-                assert learner.recorder.num_calls() == 1, learner.recorder.num_calls()
+                assert recorder.num_calls() == 1, recorder.num_calls()
                 B_i = n + num_pad
                 for stacked, what in ((ids_local, "ids"), (probs_local, "probs"), (stats_local, "stats")):
-                    seqs = learner.recorder.to_sequences([S_i] * B_i, B_i, S_i, probs=what == "probs",
+                    seqs = recorder.to_sequences([S_i] * B_i, B_i, S_i, probs=what == "probs",
                                                       stats=what == "stats")[:n]
                     if n:
                         stacked[rows, :S_i] = torch.from_numpy(np.stack(seqs)).to(learner.device, stacked.dtype)
-                learner.recorder.clear()
+                recorder.clear()
     finally:
-        learner.recorder.enabled = False
-        learner.recorder.clear()
+        recorder.enabled = False
+        recorder.clear()
     B = batch.num_seqs
     logp = learner.gather_rows(logp_local, B).cpu()
     logp = torch.where(torch.arange(S)[None, :] < batch.seq_lens_B.cpu()[:, None], logp, 0.0)
@@ -168,7 +177,7 @@ def logprob_pass(learner, batch: PackedBatch, plan: ShardPlan, routes_in: list |
         result.entropy_BS = torch.where(torch.arange(S)[None, :] < batch.seq_lens_B.cpu()[:, None], ent, 0.0)
     if record:
         lens = batch.seq_lens_B.tolist()
-        id_dtype = np.uint8 if learner.num_experts <= 256 else np.uint16
+        id_dtype = ids_dtype(learner.num_experts)
         all_ids = learner.gather_rows(ids_local, B).cpu().numpy()
         all_probs = learner.gather_rows(probs_local, B).cpu().numpy()
         all_stats = learner.gather_rows(stats_local, B).cpu().numpy()

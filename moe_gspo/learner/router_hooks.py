@@ -26,10 +26,7 @@ import torch
 
 from moe_gspo.mcore.model import moe_routers
 from moe_gspo.routing.router_stats import token_router_stats
-
-
-def _id_dtype(num_experts: int):
-    return np.uint8 if num_experts <= 256 else np.uint16
+from moe_gspo.routing.trace import ids_dtype
 
 
 class MegatronRouterRecorder:
@@ -127,8 +124,8 @@ class MegatronRouterRecorder:
         """Per-sequence arrays `[T_b, L, K]` (T_b = seq_lens[b]) of recorded forward `call`.
 
         Converts Megatron's row order `s * B + b` (B = `batch_size`, S = `seq_len_padded`). Ids come as
-        uint8 (uint16 when E > 256), probabilities (`probs=True`) as float32; `stats=True` gives the
-        float32 `[T_b, L, 2]` router margin and entropy instead.
+        `moe_gspo.routing.trace.ids_dtype` (uint8 up to 256 experts), probabilities (`probs=True`) as
+        float32; `stats=True` gives the float32 `[T_b, L, 2]` router margin and entropy instead.
         """
         self._check_call(call)
         if probs and not self.record_probs:
@@ -149,5 +146,5 @@ class MegatronRouterRecorder:
         if any(not 0 <= n <= S for n in lens):
             raise ValueError(f"to_sequences: seq_lens must be in [0, {S}], got {lens}")
         stacked_SBLK = torch.stack([t.reshape(S, B, -1) for t in per_layer], dim=2).cpu()
-        arr = stacked_SBLK.numpy().astype(np.float32 if probs or stats else _id_dtype(self.num_experts))
+        arr = stacked_SBLK.numpy().astype(np.float32 if probs or stats else ids_dtype(self.num_experts))
         return [np.ascontiguousarray(arr[:n, b]) for b, n in enumerate(lens)]

@@ -8,6 +8,7 @@ ranks where it runs a learner pass (all ranks call it with the same global batch
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from moe_gspo.config import AlgoConfig, Config
 from moe_gspo.learner.batch import PackedBatch
 from moe_gspo.learner.lr_schedule import lr_at
 from moe_gspo.learner.old_pass import OldPolicyPass
+from moe_gspo.learner.replay_plan import NO_REPLAY, LearnerPass, ReplayPlan, RouteSource, replay_spec
 from moe_gspo.routing.drift_metrics import policy_update_drift, replayed_mismatch, rollout_vs_learner
 from moe_gspo.routing.router_diag import step_router_diagnostics
 from moe_gspo.routing.rows import response_rows, response_spans
@@ -57,9 +59,10 @@ class ReferencePolicy:
     (each rank holds the dense weights and its 1/EP of the experts), with no gradient buffers and no
     optimizer state; activations of one no-grad forward per micro-batch.
 
-    Routing of the reference pass: the routing the update replays, so that the KL compares weights
-    under the same expert choice (and is exactly 0 before the first update): natural routing without
-    replay, the old-policy pass's routes under R2, the rollout engine's routes under R3. Upstream
+    Routing of the reference pass: the step's `ReplayPlan` says (`LearnerPass.REFERENCE`): the routing the
+    update replays, so that the KL compares weights under the same expert choice (and is exactly 0 before
+    the first update): natural routing without replay, the old-policy pass's routes under R2, the rollout
+    engine's checked routes under R3. Upstream
     `RouterReplay` instances live in a class-level list that `set_global_router_replay_action` /
     `set_replay_data` drive; the reference model's instances are taken out of that list
     (`moe_gspo.learner.replay.detach_from_global_replay`), so only this object's own per-instance driver (`RoutingReplayDriver`) can make it replay.
@@ -71,32 +74,26 @@ class ReferencePolicy:
         from moe_gspo.mcore.model import build_gpt_model
         from moe_gspo.run.setup import learner_dtype, megatron_router_overrides
 
-        self.replay = cfg.algo.routing_replay
         model = build_gpt_model(
             policy_learner.hf_config, ep_size=info.ep_size, params_dtype=learner_dtype(cfg),
-            enable_routing_replay=self.replay != "none", token_dispatcher=cfg.parallel.token_dispatcher,
+            enable_routing_replay=policy_learner.replay_spec.replays,
+            token_dispatcher=cfg.parallel.token_dispatcher,
             vocab_pad_multiple=cfg.model.vocab_pad_multiple, recompute=False,
-            batched_experts=cfg.model.batched_experts,
+            batched_experts=cfg.model.batched_experts, expert_layout=cfg.model.expert_layout,
             sdpa_attention=cfg.model.sdpa_attention, fused_rope=cfg.model.fused_rope,
             **megatron_router_overrides(cfg))  # the policy's router dtype (its aux loss never applies: no grad)
         detach_from_global_replay(model)
         model.load_state_dict(policy_learner.model.state_dict(), strict=True)
         model.requires_grad_(False)
-        self.learner = Learner(model, policy_learner.hf_config, parallel=info, algo=cfg.algo, train=None,
-                               replay="none")
+        # it replays only the routes each call gives it (the policy's plan), never by a mode of its own
+        self.learner = Learner(model, policy_learner.hf_config, parallel=info,
+                               algo=dataclasses.replace(cfg.algo, routing_replay=NO_REPLAY), train=None)
         self.micro_batch_size = cfg.train.micro_batch_size
 
-    def logprobs(self, batch: PackedBatch, *, old_routes: list | None, r3_routes: list | None = None) -> torch.Tensor:
-        """[B, S] reference log-probs of the batch; `old_routes` = the old-policy pass's routes (natural
-        routing: R2 replays them); `r3_routes` = the routes the policy replays under R3
-        (`Learner.r3_replay_routes`); None checks `batch.rollout_routes` here, with `old_routes` on the
-        rows that fall back."""
-        routes = {"none": None, "r2": old_routes, "r3": r3_routes}[self.replay]
-        if self.replay == "r2" and routes is None:
-            raise ValueError("the R2 reference pass needs the old-policy routes (record_routes=True)")
-        if self.replay == "r3" and routes is None:
-            routes = self.learner.r3_replay_routes(batch, natural_routes=old_routes)[0]
-        return self.learner.compute_logprobs(batch, replay_routes=routes,
+    def logprobs(self, batch: PackedBatch, plan: ReplayPlan) -> torch.Tensor:
+        """[B, S] reference log-probs of the batch, replaying the routes the policy's step plan gives the
+        reference pass (`plan.routes(LearnerPass.REFERENCE)`, `Learner.plan_replay`)."""
+        return self.learner.compute_logprobs(batch, replay_routes=plan.routes(LearnerPass.REFERENCE),
                                              micro_batch_size=self.micro_batch_size).logp_BS
 
 
@@ -153,18 +150,19 @@ class StepPasses:
     new: Any
     """The pass after all mini-batches, with routes, or None when drift was not measured this step."""
     replayed_logp_BS: torch.Tensor | None
-    """Under R3, the old-policy log-probs under the rollout routes (the loss's pi_old); else None."""
+    """The replayed old-policy pass's log-probs (the loss's pi_old) where the mode runs one (R3); else None."""
     rollout_routes: list | None = None
     """The engine's routes for comparisons and traces: each sequence's cut at its first missing or
     malformed row (`moe_gspo.routing.replay_checks.usable_prefix`); None when not recorded."""
 
 
 def fuse_old_pass(cfg: Config) -> bool:
-    """Whether train.fuse_old_logp_pass applies: the old-policy pass routes naturally and runs in one piece
-    only without R3, micro-batches and activation recompute (the pass computes the entropies with their
+    """Whether train.fuse_old_logp_pass applies: the old-policy pass routes naturally and runs in one piece,
+    so it can serve the update only where the update replays nothing or its routes (`ReplayModeSpec.fusable`:
+    not R3), without micro-batches and activation recompute (the pass computes the entropies with their
     graph, so the entropy bonus works with it)."""
-    return (cfg.train.fuse_old_logp_pass and cfg.algo.routing_replay != "r3" and not cfg.train.micro_batch_size
-            and not cfg.model.recompute)
+    return (cfg.train.fuse_old_logp_pass and replay_spec(cfg.algo.routing_replay).fusable
+            and not cfg.train.micro_batch_size and not cfg.model.recompute)
 
 
 def learner_update(cfg: Config, policy, batch: PackedBatch, samples, step: int, *,
@@ -176,11 +174,12 @@ def learner_update(cfg: Config, policy, batch: PackedBatch, samples, step: int, 
        (`mismatch/*`, `mismatch_ratio/*`, `routing/*`, `routing_prompt/*`; the engine's routes cut at
        each sequence's first missing or malformed row), the router diagnostics of both sides
        `router/*`, `moe_gspo.routing.router_diag`;
-    2. under R3, the rollout routes checked row by row (`r3/*`; missing or malformed rows take the
+    2. the step's replay plan (`Learner.plan_replay`, `moe_gspo.learner.replay_plan`): the rollout routes
+       checked row by row once; where the mode replays them (R3: `r3/*`; missing or malformed rows take the
        natural routes of pass 1, `moe_gspo.routing.replay_checks`; a warning once per run above
-       `algo.r3_fallback_warn_frac`), then the old-policy pass replaying them → pi_old of the loss,
+       `algo.r3_fallback_warn_frac`), the old-policy pass replaying them → pi_old of the loss,
        `mismatch_replayed/*` and the replay contract `r3/replay_mismatch_frac` (`check_replay_contract`;
-       a stop above `algo.r3_max_mismatch`); the update and the reference pass replay the same routes;
+       a stop above `algo.r3_max_mismatch`); the update and the reference pass replay what the plan says;
     3. rollout corrections (`rollout_corr/*`) from pi_old vs pi_rollout, reference log-probs when
        `algo.kl_coef > 0` (steps 1-3: `old_policy_pass`, all they hand on in one `OldPolicyPass`);
     4. the update (`Learner.train_step(batch, old_pass)`; `algo.opsm` masks sequences there,
@@ -217,19 +216,19 @@ def old_policy_pass(cfg: Config, policy, batch: PackedBatch, samples, step: int,
                     ) -> tuple[OldPolicyPass, dict]:
     """Steps 1-3 of `learner_update`: the passes before the update and what they hand to it, as one
     `OldPolicyPass` (the natural pass with its routes and, with `train.fuse_old_logp_pass`, its kept graph;
-    pi_old; R3's replay routes and `r3/*` metrics; the reference log-probs; the rollout corrections), and
-    the step's metrics so far. `timer`: the phases old_logp, compare, replayed_logp, reference."""
+    pi_old; the step's `ReplayPlan`; the reference log-probs; the rollout corrections), and the step's
+    metrics so far. `timer`: the phases old_logp, compare, replayed_logp, reference."""
     learner = policy.learner
+    spec = learner.replay_spec
     timer = timer if timer is not None else PhaseTimer()
     with timer("old_logp"):  # train.fuse_old_logp_pass: its graph also serves the first mini-batch's update
         natural = learner.compute_logprobs(batch, record_routes=True, no_replay=True, keep_graph=fuse_old_pass(cfg),
                                            with_entropy=True)
-    r3 = cfg.algo.routing_replay == "r3"
     with timer("compare"):
-        rollout_routes, r3_routes, r3_metrics = checked_rollout_routes(learner, batch, natural.routes, r3=r3)
-        metrics = {"actor/entropy": mean_token_entropy(natural.entropy_BS, batch.response_mask_BS), **r3_metrics}
+        plan = learner.plan_replay(batch, old_pass_routes=natural.routes)
+        metrics = {"actor/entropy": mean_token_entropy(natural.entropy_BS, batch.response_mask_BS), **plan.metrics}
         metrics.update(rollout_vs_learner(rollout_logp_BS=batch.rollout_logp_BS, learner_logp_BS=natural.logp_BS,
-                                     response_mask_BS=batch.response_mask_BS, rollout_routes=rollout_routes,
+                                     response_mask_BS=batch.response_mask_BS, rollout_routes=plan.comparable_routes,
                                      learner_routes=natural.routes, num_experts=policy.num_experts,
                                      group_ids=[s.prompt_index for s in samples]))
         metrics.update(step_router_diagnostics(samples, natural, batch.response_mask_BS,
@@ -237,28 +236,28 @@ def old_policy_pass(cfg: Config, policy, batch: PackedBatch, samples, step: int,
                                                margin_threshold=cfg.logging.router_margin_threshold))
         metrics["router/dead_experts"] = count_dead_experts(learner, batch, natural.routes,
                                                             window=cfg.logging.dead_expert_window)
-    if r3:
-        warn_r3_fallback(learner, r3_metrics, cfg.algo.r3_fallback_warn_frac, step)
+    if spec.replays_rollout:
+        warn_r3_fallback(learner, plan.metrics, cfg.algo.r3_fallback_warn_frac, step)
     old_logp = natural.logp_BS
-    if r3:
+    if spec.source(LearnerPass.PI_OLD) is not RouteSource.NONE:
         with timer("replayed_logp"):  # records what its routers used: the replay contract (r3/replay_mismatch_frac)
-            replayed = learner.compute_logprobs(batch, replay_routes=r3_routes, record_routes=True)
+            replayed = learner.compute_logprobs(batch, replay_routes=plan.routes(LearnerPass.PI_OLD),
+                                                record_routes=True)
             old_logp = replayed.logp_BS
             metrics.update(replayed_mismatch(rollout_logp_BS=batch.rollout_logp_BS, replayed_logp_BS=old_logp,
                                              response_mask_BS=batch.response_mask_BS))
-            metrics.update(check_replay_contract(learner, batch, r3_routes, replayed.routes,
-                                                 max_mismatch=cfg.algo.r3_max_mismatch, step=step))
+            metrics.update(check_replay_contract(plan, replayed.routes, max_mismatch=cfg.algo.r3_max_mismatch,
+                                                 step=step))
             del replayed
     is_weights, rs_keep, corr_metrics = step_correction(cfg.algo, batch, old_logp)
     metrics.update(corr_metrics)
     ref_logp = None
     if reference is not None:
         with timer("reference"):
-            ref_logp = reference.logprobs(batch, old_routes=natural.routes, r3_routes=r3_routes)
+            ref_logp = reference.logprobs(batch, plan)
     fused, natural.fused = natural.fused, None  # the kept graph goes to the update only
-    old = OldPolicyPass(logp_BS=old_logp, natural=natural, replay_routes=r3_routes, r3_metrics=r3_metrics,
-                        ref_logp_BS=ref_logp, is_weights_BS=is_weights, rs_keep_BS=rs_keep, fused=fused,
-                        rollout_routes=rollout_routes)
+    old = OldPolicyPass(logp_BS=old_logp, natural=natural, replay=plan, ref_logp_BS=ref_logp,
+                        is_weights_BS=is_weights, rs_keep_BS=rs_keep, fused=fused)
     return old, metrics
 
 
@@ -275,38 +274,20 @@ def count_dead_experts(learner, batch: PackedBatch, natural_routes: list, *, win
     return learner.expert_usage.update(counts, window)
 
 
-def checked_rollout_routes(learner, batch: PackedBatch, natural_routes: list | None, *, r3: bool):
-    """The batch's rollout routes checked row by row (`moe_gspo.routing.replay_checks`):
-    (routes for comparisons and traces, cut at each sequence's first failed row; under R3 the routes to
-    replay, failed rows taking `natural_routes`, else None; under R3 the `r3/*` metrics, else {})."""
-    from moe_gspo.routing.replay_checks import check_routes, merge_fallback_routes, usable_prefix
-
-    if batch.rollout_routes is None and not r3:
-        return None, None, {}
-    dims = dict(num_layers=len(learner.layer_ids), top_k=learner.top_k, num_experts=learner.num_experts)
-    reasons, metrics = check_routes(batch.rollout_routes, batch.seq_lens_B.tolist(), **dims)
-    comparable = usable_prefix(batch.rollout_routes, reasons, **dims)
-    if not r3:
-        return comparable, None, {}
-    replay = merge_fallback_routes(batch.rollout_routes, reasons, natural_routes, num_experts=learner.num_experts)
-    return comparable, replay, metrics
-
-
-def check_replay_contract(learner, batch: PackedBatch, replay_routes: list, used_routes: list, *,
-                          max_mismatch: float | None, step: int) -> dict[str, float]:
+def check_replay_contract(plan: ReplayPlan, used_routes: list, *, max_mismatch: float | None,
+                          step: int) -> dict[str, float]:
     """R3's replay contract, checked in the learner's forward: `r3/replay_mismatch_frac`, the share of the
     replayed (token, layer) rows whose experts in the replayed old-policy pass (`used_routes`, recorded by the
-    router hooks from the routing map the dispatcher uses) differ from the routes it was given
-    (`replay_routes`); rows that fell back to natural routing are not counted (`r3/fallback_*` counts them;
+    router hooks from the routing map the dispatcher uses) differ from the routes the plan gave it
+    (`plan.routes(LearnerPass.PI_OLD)`); rows that fell back to natural routing (the plan's row-by-row check,
+    `plan.route_reasons`) are not counted (`r3/fallback_*` counts them;
     `moe_gspo.routing.replay_checks.replay_mismatch`). 0 when replay works. Above `algo.r3_max_mismatch`
     (None = never) the run stops (ValueError, one line naming the step and the share) before the update
     trains on a pi_old that did not replay the rollout routes. Every rank holds the same global routes,
     so every rank stops alike."""
-    from moe_gspo.routing.replay_checks import REPLAY_MISMATCH_KEY, check_routes, replay_mismatch
+    from moe_gspo.routing.replay_checks import REPLAY_MISMATCH_KEY, replay_mismatch
 
-    dims = dict(num_layers=len(learner.layer_ids), top_k=learner.top_k, num_experts=learner.num_experts)
-    reasons, _ = check_routes(batch.rollout_routes, batch.seq_lens_B.tolist(), **dims)
-    out = replay_mismatch(replay_routes, used_routes, reasons)
+    out = replay_mismatch(plan.routes(LearnerPass.PI_OLD), used_routes, plan.route_reasons)
     frac = out[REPLAY_MISMATCH_KEY]
     if max_mismatch is not None and frac > max_mismatch:
         raise ValueError(f"step {step}: R3 replay contract broken: {frac:.2%} of the replayed (token, MoE layer) rows "

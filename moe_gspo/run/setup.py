@@ -195,7 +195,6 @@ def megatron_router_overrides(cfg: Config) -> dict:
 
 def build_policy(cfg: Config, info: ParallelInfo) -> Policy:
     from moe_gspo.learner.learner import Learner
-    from moe_gspo.learner.replay import ReplayMode
     from moe_gspo.mcore.model import build_gpt_model, moe_layer_ids
 
     hf_config, tok = _hf_config_and_tokenizer(cfg)
@@ -223,8 +222,8 @@ def build_policy(cfg: Config, info: ParallelInfo) -> Policy:
         from moe_gspo.mcore.model import freeze_routers
 
         freeze_routers(model)
-    learner = Learner(model, hf_config, parallel=info, algo=cfg.algo, train=cfg.train,
-                      replay=ReplayMode(cfg.algo.routing_replay), recompute=cfg.model.recompute)
+    learner = Learner(model, hf_config, parallel=info, algo=cfg.algo, train=cfg.train,  # replay: algo.routing_replay
+                      recompute=cfg.model.recompute)
     # vLLM starts next to the learner's rollout-phase memory (train.offload_during_rollout), and asleep
     # with rollout.sleep_level > 0 (see moe_gspo.plan, phase engine_startup)
     learner.offload_for_rollout()

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
 from moe_gspo.config import AlgoConfig, TrainConfig
 from moe_gspo.learner.batch import PackedBatch
 from moe_gspo.learner.learner import Learner
+from moe_gspo.learner.old_pass import OldPolicyPass
 from moe_gspo.mcore.model import build_gpt_model
 from moe_gspo.mcore.weights import load_hf_model_into_megatron
 from moe_gspo.rollout.base import RolloutSample
@@ -52,11 +55,19 @@ def make_batch(num: int = 8, *, seed: int = 0, with_routes: bool = False) -> Pac
     return PackedBatch.from_samples(samples, adv, pad_id=0)
 
 
-def make_learner(model, cfg, info, *, replay="none", algo: AlgoConfig | None = None, recompute: bool = False,
+def make_learner(model, cfg, info, *, replay=None, algo: AlgoConfig | None = None, recompute: bool = False,
                  **train_kw) -> Learner:
+    """A training Learner; `replay` (a mode name or `ReplayMode`) sets `algo.routing_replay`."""
     train = TrainConfig(**{"lr": 1e-2, "num_minibatches": 1, "micro_batch_size": 0, **train_kw})
-    return Learner(model, cfg, parallel=info, algo=algo or AlgoConfig(name="gspo"), train=train,
-                   replay=replay, recompute=recompute)
+    algo = algo or AlgoConfig(name="gspo")
+    if replay is not None:
+        algo = dataclasses.replace(algo, routing_replay=getattr(replay, "value", replay))
+    return Learner(model, cfg, parallel=info, algo=algo, train=train, recompute=recompute)
+
+
+def old_pass(logp_BS, **kw) -> OldPolicyPass:
+    """`OldPolicyPass(logp_BS=logp_BS, **kw)`: the update's hand-off from bare old log-probs."""
+    return OldPolicyPass(logp_BS=logp_BS, **kw)
 
 
 @torch.no_grad()

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from _learner_common import (flip_fraction, hf_token_logprobs, make_batch, make_learner, params_snapshot,
-                             tiny_pair)
+from _learner_common import (flip_fraction, hf_token_logprobs, make_batch, make_learner, old_pass,
+                             params_snapshot, tiny_pair)
 from moe_gspo.config import AlgoConfig
 from moe_gspo.learner.batch import plan_shards
 from moe_gspo.learner.router_hooks import MegatronRouterRecorder
@@ -78,7 +78,7 @@ def run(info) -> dict:
                                                  batch.rollout_routes)
 
     # 3. two GSPO steps (2 mini-batches x micro-batches of 2 each), then the log-probs
-    out["metrics"] = [learner.train_step(batch, res.logp_BS) for _ in range(2)]
+    out["metrics"] = [learner.train_step(batch, old_pass(res.logp_BS)) for _ in range(2)]
     out["logp_after_2_steps"] = learner.compute_logprobs(batch).logp_BS.tolist()
 
     # 4. NaN guard: a NaN advantage on rank 1's shard only; every rank skips, weights unchanged
@@ -87,7 +87,7 @@ def run(info) -> dict:
     poisoned.advantages_B = poisoned.advantages_B.clone()
     poisoned.advantages_B[-1] = float("nan")
     learner.train.num_minibatches = 1
-    m = learner.train_step(poisoned, res.logp_BS)
+    m = learner.train_step(poisoned, old_pass(res.logp_BS))
     out["nan_skipped_steps"] = m["train/skipped_steps"]
     out["nan_weights_unchanged"] = all(torch.equal(before[k], p) for k, p in params_snapshot(model).items())
 
@@ -96,14 +96,14 @@ def run(info) -> dict:
     r2 = make_learner(model2, cfg, info, replay="r2", algo=AlgoConfig(name="grpo"), lr=5e-2, **{
         k: v for k, v in EP2_TRAIN.items() if k != "lr"})
     old = r2.compute_logprobs(batch, record_routes=True)
-    r2.train_step(batch, old)
+    r2.train_step(batch, old_pass(old.logp_BS, natural=old, fused=old.fused))
     new = r2.compute_logprobs(batch, record_routes=True)
     out["r2_flip_without_replay"] = flip_fraction(old.routes, new.routes)
     out["r2_flip_replayed_eval"] = flip_fraction(
         old.routes, r2.compute_logprobs(batch, record_routes=True, replay_routes=old.routes).routes)
     minis = [batch.seq_lens_B[ix].tolist() for ix in np.array_split(np.arange(batch.num_seqs), 2)]
     with MegatronRouterRecorder(model2, record_probs=False) as rec:
-        r2.train_step(batch, old.logp_BS, replay_routes=old.routes)
+        r2.train_step(batch, old_pass(old.logp_BS, natural=old))
         seen = _seen_in_update(rec, minis, info, EP2_TRAIN["micro_batch_size"])
     out["r2_update_seqs_seen"] = sorted(seen)
     out["r2_update_flip_vs_old"] = flip_fraction([seen[i] for i in sorted(seen)], [old.routes[i] for i in sorted(seen)])
@@ -116,7 +116,7 @@ def run(info) -> dict:
     out["fused_metrics"] = []
     for _ in range(2):
         old3 = fused.compute_logprobs(batch, record_routes=True, keep_graph=True)
-        out["fused_metrics"].append(fused.train_step(batch, old3.logp_BS, fused=old3.fused))
+        out["fused_metrics"].append(fused.train_step(batch, old_pass(old3.logp_BS, fused=old3.fused)))
     out["fused_logp_after_2_steps"] = fused.compute_logprobs(batch).logp_BS.tolist()
     return out
 

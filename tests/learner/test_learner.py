@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from _learner_common import (flip_fraction, hf_token_logprobs, make_batch, make_learner, params_snapshot,
-                             surrogate_objective, tiny_pair, valid_mask)
+from _learner_common import (flip_fraction, hf_token_logprobs, make_batch, make_learner, old_pass, params_snapshot,
+                            surrogate_objective, tiny_pair, valid_mask)
 from moe_gspo.config import AlgoConfig
 from moe_gspo.learner.old_pass import OldPolicyPass
 from moe_gspo.learner.replay import ReplayMode
@@ -47,7 +47,7 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(dist, algo):
     for mbs in (0, 2):
         cfg, _, model = tiny_pair()
         learner = make_learner(model, cfg, dist, algo=algo, micro_batch_size=mbs, grad_clip=0.0)
-        m = learner.train_step(batch, batch.rollout_logp_BS)
+        m = learner.train_step(batch, old_pass(batch.rollout_logp_BS))
         after.append((learner.compute_logprobs(batch).logp_BS, m))
     # Adam's first step is ~lr * sign(grad), so weights can differ by up to ~lr where a gradient
     # is ~0; the log-probs after the step are the meaningful comparison (1.07e-5 measured with
@@ -66,7 +66,7 @@ def test_entropy_bonus_raises_the_policy_entropy(dist):
     cfg, _, model = tiny_pair()
     learner = make_learner(model, cfg, dist, algo=AlgoConfig(name="gspo", entropy_coef=1.0), lr=1e-4)
     before = learner.compute_logprobs(batch, with_entropy=True).entropy_BS[batch.response_mask_BS].mean()
-    m = learner.train_step(batch, batch.rollout_logp_BS)
+    m = learner.train_step(batch, old_pass(batch.rollout_logp_BS))
     after = learner.compute_logprobs(batch, with_entropy=True).entropy_BS[batch.response_mask_BS].mean()
     assert after > before + 1e-4  # Adam's first step, ~lr * sign(grad): a first-order increase
     assert m["loss/policy"] == 0.0 and m["loss/total"] == pytest.approx(-m["loss/entropy"], rel=1e-6)
@@ -78,14 +78,14 @@ def test_r2_replays_old_routing_while_the_router_still_learns(dist):
                            algo=AlgoConfig(name="grpo"))
     batch = make_batch(8, seed=6)
     with pytest.raises(ValueError, match="r2 replays the old-policy pass's routes"):
-        learner.train_step(batch, batch.rollout_logp_BS)  # log-probs alone: no routes to replay
+        learner.train_step(batch, old_pass(batch.rollout_logp_BS))  # log-probs alone: no routes to replay
     old = learner.compute_logprobs(batch)
     assert old.routes is not None and len(old.routes) == batch.num_seqs  # R2 always records them
     with pytest.raises(ValueError, match="another batch"):
         learner.train_step(batch.select(range(4)), OldPolicyPass(logp_BS=old.logp_BS[:4], natural=old))
     router_grads = []
     handles = [r.weight.register_hook(lambda g: router_grads.append(float(g.abs().sum()))) for r in moe_routers(model)]
-    learner.train_step(batch, old)  # the pass itself: its routes are replayed
+    learner.train_step(batch, old_pass(old.logp_BS, natural=old, fused=old.fused))  # the pass itself: its routes are replayed
     # without replay the updated policy routes differently ...
     new = learner.compute_logprobs(batch, record_routes=True)
     assert flip_fraction(old.routes, new.routes) > 0.02
@@ -94,7 +94,7 @@ def test_r2_replays_old_routing_while_the_router_still_learns(dist):
     assert flip_fraction(old.routes, replayed.routes) == 0.0
     # ... and so does the forward of a second R2 update on the same rollout batch
     with MegatronRouterRecorder(model, record_probs=False) as rec:
-        learner.train_step(batch, old.logp_BS, replay_routes=old.routes)
+        learner.train_step(batch, old_pass(old.logp_BS, natural=old))
         seen = [rec.to_sequences(batch.seq_lens_B[i:i + 4].tolist(), 4, mb_len, call=c)
                 for c, (i, mb_len) in enumerate([(0, int(batch.seq_lens_B[:4].max())),
                                                  (4, int(batch.seq_lens_B[4:].max()))])]
@@ -115,7 +115,7 @@ def test_gspo_steps_improve_the_objective(dist):
     for _ in range(3):
         old = learner.compute_logprobs(batch).logp_BS
         objectives.append(surrogate_objective(old, batch))
-        metrics = learner.train_step(batch, old)
+        metrics = learner.train_step(batch, old_pass(old))
         assert metrics["train/skipped_steps"] == 0 and metrics["ratio/num_seqs"] == 4
         assert np.isfinite(metrics["grad/norm"]) and metrics["grad/norm"] > 0
     objectives.append(surrogate_objective(learner.compute_logprobs(batch).logp_BS, batch))
@@ -135,7 +135,7 @@ def test_nan_loss_skips_the_step_and_training_continues(dist):
     poisoned = batch.select(range(8))
     poisoned.advantages_B = poisoned.advantages_B.clone()
     poisoned.advantages_B[1] = float("nan")  # mini-batch 0 only
-    m = learner.train_step(poisoned, old)
+    m = learner.train_step(poisoned, old_pass(old))
     assert m["train/skipped_steps"] == 1 and learner.num_updates == 1
     assert np.isfinite(m["loss/total"])  # averaged over the step that was taken
     after_one = params_snapshot(model)
@@ -143,9 +143,9 @@ def test_nan_loss_skips_the_step_and_training_continues(dist):
     # the skipped step changed nothing: a fresh learner doing only mini-batch 1 lands on the same weights
     cfg2, _, model2 = tiny_pair()
     twin = make_learner(model2, cfg2, dist, num_minibatches=1)
-    twin.train_step(batch.select(range(4, 8)), old[4:])
+    twin.train_step(batch.select(range(4, 8)), old_pass(old[4:]))
     assert _max_change(params_snapshot(model2), after_one) <= 1e-7
-    m2 = learner.train_step(batch, old)
+    m2 = learner.train_step(batch, old_pass(old))
     assert m2["train/skipped_steps"] == 1 and _max_change(after_one, params_snapshot(model)) > 0
 
 
@@ -158,14 +158,14 @@ def test_checkpoint_round_trip_and_hf_export(dist):
     ref = to_per_expert_layout(hf.state_dict(), cfg)
     assert set(hf_sd) == set(ref) and all(torch.equal(hf_sd[k], ref[k]) for k in ref)
     batch = make_batch(6, seed=9)
-    learner.train_step(batch, batch.rollout_logp_BS)
+    learner.train_step(batch, old_pass(batch.rollout_logp_BS))
     state = {k: v for k, v in learner.state_dict().items()}
     state = torch.utils._pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
-    learner.train_step(batch, batch.rollout_logp_BS)
+    learner.train_step(batch, old_pass(batch.rollout_logp_BS))
     target = params_snapshot(model)
     learner.load_state_dict(state)
     assert _max_change(params_snapshot(model), target) > 0
-    learner.train_step(batch, batch.rollout_logp_BS)  # same Adam state -> same second step
+    learner.train_step(batch, old_pass(batch.rollout_logp_BS))  # same Adam state -> same second step
     assert _max_change(params_snapshot(model), target) <= 1e-7
 
 
@@ -175,10 +175,10 @@ def test_kl_penalty_and_argument_errors(dist):
     batch = make_batch(4, seed=10)
     old = learner.compute_logprobs(batch).logp_BS
     with pytest.raises(ValueError, match="ref_logp_BT"):
-        learner.train_step(batch, old)
+        learner.train_step(batch, old_pass(old))
     with pytest.raises(ValueError, match="old_logp_BS has shape"):
-        learner.train_step(batch, old[:, :-1])
-    m = learner.train_step(batch, old, ref_logp_BS=old - 0.5)
+        learner.train_step(batch, old_pass(old[:, :-1]))
+    m = learner.train_step(batch, old_pass(old, ref_logp_BS=old - 0.5))
     assert m["loss/kl"] > 0 and m["loss/total"] == pytest.approx(m["loss/policy"] + 0.1 * m["loss/kl"], rel=1e-6)
     r3 = make_learner(tiny_pair()[2], cfg, dist, replay="r3")
     with pytest.raises(ValueError, match="rollout_routes"):
@@ -214,7 +214,7 @@ def test_batched_experts_train_like_the_loop_without_copying_their_weights(dist)
         cfg, _, model = tiny_pair(enable_routing_replay=False, batched_experts=batched)
         learner = make_learner(model, cfg, dist, num_minibatches=2, micro_batch_size=2)
         batch = make_batch(8, seed=3)
-        learner.train_step(batch, learner.compute_logprobs(batch).logp_BS)
+        learner.train_step(batch, old_pass(learner.compute_logprobs(batch).logp_BS))
         after.append(params_snapshot(model))
         experts = [m for m in model.modules() if isinstance(m, BatchedSequentialMLP)]
         assert len(experts) == (2 if batched else 0)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _learner_common import make_batch, make_learner, tiny_pair
+from _learner_common import make_batch, make_learner, old_pass, tiny_pair
 from _learner_ep2_worker import EP2_ALGO, EP2_BATCH, EP2_FUSED_TRAIN, EP2_TRAIN
 from moe_gspo.config import AlgoConfig
 
@@ -62,7 +62,7 @@ def test_ep2_training_matches_ep1_on_the_full_batch(ranks, dist):
     cfg, _, model = tiny_pair()
     learner = make_learner(model, cfg, dist, algo=AlgoConfig(**EP2_ALGO), **{**EP2_TRAIN, "micro_batch_size": 0})
     old = learner.compute_logprobs(batch).logp_BS
-    metrics = [learner.train_step(batch, old) for _ in range(2)]
+    metrics = [learner.train_step(batch, old_pass(old)) for _ in range(2)]
     after = learner.compute_logprobs(batch).logp_BS
     assert (after - old).abs().max() > 1e-2  # the steps really moved the policy
     for r in ranks:
@@ -86,7 +86,7 @@ def test_ep2_fused_old_pass_with_shuffled_minibatches_matches_ep1_unfused(ranks,
     metrics = []
     for _ in range(2):
         old = learner.compute_logprobs(batch).logp_BS
-        metrics.append(learner.train_step(batch, old))
+        metrics.append(learner.train_step(batch, old_pass(old)))
     after = learner.compute_logprobs(batch).logp_BS
     for r in ranks:
         assert np.abs(np.array(r["fused_logp_after_2_steps"]) - after.numpy()).max() <= 3e-4

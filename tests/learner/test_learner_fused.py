@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _learner_common import make_batch, make_learner, params_snapshot, tiny_pair
+from _learner_common import make_batch, make_learner, old_pass, params_snapshot, tiny_pair
 from moe_gspo.config import AlgoConfig
 from moe_gspo.learner.old_pass import OldPolicyPass
 from moe_gspo.learner.replay import ReplayMode
@@ -28,7 +28,7 @@ def _run(dist, *, fuse: bool, replay=ReplayMode.NONE, algo="gspo", steps=2, entr
     for _ in range(steps):
         old = learner.compute_logprobs(batch, record_routes=True, keep_graph=fuse, with_entropy=entropy_coef > 0)
         olds.append(old)
-        metrics.append(learner.train_step(batch, old))  # the pass itself: log-probs, routes (R2), kept graph
+        metrics.append(learner.train_step(batch, old_pass(old.logp_BS, natural=old, fused=old.fused)))  # the pass itself: log-probs, routes (R2), kept graph
     return params_snapshot(model), metrics, olds, learner, batch
 
 
@@ -76,36 +76,68 @@ def test_kept_graph_is_handed_on_explicitly_used_once_and_only_for_its_batch(dis
     assert old.fused is not None and old.fused.logp_graph.requires_grad
     other = batch.select(range(batch.num_seqs))  # equal content, another object: refused
     with pytest.raises(ValueError, match="another batch object"):
-        learner.train_step(other, old.logp_BS, fused=old.fused)
-    with pytest.raises(ValueError, match="do not pass them as keywords"):
-        learner.train_step(batch, OldPolicyPass(logp_BS=old.logp_BS), fused=old.fused)
-    hand_off = OldPolicyPass(logp_BS=old.logp_BS, natural=old, fused=old.fused)
+        learner.train_step(other, old_pass(old.logp_BS, fused=old.fused))
+    hand_off = old_pass(old.logp_BS, natural=old, fused=old.fused)
     learner.train_step(batch, hand_off)
-    assert hand_off.fused is None  # consumed: the graph does not outlive the update
+    assert hand_off.fused is old.fused  # train_step changes nothing in its input; the graph is used up
     with pytest.raises(ValueError, match="before an update"):  # the weights moved since that pass
-        learner.train_step(batch, old.logp_BS, fused=old.fused)
+        learner.train_step(batch, hand_off)
 
 
-def test_old_policy_pass_hand_off_equals_the_keyword_arguments(dist):
-    """`train_step(batch, OldPolicyPass(...))` is `train_step(batch, logp, ref_logp_BS=..., is_weights_BS=...,
-    rs_keep_BS=..., replay_routes=...)`, bit for bit."""
-    batch = make_batch(8, seed=21)
+def _snapshot(x):
+    """A deep copy of the tensors and arrays of a dataclass (or list) for before/after comparisons."""
+    import dataclasses
+
+    import numpy as np
+
+    if dataclasses.is_dataclass(x):
+        return {f.name: _snapshot(getattr(x, f.name)) for f in dataclasses.fields(x)}
+    if isinstance(x, (list, tuple)):
+        return [_snapshot(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _snapshot(v) for k, v in x.items()}
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, np.ndarray):
+        return x.copy()
+    return x
+
+
+def _same(a, b) -> bool:
+    import numpy as np
+
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and np.array_equal(a, b)
+    return a is b or a == b
+
+
+@pytest.mark.parametrize("replay", [ReplayMode.NONE, ReplayMode.R2, ReplayMode.R3])
+def test_train_step_changes_neither_the_batch_nor_the_hand_off(dist, replay):
+    """`train_step(batch, old)`: every tensor, array and field of the batch and of the `OldPolicyPass` (its
+    natural pass and replay plan included) is the same after the update; a plan made beforehand
+    (`Learner.plan_replay`) and one made inside `train_step` give the same update, bit for bit."""
+    batch = make_batch(8, seed=21, with_routes=True)
     g = torch.Generator().manual_seed(3)
     w = 0.5 + torch.rand(batch.input_ids_BS.shape, generator=g)
     keep = torch.rand(batch.input_ids_BS.shape, generator=g) > 0.2
     runs = []
-    for as_pass in (False, True):
+    for planned in (False, True):
         cfg, _, model = tiny_pair(enable_routing_replay=True)
-        learner = make_learner(model, cfg, dist, replay=ReplayMode.R2,
-                               algo=AlgoConfig(name="grpo", kl_coef=0.1, **WIDE), num_minibatches=2)
-        old = learner.compute_logprobs(batch, record_routes=True)
-        ref = old.logp_BS - 0.01
-        if as_pass:
-            m = learner.train_step(batch, OldPolicyPass(logp_BS=old.logp_BS, natural=old, replay_routes=old.routes,
-                                                        ref_logp_BS=ref, is_weights_BS=w, rs_keep_BS=keep))
-        else:
-            m = learner.train_step(batch, old.logp_BS, replay_routes=old.routes, ref_logp_BS=ref, is_weights_BS=w,
-                                   rs_keep_BS=keep)
+        learner = make_learner(model, cfg, dist, replay=replay, algo=AlgoConfig(name="grpo", kl_coef=0.1, **WIDE),
+                               num_minibatches=2)
+        natural = learner.compute_logprobs(batch, record_routes=True, no_replay=True)
+        plan = learner.plan_replay(batch, old_pass_routes=natural.routes) if planned else None
+        hand_off = old_pass(natural.logp_BS, natural=natural, replay=plan, ref_logp_BS=natural.logp_BS - 0.01,
+                            is_weights_BS=w, rs_keep_BS=keep)
+        before = (_snapshot(batch), _snapshot(hand_off))
+        m = learner.train_step(batch, hand_off)
+        assert _same(before[0], _snapshot(batch)) and _same(before[1], _snapshot(hand_off))
         runs.append((params_snapshot(model), m))
     (wa, ma), (wb, mb) = runs
     assert ma == mb
@@ -118,7 +150,7 @@ def test_fused_pass_without_entropies_is_refused_by_an_update_with_an_entropy_bo
     batch = make_batch(8, seed=21)
     old = learner.compute_logprobs(batch, keep_graph=True)  # no with_entropy
     with pytest.raises(ValueError, match="with_entropy=True"):
-        learner.train_step(batch, old.logp_BS, fused=old.fused)
+        learner.train_step(batch, old_pass(old.logp_BS, fused=old.fused))
 
 
 def test_keep_graph_refuses_what_it_cannot_fuse(dist):
@@ -149,7 +181,7 @@ def test_fused_pass_on_the_default_model_keeps_one_minibatch_graph(dist, entropy
             old = learner.compute_logprobs(batch, record_routes=True, keep_graph=fuse, with_entropy=True)
             kept.append(old.fused)
             olds.append(old)
-            metrics.append(learner.train_step(batch, old.logp_BS, fused=old.fused))
+            metrics.append(learner.train_step(batch, old_pass(old.logp_BS, fused=old.fused)))
         return params_snapshot(model), metrics, olds, kept
 
     (pw, pm, po, _), (fw, fm, fo, kept) = run(False), run(True)

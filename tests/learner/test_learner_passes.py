@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from _learner_common import make_batch, make_learner, tiny_pair
+from _learner_common import make_batch, make_learner, old_pass, tiny_pair
 from moe_gspo.config import AlgoConfig, Config
 from moe_gspo.config_load import load_config
 from moe_gspo.run.learner_passes import ReferencePolicy, UpdateDriftProbe, fuse_old_pass
@@ -24,7 +24,7 @@ def test_correction_weights_and_rejection_in_the_update(dist):
     for name, w in {"plain": None, "twos": 2 * torch.ones(8, batch.seq_len_padded)}.items():
         cfg, _, model = tiny_pair()
         learner = make_learner(model, cfg, dist, algo=algo, grad_clip=0.0)
-        runs[name] = learner.train_step(batch, batch.rollout_logp_BS, is_weights_BS=w)
+        runs[name] = learner.train_step(batch, old_pass(batch.rollout_logp_BS, is_weights_BS=w))
     assert runs["twos"]["loss/policy"] == pytest.approx(2 * runs["plain"]["loss/policy"], rel=1e-6)
     assert runs["twos"]["grad/norm"] == pytest.approx(2 * runs["plain"]["grad/norm"], rel=1e-5)
     # rejecting sequences 4..7 entirely = training on sequences 0..3 alone (same gradient; Adam's
@@ -33,15 +33,15 @@ def test_correction_weights_and_rejection_in_the_update(dist):
     keep[:4] = True
     cfg, _, model = tiny_pair()
     masked = make_learner(model, cfg, dist, algo=algo)
-    m_keep = masked.train_step(batch, batch.rollout_logp_BS, rs_keep_BS=keep)
+    m_keep = masked.train_step(batch, old_pass(batch.rollout_logp_BS, rs_keep_BS=keep))
     half = batch.select(range(4))
     twin = make_learner(tiny_pair()[2], cfg, dist, algo=algo)
-    m_half = twin.train_step(half, half.rollout_logp_BS)
+    m_half = twin.train_step(half, old_pass(half.rollout_logp_BS))
     assert m_keep["ratio/num_seqs"] == 4 and m_keep["loss/policy"] == pytest.approx(m_half["loss/policy"], rel=1e-6)
     assert m_keep["grad/norm"] == pytest.approx(m_half["grad/norm"], rel=1e-5)
     assert (masked.compute_logprobs(half).logp_BS - twin.compute_logprobs(half).logp_BS).abs().max() <= 1e-4
     with pytest.raises(ValueError, match="rs_keep_BS has shape"):
-        make_learner(tiny_pair()[2], cfg, dist).train_step(batch, batch.rollout_logp_BS, rs_keep_BS=keep[:, :2])
+        make_learner(tiny_pair()[2], cfg, dist).train_step(batch, old_pass(batch.rollout_logp_BS, rs_keep_BS=keep[:, :2]))
 
 
 def test_opsm_masks_the_drifted_negative_sequences_in_the_update(dist):
@@ -64,7 +64,7 @@ def test_opsm_masks_the_drifted_negative_sequences_in_the_update(dist):
         learner = make_learner(model, cfg, dist, algo=algo, grad_clip=0.0,
                                micro_batch_size=3 if name == "opsm_micro" else 0)
         old = learner.compute_logprobs(batch).logp_BS
-        runs[name] = learner.train_step(batch, old, is_weights_BS=w)
+        runs[name] = learner.train_step(batch, old_pass(old, is_weights_BS=w))
     # in micro-batches (the logged metrics recomputed on the whole mini-batch): the same numbers
     for k in ("loss/policy", "grad/norm", "rollout_corr/opsm_masked_seq_frac", "rollout_corr/opsm_kl_mean"):
         assert runs["opsm_micro"][k] == pytest.approx(runs["opsm"][k], rel=1e-5), k
@@ -102,13 +102,14 @@ def test_reference_policy_is_the_frozen_initial_policy(dist, replay):
     # same log-probs as the policy's pass under the same routing (rollout routes under R3)
     old = learner.compute_logprobs(batch, record_routes=True, no_replay=True)
     pi_old = learner.compute_logprobs(batch).logp_BS
-    ref_logp = ref.logprobs(batch, old_routes=old.routes)
+    plan = learner.plan_replay(batch, old_pass_routes=old.routes)  # the step's plan, made once
+    ref_logp = ref.logprobs(batch, plan)
     assert (ref_logp - pi_old).abs().max() <= 1e-6
     if replay == "r3":  # and the R3 reference really replays: it differs from natural routing here
         assert (ref_logp - old.logp_BS).abs().max() > 1e-4
     # frozen: policy updates do not move it
-    learner.train_step(batch, pi_old, ref_logp_BS=ref_logp)
-    assert (ref.logprobs(batch, old_routes=old.routes) - ref_logp).abs().max() == 0.0
+    learner.train_step(batch, old_pass(pi_old, ref_logp_BS=ref_logp))
+    assert (ref.logprobs(batch, plan) - ref_logp).abs().max() == 0.0
     assert (learner.compute_logprobs(batch).logp_BS - pi_old).abs().max() > 1e-4
     assert not any(p.requires_grad for p in ref.learner.model.parameters())
 
@@ -128,7 +129,7 @@ def test_update_drift_probe_after_the_first_and_after_all_minibatches(dist):
         calls.append((index, applied, learner.num_updates))
         probe.after_optimizer_step(index, applied)
 
-    learner.train_step(batch, old.logp_BS, after_optimizer_step=hook)
+    learner.train_step(batch, old_pass(old.logp_BS), after_optimizer_step=hook)
     assert calls == [(0, True, 1), (1, True, 2), (2, True, 3), (3, True, 4)]
     assert probe.last is None
     probe.finish()
@@ -142,7 +143,7 @@ def test_update_drift_probe_after_the_first_and_after_all_minibatches(dist):
     # update/ = the routing after the first mini-batch's step only: a twin that trains on that
     # mini-batch (sequences 0-1, same padded length) alone lands on the same routing
     twin = make_learner(tiny_pair()[2], hf_cfg, dist, num_minibatches=1, lr=1e-2, algo=algo)
-    twin.train_step(batch.select([0, 1]), old.logp_BS[:2])
+    twin.train_step(batch.select([0, 1]), old_pass(old.logp_BS[:2]))
     first = twin.compute_logprobs(batch, record_routes=True, no_replay=True)
     expected = policy_update_drift(old.routes, first.routes, batch.response_mask_BS, num_experts=8)
     assert m["update/expert_change_frac"] == expected["update/expert_change_frac"] > 0

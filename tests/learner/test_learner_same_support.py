@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from _learner_common import make_learner, tiny_pair
+from _learner_common import make_learner, old_pass, tiny_pair
 from moe_gspo.config import AlgoConfig
 from moe_gspo.learner.batch import PackedBatch
 from moe_gspo.rollout.base import SamplingParams
@@ -68,12 +68,12 @@ def test_the_update_pass_uses_the_same_support(dist, pair):
     cfg = pair[0]
     _, _, model = tiny_pair()
     learner = make_learner(model, cfg, dist, num_minibatches=1, micro_batch_size=3)
-    m = learner.train_step(batch, learner.compute_logprobs(batch).logp_BS)
+    m = learner.train_step(batch, old_pass(learner.compute_logprobs(batch).logp_BS))
     assert m["ratio/token_mean"] == pytest.approx(1.0, abs=1e-6)
     assert m["ratio/token_var"] <= 1e-10
     _, _, model = tiny_pair()
     learner = make_learner(model, cfg, dist, num_minibatches=1, micro_batch_size=3)
-    m = learner.train_step(batch, learner.compute_logprobs(_full_vocabulary(batch)).logp_BS)
+    m = learner.train_step(batch, old_pass(learner.compute_logprobs(_full_vocabulary(batch)).logp_BS))
     assert m["ratio/token_mean"] > 1.2  # pi_old over the full vocabulary: a different distribution
 
 
@@ -88,12 +88,12 @@ def test_micro_batches_and_the_fused_pass_give_the_full_batch_update(dist, pair,
         _, _, model = tiny_pair()
         learner = make_learner(model, cfg, dist, algo=AlgoConfig(name="grpo"), micro_batch_size=mbs, grad_clip=0.0)
         old = learner.compute_logprobs(batch, keep_graph=fuse)
-        m = learner.train_step(batch, old.logp_BS, fused=old.fused)
+        m = learner.train_step(batch, old_pass(old.logp_BS, fused=old.fused))
         after.append((learner.compute_logprobs(batch).logp_BS, m["grad/norm"]))
     if fuse:  # compare with the plain update of the same batch
         _, _, model = tiny_pair()
         learner = make_learner(model, cfg, dist, algo=AlgoConfig(name="grpo"), grad_clip=0.0)
-        m = learner.train_step(batch, learner.compute_logprobs(batch).logp_BS)
+        m = learner.train_step(batch, old_pass(learner.compute_logprobs(batch).logp_BS))
         after.append((learner.compute_logprobs(batch).logp_BS, m["grad/norm"]))
     (lp_a, norm_a), (lp_b, norm_b) = after
     assert norm_a > 0 and norm_a == pytest.approx(norm_b, rel=1e-5)

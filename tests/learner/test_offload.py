@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from _learner_common import make_batch, make_learner, tiny_pair
+from _learner_common import make_batch, make_learner, old_pass, tiny_pair
 from moe_gspo.config import AlgoConfig
 
 
@@ -27,7 +27,7 @@ def test_released_gradients_give_the_same_updates(dist):
         for _ in range(2):
             learner.offload_for_rollout()
             learner.reload_after_rollout()
-            m = learner.train_step(batch, batch.rollout_logp_BS)
+            m = learner.train_step(batch, old_pass(batch.rollout_logp_BS))
             assert grad_storage_bytes(learner) == (0 if mode == "grads" else full)
             steps.append(m["grad/norm"])
         results.append((learner.compute_logprobs(batch).logp_BS, steps))

@@ -1,4 +1,4 @@
-"""Safe R3 in the learner (`Learner.r3_replay_routes`, `moe_gspo.routing.replay_checks`): rows whose
+"""Safe R3 in the learner (`Learner.plan_replay`, `moe_gspo.routing.replay_checks`): rows whose
 rollout routes are missing or malformed replay the learner's natural routing, valid rows replay exactly
 the engine's routes, and nothing malformed ever reaches upstream's RouterReplay."""
 
@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from _learner_common import make_learner, make_samples, tiny_pair, valid_mask
+from _learner_common import make_learner, make_samples, old_pass, tiny_pair, valid_mask
 from moe_gspo.config import AlgoConfig
 from moe_gspo.learner.batch import PackedBatch
 from moe_gspo.learner.replay import ReplayMode
+from moe_gspo.learner.replay_plan import LearnerPass
 from moe_gspo.mcore.model import moe_routers
 from moe_gspo.routing.replay_checks import check_routes
 from moe_gspo.run.learner_passes import ReferencePolicy
@@ -65,11 +66,12 @@ def test_fallback_rows_replay_natural_routes_and_valid_rows_the_engines(dist):
     assert diff_B[1] <= 1e-6
     assert (diff_B[3:] > 1e-3).all()
     # the explicit routes give the same pass, and the update replays them without error
-    routes, m2 = learner.r3_replay_routes(batch, natural_routes=natural.routes)
-    assert m2 == m
+    plan = learner.plan_replay(batch, old_pass_routes=natural.routes)
+    routes, m2 = plan.routes(LearnerPass.PI_OLD), plan.metrics
+    assert m2 == m and plan.routes(LearnerPass.UPDATE) is routes and plan.routes(LearnerPass.REFERENCE) is routes
     again = learner.compute_logprobs(batch, replay_routes=routes)
     assert torch.equal(again.logp_BS, res.logp_BS)
-    metrics = learner.train_step(batch, res.logp_BS)
+    metrics = learner.train_step(batch, old_pass(res.logp_BS))
     assert np.isfinite(metrics["loss/policy"]) and np.isfinite(metrics["grad/norm"])
     assert all(r.router_replay.target_topk_idx is None for r in moe_routers(model))
 
@@ -82,7 +84,8 @@ def test_reference_policy_replays_the_checked_routes(dist):
 
     ref = ReferencePolicy(Config(algo=AlgoConfig(name="grpo", routing_replay="r3", kl_coef=0.1)), dist, learner)
     old = learner.compute_logprobs(batch, record_routes=True, no_replay=True)
-    routes, _ = learner.r3_replay_routes(batch, natural_routes=old.routes)
-    pi_old = learner.compute_logprobs(batch, replay_routes=routes).logp_BS
-    assert (ref.logprobs(batch, old_routes=old.routes, r3_routes=routes) - pi_old).abs().max() <= 1e-6
-    assert (ref.logprobs(batch, old_routes=old.routes) - pi_old).abs().max() <= 1e-6  # checked there
+    plan = learner.plan_replay(batch, old_pass_routes=old.routes)
+    pi_old = learner.compute_logprobs(batch, replay_routes=plan.routes(LearnerPass.PI_OLD)).logp_BS
+    assert (ref.logprobs(batch, plan) - pi_old).abs().max() <= 1e-6
+    # planned without the old pass's routes: the plan runs that pass itself for the fallback rows
+    assert (ref.logprobs(batch, learner.plan_replay(batch)) - pi_old).abs().max() <= 1e-6

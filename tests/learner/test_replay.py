@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from _learner_common import flip_fraction, make_batch, make_learner, params_snapshot, tiny_pair, valid_mask
+from _learner_common import flip_fraction, make_batch, make_learner, old_pass, params_snapshot, tiny_pair, valid_mask
 from moe_gspo.learner.logprobs import token_logprobs
 from moe_gspo.learner.replay import ReplayMode, RoutingReplayDriver
 from moe_gspo.learner.router_hooks import MegatronRouterRecorder
@@ -95,7 +95,7 @@ def test_replay_survives_activation_recomputation(dist, cpu_recompute):
         cfg, _, model = tiny_pair(recompute=recompute)
         learner = make_learner(model, cfg, dist, replay="r3", recompute=recompute, micro_batch_size=2)
         old = learner.compute_logprobs(batch).logp_BS
-        learner.train_step(batch, old - 0.05)
+        learner.train_step(batch, old_pass(old - 0.05))
         after[recompute] = params_snapshot(model)
         assert _replay_state(model) == [(None, None, 0), (None, None, 0)]
     before = params_snapshot(tiny_pair()[2])

@@ -12,7 +12,7 @@ import io
 
 import torch
 
-from _learner_common import make_batch, make_learner, tiny_pair
+from _learner_common import make_batch, make_learner, old_pass, tiny_pair
 
 
 def _on_disk(state: dict) -> dict:
@@ -31,11 +31,11 @@ def test_loaded_weights_survive_an_optimizer_load_that_writes_the_model(dist):
     batch = make_batch(6, seed=4)
     cfg, _, model = tiny_pair()
     learner = make_learner(model, cfg, dist)
-    learner.train_step(batch, batch.rollout_logp_BS)
-    learner.train_step(batch, batch.rollout_logp_BS)
+    learner.train_step(batch, old_pass(batch.rollout_logp_BS))
+    learner.train_step(batch, old_pass(batch.rollout_logp_BS))
     state = _on_disk(learner.state_dict())
     saved = _params(model)
-    learner.train_step(batch, batch.rollout_logp_BS)
+    learner.train_step(batch, old_pass(batch.rollout_logp_BS))
     expected_next = _params(model)
 
     cfg2, _, model2 = tiny_pair()  # a fresh run: the initial weights, as after a restart
@@ -53,7 +53,7 @@ def test_loaded_weights_survive_an_optimizer_load_that_writes_the_model(dist):
     fresh.optimizer.opt.load_state_dict = load_like_megatron_hdo
     fresh.load_state_dict(state)
     assert all(torch.equal(p, saved[k]) for k, p in model2.named_parameters())
-    fresh.train_step(batch, batch.rollout_logp_BS)  # the same Adam state and weights: the same next step
+    fresh.train_step(batch, old_pass(batch.rollout_logp_BS))  # the same Adam state and weights: the same next step
     assert max((p - expected_next[k]).abs().max().item() for k, p in model2.named_parameters()) <= 1e-7
 
 
@@ -64,10 +64,10 @@ def test_a_checkpoint_before_any_optimizer_step_round_trips(dist):
     learner = make_learner(model, cfg, dist)
     state = _on_disk(learner.state_dict())
     assert state["num_updates"] == 0
-    learner.train_step(batch, batch.rollout_logp_BS)
+    learner.train_step(batch, old_pass(batch.rollout_logp_BS))
     after_one = _params(model)
     cfg2, _, model2 = tiny_pair()
     fresh = make_learner(model2, cfg2, dist)
     fresh.load_state_dict(state)
-    fresh.train_step(batch, batch.rollout_logp_BS)
+    fresh.train_step(batch, old_pass(batch.rollout_logp_BS))
     assert max((p - after_one[k]).abs().max().item() for k, p in model2.named_parameters()) <= 1e-7

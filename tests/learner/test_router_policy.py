@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from _learner_common import make_batch, make_learner, params_snapshot
+from _learner_common import make_batch, make_learner, old_pass, params_snapshot
 from moe_gspo.config import AlgoConfig
 from moe_gspo.mcore.model import (build_gpt_model, freeze_routers, moe_routers, router_policy_overrides,
                                   transformer_config_from_hf)
@@ -38,7 +38,7 @@ def test_frozen_router_stays_bit_identical_while_the_rest_trains(dist):
     assert routers and all(not p.requires_grad for r in moe_routers(model) for p in r.parameters())
     for seed in (1, 2):  # two train steps
         batch = make_batch(8, seed=seed)
-        learner.train_step(batch, batch.rollout_logp_BS)
+        learner.train_step(batch, old_pass(batch.rollout_logp_BS))
     after = params_snapshot(model)
     for k in routers:
         assert torch.equal(before[k], after[k]), k
@@ -53,7 +53,7 @@ def test_routers_train_by_default(dist):
     learner = make_learner(model, cfg, dist, lr=1e-2)
     before = params_snapshot(model)
     batch = make_batch(8, seed=1)
-    learner.train_step(batch, batch.rollout_logp_BS)
+    learner.train_step(batch, old_pass(batch.rollout_logp_BS))
     after = params_snapshot(model)
     assert all(not torch.equal(before[k], after[k]) for k in _router_names(model))
 
@@ -79,7 +79,7 @@ def test_fp64_router_computes_logits_in_fp64_and_trains(dist):
     learner = make_learner(model, cfg, dist, lr=1e-2)
     batch = make_batch(8, seed=1)
     old = learner.compute_logprobs(batch)
-    m = learner.train_step(batch, old)
+    m = learner.train_step(batch, old_pass(old.logp_BS, natural=old, fused=old.fused))
     for h in hooks:
         h.remove()
     assert seen and set(seen) == {torch.float64}  # the routing probabilities (Megatron's router dtype)
@@ -103,7 +103,7 @@ def test_aux_loss_changes_only_the_update_and_reaches_the_router(dist, kind):
         algo = AlgoConfig(name="gspo", router_aux_loss=name, router_aux_loss_coef=0.1 if over else 0.0)
         learner = make_learner(model, cfg, dist, algo=algo, lr=1e-2, micro_batch_size=4, grad_clip=0.0)
         old = learner.compute_logprobs(batch)
-        m = learner.train_step(batch, old)
+        m = learner.train_step(batch, old_pass(old.logp_BS, natural=old, fused=old.fused))
         grads[name] = (m["grad/norm"], old.logp_BS)
     assert grads["none"][0] == 0.0
     assert grads[kind][0] > 0.0
@@ -121,7 +121,7 @@ def test_aux_loss_gradient_is_the_mean_over_micro_batches(dist):
         cfg, model = _pair(**router_policy_overrides(aux_loss="aux_loss", aux_loss_coef=0.1))
         algo = AlgoConfig(name="gspo", router_aux_loss="aux_loss", router_aux_loss_coef=0.1)
         learner = make_learner(model, cfg, dist, algo=algo, lr=1e-2, micro_batch_size=mbs, grad_clip=0.0)
-        norms.append(learner.train_step(b, b.rollout_logp_BS)["grad/norm"])
+        norms.append(learner.train_step(b, old_pass(b.rollout_logp_BS))["grad/norm"])
     assert norms[0] > 0 and norms[1] == pytest.approx(norms[0], rel=1e-5)
 
 
@@ -155,10 +155,10 @@ def test_router_aux_metric_is_the_hand_computed_loss(dist, recompute):
     expected = _switch_aux_loss(model, batch)
     algo = AlgoConfig(name="gspo", router_aux_loss="aux_loss", router_aux_loss_coef=0.1)
     learner = make_learner(model, cfg, dist, algo=algo, lr=1e-2, recompute=recompute)
-    m = learner.train_step(batch, batch.rollout_logp_BS)
+    m = learner.train_step(batch, old_pass(batch.rollout_logp_BS))
     assert m["loss/router_aux"] == pytest.approx(expected, rel=1e-4)
     cfg, model = _pair()
-    assert "loss/router_aux" not in make_learner(model, cfg, dist).train_step(batch, batch.rollout_logp_BS)
+    assert "loss/router_aux" not in make_learner(model, cfg, dist).train_step(batch, old_pass(batch.rollout_logp_BS))
 
 
 def test_aux_loss_with_recompute_and_with_the_fused_old_pass(dist):
@@ -174,7 +174,7 @@ def test_aux_loss_with_recompute_and_with_the_fused_old_pass(dist):
         learner = make_learner(model, cfg, dist, algo=algo, lr=1e-2, grad_clip=0.0, num_minibatches=2,
                                fuse_old_logp_pass=name == "fused", **kw)
         old = learner.compute_logprobs(batch, keep_graph=name == "fused")
-        m = learner.train_step(batch, old)
+        m = learner.train_step(batch, old_pass(old.logp_BS, natural=old, fused=old.fused))
         out[name] = (m["grad/norm"], m["loss/router_aux"])
     assert out["plain"][0] > 0
     for name in ("recompute", "fused"):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from _learner_common import make_learner, tiny_pair
+from _learner_common import make_learner, old_pass, tiny_pair
 from moe_gspo.config import AlgoConfig
 from moe_gspo.learner.batch import PackedBatch
 from moe_gspo.mcore.weights import megatron_to_hf
@@ -122,7 +122,7 @@ def test_one_optimizer_step_matches_trl(dist, case, tmp_path):
         step()
 
     learner.optimizer.step = capture_then_step
-    ours = learner.train_step(batch, old)
+    ours = learner.train_step(batch, old_pass(old))
     our_grads = megatron_to_hf(grads, cfg)
     our_weights = megatron_to_hf({k: v.detach() for k, v in learner.model.state_dict().items()
                                   if not k.endswith("_extra_state")}, cfg)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_gspo.learner.old_pass import OldPolicyPass
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
@@ -95,20 +97,20 @@ def test_megatron_options_train_and_checkpoint_roundtrip(options):
     try:
         learner, _ = _learner(options)
         before = learner.compute_logprobs(batch).logp_BS
-        m = learner.train_step(batch, before)
+        m = learner.train_step(batch, OldPolicyPass(logp_BS=before))
         assert torch.isfinite(torch.tensor(m["grad/norm"])) and m["train/skipped_steps"] == 0
         after = learner.compute_logprobs(batch).logp_BS
         assert not torch.equal(before, after)
         # what a checkpoint file holds (a copy on the host), not references to the live tensors, which
         # the next step would change in place (issue 20, claim 4)
         state = _on_disk(learner.state_dict())
-        m2 = learner.train_step(batch, after)
+        m2 = learner.train_step(batch, OldPolicyPass(logp_BS=after))
         ref = learner.compute_logprobs(batch).logp_BS
         destroy_distributed()
         learner2, _ = _learner(options)
         learner2.load_state_dict(state)
         assert torch.equal(learner2.compute_logprobs(batch).logp_BS, after)
-        m2b = learner2.train_step(batch, after)
+        m2b = learner2.train_step(batch, OldPolicyPass(logp_BS=after))
         assert m2b["grad/norm"] == pytest.approx(m2["grad/norm"], rel=1e-4)
         assert (learner2.compute_logprobs(batch).logp_BS - ref).abs().max() < 1e-2
     finally:
@@ -124,13 +126,13 @@ def test_offload_during_rollout_all_frees_memory_and_keeps_results():
         for mode in ("none", "all"):
             learner, _ = _learner(["train.distributed_optimizer=true", f"train.offload_during_rollout={mode}"])
             old = learner.compute_logprobs(batch).logp_BS
-            learner.train_step(batch, old)
+            learner.train_step(batch, OldPolicyPass(logp_BS=old))
             torch.cuda.synchronize()
             held = torch.cuda.memory_allocated()
             learner.offload_for_rollout()
             freed = held - torch.cuda.memory_allocated()
             learner.reload_after_rollout()
-            learner.train_step(batch, old)
+            learner.train_step(batch, OldPolicyPass(logp_BS=old))
             outs.append((freed, learner.compute_logprobs(batch).logp_BS))
             destroy_distributed()
         params = sum(p.numel() for p in learner.model.parameters()) * 2
@@ -156,12 +158,12 @@ def test_a_checkpoint_before_any_optimizer_step_round_trips(options):
         state = _on_disk(learner.state_dict())
         assert all(entry is None for entry in state["optimizer"]["optimizers"])
         old = learner.compute_logprobs(batch).logp_BS
-        learner.train_step(batch, old)
+        learner.train_step(batch, OldPolicyPass(logp_BS=old))
         ref = learner.compute_logprobs(batch).logp_BS
         destroy_distributed()
         learner2, _ = _learner(options)
         learner2.load_state_dict(state)
-        learner2.train_step(batch, old)
+        learner2.train_step(batch, OldPolicyPass(logp_BS=old))
         assert (learner2.compute_logprobs(batch).logp_BS - ref).abs().max() < 1e-2
     finally:
         destroy_distributed()

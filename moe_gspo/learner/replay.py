@@ -63,14 +63,11 @@ def detach_from_global_replay(model) -> int:
     (`RouterReplay.global_router_replay_instances`, which `set_global_router_replay_action` /
     `set_replay_data` drive for every model of the process), so that only a `RoutingReplayDriver` of this
     model makes it replay (the frozen KL reference beside the policy). Upstream's registry, edited through its
-    own list: no code of Megatron is changed. Returns how many were taken out."""
-    from megatron.core.transformer.moe.router_replay import RouterReplay
+    own list by the shim `moe_gspo.mcore.shims.detach_from_global_router_replay`: no code of Megatron is
+    changed. Returns how many were taken out."""
+    from moe_gspo.mcore.shims import detach_from_global_router_replay
 
-    own = {id(r.router_replay) for r in moe_routers(model) if r.router_replay is not None}
-    before = len(RouterReplay.global_router_replay_instances)
-    RouterReplay.global_router_replay_instances[:] = [
-        r for r in RouterReplay.global_router_replay_instances if id(r) not in own]
-    return before - len(RouterReplay.global_router_replay_instances)
+    return detach_from_global_router_replay(r.router_replay for r in moe_routers(model) if r.router_replay is not None)
 
 
 class RoutingReplayDriver:

@@ -244,9 +244,8 @@ def build_gpt_model(
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from moe_gspo.mcore.shims import apply_shims, have_transformer_engine
+    from moe_gspo.mcore.shims import apply_shims, clear_global_router_replay, have_transformer_engine
 
     from moe_gspo.mcore.grouped_experts import resolve_expert_layout
 
@@ -298,7 +297,7 @@ def build_gpt_model(
         spec, found = with_sdpa_attention(spec)  # no-op with Transformer Engine's attention
         implicit_causal_mask = implicit_causal_mask or found == len(spec.layer_specs)
     # Upstream keeps RouterReplay instances in a class-level list; a rebuilt model must start empty.
-    RouterReplay.clear_global_router_replay_instances()
+    clear_global_router_replay()
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

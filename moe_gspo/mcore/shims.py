@@ -31,6 +31,17 @@ rather than by `apply_shims()`:
   `moe_gspo.mcore.grouped_experts` (whose `ops.gmm` is that extension's contract on `torch._grouped_mm`)
   in that slot. An installed extension stays.
 
+Megatron-core 0.16 keeps every `RouterReplay` of the process in one class-level list
+(`RouterReplay.global_router_replay_instances`, `transformer/moe/router_replay.py`), which its module-level
+`set_global_router_replay_action` / `set_replay_data` drive for every model at once. The two edits of that
+list, through the list itself (no Megatron code changes):
+
+- `clear_global_router_replay()` (by `build_gpt_model`, before building): a rebuilt model starts from an
+  empty list (upstream's own `clear_global_router_replay_instances`), not after a dropped model's routers.
+- `detach_from_global_router_replay(replays)` (by `moe_gspo.learner.replay.detach_from_global_replay`, for
+  the frozen KL reference beside the policy): takes one model's instances out of the list, so that only a
+  `RoutingReplayDriver` of that model makes it replay.
+
 One guard runs before Megatron is imported at all (`moe_gspo.mcore`'s package import runs it):
 
 - `hide_unimportable_transformer_engine()`: Megatron-core imports `transformer_engine` itself at module
@@ -251,6 +262,25 @@ def install_grouped_gemm() -> bool:
         gg.grouped_gemm, gg.ops = grouped_experts, grouped_experts.ops
         _APPLIED.add("torch_grouped_gemm")
     return gg.grouped_gemm_is_available()
+
+
+def clear_global_router_replay() -> None:
+    """Empty Megatron's class-level `RouterReplay` list before a model is built (see the module docstring)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    RouterReplay.clear_global_router_replay_instances()
+
+
+def detach_from_global_router_replay(replays) -> int:
+    """Take the `RouterReplay` instances `replays` out of Megatron's class-level list (see the module
+    docstring); returns how many were taken out."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    own = {id(r) for r in replays}
+    before = len(RouterReplay.global_router_replay_instances)
+    RouterReplay.global_router_replay_instances[:] = [
+        r for r in RouterReplay.global_router_replay_instances if id(r) not in own]
+    return before - len(RouterReplay.global_router_replay_instances)
 
 
 def apply_shims() -> list[str]:

@@ -30,7 +30,8 @@ only for inference (no autograd graph is built through it).
   copy of the engine's matrices stays in memory (the tiny model's: well under 1 MiB).
 - **Attention.** torch's bf16 attention kernel on such CPUs is ~2x slower than its fp32 one at
   decode shapes. The model's `sdpa` attention is swapped for `sdpa_fp32_for_bf16`
-  (`ATTENTION_FP32`, registered in transformers' `AttentionInterface`): the bf16 query, keys and values
+  (`ATTENTION_FP32`, registered in transformers' `AttentionInterface`; the patches that swap it in, and the
+  modules' `forward`, are `moe_gspo.rollout.hf_shims`): the bf16 query, keys and values
   are cast to fp32, attended by the same SDPA call, and the output is rounded to bf16 once. A GPU flash
   kernel accumulates in fp32 as well, but also rounds the softmax probabilities to bf16 before
   multiplying the values; here they stay fp32, so an attention output can differ from torch's bf16
@@ -48,6 +49,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from moe_gspo.rollout.hf_shims import (has_own_forward, register_attention, restore_forward, set_attention_implementation,
+                                       set_forward)
 from moe_gspo.tensor_cache import TensorCache
 
 ATTENTION_FP32 = "sdpa_fp32_for_bf16"
@@ -144,46 +147,34 @@ def sdpa_fp32_for_bf16(module, query, key, value, attention_mask, **kwargs):
     return out.to(torch.bfloat16), weights
 
 
-def _register_attention() -> None:
-    """Register `sdpa_fp32_for_bf16` with transformers, and `sdpa`'s mask builder under the same name:
-    transformers builds NO attention mask for a name without one (it assumes a backend that masks by
-    itself), which would let left-padded prompts attend to their padding."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    if ATTENTION_FP32 not in AttentionInterface._global_mapping:
-        AttentionInterface.register(ATTENTION_FP32, sdpa_fp32_for_bf16)
-    if ATTENTION_FP32 not in AttentionMaskInterface._global_mapping:
-        AttentionMaskInterface.register(ATTENTION_FP32, sdpa_mask)
-
-
 @contextlib.contextmanager
 def fp32_gemms_in(model: nn.Module, cache: TensorCache | None = None):
     """While active, `model`'s bf16 CPU GEMMs run as fp32 GEMMs of the same values rounded back to bf16,
     and its `sdpa` attention computes in fp32 (see the module docstring). `cache`: where the fp32 copies of
     the weights are kept across calls (the engine's `TensorCache`); default: copies for this scope only. The
-    modules' `forward` attributes and the attention implementation are restored on exit."""
+    modules' `forward` attributes and the attention implementation are restored on exit (the patches:
+    `moe_gspo.rollout.hf_shims`)."""
     cache = cache if cache is not None else TensorCache()
     patched = []
     config = getattr(model, "config", None)
     attention = getattr(config, "_attn_implementation", None)
     try:
         for module in model.modules():
-            if "forward" in module.__dict__:  # already patched (nested use) or set by someone else: leave it
+            if has_own_forward(module):  # already patched (nested use) or set by someone else: leave it
                 continue
             if isinstance(module, nn.Linear):
-                module.forward = functools.partial(_linear_fp32, module, cache)
+                set_forward(module, functools.partial(_linear_fp32, module, cache))
             elif _owns_a_matrix(module):
-                module.forward = _in_mode(module.forward, cache)
+                set_forward(module, _in_mode(module.forward, cache))
             else:
                 continue
             patched.append(module)
         if attention == "sdpa":
-            _register_attention()
-            config._attn_implementation = ATTENTION_FP32
+            register_attention(ATTENTION_FP32, sdpa_fp32_for_bf16)
+            set_attention_implementation(config, ATTENTION_FP32)
         yield model
     finally:
         for module in patched:
-            del module.forward
+            restore_forward(module)
         if attention == "sdpa":
-            config._attn_implementation = attention
+            set_attention_implementation(config, attention)

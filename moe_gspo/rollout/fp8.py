@@ -50,7 +50,7 @@ What differs from vLLM's FP8 kernels (this is an emulation, not vLLM's arithmeti
   instance-level `_apply_gate` (the down-projection input), which transformers' `grouped_mm` and
   `batched_mm` experts implementations call; its `eager` loop computes act(gate) * up inline, so it is
   refused (`Fp8ActivationQuantizer`). The hooks live on the engine's own model copy only; transformers'
-  classes are not patched.
+  classes are not patched (the instance's `_apply_gate`: `moe_gspo.rollout.hf_shims.wrap_apply_gate`).
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ from typing import Callable, Literal
 
 import torch
 from torch import nn
+
+from moe_gspo.rollout.hf_shims import restore_apply_gate, wrap_apply_gate
 
 FP8_E4M3_MAX = 448.0
 """Largest finite float8 e4m3fn value (torch.finfo(torch.float8_e4m3fn).max)."""
@@ -235,7 +237,7 @@ class Fp8ActivationQuantizer:
             if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):  # fused experts
                 _check_experts_implementation(module)
                 self._handles.append(module.register_forward_pre_hook(_experts_pre_hook, with_kwargs=True))
-                module._apply_gate = _quantized_gate(type(module)._apply_gate.__get__(module))
+                wrap_apply_gate(module, _quantized_gate)
                 self._gated.append(module)
             else:
                 self._handles.append(module.register_forward_pre_hook(_quantize_first_input, with_kwargs=True))
@@ -248,7 +250,7 @@ class Fp8ActivationQuantizer:
         for handle in self._handles:
             handle.remove()
         for module in self._gated:
-            module.__dict__.pop("_apply_gate", None)
+            restore_apply_gate(module)
         self._handles, self._gated = [], []
 
 

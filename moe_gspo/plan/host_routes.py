@@ -95,17 +95,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_gspo.plan.params import Geometry
+from moe_gspo.routing.trace import ids_dtype
 
 def id_bytes(num_experts: int) -> int:
-    """Bytes of one expert id as engines, traces and the learner's kept routes store it: uint8 up to 256
-    experts, else uint16."""
-    return 1 if num_experts <= 256 else 2
+    """Bytes of one expert id as engines, traces and the learner's kept routes store it
+    (`moe_gspo.routing.trace.ids_dtype`: uint8 up to 256 experts, else uint16)."""
+    return ids_dtype(num_experts).itemsize
 
 
 def learner_id_bytes(num_experts: int) -> int:
-    """Bytes of one expert id in the learner pass's whole-batch `all_ids` (its device dtype): uint8 up to
-    256 experts, else int32 (gloo has no int16)."""
-    return 1 if num_experts <= 256 else 4
+    """Bytes of one expert id in the learner pass's whole-batch `all_ids` (its device dtype,
+    `ids_dtype(collective=True)`: uint8 up to 256 experts, else int32, gloo having no int16)."""
+    return ids_dtype(num_experts, collective=True).itemsize
 
 
 def rollout_bytes_per_token(geom: Geometry, *, record_routes: bool, record_probs: bool = False) -> int:

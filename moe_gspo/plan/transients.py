@@ -33,6 +33,8 @@ from __future__ import annotations
 import math
 
 from moe_gspo.plan.params import Geometry, megatron_counts
+from moe_gspo.routing.trace import ids_dtype
+from moe_gspo.rollout.engine_spec import engine_spec
 
 
 def foreach_adam_bytes(*, optimizer_params: float, fused_adam: bool, precision_aware: bool) -> float:
@@ -73,7 +75,7 @@ def sync_transient_bytes(geom: Geometry, *, ep: int, tp: int, param_bytes: int, 
                          engine: str) -> float:
     """Peak transient of one weight sync (see the module docstring)."""
     held, gathering = stream_bucket_bytes(geom, ep=ep, param_bytes=param_bytes)
-    if engine != "vllm":
+    if not engine_spec(engine).reload_copies_module:
         return held + gathering
     module = vllm_module_params(geom, tp=tp) * rollout_bytes
     cast = _experts_params(geom) * rollout_bytes if param_bytes != rollout_bytes and any(geom.moe_layers) else 0.0
@@ -92,7 +94,7 @@ def sample_payload_bytes(geom: Geometry, *, num_seqs: int, seq_len: int, record_
     """Pickled bytes of `num_seqs` rollout samples of `seq_len` tokens (one rank's share)."""
     per_token = 8 + 4
     if record_routes:
-        per_token += geom.num_moe_layers * geom.top_k * (1 if geom.num_experts <= 256 else 2)
+        per_token += geom.num_moe_layers * geom.top_k * ids_dtype(geom.num_experts).itemsize
         if record_probs:
             per_token += geom.num_moe_layers * geom.top_k * 2
     return float(num_seqs * seq_len * per_token)

@@ -77,15 +77,19 @@ _REQUIRED_KEYS = ("format_version", "topk_ids", "seq_offsets", "prompt_lens", "r
                   "num_experts", "layer_ids", "meta")
 
 
-def ids_dtype(num_experts: int) -> np.dtype:
-    """The narrowest unsigned dtype holding expert ids ``0 .. num_experts-1`` (uint8 or uint16)."""
+def ids_dtype(num_experts: int, *, collective: bool = False) -> np.dtype:
+    """The expert-id dtype rule, the one place it is written: the narrowest unsigned dtype holding expert ids
+    ``0 .. num_experts-1`` (uint8 up to 256 experts, else uint16), as engines, traces, the rollout routes and
+    the learner's recorded routes keep them. ``collective=True``: the dtype of ids on the device while a
+    torch collective gathers them (the learner's log-prob pass): the same where gloo carries it (uint8), else
+    int32 (gloo has no int16 / uint16)."""
     num_experts = int(num_experts)
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
     if num_experts <= 256:
         return np.dtype(np.uint8)
     if num_experts <= 65536:
-        return np.dtype(np.uint16)
+        return np.dtype(np.int32 if collective else np.uint16)
     raise ValueError(f"num_experts={num_experts} exceeds 65536, the most a uint16 trace can store")
 
 

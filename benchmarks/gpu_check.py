@@ -27,10 +27,13 @@ arithmetic, the summary) are in `benchmarks.gpu_check_report`:
    sequences of `--mfu-seq-len` (default 1024) tokens in 2 mini-batches, micro-batches of
    `--mfu-micro-batch` (default 4) sequences, i.e. 4 x 1024 = 4096 tokens per forward/backward, and
    activation recomputation `--mfu-recompute` (default off), the experts `--mfu-experts` (default
-   grouped: one `torch._grouped_mm` per projection, `model.batched_experts`, under Megatron's
-   non-distributed optimizer, which leaves the experts' weights where the GEMM views them without a copy;
-   `loop`: Megatron's SequentialMLP under the distributed optimizer; the bench counts the expert modules
-   it built and the check fails on the wrong path), 3 timed steps; `--mfu-micro-batches 4,8,16` sweeps
+   grouped: one parameter per projection, `model.expert_layout=grouped`, Megatron's legacy `GroupedMLP` on
+   `torch._grouped_mm`, under Megatron's distributed optimizer, which leaves those weights where the GEMM
+   views them without a copy (`moe_gspo.mcore.grouped_experts`); `batched`: the per-expert layout's grouped
+   GEMM, `model.batched_experts`, under the non-distributed optimizer (the distributed one would make it
+   copy every expert weight per forward); `loop`: Megatron's SequentialMLP under the distributed optimizer;
+   the bench counts the expert modules it built and the forwards that copied expert weights, and the check
+   fails on the wrong path), 3 timed steps; `--mfu-micro-batches 4,8,16` sweeps
    micro-batches (one bench each; one out of GPU memory is recorded as "oom"); MFU of the update
    (`train_step`: forward, backward, optimizer step) and of the old-policy log-prob pass from their
    fastest step. Model FLOPs by `moe_gspo.plan.flops` (PaLM's 6 N_active + 12 L a d T per token;
@@ -121,9 +124,14 @@ KILL_AFTER = "step_000010"
 JOB_ENV = "MOE_GSPO_GPU_CHECK_RUN"
 MFU_DEFAULTS = {"micro_batch": 4, "seq_len": 1024, "seqs": 32, "recompute": "off", "experts": "grouped"}
 """The MFU setting's defaults (`--mfu-*`): micro-batches of 4 x 1024 = 4096 tokens, 32 sequences (2
-mini-batches of 4 micro-batches), no recompute, the experts as one grouped GEMM per projection
-(`model.batched_experts`, with Megatron's non-distributed optimizer, which leaves the experts' weights
-where the grouped GEMM views them without a copy: `moe_gspo/mcore/batched_experts.py`)."""
+mini-batches of 4 micro-batches), no recompute, the experts as one parameter per projection
+(`model.expert_layout=grouped`, under Megatron's distributed optimizer, which leaves those weights where the
+grouped GEMM views them without a copy: `moe_gspo/mcore/grouped_experts.py`)."""
+MFU_EXPERTS = {"grouped": ("dist", ["--expert-layout", "grouped"], ("grouped_layout", "te_grouped")),
+               "batched": ("nodist", ["--expert-layout", "per_expert", "--batched-experts"], ("grouped", "te_grouped")),
+               "loop": ("dist", ["--expert-layout", "per_expert"], ("loop",))}
+"""`--mfu-experts`: the bench variant (optimizer), its options, and the expert paths
+(`memory_bench.expert_path`) it must build (Transformer Engine's grouped GEMM stands for ours where TE imports)."""
 
 
 class CheckFailed(Exception):
@@ -146,7 +154,7 @@ def check_parity(hf_kwargs: dict, *, device, dtype, batch: int = 4, seq_len: int
     ref = build_tiny_model(cfg, seed=seed)  # fp32 truth (router weights scaled as in every run)
     low = copy.deepcopy(ref).to(device=device, dtype=dtype)
     ref = ref.to(device)
-    model = build_gpt_model(cfg, params_dtype=dtype)
+    model = build_gpt_model(cfg, params_dtype=dtype, expert_layout="auto")  # the experts a run builds here
     load_hf_model_into_megatron(model, low)
     ids = torch.randint(3, cfg.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(seed)).to(device)
 
@@ -240,23 +248,25 @@ def _memory(out: Path, have_te: bool) -> dict:
 
 
 def mfu_bench_args(micro_batch: int, seq_len: int, seqs: int, recompute: str, experts: str = "grouped") -> list[str]:
-    """`benchmarks.memory_bench` options of the MFU setting (check 3; no rollout; grouped experts with the
-    `nodist` variant, Megatron's loop over experts with `dist`)."""
+    """`benchmarks.memory_bench` options of the MFU setting (check 3; no rollout; the experts and optimizer of
+    `MFU_EXPERTS[experts]`: the grouped layout under the distributed optimizer by default)."""
     if seqs % (2 * micro_batch):
         raise ValueError(f"--mfu-seqs {seqs} must be a multiple of 2 x --mfu-micro-batch ({2 * micro_batch}): "
                          "2 mini-batches of whole micro-batches")
-    grouped = experts == "grouped"
-    return ["--variants", "nodist" if grouped else "dist", *(["--batched-experts"] if grouped else []), "--no-rollout", "--seq-len", str(seq_len), "--seqs", str(seqs), "--group", "4",
+    variant, expert_opts, _ = MFU_EXPERTS[experts]
+    return ["--variants", variant, *expert_opts, "--no-rollout", "--seq-len", str(seq_len), "--seqs", str(seqs),
+            "--group", "4",
             "--minibatches", "2", "--micro-batch", str(micro_batch), "--steps", "3", "--tolerance", "1e9",
             *(["--no-recompute"] if recompute == "off" else [])]
 
 
 def check_expert_path(bench: dict, experts: str) -> dict:
     """The MFU bench's `experts` record (`memory_bench.expert_path`), checked against the setting's
-    `--mfu-experts`: `grouped` needs grouped expert modules in every MoE layer (ours, or TE's with
-    Transformer Engine), `loop` Megatron's loop; a CheckFailed otherwise (an MFU of the wrong path)."""
+    `--mfu-experts` (`MFU_EXPERTS`): `grouped` needs the grouped layout's modules in every MoE layer (or TE's
+    with Transformer Engine), `batched` the per-expert layout's grouped GEMM, `loop` Megatron's loop; a
+    CheckFailed otherwise (an MFU of the wrong path)."""
     got = bench.get("experts") or {}
-    want = ("grouped", "te_grouped") if experts == "grouped" else ("loop",)
+    want = MFU_EXPERTS[experts][2]
     if got.get("path") not in want:
         raise CheckFailed(f"--mfu-experts {experts}: the bench's model computes its experts by {got.get('path')!r} "
                           f"({got}), not {' or '.join(want)}")
@@ -615,10 +625,11 @@ def main(argv: list[str] | None = None) -> int:
                         "2 x --mfu-micro-batch)")
     p.add_argument("--mfu-recompute", choices=("off", "full"), default=d["recompute"],
                    help=f"MFU setting: activation recomputation (default {d['recompute']})")
-    p.add_argument("--mfu-experts", choices=("grouped", "loop"), default=d["experts"],
-                   help=f"MFU setting: the experts as one grouped GEMM per projection (model.batched_experts, "
-                        f"non-distributed optimizer) or Megatron's loop over experts (distributed optimizer) "
-                        f"(default {d['experts']})")
+    p.add_argument("--mfu-experts", choices=tuple(MFU_EXPERTS), default=d["experts"],
+                   help=f"MFU setting: grouped = one weight per projection, grouped GEMMs (model.expert_layout="
+                        f"grouped, distributed optimizer); batched = per-expert weights, grouped GEMMs "
+                        f"(model.batched_experts, non-distributed optimizer); loop = Megatron's loop over experts "
+                        f"(distributed optimizer) (default {d['experts']})")
     args = p.parse_args(argv)
     mfu_setting = {"micro_batch": args.mfu_micro_batch, "seq_len": args.mfu_seq_len, "seqs": args.mfu_seqs,
                    "recompute": args.mfu_recompute, "experts": args.mfu_experts}

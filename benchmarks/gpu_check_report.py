@@ -210,9 +210,9 @@ def _experts_words(experts: dict | None) -> str:
     if not experts:
         return "?"
     path = experts.get("path", "?")
-    count = {"grouped": experts.get("grouped_modules"), "te_grouped": experts.get("te_grouped_modules"),
-             "loop": experts.get("loop_modules")}.get(path)
+    count = experts.get(f"{path}_modules")
     words = {"grouped": "grouped GEMM (model.batched_experts)", "te_grouped": "Transformer Engine grouped GEMM",
+             "grouped_layout": "one weight per projection, grouped GEMM (model.expert_layout=grouped)",
              "loop": "Megatron's loop over experts"}.get(path, path)
     copies = experts.get("weight_copies")
     return words + (f", {count} MoE layers" if count is not None else "") + \

@@ -5,6 +5,13 @@ single-process learner (EP=1) and times, as medians over `--repeats` runs after 
 - the old-policy pass `compute_logprobs` without and with `record_routes` (router forward hooks);
 - `train_step` without replay (model built without routing replay) and with R2 replay.
 It prints the times and the overheads in percent. Not a test; takes well under a minute on 2 CPU cores.
+
+`python -m benchmarks.learner_bench --expert-layouts [--config configs/tiny_cpu.yaml] [--repeats 12]` instead
+times the learner's expert paths on the config's model and one step's batch (`rollout.prompts_per_step` x
+`rollout.samples_per_prompt` sequences, `train.*` as configured), interleaved call by call in one process
+(`benchmarks.fastpath_bench.interleaved`): the per-expert layout with its grouped GEMM (`model.batched_experts`),
+the grouped layout (`model.expert_layout=grouped`, `moe_gspo.mcore.grouped_experts`) and Megatron's loop; the
+old-policy pass (routes and entropies recorded) and one `train_step`, medians and ratios to the per-expert path.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import time
 import warnings
 
 import numpy as np
+import torch
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -27,13 +35,77 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+EXPERT_PATHS = {"per_expert": {"batched_experts": True}, "grouped": {"expert_layout": "grouped"},
+                "loop": {"batched_experts": False}}
+"""The expert paths `--expert-layouts` times: `build_gpt_model` keywords (per-expert layout with its grouped
+GEMM, the grouped layout, Megatron's loop over experts)."""
+
+
+def bench_expert_layouts(config: str, repeats: int) -> dict[str, float]:
+    """Median seconds of the old-policy pass and of `train_step` per expert path (module docstring)."""
+    from benchmarks.fastpath_bench import interleaved
+    from moe_gspo.config_load import load_config
+    from moe_gspo.learner.batch import PackedBatch
+    from moe_gspo.learner.learner import Learner
+    from moe_gspo.learner.old_pass import OldPolicyPass
+    from moe_gspo.mcore.grouped_experts import expert_modules
+    from moe_gspo.mcore.model import build_gpt_model
+    from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
+    from moe_gspo.mcore.weights import load_hf_model_into_megatron
+    from moe_gspo.rollout.base import RolloutSample
+    from moe_gspo.tiny import build_tiny_model, tiny_qwen3_moe_config
+
+    cfg = load_config(config)
+    if cfg.model.path is not None:
+        raise ValueError(f"{config}: --expert-layouts runs the tiny random model; the config needs model.path=null")
+    hf_cfg = tiny_qwen3_moe_config(**cfg.model.tiny)
+    info = init_distributed(ep_size=1, num_experts=hf_cfg.num_experts, seed=0)
+    try:
+        hf = build_tiny_model(hf_cfg, seed=cfg.model.init_seed, router_scale=cfg.model.router_scale)
+        rng = np.random.default_rng(0)
+        r, t = cfg.rollout, cfg.task
+        num = r.prompts_per_step * r.samples_per_prompt
+        prompt_len = (t.prompt_len_max or t.prompt_len) + 2  # the copy task's field, "=" and BOS
+        samples = [RolloutSample(prompt_index=i // r.samples_per_prompt,
+                                 prompt_ids=rng.integers(3, hf_cfg.vocab_size, prompt_len),
+                                 response_ids=rng.integers(3, hf_cfg.vocab_size, int(n)), finish_reason="stop",
+                                 response_logprobs=np.full(int(n), -2.0, np.float32))
+                   for i, n in enumerate(rng.integers(9, r.max_new_tokens + 1, num))]
+        batch = PackedBatch.from_samples(samples, rng.standard_normal(num), pad_id=0)
+        learners = {}
+        for name, kw in EXPERT_PATHS.items():
+            model = build_gpt_model(hf_cfg, **kw)
+            load_hf_model_into_megatron(model, hf)
+            learners[name] = Learner(model, hf_cfg, parallel=info, algo=cfg.algo, train=cfg.train)
+            print(f"{name}: {type(expert_modules(model)[0]).__name__}", flush=True)
+        old = learners["per_expert"].compute_logprobs(batch).logp_BS
+        passes = interleaved({k: (lambda L=L: L.compute_logprobs(batch, record_routes=True, no_replay=True,
+                                                                 with_entropy=True)) for k, L in learners.items()},
+                             repeats)
+        steps = interleaved({k: (lambda L=L: L.train_step(batch, OldPolicyPass(logp_BS=old)))
+                             for k, L in learners.items()}, repeats)
+    finally:
+        destroy_distributed()
+    print(f"{config}: {num} sequences, {cfg.train.num_minibatches} optimizer steps per train_step, median of "
+          f"{repeats} interleaved calls each, {torch.get_num_threads()} threads")
+    for what, medians in (("old-policy pass", passes), ("train_step", steps)):
+        print(f"  {what:16s}" + "".join(f"  {k} {v * 1e3:7.1f} ms ({v / medians['per_expert']:.2f}x)"
+                                        for k, v in medians.items()))
+    return {**{f"old_pass/{k}": v for k, v in passes.items()}, **{f"train_step/{k}": v for k, v in steps.items()}}
+
+
 def main(argv=None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, default=16, help="sequences per batch")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement")
     parser.add_argument("--micro-batch-size", type=int, default=4, help="train.micro_batch_size")
+    parser.add_argument("--expert-layouts", action="store_true",
+                        help="time the expert paths (per-expert, grouped layout, loop) on --config instead")
+    parser.add_argument("--config", default="configs/tiny_cpu.yaml", help="with --expert-layouts: the run config")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
+    if args.expert_layouts:
+        return bench_expert_layouts(args.config, args.repeats)
 
     from moe_gspo.config import AlgoConfig, TrainConfig
     from moe_gspo.learner.batch import PackedBatch

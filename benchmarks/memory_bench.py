@@ -19,9 +19,12 @@ from which `benchmarks.gpu_check` computes the learner's MFU and its tokens/s/GP
 
 Options for a throughput/MFU measurement rather than a memory one: `--micro-batch` (sequences per
 forward/backward; `--micro-batch 4 --seq-len 1024` = micro-batches of 4096 tokens), `--no-recompute`,
-`--no-rollout` (skip the slow transformers-engine generate), `--batched-experts` (the experts as one
-grouped GEMM per projection; the bench fails when the built model has none: the JSON's `experts` counts
-them, `optimizer` names the optimizer) and `--profile-train-step PATH` (after the
+`--no-rollout` (skip the slow transformers-engine generate), `--expert-layout grouped` (the experts as one
+parameter per projection, Megatron's legacy `GroupedMLP` on `torch._grouped_mm`, copy-free under the
+distributed optimizer: `moe_gspo.mcore.grouped_experts`; default `auto`, what a run takes),
+`--batched-experts` (the per-expert layout computed as one grouped GEMM per projection); with either the
+bench fails when the built model has no grouped experts (the JSON's `experts` names the path, counts the
+modules and the forwards that copied expert weights; `optimizer` names the optimizer) and `--profile-train-step PATH` (after the
 timed steps, one more `train_step` under `torch.profiler`, its op table written to PATH;
 `benchmarks.gpu_profile`).
 
@@ -76,7 +79,7 @@ def run_config(args, variant: str, cuda: bool):
     prompt_len = max(2, args.seq_len // 4)
     data = {
         "model": {"params_dtype": "bfloat16" if cuda else "float32", "recompute": not args.no_recompute,
-                  "batched_experts": args.batched_experts},
+                  "batched_experts": args.batched_experts, "expert_layout": args.expert_layout},
         "parallel": {"expert_parallel_size": 1, "token_dispatcher": "alltoall" if cuda else "allgather"},
         "rollout": {"engine": "hf", "dtype": "bfloat16" if cuda else "float32",
                     "prompts_per_step": args.seqs // args.group, "samples_per_prompt": args.group,
@@ -172,8 +175,10 @@ def run_variant(args, variant: str, cuda: bool) -> dict:
         dtype = torch.bfloat16 if cuda else torch.float32
         model = build_bench_model(cfg, hf_config, dtype)
         experts = expert_path(model)
-        if args.batched_experts and experts["path"] == "loop":
-            raise RuntimeError(f"--batched-experts: the model was built with Megatron's loop over experts ({experts})")
+        asked = ("--expert-layout grouped", ("grouped_layout", "te_grouped")) if args.expert_layout == "grouped" \
+            else ("--batched-experts", ("grouped", "grouped_layout", "te_grouped")) if args.batched_experts else None
+        if asked is not None and experts["path"] not in asked[1]:
+            raise RuntimeError(f"{asked[0]}: the model computes its experts by {experts['path']!r} ({experts})")
         learner = Learner(model, hf_config, parallel=info, algo=cfg.algo, train=cfg.train,
                           recompute=cfg.model.recompute)
         device = torch.device("cuda" if cuda else "cpu")
@@ -225,37 +230,44 @@ def run_variant(args, variant: str, cuda: bool) -> dict:
 
 def build_bench_model(cfg, hf_config, dtype):
     """The bench's Megatron model as the run config says (`model.recompute`, `model.batched_experts`,
-    the dispatcher). With Transformer Engine importable, `--batched-experts` means TE's own grouped GEMM
-    (`moe_grouped_gemm`, which `build_gpt_model` picks with TE; it refuses `batched_experts` there)."""
+    `model.expert_layout`, the dispatcher). With Transformer Engine importable, `--batched-experts` means TE's
+    own grouped GEMM (`moe_grouped_gemm`, which `build_gpt_model` picks with TE; it refuses `batched_experts`
+    there), as does the grouped layout."""
     from moe_gspo.mcore.model import build_gpt_model
     from moe_gspo.mcore.shims import have_transformer_engine
 
     batched = bool(cfg.model.batched_experts) and not have_transformer_engine()
     return build_gpt_model(hf_config, params_dtype=dtype, token_dispatcher=cfg.parallel.token_dispatcher,
-                           recompute=cfg.model.recompute, batched_experts=batched)
+                           recompute=cfg.model.recompute, batched_experts=batched,
+                           expert_layout=cfg.model.expert_layout)
 
 
 def expert_path(model) -> dict:
-    """How `model`'s MoE layers compute their experts, counted over its modules: `grouped` (ours,
-    `BatchedSequentialMLP`: one `torch._grouped_mm` or padded `bmm` per projection), `te_grouped`
-    (Megatron's `TEGroupedMLP` / `GroupedMLP`), `loop` (Megatron's `SequentialMLP`), with the counts."""
+    """How `model`'s MoE layers compute their experts, counted over its modules: `grouped` (ours, the
+    per-expert layout's `BatchedSequentialMLP`: one `torch._grouped_mm` or padded `bmm` per projection),
+    `grouped_layout` (ours, `GroupedExperts`: one parameter per projection, `model.expert_layout=grouped`),
+    `te_grouped` (Megatron's `TEGroupedMLP` / `GroupedMLP`), `loop` (Megatron's `SequentialMLP`), with the
+    counts."""
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     from moe_gspo.mcore.batched_experts import BatchedSequentialMLP
+    from moe_gspo.mcore.grouped_experts import GroupedExperts
 
-    grouped = sum(isinstance(m, BatchedSequentialMLP) for m in model.modules())
-    loop = sum(type(m) is SequentialMLP for m in model.modules())
-    te = sum(type(m).__name__ in ("TEGroupedMLP", "GroupedMLP") for m in model.modules())
-    path = "grouped" if grouped and not (loop or te) else "te_grouped" if te and not (loop or grouped) else \
-        "loop" if loop and not (grouped or te) else "mixed" if (grouped or loop or te) else "none"
-    return {"path": path, "grouped_modules": grouped, "te_grouped_modules": te, "loop_modules": loop}
+    counts = {"grouped": sum(isinstance(m, BatchedSequentialMLP) for m in model.modules()),
+              "grouped_layout": sum(isinstance(m, GroupedExperts) for m in model.modules()),
+              "te_grouped": sum(type(m).__name__ in ("TEGroupedMLP", "GroupedMLP") for m in model.modules()),
+              "loop": sum(type(m) is SequentialMLP for m in model.modules())}
+    present = [k for k, n in counts.items() if n]
+    path = present[0] if len(present) == 1 else "mixed" if present else "none"
+    return {"path": path, **{f"{k}_modules": n for k, n in counts.items()}}
 
 
 def expert_weight_copies(model) -> int:
-    """Forwards of `model`'s grouped experts that had to copy the weights (`BatchedSequentialMLP.num_weight_copies`)."""
-    from moe_gspo.mcore.batched_experts import BatchedSequentialMLP
+    """Forwards of `model`'s grouped experts that had to copy the weights (`num_weight_copies` of
+    `BatchedSequentialMLP` and `GroupedExperts`: `moe_gspo.mcore.grouped_experts.weight_copies`)."""
+    from moe_gspo.mcore.grouped_experts import weight_copies
 
-    return sum(m.num_weight_copies for m in model.modules() if isinstance(m, BatchedSequentialMLP))
+    return weight_copies(model)
 
 
 def _response_tokens(samples) -> int | None:
@@ -284,7 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-recompute", action="store_true", help="no activation recomputation (model.recompute=false)")
     p.add_argument("--no-rollout", action="store_true", help="skip the rollout phase (transformers generate)")
     p.add_argument("--batched-experts", action="store_true",
-                   help="the experts as one grouped GEMM per projection (model.batched_experts=true)")
+                   help="the per-expert layout's experts as one grouped GEMM per projection (model.batched_experts=true)")
+    p.add_argument("--expert-layout", choices=("auto", "per_expert", "grouped"), default="auto",
+                   help="model.expert_layout: grouped = one parameter per projection (Megatron's GroupedMLP on "
+                        "torch._grouped_mm), copy-free under the distributed optimizer (default auto)")
     p.add_argument("--profile-train-step", default=None, metavar="PATH",
                    help="profile one more train_step after the timed steps; write the op table to PATH")
     p.add_argument("--tolerance", type=float, default=0.15, help="allowed |planned/measured - 1| on checked phases")

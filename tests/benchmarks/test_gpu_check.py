@@ -292,10 +292,16 @@ def test_mfu_setting_bench_options():
     assert args[args.index("--micro-batch") + 1] == "4" and args[args.index("--seq-len") + 1] == "1024"
     assert "--no-recompute" in args and "--no-rollout" in args and args[args.index("--seqs") + 1] == "32"
     assert "--no-recompute" not in gc.mfu_bench_args(micro_batch=1, seq_len=4096, seqs=8, recompute="full")
-    # grouped expert GEMMs by default, with the optimizer that keeps their weights viewable in place
-    assert "--batched-experts" in args and args[args.index("--variants") + 1] == "nodist"
+    # by default the grouped expert layout (one weight per projection) under the distributed optimizer, which
+    # leaves those weights viewable in place (issue 40)
+    assert args[args.index("--expert-layout") + 1] == "grouped" and args[args.index("--variants") + 1] == "dist"
+    assert "--batched-experts" not in args
+    batched = gc.mfu_bench_args(**{**gc.MFU_DEFAULTS, "experts": "batched"})
+    assert "--batched-experts" in batched and batched[batched.index("--variants") + 1] == "nodist"
+    assert batched[batched.index("--expert-layout") + 1] == "per_expert"
     loop = gc.mfu_bench_args(**{**gc.MFU_DEFAULTS, "experts": "loop"})
     assert "--batched-experts" not in loop and loop[loop.index("--variants") + 1] == "dist"
+    assert loop[loop.index("--expert-layout") + 1] == "per_expert"
     with pytest.raises(ValueError, match="multiple of"):
         gc.mfu_bench_args(micro_batch=4, seq_len=1024, seqs=12, recompute="off")
     with pytest.raises(SystemExit):
@@ -322,8 +328,9 @@ def test_mfu_and_throughput_checks_from_the_benches_files(tmp_path, monkeypatch)
     """`_mfu` and `_throughput` without a GPU: the bench runs replaced by their JSON results."""
     mfu_res = _bench(seconds_update=(3.0, 2.0, 2.5))
     mfu_res["batch"].update(micro_batch_size=2, recompute=False)
-    mfu_res["experts"] = {"path": "grouped", "grouped_modules": 2, "te_grouped_modules": 0, "loop_modules": 0}
-    mfu_res["optimizer"] = {"distributed": False, "precision_aware": False, "cpu_offload": False}
+    mfu_res["experts"] = {"path": "grouped_layout", "grouped_modules": 0, "grouped_layout_modules": 2,
+                          "te_grouped_modules": 0, "loop_modules": 0}
+    mfu_res["optimizer"] = {"distributed": True, "precision_aware": False, "cpu_offload": False}
     del mfu_res["phases"]["rollout"]["seconds"]  # --no-rollout
     mem_res = dict(_bench(), batch=dict(_bench()["batch"], rollout_tokens=24))
     (tmp_path / "memory_bench.json").write_text(json.dumps({"results": [mem_res]}))
@@ -342,7 +349,7 @@ def test_mfu_and_throughput_checks_from_the_benches_files(tmp_path, monkeypatch)
     gc.add_memory_setting_mfu(m, tmp_path, 989.4)  # after the memory check (which runs after the MFU check)
     assert [v["label"] for v in m["variants"]] == ["MFU setting, micro-batch 4", "memory-check setting (dist)"]
     assert m["variants"][0]["update"]["seconds"] == 2.0 and m["profile"] == "train_step_profile.txt"
-    assert m["micro_batch"] == 2 and m["experts"]["path"] == "grouped" and m["optimizer"]["distributed"] is False
+    assert m["micro_batch"] == 2 and m["experts"]["path"] == "grouped_layout" and m["optimizer"]["distributed"] is True
     assert m["setting"] == "4 x 10 tokens, micro-batch 2 x 10 = 20 tokens, recompute off"
     assert {r["variant"] for r in m["memory_rows"]} == {"dist, MFU setting"}
     assert all(r["ok"] is None for r in m["memory_rows"])
@@ -361,39 +368,49 @@ def test_mfu_and_throughput_checks_from_the_benches_files(tmp_path, monkeypatch)
 
 # --- issue 40: the MFU setting really builds the grouped experts ---
 
-@pytest.mark.parametrize("experts", ["grouped", "loop"])
+@pytest.mark.parametrize("experts", ["grouped", "batched", "loop"])
 def test_mfu_setting_model_is_built_with_the_asked_expert_path(dist_ep1, experts):
     """The MFU setting's model built exactly as `gpu_check` has `memory_bench` build it (its bench options,
-    parsed by the bench; the tiny geometry, as without CUDA): grouped experts in every MoE layer."""
+    parsed by the bench; the tiny geometry, as without CUDA): the asked experts in every MoE layer; by
+    default the grouped layout (one weight per projection), whose weights the distributed optimizer's
+    buffer leaves copy-free (Megatron's DDP with `use_distributed_optimizer`, as the bench's `dist` variant
+    wraps it on CUDA)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from transformers import Qwen3MoeConfig
 
     from benchmarks import memory_bench as mb
-    from moe_gspo.mcore.model import moe_layer_ids
+    from moe_gspo.mcore.model import forward_logits, moe_layer_ids
     from moe_gspo.mcore.shims import have_transformer_engine
 
     opts = gc.mfu_bench_args(micro_batch=2, seq_len=24, seqs=8, recompute="off", experts=experts)
     args = mb.build_parser().parse_args([*opts, "--tiny"])
+    assert args.variants == ("nodist" if experts == "batched" else "dist")
     cfg, _ = mb.run_config(args, "cpu", cuda=False)
-    assert cfg.model.batched_experts is (experts == "grouped") and cfg.train.micro_batch_size == 2
+    assert cfg.model.batched_experts is (experts == "batched") and cfg.train.micro_batch_size == 2
+    assert cfg.model.expert_layout == ("grouped" if experts == "grouped" else "per_expert")
     hf = Qwen3MoeConfig(**mb.geometry_from_args(args))
-    got = mb.expert_path(mb.build_bench_model(cfg, hf, torch.float32))
+    model = mb.build_bench_model(cfg, hf, torch.float32)
+    got = mb.expert_path(model)
     n_moe = len(moe_layer_ids(hf))
-    if experts == "loop":
-        assert got["path"] == ("te_grouped" if have_transformer_engine() else "loop")
-    elif have_transformer_engine():
-        assert got == {"path": "te_grouped", "grouped_modules": 0, "te_grouped_modules": n_moe, "loop_modules": 0}
+    assert n_moe > 0
+    zero = {"grouped_modules": 0, "grouped_layout_modules": 0, "te_grouped_modules": 0, "loop_modules": 0}
+    if have_transformer_engine() and experts != "loop":
+        assert got == {**zero, "path": "te_grouped", "te_grouped_modules": n_moe}
     else:
-        assert got == {"path": "grouped", "grouped_modules": n_moe, "te_grouped_modules": 0, "loop_modules": 0}
-        assert n_moe > 0
-    bench = {"experts": got}
-    if got["path"] == "loop":
-        assert gc.check_expert_path(bench, "loop") == got
-        with pytest.raises(gc.CheckFailed, match="not grouped or te_grouped"):
-            gc.check_expert_path(bench, "grouped")
-    else:
-        assert gc.check_expert_path(bench, "grouped") == got
+        path = {"grouped": "grouped_layout", "batched": "grouped", "loop": "loop"}[experts]
+        assert got == {**zero, "path": path, f"{path}_modules": n_moe}
+    assert gc.check_expert_path({"experts": got}, experts) == got
+    for other in set(gc.MFU_EXPERTS) - {experts}:
+        if got["path"] not in gc.MFU_EXPERTS[other][2]:
+            with pytest.raises(gc.CheckFailed, match="not "):
+                gc.check_expert_path({"experts": got}, other)
     with pytest.raises(gc.CheckFailed):
-        gc.check_expert_path({}, "grouped")  # a bench from before issue 40 records no experts
+        gc.check_expert_path({}, experts)  # a bench from before issue 40 records no experts
+    if args.variants == "dist":
+        ddp = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
+            use_distributed_optimizer=True, overlap_grad_reduce=False))
+        forward_logits(ddp, torch.randint(3, hf.vocab_size, (2, 12))).sum().backward()
+        assert mb.expert_weight_copies(model) == 0  # the grouped layout, and the loop, copy nothing
 
 
 def test_mfu_bench_json_records_grouped_experts_optimizer_and_micro_batch(tmp_path):
@@ -406,10 +423,11 @@ def test_mfu_bench_json_records_grouped_experts_optimizer_and_micro_batch(tmp_pa
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     res = json.loads(out.read_text())["results"][0]
-    assert res["experts"]["path"] in ("grouped", "te_grouped") and res["experts"]["loop_modules"] == 0
-    assert res["experts"]["grouped_modules"] + res["experts"]["te_grouped_modules"] > 0
-    assert res["experts"].get("weight_copies", 0) == 0  # viewed in place under the non-distributed optimizer
-    assert res["optimizer"]["distributed"] is False and res["batch"]["micro_batch_size"] == 2
+    assert res["experts"]["path"] in ("grouped_layout", "te_grouped") and res["experts"]["loop_modules"] == 0
+    assert res["experts"]["grouped_layout_modules"] + res["experts"]["te_grouped_modules"] > 0
+    assert res["experts"]["weight_copies"] == 0  # one weight per projection: viewed in place
+    # without CUDA the bench runs its `cpu` variant (torch AdamW); on CUDA the `dist` one
+    assert res["variant"] == "cpu" and res["batch"]["micro_batch_size"] == 2
 
 
 # --- issue 40: --checks, the summary after each check, the micro-batch sweep ---
@@ -502,9 +520,9 @@ def test_the_summary_is_written_after_each_check_so_a_cut_run_keeps_what_finishe
 def _mfu_bench_result(mb: int) -> dict:
     res = _bench(seconds_update=(2.0 / mb, 1.0 / mb))
     res["batch"].update(micro_batch_size=mb, recompute=False)
-    res["experts"] = {"path": "grouped", "grouped_modules": 2, "te_grouped_modules": 0, "loop_modules": 0,
-                      "weight_copies": 0}
-    res["optimizer"] = {"distributed": False, "precision_aware": False, "cpu_offload": False}
+    res["experts"] = {"path": "grouped_layout", "grouped_modules": 0, "grouped_layout_modules": 2,
+                      "te_grouped_modules": 0, "loop_modules": 0, "weight_copies": 0}
+    res["optimizer"] = {"distributed": True, "precision_aware": False, "cpu_offload": False}
     return res
 
 
@@ -537,8 +555,8 @@ def test_mfu_micro_batch_sweep_records_out_of_memory_and_goes_on(tmp_path, monke
     md = gc.render_markdown(result)
     assert "## MFU setting per micro-batch" in md and "| 8 | 8,192 | oom | n/a | n/a |" in md
     assert "## Learner setups" in md
-    assert ("| MFU setting, micro-batch 4 | 4 | non-distributed | grouped GEMM (model.batched_experts), "
-            "2 MoE layers |") in md
+    assert ("| MFU setting, micro-batch 4 | 4 | distributed | one weight per projection, grouped GEMM "
+            "(model.expert_layout=grouped), 2 MoE layers |") in md
     # every micro-batch out of memory: the check fails, naming them
     monkeypatch.setattr(gc, "_bench", lambda out, name, *e, timeout=900: (_ for _ in ()).throw(
         gc.CheckFailed("CUDA out of memory")))

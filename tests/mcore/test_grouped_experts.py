@@ -131,8 +131,8 @@ def test_experts_without_tokens_uneven_counts_and_no_token_at_all():
         assert outs[0][0].shape == outs[1][0].shape == (T, cfg.hidden_size)
         assert torch.allclose(outs[0][0], outs[1][0], rtol=0, atol=1e-5)
         assert torch.allclose(outs[0][1], outs[1][1], rtol=0, atol=1e-5)
-        grads = _canonical_mcore({n: p.grad for n, p in experts.named_parameters(prefix="decoder.layers.1.mlp.experts")},
-                                 ffn=cfg.moe_intermediate_size)
+        named = experts.named_parameters(prefix="decoder.layers.1.mlp.experts")
+        grads = _canonical_mcore({n: p.grad for n, p in named}, ffn=cfg.moe_intermediate_size)
         assert len(grads) == 2 * cfg.num_experts  # every expert has a gradient, zero for the empty ones
         for e in torch.nonzero(counts == 0).flatten().tolist():
             assert not grads[f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc1.weight"].any()

@@ -13,23 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
-ALGOS = ("gspo", "gspo_token", "grpo", "gmpo", "cispo", "sapo")
-"""Policy losses (moe_gspo/algos/policy_loss.py; the same tuple as `moe_gspo.algos.ALGOS`, tested)."""
+if TYPE_CHECKING:
+    from moe_gspo.algos.algo_spec import AlgoSpec
+
 REPLAYS = ("none", "r2", "r3")
-# Clip ranges: GSPO paper (Zheng et al. 2025, §5.1; sequence-level ratios live near 1) for gspo,
-# gspo_token and grpo; GMPO's log-space (e^-0.4, e^0.4) (Zhao et al. 2025); CISPO: no lower truncation
-# (MiniMax-M1), upper = GRPO's. SAPO has no clip range (a soft gate).
-DEFAULT_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.27), "gmpo": (0.4, 0.4),
-                "cispo": (1.0, 0.27)}
-SEQUENCE_LEVEL_ALGOS = ("gspo", "gspo_token", "gmpo")
-"""One loss term per sequence: only the seq-mean-token-mean aggregation (moe_gspo/algos/aggregation.py)."""
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 AGGREGATION_ALIASES = {"seq_mean": "seq-mean-token-mean", "token_mean": "token-mean"}
-DEFAULT_SAPO_TAUS = (1.0, 1.05)
 DEFAULT_MAX_NUM_GEN_BATCHES = 10
 
 
@@ -193,20 +186,21 @@ class RolloutConfig:
 class AlgoConfig:
     """Policy-optimisation algorithm: the ratio level (sequence / token) is an axis, not a fork."""
 
-    name: Literal["gspo", "gspo_token", "grpo", "gmpo", "cispo", "sapo"] = "gspo"
-    """gspo = sequence ratio (Zheng et al. 2025); gspo_token = its token-wise variant; grpo = token ratio, PPO
-    clip; gmpo = geometric mean of token ratios clipped in log space (Zhao et al. 2025); cispo = clipped,
-    detached token weights times grad log pi (MiniMax-M1); sapo = soft sigmoid gate instead of a clip (Qwen
-    team 2025). docs/algorithms.md, "Algorithm variants"; moe_gspo/algos/."""
+    name: str = "gspo"
+    """A registered policy loss (`--help` lists them under --algo, each with its defaults;
+    moe_gspo/algos/registry.py; docs/algorithms.md, "Algorithm variants"), or a loss of your own:
+    `package.module:Spec` or `path/to/file.py:Spec` naming an `AlgoSpec`, loaded on every rank
+    (docs/architecture.md, "Adding a loss")."""
     routing_replay: Literal["none", "r2", "r3"] = "none"
     """none; r2 = replay old-policy routing in the update (GSPO paper §5.3); r3 = replay rollout routing."""
     clip_low: float | None = None
-    """Lower clip epsilon; null = the algorithm's default (3e-4 gspo, 0.2 grpo, 0.4 gmpo, 1.0 cispo). gspo,
-    gspo_token, grpo, cispo: the ratio floor is 1 - clip_low (cispo: >= 1 = no lower truncation); gmpo: a
-    LOG-space bound (ratio floor e^-clip_low). Not for sapo."""
+    """Lower clip epsilon; null = the algorithm's default (`AlgoSpec.default_clip`, listed by --help under
+    --algo). Its meaning is the algorithm's (`AlgoSpec.clip`): ratio = the ratio floor is 1 - clip_low (gspo,
+    gspo_token, grpo); weight = the same for cispo's weight, >= 1 = no lower truncation; log = a LOG-space
+    bound, ratio floor e^-clip_low (gmpo); none = no clip range (sapo): leave it null."""
     clip_high: float | None = None
-    """Upper clip epsilon; null = the algorithm's default (4e-4 gspo, 0.27 grpo and cispo, 0.4 gmpo). Ratio
-    ceiling 1 + clip_high; gmpo: e^clip_high. Not for sapo."""
+    """Upper clip epsilon; null = the algorithm's default. Ratio ceiling 1 + clip_high; log clip (gmpo):
+    e^clip_high. Not for algorithms without a clip range (sapo)."""
     kl_coef: float = 0.0
     """Coefficient of the KL penalty to the initial policy (0 = off, as in the GSPO paper). > 0 builds
     a frozen reference model: one more copy of the parameters in the learner's dtype, expert-sharded
@@ -223,8 +217,9 @@ class AlgoConfig:
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                            "seq-mean-token-sum-norm"] | None = None
     """How per-token loss terms are averaged (verl's names; moe_gspo/algos/aggregation.py); null = the
-    algorithm's paper: token-mean for cispo, seq-mean-token-mean for the others. gspo, gspo_token and gmpo
-    are sequence-level: seq-mean-token-mean only. seq-mean-token-sum-norm = Dr. GRPO (constant length)."""
+    algorithm's paper's (`AlgoSpec.default_agg`: token-mean for cispo, seq-mean-token-mean for the others).
+    Sequence-level algorithms (gspo, gspo_token, gmpo) take seq-mean-token-mean only.
+    seq-mean-token-sum-norm = Dr. GRPO (constant length)."""
     aggregation: Literal["seq_mean", "token_mean"] | None = None
     """Old name of loss_agg_mode, kept for existing configs: seq_mean = seq-mean-token-mean, token_mean =
     token-mean; null = use loss_agg_mode."""
@@ -241,7 +236,7 @@ class AlgoConfig:
     """Advantage = (r - group mean) / scale (TRL's names): group = group reward std + adv_eps (the papers),
     batch = std of all the step's rewards + adv_eps, none = 1 (Dr. GRPO)."""
     sapo_tau_pos: float | None = None
-    """sapo only: gate temperature for tokens with A > 0; null = 1.0 (the paper's)."""
+    """sapo only (its `AlgoSpec.options`): gate temperature for tokens with A > 0; null = 1.0 (the paper's)."""
     sapo_tau_neg: float | None = None
     """sapo only: gate temperature for tokens with A <= 0; null = 1.05 (the paper's)."""
     dynamic_sampling: bool = False
@@ -300,9 +295,16 @@ class AlgoConfig:
     `router_aux_loss_coef` is 0.001, TRL's GRPOTrainer adds it by default); > 0 needs algo.router_aux_loss
     != none, and the loss needs > 0."""
 
+    def spec(self) -> AlgoSpec:
+        """The algorithm's `AlgoSpec` (a plug-in `module:Spec` / `file.py:Spec` is loaded and registered on
+        first use); ValueError naming algo.name and the choices otherwise."""
+        from moe_gspo.algos.registry import get_algo  # on use: importing the config imports no torch
+
+        return get_algo(self.name)
+
     def clip_range(self) -> tuple[float | None, float | None]:
-        """(clip_low, clip_high) with the algorithm's defaults; (None, None) for sapo (no clip)."""
-        lo, hi = DEFAULT_CLIP.get(self.name, (None, None))
+        """(clip_low, clip_high) with the algorithm's defaults; (None, None) without a clip range (sapo)."""
+        lo, hi = self.spec().default_clip or (None, None)
         return (lo if self.clip_low is None else self.clip_low, hi if self.clip_high is None else self.clip_high)
 
     def resolved_loss_agg_mode(self) -> str:
@@ -311,12 +313,11 @@ class AlgoConfig:
             return self.loss_agg_mode
         if self.aggregation is not None:
             return AGGREGATION_ALIASES[self.aggregation]
-        return "token-mean" if self.name == "cispo" else "seq-mean-token-mean"
+        return self.spec().default_agg
 
-    def sapo_taus(self) -> tuple[float, float]:
-        pos, neg = DEFAULT_SAPO_TAUS
-        return (pos if self.sapo_tau_pos is None else self.sapo_tau_pos,
-                neg if self.sapo_tau_neg is None else self.sapo_tau_neg)
+    def algo_options(self) -> dict[str, float]:
+        """The algorithm's own options (`AlgoSpec.options`, e.g. sapo's temperatures), null ones at its defaults."""
+        return {k: default if getattr(self, k) is None else getattr(self, k) for k, default in self.spec().options.items()}
 
     def num_gen_batches_bound(self) -> int:
         """Generation rounds allowed per step: 1 without dynamic sampling."""
@@ -327,10 +328,9 @@ class AlgoConfig:
     def loss_options(self) -> dict[str, Any]:
         """The keyword arguments of `moe_gspo.algos.policy_loss` this config selects (besides tensors)."""
         clip_low, clip_high = self.clip_range()
-        tau_pos, tau_neg = self.sapo_taus()
         return dict(clip_low=clip_low, clip_high=clip_high, kl_coef=self.kl_coef, kl_estimator=self.kl_estimator,
                     loss_agg_mode=self.resolved_loss_agg_mode(), loss_scale_factor=self.loss_scale_factor,
-                    sapo_tau_pos=tau_pos, sapo_tau_neg=tau_neg, entropy_coef=self.entropy_coef)
+                    entropy_coef=self.entropy_coef, **self.algo_options())
 
 
 @dataclass(kw_only=True)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import warnings
 
-from moe_gspo.config import AGGREGATION_ALIASES, SEQUENCE_LEVEL_ALGOS, AlgoConfig, Config, RolloutConfig, TrainConfig
+from moe_gspo.algos.algo_spec import OPTION_NAMES
+from moe_gspo.algos.registry import algo_names, get_algo
+from moe_gspo.config import AGGREGATION_ALIASES, AlgoConfig, Config, RolloutConfig, TrainConfig
 
 
 def _check_positive(where: str, value, *, allow_zero: bool = False) -> None:
@@ -132,18 +134,9 @@ def validate(cfg: Config) -> Config:
             f"train.num_minibatches={tr.num_minibatches}"
         )
     lo, hi = a.clip_range()
-    if a.name in ("gspo", "gspo_token") and hi >= 0.05:
-        warnings.warn(
-            f"algo.name={a.name} with clip range ({lo}, {hi}): that is a token-level range; GSPO's sequence "
-            f"ratio is length-normalised and lives near 1, the paper uses (3e-4, 4e-4). Nothing will be clipped.",
-            stacklevel=2,
-        )
-    if a.name == "grpo" and hi < 0.01:
-        warnings.warn(
-            f"algo.name=grpo with clip range ({lo}, {hi}): a sequence-level range applied to token ratios "
-            f"clips almost every token; the paper's GRPO baseline uses (0.2, 0.27).",
-            stacklevel=2,
-        )
+    advice = a.spec().clip_advice(lo, hi) if hi is not None else None
+    if advice:
+        warnings.warn(f"algo.name={a.name} with clip range ({lo}, {hi}): {advice}", stacklevel=2)
     if r.temperature != 1.0:  # top_p / top_k alone are exact: same-support log-probs (docs/same_support.md)
         warnings.warn(
             f"rollout.temperature={r.temperature}: responses are sampled from the tempered distribution but every "
@@ -156,26 +149,24 @@ def validate(cfg: Config) -> Config:
 
 
 def _validate_algo(a: AlgoConfig, r: RolloutConfig) -> None:
-    """Algorithm fields of `algo` and their combinations (one error naming the field and the fix)."""
+    """Algorithm fields of `algo` and their combinations (one error naming the field and the fix); the
+    algorithm's own rules come from its `AlgoSpec` (moe_gspo/algos/registry.py)."""
+    spec = a.spec()  # an unknown name or a bad plug-in: one ValueError naming algo.name
     lo, hi = a.clip_range()
-    if a.name == "sapo":
+    if spec.default_clip is None:
         for k in ("clip_low", "clip_high"):
             if getattr(a, k) is not None:
-                raise ValueError(f"algo.{k}={getattr(a, k)} has no effect with algo.name=sapo (a soft gate, no clip "
-                                 "range; its temperatures are algo.sapo_tau_pos / algo.sapo_tau_neg); drop it")
-    elif a.name == "gmpo" or a.name == "cispo":
-        if not lo > 0:
-            what = "a log-space bound: ratio floor e^-clip_low" if a.name == "gmpo" else "ratio floor 1 - clip_low; >= 1 = none"
-            raise ValueError(f"algo.clip_low={lo} must be > 0 ({what})")
-    elif not 0 < lo < 1:
-        raise ValueError(f"algo.clip_low={lo} must be in (0, 1)")
+                own = " / ".join(f"algo.{o}" for o in spec.options)
+                raise ValueError(f"algo.{k}={getattr(a, k)} has no effect with algo.name={a.name} (no clip range"
+                                 + (f"; its options are {own}" if own else "") + "); drop it")
+    elif spec.clip_low_problem(lo):
+        raise ValueError(f"algo.clip_low={lo} {spec.clip_low_problem(lo)}")
     if hi is not None and hi <= 0:
         raise ValueError(f"algo.clip_high={hi} must be > 0")
-    if a.name != "sapo":
-        for k in ("sapo_tau_pos", "sapo_tau_neg"):
-            if getattr(a, k) is not None:
-                raise ValueError(f"algo.{k}={getattr(a, k)} applies to algo.name=sapo only (now {a.name}); drop it")
-    for k in ("sapo_tau_pos", "sapo_tau_neg"):
+    for k in OPTION_NAMES:
+        if k not in spec.options and getattr(a, k) is not None:
+            users = "/".join(n for n in algo_names() if k in get_algo(n).options)
+            raise ValueError(f"algo.{k}={getattr(a, k)} applies to algo.name={users} only (now {a.name}); drop it")
         _check_positive(f"algo.{k}", getattr(a, k))
     _check_positive("algo.kl_coef", a.kl_coef, allow_zero=True)
     _check_positive("algo.entropy_coef", a.entropy_coef, allow_zero=True)
@@ -185,11 +176,12 @@ def _validate_algo(a: AlgoConfig, r: RolloutConfig) -> None:
         raise ValueError(f"algo.aggregation={a.aggregation} (the old name of algo.loss_agg_mode={alias}) contradicts "
                          f"algo.loss_agg_mode={a.loss_agg_mode}; give only algo.loss_agg_mode")
     mode = a.resolved_loss_agg_mode()
-    if a.name in SEQUENCE_LEVEL_ALGOS and mode != "seq-mean-token-mean":
+    if spec.sequence_level and mode != spec.default_agg:
         given = f"algo.loss_agg_mode={mode}" + (f" (algo.aggregation={a.aggregation})" if alias else "")
+        token_level = ", ".join(n for n in algo_names() if not get_algo(n).sequence_level)
         raise ValueError(f"{given} does not apply to {a.name}: a sequence-level method has one term per sequence "
-                         "(its token mean is inside the sequence ratio); leave algo.loss_agg_mode null (= "
-                         "seq-mean-token-mean), or use a token-level method (grpo, cispo, sapo)")
+                         f"(its token mean is inside the sequence ratio); leave algo.loss_agg_mode null (= "
+                         f"{spec.default_agg}), or use a token-level method ({token_level})")
     if mode == "seq-mean-token-sum-norm":
         if a.loss_scale_factor is None:
             a.loss_scale_factor = float(r.max_new_tokens)

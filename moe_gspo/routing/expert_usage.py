@@ -23,14 +23,21 @@ def expert_token_counts(routes: Sequence[np.ndarray], lo_B, hi_B, *, num_layers:
     """int64 [L, E]: per MoE layer, how many top-k slots of rows [lo_b, hi_b) of every sequence's routes
     ([T_b, L, K] expert ids) go to each expert."""
     counts = np.zeros((int(num_layers), int(num_experts)), np.int64)
-    for r, lo, hi in zip(routes, lo_B, hi_B):
+    parts = []
+    for r, lo, hi in zip(routes, np.asarray(lo_B).tolist(), np.asarray(hi_B).tolist()):
         if r is None:
             continue
-        rows = np.asarray(r)[int(lo):int(hi)]
+        rows = np.asarray(r)[lo:hi]
         if not rows.size:
             continue
         if rows.ndim != 3 or rows.shape[1] != num_layers:
             raise ValueError(f"expert_token_counts: routes of shape {rows.shape}, expected [T, {num_layers}, K]")
+        parts.append(rows)
+    if not parts:
+        return counts
+    # the rows of every sequence at once (in the ids' own dtype), one count per layer; a top-k width that
+    # differs between sequences keeps them apart
+    for rows in ([np.concatenate(parts)] if len({p.shape[2] for p in parts}) == 1 else parts):
         for layer in range(num_layers):
             counts[layer] += np.bincount(rows[:, layer, :].ravel().astype(np.int64), minlength=num_experts)[:num_experts]
     return counts

@@ -52,7 +52,8 @@ def _rows(arrays: Sequence[np.ndarray | None] | None, lo_B, hi_B, tail: tuple, d
     sequences with no row may hold None)."""
     if arrays is None:
         return None
-    parts = [np.asarray(a)[lo:hi] for a, lo, hi in zip(arrays, lo_B, hi_B) if hi > lo]
+    parts = [np.asarray(a)[lo:hi] for a, lo, hi in zip(arrays, np.asarray(lo_B).tolist(), np.asarray(hi_B).tolist())
+             if hi > lo]
     return np.concatenate(parts) if parts else np.zeros((0, *tail), dtype)
 
 
@@ -61,19 +62,29 @@ def _usable_rows(arrays: Sequence[np.ndarray | None], tail: tuple, num_experts: 
     (`num_experts` given), every id of the row is in [0, num_experts) (engines may drop or garble routes,
     `moe_gspo.routing.replay_checks`); 0 for a missing array. None when no sequence has any."""
     out = np.zeros(len(arrays), np.int64)
+    tail = tuple(tail)
+    ids: list[tuple[int, np.ndarray]] = []
     for b, a in enumerate(arrays):
         if a is None:
             continue
         a = np.asarray(a)
-        if a.ndim != 1 + len(tail) or tuple(a.shape[1:]) != tuple(tail):
+        if a.ndim != 1 + len(tail) or a.shape[1:] != tail:
             continue
         if num_experts is None:
             out[b] = a.shape[0]
-            continue
-        if a.dtype.kind not in "iu":
-            continue
-        bad = np.nonzero(((a < 0) | (a >= num_experts)).reshape(a.shape[0], -1).any(-1))[0]
-        out[b] = int(bad[0]) if bad.size else a.shape[0]
+        elif a.dtype.kind in "iu" and a.shape[0]:
+            ids.append((b, a))
+    if ids:  # the id range of every sequence's rows at once: one check, then each sequence's first bad row
+        which = np.array([b for b, _ in ids], np.int64)
+        lens = np.array([a.shape[0] for _, a in ids], np.int64)
+        cat = np.concatenate([a for _, a in ids])
+        out[which] = lens
+        if int(cat.min()) < 0 or int(cat.max()) >= num_experts:
+            bad = np.flatnonzero(((cat < 0) | (cat >= num_experts)).reshape(cat.shape[0], -1).any(-1))
+            start = np.cumsum(lens) - lens
+            pos = np.searchsorted(bad, start)  # the first bad row at or after each sequence's start
+            first = bad[np.minimum(pos, bad.size - 1)] - start
+            out[which] = np.where((pos < bad.size) & (first < lens), first, lens)
     return out if out.any() else None
 
 

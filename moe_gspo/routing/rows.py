@@ -49,9 +49,9 @@ def prompt_rows(P_B, group_ids=None) -> tuple[np.ndarray, np.ndarray]:
 def stack_rows(routes_a: list, routes_b: list, lo_B, hi_B) -> tuple[np.ndarray, np.ndarray]:
     """Rows [lo_b, hi_b) of every sequence that both sides have, concatenated: (a_NLK, b_NLK)."""
     a_parts, b_parts = [], []
-    for ra, rb, lo, hi in zip(routes_a, routes_b, lo_B, hi_B):
-        hi = min(int(hi), len(ra), len(rb))
-        lo = min(int(lo), hi)
+    for ra, rb, lo, hi in zip(routes_a, routes_b, np.asarray(lo_B).tolist(), np.asarray(hi_B).tolist()):
+        hi = min(hi, len(ra), len(rb))  # python ints (tolist): no numpy scalar per sequence
+        lo = min(lo, hi)
         a_parts.append(np.asarray(ra[lo:hi]))
         b_parts.append(np.asarray(rb[lo:hi]))
     if not a_parts:

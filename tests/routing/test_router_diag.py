@@ -94,3 +94,30 @@ def test_default_config_run_logs_router_metrics_on_both_sides(tmp_path):
     rollout, learner = (load_trace(run_dir / "traces" / f"step_000001_{k}.npz") for k in ("rollout", "learner"))
     for t in (rollout, learner):
         assert t.router_margin is not None and t.router_margin.shape == t.topk_ids.shape[:2]
+
+
+def test_usable_rows_matches_the_row_by_row_rule():
+    """`_usable_rows` checks every sequence's ids at once; it gives what the rule says row by row: the rows
+    before a sequence's first row with an id outside [0, E), all rows of a clean sequence, 0 for a missing,
+    misshapen or non-integer array."""
+    from moe_gspo.routing.router_diag import _usable_rows
+
+    rng = np.random.default_rng(0)
+    E, L, K = 8, 2, 2
+    arrays = []
+    for b in range(40):
+        T = int(rng.integers(0, 9))
+        a = rng.integers(0, E, size=(T, L, K)).astype(np.int16)
+        if T and b % 3 == 0:
+            a[rng.integers(0, T), rng.integers(0, L), rng.integers(0, K)] = rng.choice([-1, E, 99])
+        arrays.append(a)
+    arrays += [None, np.zeros((4, L, K + 1), np.int16), np.zeros((4, L, K), np.float32)]
+
+    def by_row(a):
+        if a is None or a.shape[1:] != (L, K) or a.dtype.kind not in "iu":
+            return 0
+        bad = [t for t in range(len(a)) if ((a[t] < 0) | (a[t] >= E)).any()]
+        return bad[0] if bad else len(a)
+
+    assert _usable_rows(arrays, (L, K), E).tolist() == [by_row(a) for a in arrays]
+    assert _usable_rows([None, np.zeros((0, L, K), np.int16)], (L, K), E) is None

@@ -24,20 +24,11 @@ micro-batches. `recording()` sets `RECORD` and collects upstream's recorded indi
 from __future__ import annotations
 
 import contextlib
-from enum import Enum
 from typing import Iterator, Sequence
 
 import torch
 
 from moe_gspo.mcore.model import moe_routers
-
-
-class ReplayMode(Enum):
-    """Which routing the learner replays in the update."""
-
-    NONE = "none"
-    R2 = "r2"
-    R3 = "r3"
 
 
 class ReplayHandle:

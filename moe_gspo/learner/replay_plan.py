@@ -124,15 +124,14 @@ REPLAY_MODES: Mapping[str, ReplayModeSpec] = MappingProxyType({s.name: s for s i
 """Every routing replay mode by its `algo.routing_replay` name."""
 
 
-def replay_spec(mode) -> ReplayModeSpec:
-    """The `ReplayModeSpec` of `mode` (a name of `REPLAY_MODES`, a `ReplayMode`, or a spec)."""
+def replay_spec(mode: str | ReplayModeSpec) -> ReplayModeSpec:
+    """The `ReplayModeSpec` of `mode` (a name of `REPLAY_MODES`, i.e. a value of `algo.routing_replay`, or a spec)."""
     if isinstance(mode, ReplayModeSpec):
         return mode
-    name = getattr(mode, "value", mode)
-    if name not in REPLAY_MODES:
-        raise ValueError(f"algo.routing_replay={name!r} is not a routing replay mode; choose one of "
+    if mode not in REPLAY_MODES:
+        raise ValueError(f"algo.routing_replay={mode!r} is not a routing replay mode; choose one of "
                          f"{', '.join(REPLAY_MODES)}")
-    return REPLAY_MODES[name]
+    return REPLAY_MODES[mode]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -57,11 +57,11 @@ def make_batch(num: int = 8, *, seed: int = 0, with_routes: bool = False) -> Pac
 
 def make_learner(model, cfg, info, *, replay=None, algo: AlgoConfig | None = None, recompute: bool = False,
                  **train_kw) -> Learner:
-    """A training Learner; `replay` (a mode name or `ReplayMode`) sets `algo.routing_replay`."""
+    """A training Learner; `replay` (a mode name: none, r2, r3) sets `algo.routing_replay`."""
     train = TrainConfig(**{"lr": 1e-2, "num_minibatches": 1, "micro_batch_size": 0, **train_kw})
     algo = algo or AlgoConfig(name="gspo")
     if replay is not None:
-        algo = dataclasses.replace(algo, routing_replay=getattr(replay, "value", replay))
+        algo = dataclasses.replace(algo, routing_replay=replay)
     return Learner(model, cfg, parallel=info, algo=algo, train=train, recompute=recompute)
 
 

@@ -10,7 +10,6 @@ from _learner_common import (flip_fraction, hf_token_logprobs, make_batch, make_
                             surrogate_objective, tiny_pair, valid_mask)
 from moe_gspo.config import AlgoConfig
 from moe_gspo.learner.old_pass import OldPolicyPass
-from moe_gspo.learner.replay import ReplayMode
 from moe_gspo.learner.router_hooks import MegatronRouterRecorder
 from moe_gspo.mcore.model import moe_routers
 
@@ -74,7 +73,7 @@ def test_entropy_bonus_raises_the_policy_entropy(dist):
 
 def test_r2_replays_old_routing_while_the_router_still_learns(dist):
     cfg, _, model = tiny_pair()
-    learner = make_learner(model, cfg, dist, replay=ReplayMode.R2, lr=5e-2, micro_batch_size=4,
+    learner = make_learner(model, cfg, dist, replay="r2", lr=5e-2, micro_batch_size=4,
                            algo=AlgoConfig(name="grpo"))
     batch = make_batch(8, seed=6)
     with pytest.raises(ValueError, match="r2 replays the old-policy pass's routes"):

@@ -10,17 +10,16 @@ import torch
 from _learner_common import make_batch, make_learner, old_pass, params_snapshot, tiny_pair
 from moe_gspo.config import AlgoConfig
 from moe_gspo.learner.old_pass import OldPolicyPass
-from moe_gspo.learner.replay import ReplayMode
 
 pytestmark = pytest.mark.usefixtures("dist")
 WIDE = dict(clip_low=0.2, clip_high=0.2)  # wide clip so that the steps move the policy
 
 
-def _run(dist, *, fuse: bool, replay=ReplayMode.NONE, algo="gspo", steps=2, entropy_coef=0.0, **train_kw):
+def _run(dist, *, fuse: bool, replay="none", algo="gspo", steps=2, entropy_coef=0.0, **train_kw):
     # Megatron's own attention: its results do not depend on the batch's size, whereas the fused SDPA kernel's
     # backward sums in a batch-size-dependent order, a rounding difference that Adam's first steps amplify
     # (measured: weights 1e-3 apart after 2 steps at lr 1e-2); SDPA's own equivalence: tests/mcore
-    cfg, _, model = tiny_pair(enable_routing_replay=replay is not ReplayMode.NONE, sdpa_attention=False)
+    cfg, _, model = tiny_pair(enable_routing_replay=replay != "none", sdpa_attention=False)
     learner = make_learner(model, cfg, dist, replay=replay, algo=AlgoConfig(name=algo, entropy_coef=entropy_coef, **WIDE),
                            **{"num_minibatches": 2, **train_kw})
     batch = make_batch(8, seed=21)
@@ -33,8 +32,8 @@ def _run(dist, *, fuse: bool, replay=ReplayMode.NONE, algo="gspo", steps=2, entr
 
 
 @pytest.mark.parametrize("algo,replay,shuffle,entropy_coef", [
-    ("gspo", ReplayMode.NONE, False, 0.0), ("gspo", ReplayMode.NONE, True, 0.0), ("grpo", ReplayMode.R2, True, 0.0),
-    ("gspo", ReplayMode.NONE, True, 0.05),  # the entropy bonus back-propagates through the kept pass too
+    ("gspo", "none", False, 0.0), ("gspo", "none", True, 0.0), ("grpo", "r2", True, 0.0),
+    ("gspo", "none", True, 0.05),  # the entropy bonus back-propagates through the kept pass too
 ])
 def test_fused_old_pass_gives_the_same_update(dist, algo, replay, shuffle, entropy_coef):
     kw = dict(replay=replay, algo=algo, shuffle_minibatches=shuffle, entropy_coef=entropy_coef)
@@ -117,7 +116,7 @@ def _same(a, b) -> bool:
     return a is b or a == b
 
 
-@pytest.mark.parametrize("replay", [ReplayMode.NONE, ReplayMode.R2, ReplayMode.R3])
+@pytest.mark.parametrize("replay", ["none", "r2", "r3"])
 def test_train_step_changes_neither_the_batch_nor_the_hand_off(dist, replay):
     """`train_step(batch, old)`: every tensor, array and field of the batch and of the `OldPolicyPass` (its
     natural pass and replay plan included) is the same after the update; a plan made beforehand
@@ -156,7 +155,7 @@ def test_fused_pass_without_entropies_is_refused_by_an_update_with_an_entropy_bo
 def test_keep_graph_refuses_what_it_cannot_fuse(dist):
     cfg, _, model = tiny_pair()
     batch = make_batch(8, seed=21)
-    r3 = make_learner(model, cfg, dist, replay=ReplayMode.R3, num_minibatches=2)
+    r3 = make_learner(model, cfg, dist, replay="r3", num_minibatches=2)
     with pytest.raises(ValueError, match="route naturally"):
         r3.compute_logprobs(batch.select(range(8)), keep_graph=True, no_replay=True)
     mb = make_learner(tiny_pair()[2], cfg, dist, num_minibatches=2, micro_batch_size=2)

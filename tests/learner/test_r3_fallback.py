@@ -11,7 +11,6 @@ import torch
 from _learner_common import make_learner, make_samples, old_pass, tiny_pair, valid_mask
 from moe_gspo.config import AlgoConfig
 from moe_gspo.learner.batch import PackedBatch
-from moe_gspo.learner.replay import ReplayMode
 from moe_gspo.learner.replay_plan import LearnerPass
 from moe_gspo.mcore.model import moe_routers
 from moe_gspo.routing.replay_checks import check_routes
@@ -41,7 +40,7 @@ def _corrupted_batch():
 def test_fallback_rows_replay_natural_routes_and_valid_rows_the_engines(dist):
     cfg, _, model = tiny_pair()
     batch, P0, P2 = _corrupted_batch()
-    learner = make_learner(model, cfg, dist, replay=ReplayMode.R3, algo=AlgoConfig(name="grpo", routing_replay="r3"))
+    learner = make_learner(model, cfg, dist, replay="r3", algo=AlgoConfig(name="grpo", routing_replay="r3"))
     natural = learner.compute_logprobs(batch, record_routes=True, no_replay=True)
     reasons, m = check_routes(batch.rollout_routes, batch.seq_lens_B.tolist(), num_layers=2, top_k=2, num_experts=8)
     lens = batch.seq_lens_B.tolist()

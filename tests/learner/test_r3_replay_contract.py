@@ -13,7 +13,6 @@ from _learner_common import make_learner, make_samples, tiny_pair
 from moe_gspo.config import AlgoConfig, Config
 from moe_gspo.learner.batch import PackedBatch
 from moe_gspo.learner.learner import Learner
-from moe_gspo.learner.replay import ReplayMode
 from moe_gspo.run.learner_passes import old_policy_pass
 
 pytestmark = pytest.mark.usefixtures("dist")
@@ -23,7 +22,7 @@ def _setup(dist, max_mismatch=None):
     cfg = Config()
     cfg.algo = AlgoConfig(name="grpo", routing_replay="r3", r3_max_mismatch=max_mismatch)
     hf_cfg, _, model = tiny_pair()
-    learner = make_learner(model, hf_cfg, dist, replay=ReplayMode.R3, algo=cfg.algo)
+    learner = make_learner(model, hf_cfg, dist, replay="r3", algo=cfg.algo)
     samples = make_samples(6, seed=21, with_routes=True)
     samples[1].routes_TLK = None  # one sequence falls back to natural routing: not counted
     batch = PackedBatch.from_samples(samples, np.linspace(-1, 1, 6).astype(np.float32), pad_id=0)

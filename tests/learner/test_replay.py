@@ -8,7 +8,7 @@ import torch
 
 from _learner_common import flip_fraction, make_batch, make_learner, old_pass, params_snapshot, tiny_pair, valid_mask
 from moe_gspo.learner.logprobs import token_logprobs
-from moe_gspo.learner.replay import ReplayMode, RoutingReplayDriver
+from moe_gspo.learner.replay import RoutingReplayDriver
 from moe_gspo.learner.router_hooks import MegatronRouterRecorder
 from moe_gspo.mcore.model import forward_logits, moe_routers
 from moe_gspo.routing.align import build_replay_topk
@@ -34,7 +34,7 @@ def test_r3_replays_given_routing_exactly(dist):
     lengths), is exactly what the router hooks see for every real token."""
     cfg, _, model = tiny_pair()
     batch = make_batch(8, seed=1, with_routes=True)
-    learner = make_learner(model, cfg, dist, replay=ReplayMode.R3)
+    learner = make_learner(model, cfg, dist, replay="r3")
     res = learner.compute_logprobs(batch, record_routes=True, micro_batch_size=3)
     for got, want in zip(res.routes, batch.rollout_routes):
         T = want.shape[0]

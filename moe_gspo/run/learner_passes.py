@@ -76,7 +76,7 @@ class ReferencePolicy:
 
         model = build_gpt_model(
             policy_learner.hf_config, ep_size=info.ep_size, params_dtype=learner_dtype(cfg),
-            enable_routing_replay=policy_learner.replay_spec.replays,
+            enable_routing_replay=replay_spec(cfg.algo.routing_replay).replays,
             token_dispatcher=cfg.parallel.token_dispatcher,
             vocab_pad_multiple=cfg.model.vocab_pad_multiple, recompute=False,
             batched_experts=cfg.model.batched_experts, expert_layout=cfg.model.expert_layout,

@@ -65,7 +65,8 @@ from typing import Any, Callable
 
 from tqdm import tqdm
 
-from moe_gspo.config import ALGOS, REPLAYS
+from moe_gspo.algos.registry import algo_names
+from moe_gspo.config import REPLAYS
 from moe_gspo.run.arm_runner import SubprocessArmRunner, run_concurrently
 from moe_gspo.run.rundir import move_aside
 
@@ -179,7 +180,7 @@ def parse_spec(raw: Any, out_dir: str | Path | None = None) -> AblationSpec:
             raise ValueError(f"ablation spec: '{key}' must be a positive int, got {val!r}")
     variants = _parse_variants(raw.get("variants"))
     algo_overrides = _parse_variants(raw.get("algo_overrides"), what="algo_overrides")
-    algos = _str_list(raw, "algos", ALGOS)
+    algos = _str_list(raw, "algos", algo_names())
     stray = sorted(set(algo_overrides) - set(algos))
     if stray:
         raise ValueError(f"ablation spec: 'algo_overrides' names {stray}, not in 'algos' {algos}")

@@ -38,9 +38,8 @@ from __future__ import annotations
 
 import torch
 
+from moe_gspo.algos.algo_spec import AlgoSpec
 from moe_gspo.algos.loss_common import LossInputs, PolicyTerms, clip_metrics, grad_carrier
-
-DEFAULT_CLIP = (1.0, 0.27)
 
 
 def cispo_terms(inp: LossInputs, *, clip_low: float, clip_high: float, **_) -> PolicyTerms:
@@ -54,3 +53,8 @@ def cispo_terms(inp: LossInputs, *, clip_low: float, clip_high: float, **_) -> P
         none = torch.zeros_like(inp.mask)
         metrics = clip_metrics(inp, none, none, (w < lo) & inp.mask, (w > hi) & inp.mask)
     return PolicyTerms(metrics=metrics, objective_BT=objective_BT)
+
+
+CISPO = AlgoSpec(name="cispo", terms=cispo_terms, level="token", clip="weight", default_clip=(1.0, 0.27),
+                 default_agg="token-mean",
+                 doc="clipped, detached token weights times grad log pi: no token loses its gradient (MiniMax-M1 2025)")

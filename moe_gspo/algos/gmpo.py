@@ -36,9 +36,8 @@ from __future__ import annotations
 
 import torch
 
+from moe_gspo.algos.algo_spec import AlgoSpec
 from moe_gspo.algos.loss_common import LossInputs, PolicyTerms, clip_metrics
-
-DEFAULT_LOG_CLIP = (0.4, 0.4)
 
 
 def gmpo_terms(inp: LossInputs, *, clip_low: float, clip_high: float, **_) -> PolicyTerms:
@@ -55,3 +54,8 @@ def gmpo_terms(inp: LossInputs, *, clip_low: float, clip_high: float, **_) -> Po
     with torch.no_grad():
         metrics = clip_metrics(inp, bind_low, bind_high, (lr < lo) & inp.mask, (lr > hi) & inp.mask)
     return PolicyTerms(metrics=metrics, objective_B=objective_B)
+
+
+GMPO = AlgoSpec(name="gmpo", terms=gmpo_terms, level="sequence", clip="log", default_clip=(0.4, 0.4),
+                per_token_advantages=False,
+                doc="geometric mean of the token ratios, clipped per token in log space (Zhao et al. 2025)")

@@ -1,22 +1,16 @@
 """`policy_loss(algo, ...)`: the policy-optimisation loss of every algorithm, with an optional KL
 penalty, as one pure function returning `(loss, metrics)`.
 
-Algorithms (one module each, with its paper, formula and simplifications):
-
-| algo | module | ratio | clip | level |
-|---|---|---|---|---|
-| `gspo` | `ppo_clip` | sequence (geometric mean of token ratios) | hard, on the sequence ratio | sequence |
-| `gspo_token` | `ppo_clip` | sg[s_i] * token carrier | hard, per token on s_i | sequence |
-| `grpo` | `ppo_clip` | token | hard, per token | token |
-| `gmpo` | `gmpo` | geometric mean of clipped token ratios | hard, per token, in log space | sequence |
-| `cispo` | `cispo` | token, detached clipped weight | on the weight only (no token loses its gradient) | token |
-| `sapo` | `sapo` | token | none: a smooth sigmoid gate | token |
+Algorithms: the `AlgoSpec`s of `moe_gspo.algos.registry` (built-ins: gspo, gspo_token and grpo in
+`ppo_clip`, gmpo, cispo, sapo; one module each, with its paper, formula and simplifications; `python -m
+moe_gspo.train --help` lists them), or a plug-in `module:Spec` / `file.py:Spec`. Each spec says what
+this function needs to know: its terms, its level, what its clip range means, its default aggregation.
 
 "level": a sequence-level method has one term per sequence (its token mean already inside the
 ratio) and only the `seq-mean-token-mean` aggregation; a token-level method's per-token terms are
 aggregated per `loss_agg_mode` (`moe_gspo.algos.aggregation`: token-mean, seq-mean-token-mean,
 seq-mean-token-sum, seq-mean-token-sum-norm; the old `aggregation` values seq_mean / token_mean are
-aliases). The default mode is each paper's: `token-mean` for cispo, `seq-mean-token-mean` otherwise.
+aliases). The default mode is each paper's (`AlgoSpec.default_agg`).
 
 KL penalty (`ref_logp_BT`, `kl_coef`, `kl_estimator` k1 | k2 | k3, `moe_gspo.algos.kl`): per-token
 estimates of KL(pi_theta || pi_ref), aggregated like the policy term (sequence-level methods:
@@ -62,64 +56,22 @@ Metrics (detached 0-dim float64 tensors on the input's device; `float(v)` to log
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
 
 from moe_gspo.algos import aggregation as agg
-from moe_gspo.algos.cispo import cispo_terms
-from moe_gspo.algos.gmpo import gmpo_terms
 from moe_gspo.algos.kl import KL_ESTIMATORS, kl_estimate
-from moe_gspo.algos.loss_common import PolicyTerms, prepare
-from moe_gspo.algos.ppo_clip import gspo_terms, gspo_token_terms, grpo_terms
+from moe_gspo.algos.loss_common import prepare
 from moe_gspo.algos.ratios import check_max_log_ratio, check_token_tensors, ratio_stats
-from moe_gspo.algos.sapo import sapo_terms
+from moe_gspo.algos.registry import BUILTIN_ALGOS, AlgoSpec, algo_names, get_algo
 
-
-@dataclass(frozen=True)
-class AlgoSpec:
-    """How `policy_loss` treats one algorithm."""
-
-    terms: Callable[..., PolicyTerms]
-    sequence_level: bool
-    """One term per sequence: only the seq-mean-token-mean aggregation."""
-    default_agg: str
-    clip: str
-    """What clip_low / clip_high mean: `ratio` (range [1 - low, 1 + high], low < 1), `log` (log-space
-    bounds [-low, high]), `weight` (cispo: the weight's range [1 - low, 1 + high], low >= 1 = no floor),
-    `none` (no clip: they must be None)."""
-    per_token_advantages: bool = True
-
-
-SEQ = agg.SEQUENCE_LEVEL_MODE
-ALGO_SPECS: dict[str, AlgoSpec] = {
-    "gspo": AlgoSpec(gspo_terms, True, SEQ, "ratio", per_token_advantages=False),
-    "gspo_token": AlgoSpec(gspo_token_terms, True, SEQ, "ratio"),
-    "grpo": AlgoSpec(grpo_terms, False, SEQ, "ratio"),
-    "gmpo": AlgoSpec(gmpo_terms, True, SEQ, "log", per_token_advantages=False),
-    "cispo": AlgoSpec(cispo_terms, False, "token-mean", "weight"),
-    "sapo": AlgoSpec(sapo_terms, False, SEQ, "none"),
-}
-ALGOS = tuple(ALGO_SPECS)
+ALGOS = BUILTIN_ALGOS
+"""The built-in algorithms (`moe_gspo.algos.registry`)."""
 AGGREGATIONS = tuple(agg.ALIASES)
 """The old `aggregation` names (aliases of `aggregation.LOSS_AGG_MODES`)."""
 
 
-def resolve_mode(algo: str, loss_agg_mode: str | None = None, aggregation: str | None = None) -> str:
-    """The aggregation `policy_loss` uses for `algo`; ValueError for unknown or invalid combinations."""
-    if algo not in ALGO_SPECS:
-        raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
-    spec = ALGO_SPECS[algo]
-    mode = agg.resolve_loss_agg_mode(loss_agg_mode, aggregation, spec.default_agg)
-    if spec.sequence_level and mode != SEQ:
-        given = f"loss_agg_mode={mode!r}" + (f" (aggregation={aggregation!r})" if aggregation else "")
-        raise ValueError(f"{given} does not apply to {algo}: it is a sequence-level method (one term per "
-                         f"sequence, its token mean inside the sequence ratio); use {SEQ!r} or leave it unset")
-    return mode
-
-
-def _check_clip(algo: str, kind: str, clip_low, clip_high) -> None:
+def _check_clip(spec: AlgoSpec, clip_low, clip_high) -> None:
+    algo, kind = spec.name, spec.clip
     if kind == "none":
         if clip_low is not None or clip_high is not None:
             raise ValueError(f"{algo} has no clip range (a soft gate instead); pass clip_low=None, clip_high=None")
@@ -134,14 +86,15 @@ def _check_clip(algo: str, kind: str, clip_low, clip_high) -> None:
         raise ValueError(f"clip_high must be >= 0 (the ratio ceiling is 1 + clip_high), got {clip_high}")
 
 
-def _check_advantages(algo: str, advantages, mask_BT: torch.Tensor) -> None:
+def _check_advantages(spec: AlgoSpec, advantages, mask_BT: torch.Tensor) -> None:
     if not isinstance(advantages, torch.Tensor):
         raise ValueError(f"advantages must be a torch.Tensor [B] or [B, T], got {type(advantages).__name__}")
     num_seqs, num_cols = mask_BT.shape
     if advantages.dim() == 2:
-        if not ALGO_SPECS[algo].per_token_advantages:
-            raise ValueError(f"{algo} needs one advantage per sequence: pass advantages of shape [B]"
-                             + (", or use algo='gspo_token' for per-token advantages [B, T]" if algo == "gspo" else ""))
+        if not spec.per_token_advantages:
+            takers = [n for n in algo_names() if get_algo(n).per_token_advantages]
+            raise ValueError(f"{spec.name} needs one advantage per sequence: pass advantages of shape [B], or use "
+                             f"an algorithm that takes per-token advantages [B, T]: {', '.join(takers)}")
         if advantages.shape != mask_BT.shape:
             raise ValueError(f"per-token advantages have shape {tuple(advantages.shape)}, expected "
                              f"{(num_seqs, num_cols)} like mask_BT")
@@ -153,7 +106,7 @@ def _check_advantages(algo: str, advantages, mask_BT: torch.Tensor) -> None:
 
 
 def policy_loss(
-    algo: str,
+    algo: str | AlgoSpec,
     logp_BT: torch.Tensor,
     old_logp_BT: torch.Tensor,
     advantages: torch.Tensor,
@@ -167,8 +120,8 @@ def policy_loss(
     loss_agg_mode: str | None = None,
     aggregation: str | None = None,
     loss_scale_factor: float | None = None,
-    sapo_tau_pos: float = 1.0,
-    sapo_tau_neg: float = 1.05,
+    sapo_tau_pos: float | None = None,
+    sapo_tau_neg: float | None = None,
     max_log_ratio: float = 20.0,
     is_weights_BT: torch.Tensor | None = None,
     entropy_BT: torch.Tensor | None = None,
@@ -177,7 +130,8 @@ def policy_loss(
     """The loss of `algo` (negative objective, 0-dim) and its metrics.
 
     Args:
-        algo: one of `ALGOS` (see the module docstring).
+        algo: a registered algorithm's name, a plug-in `module:Spec` / `file.py:Spec`, or an `AlgoSpec`
+            (`moe_gspo.algos.registry`).
         logp_BT: [B, T] log-probs of the sampled response tokens under the current policy (grad).
         old_logp_BT: [B, T] log-probs under the policy that sampled them (constant).
         advantages: [B] per-sequence, or [B, T] per-token (not gspo, gmpo).
@@ -189,7 +143,8 @@ def policy_loss(
         loss_agg_mode: see `moe_gspo.algos.aggregation`; None = the algorithm's default.
         aggregation: the old name: "seq_mean" or "token_mean" (aliases of loss_agg_mode).
         loss_scale_factor: the constant L of seq-mean-token-sum-norm (required there only).
-        sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures for A > 0 and A <= 0.
+        sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures for A > 0 and A <= 0; None = the spec's
+            default (`AlgoSpec.options`; other algorithms ignore them).
         max_log_ratio: clamp of per-token log ratios before exp.
         is_weights_BT: [B, T] rollout-correction weights (constants) multiplying the policy-gradient
             term of each token; None = all 1.
@@ -203,11 +158,11 @@ def policy_loss(
     check_token_tensors(mask_BT, logp_BT=logp_BT, old_logp_BT=old_logp_BT, ref_logp_BT=ref_logp_BT,
                         is_weights_BT=is_weights_BT, entropy_BT=entropy_BT)
     check_max_log_ratio(max_log_ratio)
-    mode = resolve_mode(algo, loss_agg_mode, aggregation)
-    spec = ALGO_SPECS[algo]
+    spec = algo if isinstance(algo, AlgoSpec) else get_algo(algo)
+    mode = spec.resolve_mode(loss_agg_mode, aggregation)
     agg.check_loss_scale_factor(mode, loss_scale_factor)
-    _check_clip(algo, spec.clip, clip_low, clip_high)
-    _check_advantages(algo, advantages, mask_BT)
+    _check_clip(spec, clip_low, clip_high)
+    _check_advantages(spec, advantages, mask_BT)
     if not float(kl_coef) >= 0.0:
         raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
     if float(kl_coef) > 0.0 and ref_logp_BT is None:
@@ -218,12 +173,15 @@ def policy_loss(
         raise ValueError("entropy_coef > 0 needs entropy_BT (the current policy's per-token entropy [B, T])")
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
-    if algo == "sapo" and not (float(sapo_tau_pos) > 0.0 and float(sapo_tau_neg) > 0.0):
-        raise ValueError(f"sapo_tau_pos and sapo_tau_neg must be > 0, got {sapo_tau_pos}, {sapo_tau_neg}")
+    given = {"sapo_tau_pos": sapo_tau_pos, "sapo_tau_neg": sapo_tau_neg}  # algo_spec.OPTION_NAMES
+    options = {k: default if given[k] is None else given[k] for k, default in spec.options.items()}
+    for k, v in options.items():
+        if not float(v) > 0.0:
+            raise ValueError(f"{k} must be > 0 ({spec.name}'s option), got {v}")
 
     inp = prepare(logp_BT, old_logp_BT, advantages, mask_BT, is_weights_BT=is_weights_BT,
                   max_log_ratio=max_log_ratio)
-    terms = spec.terms(inp, clip_low=clip_low, clip_high=clip_high, tau_pos=sapo_tau_pos, tau_neg=sapo_tau_neg)
+    terms = spec.terms(inp, clip_low=clip_low, clip_high=clip_high, **options)
 
     def aggregate(values_BT: torch.Tensor) -> torch.Tensor:
         return agg.aggregate(values_BT, inp.mask, mode, loss_scale_factor=loss_scale_factor)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_gspo.algos.algo_spec import AlgoSpec
 from moe_gspo.algos.loss_common import LossInputs, PolicyTerms, clip_metrics
 
 
@@ -80,3 +81,29 @@ def gspo_token_terms(inp: LossInputs, *, clip_low: float, clip_high: float, **_)
 
 def grpo_terms(inp: LossInputs, *, clip_low: float, clip_high: float, **_) -> PolicyTerms:
     return _token_terms(inp, torch.exp(inp.lr), clip_low, clip_high)
+
+
+def _sequence_clip_advice(clip_low: float, clip_high: float) -> str | None:
+    if clip_high >= 0.05:
+        return ("that is a token-level range; GSPO's sequence ratio is length-normalised and lives near 1, the paper "
+                "uses (3e-4, 4e-4). Nothing will be clipped.")
+    return None
+
+
+def _token_clip_advice(clip_low: float, clip_high: float) -> str | None:
+    if clip_high < 0.01:
+        return ("a sequence-level range applied to token ratios clips almost every token; the paper's GRPO baseline "
+                "uses (0.2, 0.27).")
+    return None
+
+
+# Clip ranges: the GSPO paper's (Zheng et al. 2025, section 5.1; sequence ratios live near 1) for all three.
+GSPO = AlgoSpec(name="gspo", terms=gspo_terms, level="sequence", clip="ratio", default_clip=(3e-4, 4e-4),
+                per_token_advantages=False, clip_advice=_sequence_clip_advice,
+                doc="sequence ratio (geometric mean of the token ratios), PPO clip on it (Zheng et al. 2025)")
+GSPO_TOKEN = AlgoSpec(name="gspo_token", terms=gspo_token_terms, level="sequence", clip="ratio",
+                      default_clip=(3e-4, 4e-4), clip_advice=_sequence_clip_advice,
+                      doc="GSPO's token-wise variant: sg[sequence ratio] x a token carrier, takes per-token advantages")
+GRPO = AlgoSpec(name="grpo", terms=grpo_terms, level="token", clip="ratio", default_clip=(0.2, 0.27),
+                clip_advice=_token_clip_advice,
+                doc="token ratio, PPO clip per token (Shao et al. 2024, DeepSeekMath)")

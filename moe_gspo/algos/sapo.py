@@ -32,16 +32,16 @@ from __future__ import annotations
 
 import torch
 
+from moe_gspo.algos.algo_spec import AlgoSpec
 from moe_gspo.algos.loss_common import LossInputs, PolicyTerms
 
-DEFAULT_TAUS = (1.0, 1.05)
 GATE_WEIGHT_LEVEL = 0.5
 """`gate/token_frac_below_half` counts tokens whose gate weight is below this."""
 
 
-def sapo_terms(inp: LossInputs, *, tau_pos: float, tau_neg: float, **_) -> PolicyTerms:
+def sapo_terms(inp: LossInputs, *, sapo_tau_pos: float, sapo_tau_neg: float, **_) -> PolicyTerms:
     w = torch.exp(inp.lr)
-    tau = torch.where(inp.adv_BT > 0, float(tau_pos), float(tau_neg)).to(w.dtype)
+    tau = torch.where(inp.adv_BT > 0, float(sapo_tau_pos), float(sapo_tau_neg)).to(w.dtype)
     x = tau * (w - 1.0)
     objective_BT = torch.where(inp.mask, (4.0 / tau) * torch.sigmoid(x) * inp.adv_BT, 0.0)
     if inp.is_w_BT is not None:
@@ -53,3 +53,8 @@ def sapo_terms(inp: LossInputs, *, tau_pos: float, tau_neg: float, **_) -> Polic
         metrics = {"gate/weight_mean": torch.where(inp.mask, gate, 0.0).sum() / count,
                    "gate/token_frac_below_half": ((gate < GATE_WEIGHT_LEVEL) & inp.mask).sum().double() / count}
     return PolicyTerms(metrics=metrics, objective_BT=objective_BT)
+
+
+SAPO = AlgoSpec(name="sapo", terms=sapo_terms, level="token", clip="none",
+                options={"sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05},  # the paper's temperatures
+                doc="a soft sigmoid gate on the token ratio instead of a clip (Gao et al. 2025, Qwen team)")

@@ -23,7 +23,8 @@ import typing
 import warnings
 from typing import Callable
 
-from moe_gspo.config import ALGOS, REPLAYS, Config
+from moe_gspo.algos.registry import PLUGIN_FORM, algo_names, get_algo
+from moe_gspo.config import REPLAYS, Config
 from moe_gspo.config_load import field_docs, load_config, parse_override
 
 OVERRIDES_HELP = "dotted config overrides, e.g. train.steps=20 rollout.dtype=float32"
@@ -171,11 +172,19 @@ def help_config(load: Callable[[], tuple[Config, str]], fallback: Callable[[], C
 
 # --------------------------------------------------------------------------- train
 
+def algorithms_help() -> str:
+    """The `--help` section listing every registered algorithm (`AlgoSpec.help_line`) and the plug-in form."""
+    lines = [f"  {get_algo(n).help_line()}" for n in algo_names()]
+    return "\n".join(["algorithms (--algo NAME, algo.name=NAME):", *lines,
+                      f"  a loss of your own: algo.name={PLUGIN_FORM}"])
+
+
 def build_parser(prog: str, description: str, *, raise_errors: bool = False,
                  add_help: bool = True) -> argparse.ArgumentParser:
     p = OnceArgumentParser(prog=prog, description=description, raise_errors=raise_errors, add_help=add_help)
     add_config_arguments(p, default=TRAIN_DEFAULT_CONFIG)
-    p.add_argument("--algo", choices=ALGOS, help="shortcut for algo.name=...")
+    p.add_argument("--algo", choices=algo_names(), metavar="NAME",
+                   help="shortcut for algo.name=NAME: " + ", ".join(algo_names()) + " (listed below)")
     p.add_argument("--routing-replay", choices=REPLAYS, help="shortcut for algo.routing_replay=...")
     p.add_argument("--run-dir", default=None,
                    help="output directory (metrics.jsonl, traces, checkpoints); default runs/<algo>-<replay>")
@@ -203,7 +212,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         raise ValueError("--resume continues the run in --run-dir and --overwrite moves it aside to start "
                          "afresh; give one of them")
     if args.run_dir is None:
-        args.run_dir = f"runs/{cfg.algo.name}-{cfg.algo.routing_replay}"
+        args.run_dir = f"runs/{cfg.algo.spec().name}-{cfg.algo.routing_replay}"  # a plug-in: its spec's name
     return cfg
 
 
@@ -235,7 +244,7 @@ def parse_train_args(argv: list[str] | None = None) -> tuple[argparse.Namespace,
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(TRAIN_PROG, TRAIN_DESCRIPTION)
     if help_requested(argv):
-        parser.epilog = _train_help(argv)
+        parser.epilog = algorithms_help() + "\n\n" + _train_help(argv)
     args = parse_mixed(parser, argv)
     try:
         with warnings.catch_warnings():

@@ -302,7 +302,7 @@ def test_old_logp_and_advantages_are_constants():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(algo="ppo"), "algo must be one of"),
+        (dict(algo="ppo"), r"algo.name='ppo' is not one of \['gspo'"),
         (dict(algo="gspo", aggregation="token_mean"), "token_mean"),
         (dict(algo="gspo_token", aggregation="token_mean"), "token_mean"),
         (dict(algo="gmpo", loss_agg_mode="seq-mean-token-sum"), "sequence-level method"),

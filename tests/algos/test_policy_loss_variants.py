@@ -10,7 +10,7 @@ import torch
 
 from algos._cases import LN, NAN, hand_batch, mixed_sign_batch
 from moe_gspo.algos import LOSS_AGG_MODES, policy_loss
-from moe_gspo.config import DEFAULT_CLIP
+from moe_gspo.algos.registry import get_algo
 
 SIG = lambda x: 1.0 / (1.0 + math.exp(-x))  # noqa: E731
 TOKEN_LEVEL = ("grpo", "cispo", "sapo")
@@ -287,7 +287,7 @@ def test_entropy_bonus_by_hand(algo):
     mask = torch.tensor([[True, True, False], [True, True, True]])
     ent = torch.tensor([[1.0, 2.0, 9.0], [0.5, 0.5, 0.5]], requires_grad=True)
     adv = torch.tensor([1.0, -1.0])
-    clip = dict(zip(("clip_low", "clip_high"), DEFAULT_CLIP[algo]))
+    clip = dict(zip(("clip_low", "clip_high"), get_algo(algo).default_clip))
     base, _ = policy_loss(algo, logp, logp.detach(), adv, mask, **clip)
     loss, m = policy_loss(algo, logp, logp.detach(), adv, mask, entropy_BT=ent, entropy_coef=0.1, **clip)
     expected_ent = (1.5 + 0.5) / 2 if algo != "cispo" else (1 + 2 + 1.5) / 5

@@ -1,0 +1,126 @@
+"""The algorithm registry: `algo.name` -> `AlgoSpec`.
+
+The built-in algorithms are registered below, one line each, from the modules that hold their maths
+(`ppo_clip`, `gmpo`, `cispo`, `sapo`). `get_algo(name)` answers every question about an algorithm
+(`policy_loss`, the config checks, `--help`); `algo_names()` lists the registered names.
+
+A loss of your own, without touching the package: `algo.name=package.module:Spec` (importable from the
+working directory or the environment) or `algo.name=path/to/file.py:Spec` (a file, loaded by path,
+relative to the working directory), where `Spec` is an `AlgoSpec` (`moe_gspo.algos.algo_spec`). It is
+loaded and registered under its own `AlgoSpec.name` the first time the name is asked for: when the config
+is validated, i.e. on every rank, since every rank reads the config. Errors are one ValueError naming
+`algo.name` and the fix (the same rules as `task.reward`, `moe_gspo/tasks/plugin.py`).
+docs/architecture.md, "Adding a loss".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import sys
+import traceback
+from pathlib import Path
+
+from moe_gspo.algos.algo_spec import AlgoSpec
+from moe_gspo.algos.cispo import CISPO
+from moe_gspo.algos.gmpo import GMPO
+from moe_gspo.algos.ppo_clip import GRPO, GSPO, GSPO_TOKEN
+from moe_gspo.algos.sapo import SAPO
+
+__all__ = ["AlgoSpec", "BUILTIN_ALGOS", "algo_names", "get_algo", "register_algo"]
+
+_SPECS: dict[str, AlgoSpec] = {}
+_PLUGINS: dict[str, AlgoSpec] = {}
+"""`module:Spec` / `file.py:Spec` references already loaded, and the spec each named."""
+PLUGIN_FORM = "package.module:Spec or path/to/file.py:Spec (an AlgoSpec; docs/architecture.md, \"Adding a loss\")"
+
+
+def register_algo(spec: AlgoSpec) -> AlgoSpec:
+    """Register `spec` under `spec.name` (again with the same object: no-op); returns it. ValueError
+    when another spec holds the name."""
+    if not isinstance(spec, AlgoSpec):
+        raise ValueError(f"register_algo takes an AlgoSpec (moe_gspo.algos.algo_spec), got {type(spec).__name__}")
+    have = _SPECS.get(spec.name)
+    if have is not None and have is not spec:
+        raise ValueError(f"an algorithm named {spec.name!r} is registered already (terms from "
+                         f"{getattr(have.terms, '__module__', '?')}); give yours another AlgoSpec.name")
+    _SPECS[spec.name] = spec
+    return spec
+
+
+def algo_names() -> tuple[str, ...]:
+    """The registered algorithm names, built-ins first, in registration order."""
+    return tuple(_SPECS)
+
+
+def get_algo(name: str) -> AlgoSpec:
+    """The spec of `name`: a registered name, or a plug-in reference (`module:Spec`, `file.py:Spec`),
+    loaded and registered on first use; ValueError naming algo.name and the choices otherwise."""
+    if isinstance(name, str):
+        if name in _SPECS:
+            return _SPECS[name]
+        if name in _PLUGINS:
+            return _PLUGINS[name]
+        if ":" in name:
+            return _load_plugin(name)
+    raise ValueError(f"algo.name={name!r} is not one of {list(_SPECS)}; or give a loss of your own as {PLUGIN_FORM}")
+
+
+def _load_plugin(ref: str) -> AlgoSpec:
+    where, _, attr = ref.partition(":")
+    if not where or not attr.isidentifier():
+        raise ValueError(f"algo.name={ref!r}: give {PLUGIN_FORM}")
+    try:
+        module = _import(where, ref)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's module: any failure to import is a user error
+        raise ValueError(f"algo.name={ref!r}: cannot import {where!r}: {type(e).__name__}: {e}{_user_frame(e)}") from None
+    obj = getattr(module, attr, None)
+    if not isinstance(obj, AlgoSpec):
+        specs = sorted(k for k, v in vars(module).items() if isinstance(v, AlgoSpec))
+        what = f"has no {attr!r}" if obj is None else f"has {attr!r}, a {type(obj).__name__}, not an AlgoSpec"
+        raise ValueError(f"algo.name={ref!r}: {where!r} {what}; its AlgoSpecs: {', '.join(specs) or 'none'} "
+                         "(build one: AlgoSpec(name=..., doc=..., terms=..., level=..., clip=...) from "
+                         "moe_gspo.algos.registry)")
+    try:
+        register_algo(obj)
+    except ValueError as e:
+        raise ValueError(f"algo.name={ref!r}: {e}") from None
+    _PLUGINS[ref] = obj
+    return obj
+
+
+def _import(where: str, ref: str):
+    if not where.endswith(".py"):
+        return importlib.import_module(where)
+    path = Path(where)
+    if not path.is_file():
+        raise ValueError(f"algo.name={ref!r}: file {where!r} does not exist; give a path to a .py file (relative to "
+                         "the working directory) or package.module:Spec")
+    mod_name = f"moe_gspo_algo_{hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]}"
+    if mod_name in sys.modules:  # the same file under another spelling of its path: one module, one spec
+        return sys.modules[mod_name]
+    loader = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(loader)
+    sys.modules[mod_name] = module  # dataclasses and pickling inside the file need it
+    try:
+        loader.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[mod_name]
+        raise
+    return module
+
+
+def _user_frame(e: BaseException) -> str:
+    """` (at FILE:LINE)` of the innermost frame outside this module and Python's frozen ones, or ""."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if f.filename != __file__ and not f.filename.startswith("<frozen")]
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+
+
+for _spec in (GSPO, GSPO_TOKEN, GRPO, GMPO, CISPO, SAPO):  # the built-ins, in --help's order
+    register_algo(_spec)
+BUILTIN_ALGOS = algo_names()
+"""The built-in algorithms' names."""

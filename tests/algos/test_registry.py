@@ -1,0 +1,186 @@
+"""The algorithm registry (moe_gspo/algos/registry.py): one `AlgoSpec` per algorithm, registered once;
+unknown names and bad plug-ins are one ValueError naming algo.name and the fix; a spec's defaults reach
+the config and `policy_loss` without any name check."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import textwrap
+
+import pytest
+import torch
+
+from moe_gspo.algos import ALGOS, policy_loss
+from moe_gspo.algos import registry
+from moe_gspo.algos.loss_common import PolicyTerms, grad_carrier
+from moe_gspo.algos.registry import AlgoSpec, algo_names, get_algo, register_algo
+from moe_gspo.config_load import load_config
+
+
+@pytest.fixture(autouse=True)
+def _private_registry(monkeypatch):
+    """Each test registers into a copy: the process-wide registry stays the built-ins."""
+    monkeypatch.setattr(registry, "_SPECS", dict(registry._SPECS))
+    monkeypatch.setattr(registry, "_PLUGINS", dict(registry._PLUGINS))
+
+
+def _pg_terms(inp, *, clip_low, clip_high, **_):
+    objective_BT = torch.where(inp.mask, inp.adv_BT * grad_carrier(inp), 0.0)
+    return PolicyTerms(objective_BT=objective_BT, metrics={"toy/marker": torch.tensor(7.0, dtype=torch.float64)})
+
+
+def _toy(**kw) -> AlgoSpec:
+    base = dict(name="toy_pg", doc="plain policy gradient", terms=_pg_terms, level="token", clip="ratio",
+                default_clip=(0.1, 0.15), default_agg="token-mean")
+    return AlgoSpec(**{**base, **kw})
+
+
+TOY_FILE = """
+import torch
+from moe_gspo.algos.loss_common import PolicyTerms, grad_carrier
+from moe_gspo.algos.registry import AlgoSpec
+
+def terms(inp, *, clip_low, clip_high, **_):
+    return PolicyTerms(objective_BT=torch.where(inp.mask, inp.adv_BT * grad_carrier(inp), 0.0), metrics={})
+
+SPEC = AlgoSpec(name="{name}", doc="a file's loss", terms=terms, level="token", clip="ratio",
+                default_clip=(0.05, 0.06), default_agg="seq-mean-token-sum")
+NOT_A_SPEC = 3
+"""
+
+
+def _write(tmp_path, name="file_pg", body=TOY_FILE, fname="my_loss.py"):
+    path = tmp_path / fname
+    path.write_text(textwrap.dedent(body).replace("{name}", name))
+    return path
+
+
+def test_the_builtins_are_registered_in_order():
+    assert ALGOS == algo_names() == ("gspo", "gspo_token", "grpo", "gmpo", "cispo", "sapo")
+    for name in ALGOS:
+        spec = get_algo(name)
+        assert spec.name == name and spec.doc and "\n" not in spec.doc
+        assert (spec.default_clip is None) == (spec.clip == "none")
+    assert [n for n in ALGOS if get_algo(n).sequence_level] == ["gspo", "gspo_token", "gmpo"]
+
+
+def test_a_duplicate_name_is_refused_and_the_same_spec_twice_is_not():
+    with pytest.raises(ValueError, match=r"an algorithm named 'gspo' is registered already .*another AlgoSpec.name"):
+        register_algo(_toy(name="gspo"))
+    spec = register_algo(_toy())
+    assert register_algo(spec) is spec and get_algo("toy_pg") is spec  # the same object again: fine
+    with pytest.raises(ValueError, match="'toy_pg' is registered already"):
+        register_algo(_toy(doc="another one"))
+    assert algo_names()[-1] == "toy_pg"
+
+
+def test_an_unknown_name_lists_the_choices_and_the_plugin_form():
+    with pytest.raises(ValueError) as e:
+        get_algo("ppo")
+    msg = str(e.value)
+    assert msg.startswith("algo.name='ppo' is not one of [")
+    assert all(f"'{n}'" in msg for n in ALGOS) and "package.module:Spec or path/to/file.py:Spec" in msg
+    with pytest.raises(ValueError, match=r"^algo.name='ppo' is not one of \['gspo', "):
+        load_config(None, ["algo.name=ppo"])
+
+
+def test_spec_defaults_reach_the_config_and_the_loss():
+    register_algo(_toy())
+    cfg = load_config(None, ["algo.name=toy_pg"]).algo
+    assert cfg.spec() is get_algo("toy_pg") and cfg.clip_range() == (0.1, 0.15)
+    opts = cfg.loss_options()
+    assert (opts["clip_low"], opts["clip_high"], opts["loss_agg_mode"]) == (0.1, 0.15, "token-mean")
+    assert "sapo_tau_pos" not in opts
+    # a token-level spec takes every mode; an override of its clip is checked by its clip meaning
+    assert load_config(None, ["algo.name=toy_pg", "algo.loss_agg_mode=seq-mean-token-mean"]).algo.loss_options()[
+        "loss_agg_mode"] == "seq-mean-token-mean"
+    with pytest.raises(ValueError, match=r"algo.clip_low=1.5 must be in \(0, 1\)"):
+        load_config(None, ["algo.name=toy_pg", "algo.clip_low=1.5"])
+    with pytest.raises(ValueError, match=r"algo.sapo_tau_pos=2.0 applies to algo.name=sapo only \(now toy_pg\)"):
+        load_config(None, ["algo.name=toy_pg", "algo.sapo_tau_pos=2"])
+    # the loss runs the spec's terms, by name or by the spec itself
+    logp = torch.zeros(2, 3, requires_grad=True)
+    args = (logp, logp.detach(), torch.tensor([1.0, -1.0]), torch.ones(2, 3))
+    loss, m = policy_loss("toy_pg", *args, **opts)
+    assert float(m["toy/marker"]) == 7.0 and float(loss.detach()) == 0.0
+    loss2, _ = policy_loss(get_algo("toy_pg"), *args, **opts)
+    assert float(loss2.detach()) == float(loss.detach())
+
+
+def test_a_sequence_level_spec_refuses_other_modes_at_config_time():
+    register_algo(_toy(name="toy_seq", level="sequence", default_agg="seq-mean-token-mean"))
+    with pytest.raises(ValueError, match=r"does not apply to toy_seq: a sequence-level method .*token-level method "
+                                         r"\(grpo, cispo, sapo\)"):
+        load_config(None, ["algo.name=toy_seq", "algo.loss_agg_mode=token-mean"])
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(name="9lives"), "name must be letters"),
+    (dict(name="a-b"), "name must be letters"),
+    (dict(doc=""), "doc must be one non-empty line"),
+    (dict(terms=3), "terms must be a function"),
+    (dict(level="batch"), "level must be"),
+    (dict(clip="soft"), "clip must be one of"),
+    (dict(clip="none"), "default_clip must be None exactly when clip='none'"),
+    (dict(default_clip=None), "default_clip must be None exactly when clip='none'"),
+    (dict(default_clip=(1.5, 0.1)), "is not a valid"),
+    (dict(default_agg="mean"), "default_agg must be one of"),
+    (dict(level="sequence"), "a sequence-level method aggregates with 'seq-mean-token-mean' only"),
+    (dict(options={"temperature": 1.0}), "options must map names of"),
+    (dict(options={"sapo_tau_pos": 0.0}), "options must map names of"),
+])
+def test_a_malformed_spec_is_refused_when_built(kw, match):
+    with pytest.raises(ValueError, match=match):
+        _toy(**kw)
+
+
+def test_specs_are_frozen_kw_only_dataclasses():
+    spec = get_algo("sapo")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.name = "x"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        spec.options["sapo_tau_pos"] = 2.0  # type: ignore[index]
+    with pytest.raises(TypeError):
+        AlgoSpec("x", "doc", _pg_terms, "token", "ratio")  # type: ignore[misc]
+
+
+def test_a_file_plugin_is_loaded_once_and_registered(tmp_path, monkeypatch):
+    path = _write(tmp_path)
+    cfg = load_config(None, [f"algo.name={path}:SPEC"]).algo
+    spec = cfg.spec()
+    assert spec.name == "file_pg" and get_algo("file_pg") is spec and "file_pg" in algo_names()
+    assert cfg.loss_options()["loss_agg_mode"] == "seq-mean-token-sum" and cfg.clip_range() == (0.05, 0.06)
+    # another spelling of the same file: the same module, the same spec (no duplicate)
+    monkeypatch.chdir(tmp_path)
+    assert get_algo("my_loss.py:SPEC") is spec and get_algo(f"{path}:SPEC") is spec
+
+
+def test_a_module_plugin(tmp_path, monkeypatch):
+    pkg = tmp_path / "toypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    _write(pkg, name="module_pg", fname="losses.py")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = load_config(None, ["algo.name=toypkg.losses:SPEC"]).algo.spec()
+    assert spec.name == "module_pg" and get_algo("module_pg") is spec
+
+
+def test_bad_plugins_are_one_error_naming_algo_name(tmp_path):
+    good = _write(tmp_path)
+    clash = _write(tmp_path, name="gspo", fname="clash.py")
+    broken = _write(tmp_path, body="x = 1\nraise RuntimeError('boom')\n", fname="broken.py")
+    cases = [
+        (f"{tmp_path}/nope.py:SPEC", r"file '.*nope.py' does not exist; give a path to a .py file"),
+        (f"{good}:MISSING", r"'.*my_loss.py' has no 'MISSING'; its AlgoSpecs: SPEC \(build one: AlgoSpec\(name=\.\.\."),
+        (f"{good}:NOT_A_SPEC", r"'.*my_loss.py' has 'NOT_A_SPEC', a int, not an AlgoSpec; its AlgoSpecs: SPEC"),
+        ("no_such_pkg_h1.mod:SPEC", r"cannot import 'no_such_pkg_h1.mod': ModuleNotFoundError"),
+        (f"{broken}:SPEC", r"cannot import .*RuntimeError: boom \(at .*broken.py:2\)"),
+        (f"{clash}:SPEC", r"an algorithm named 'gspo' is registered already"),
+    ]
+    for ref, match in cases:
+        with pytest.raises(ValueError, match=r"^algo.name=" + re.escape(repr(ref)) + ": " + match):
+            load_config(None, [f"algo.name={ref}"])
+    with pytest.raises(ValueError, match=r"^algo.name='.*my_loss.py:': give package.module:Spec or path/to/file.py:Spec"):
+        get_algo(f"{good}:")  # (on the command line YAML would read `x.py:` as a mapping: a type error)
+    assert "gspo" in algo_names() and get_algo("gspo").terms.__module__ == "moe_gspo.algos.ppo_clip"

@@ -101,6 +101,14 @@ class ReplayModeSpec:
         (`train.fuse_old_logp_pass`): the update replays nothing or the old pass's own routes."""
         return self.source(LearnerPass.UPDATE) in (RouteSource.NONE, RouteSource.OLD_PASS)
 
+    def check_rollout(self, *, record_routes: bool) -> None:
+        """Refuse a rollout that records no routes where this mode replays the engine's (config check)."""
+        if self.replays_rollout and not record_routes:
+            others = "/".join(m.name for m in REPLAY_MODES.values() if not m.replays_rollout and m.replays)
+            raise ValueError(f"algo.routing_replay={self.name} replays the rollout engine's routes, but "
+                             "rollout.record_routes=false; set rollout.record_routes=true or choose "
+                             f"algo.routing_replay={others}/{NO_REPLAY}")
+
     def check_model(self, *, has_replay: bool) -> None:
         """Refuse a model whose routers cannot replay when this mode replays."""
         if self.replays and not has_replay:

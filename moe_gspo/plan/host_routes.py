@@ -94,6 +94,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moe_gspo.learner.replay_plan import replay_spec
 from moe_gspo.plan.params import Geometry
 from moe_gspo.routing.trace import ids_dtype
 
@@ -266,8 +267,9 @@ def route_host_bytes(geom: Geometry, *, num_seqs: int, seq_len: int, record_rout
     record_mb = record_microbatch_bytes(geom, seqs=replay_mb_seqs, seq_len=seq_len)
     pass_t = max(float(tokens * per["learner_gather"]), record_mb)  # the pass end, or one micro-batch's
     metrics_t = float(tokens * per["metrics"])
-    r3_copy = float(tokens * lkb) if replay == "r3" else 0.0
-    replay_mb = replay_microbatch_bytes(geom, seqs=replay_mb_seqs, seq_len=seq_len) if replay in ("r2", "r3") else 0.0
+    spec = replay_spec(replay)  # the merged copy of the checked rollout routes, the replay micro-batch tensors
+    r3_copy = float(tokens * lkb) if spec.replays_rollout else 0.0
+    replay_mb = replay_microbatch_bytes(geom, seqs=replay_mb_seqs, seq_len=seq_len) if spec.replays else 0.0
     drift = max(0, int(drift_passes))
     drift_t = float(tokens * per["drift_metrics"])
     moments = {

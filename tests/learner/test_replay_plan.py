@@ -44,6 +44,13 @@ def test_unknown_mode_and_a_model_without_replay_are_refused():
         with pytest.raises(ValueError, match=f"routing replay {mode} needs .*enable_routing_replay=True"):
             replay_spec(mode).check_model(has_replay=False)
     assert isinstance(replay_spec("r2"), ReplayModeSpec)
+    for mode in ("none", "r2", "r3"):
+        replay_spec(mode).check_rollout(record_routes=True)
+    replay_spec("r2").check_rollout(record_routes=False)
+    with pytest.raises(ValueError, match=r"^algo\.routing_replay=r3 replays the rollout engine's routes, but "
+                                         r"rollout\.record_routes=false; set rollout\.record_routes=true or "
+                                         r"choose algo\.routing_replay=r2/none$"):
+        replay_spec("r3").check_rollout(record_routes=False)
 
 
 L, K, E = 2, 2, 8

@@ -5,21 +5,23 @@ import math
 import torch
 
 from moe_gspo.algos import ALGOS
+from moe_gspo.algos.registry import get_algo
 
 PPO_CLIP = ("gspo", "gspo_token", "grpo")
 """The hard-clip methods whose clip acts on a ratio range [1 - low, 1 + high] (tests written for them)."""
-SAPO_TAUS = (1.0, 1.05)
+SAPO_TAUS = tuple(get_algo("sapo").options.values())
 LN = math.log
 NAN, INF = float("nan"), float("inf")
 
 
 def loss_kwargs(algo: str, clip_low: float = 0.2, clip_high: float = 0.2) -> dict:
-    """Clip arguments of `algo` (gmpo reads them as log-space bounds; sapo takes none)."""
-    return {} if algo == "sapo" else dict(clip_low=clip_low, clip_high=clip_high)
+    """Clip arguments of `algo` (gmpo reads them as log-space bounds; an algorithm without a clip range,
+    sapo, takes none)."""
+    return {} if get_algo(algo).default_clip is None else dict(clip_low=clip_low, clip_high=clip_high)
 
 
 def default_mode(algo: str) -> str:
-    return "token-mean" if algo == "cispo" else "seq-mean-token-mean"
+    return get_algo(algo).default_agg
 
 
 def on_policy_value_BT(algo: str, adv_BT: torch.Tensor) -> torch.Tensor:

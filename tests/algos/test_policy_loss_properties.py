@@ -10,6 +10,7 @@ from hypothesis.extra import numpy as hnp
 
 from algos._cases import PPO_CLIP, default_mode, loss_kwargs, mean_as, on_policy_value_BT
 from moe_gspo.algos import ALGOS, policy_loss
+from moe_gspo.algos.registry import get_algo
 
 SETTINGS = settings(max_examples=50, deadline=None)
 GARBAGE = [float("nan"), float("inf"), -float("inf"), 0.0, 1e30, -7.5]
@@ -97,7 +98,7 @@ def test_clipping_never_raises_the_objective(batch, algo, narrow, widen):
 def test_padding_with_garbage_changes_nothing(batch, algo, num_pad, garbage, per_token, float_mask):
     logp, old, ref, adv, mask = batch
     num_seqs = logp.shape[0]
-    if per_token and algo not in ("gspo", "gmpo"):
+    if per_token and get_algo(algo).per_token_advantages:
         adv = adv[:, None] * torch.linspace(0.5, 1.5, logp.shape[1], dtype=torch.float64)[None, :]
     kwargs = dict(loss_kwargs(algo, 0.1, 0.2), kl_coef=0.05)
 

@@ -57,12 +57,12 @@ def _write(tmp_path, name="file_pg", body=TOY_FILE, fname="my_loss.py"):
 
 
 def test_the_builtins_are_registered_in_order():
-    assert ALGOS == algo_names() == ("gspo", "gspo_token", "grpo", "gmpo", "cispo", "sapo")
+    assert ALGOS == algo_names() and ALGOS[:6] == ("gspo", "gspo_token", "grpo", "gmpo", "cispo", "sapo")
     for name in ALGOS:
         spec = get_algo(name)
         assert spec.name == name and spec.doc and "\n" not in spec.doc
         assert (spec.default_clip is None) == (spec.clip == "none")
-    assert [n for n in ALGOS if get_algo(n).sequence_level] == ["gspo", "gspo_token", "gmpo"]
+    assert [n for n in ALGOS[:6] if get_algo(n).sequence_level] == ["gspo", "gspo_token", "gmpo"]
 
 
 def test_a_duplicate_name_is_refused_and_the_same_spec_twice_is_not():

@@ -75,7 +75,6 @@ fails on CPU; each rank already samples its own prompts).
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib
 import json
 import logging
@@ -276,8 +275,7 @@ class VLLMEngine(RolloutEngine):
         with _preserve_rng_state(), threads:
             self.llm = vllm.LLM(**kw)
         client = self.llm.llm_engine.engine_core
-        if getattr(client, "_finalizer", None) is not None:
-            client._finalizer.detach()  # replaced by `_release` (vLLM's would end the trainer's process group)
+        vllm_shims.detach_engine_shutdown(client)  # `_release` instead (vLLM's would end the trainer's process group)
         self._finalizer = weakref.finalize(self, _release, client, not has_pg, self._tmp_dir)
         _LIVE_ENGINES["count"] += 1
         try:
@@ -445,18 +443,9 @@ def _release(client, owns_process_group: bool, tmp_dir: Path | None) -> None:
         core.scheduler.shutdown()
         if not last:
             return
-        import torch.distributed as dist
-        from vllm.distributed import parallel_state as vps
+        from moe_gspo.rollout.vllm_shims import release_process_groups
 
-        try:
-            if dist.is_initialized():  # else the trainer already ended the world, and vLLM's groups with it
-                vps.destroy_model_parallel()
-                if vps._WORLD is not None:
-                    vps._WORLD.destroy()
-        finally:
-            vps._WORLD, vps._NODE_COUNT = None, None
-            gc.unfreeze()  # EngineCore.__init__ froze the heap
-            gc.collect()
+        release_process_groups()
     finally:
         if tmp_dir is not None:
             shutil.rmtree(tmp_dir, ignore_errors=True)

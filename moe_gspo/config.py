@@ -53,7 +53,19 @@ class ModelConfig:
     place, copied per forward under the distributed optimizer). Measured faster on the tiny CPU configs (on
     there: `train_step` 0.84x, old-policy pass 0.92x, `python -m benchmarks.fastpath_bench`); off by default
     until measured on a GPU (`python -m benchmarks.gpu_check --mfu-experts grouped|loop`). Not with
-    Transformer Engine, whose grouped GEMM is used then."""
+    Transformer Engine, whose grouped GEMM is used then. Applies to the per-expert layout only
+    (`expert_layout`)."""
+    expert_layout: Literal["auto", "per_expert", "grouped"] = "auto"
+    """How the learner holds each MoE layer's local experts (`moe_gspo/mcore/grouped_experts.py`):
+    `per_expert` = Megatron's `SequentialMLP`, one parameter per expert and projection (computed as
+    `batched_experts` says); `grouped` = one parameter per projection, Megatron's legacy `GroupedMLP`
+    (`experts.weight1` [H, E*2F], `weight2` [E*F, H]) on `torch._grouped_mm`, whose weights the distributed
+    optimizer leaves copy-free (the per-expert grouped GEMM copies them every forward there); with Transformer
+    Engine both mean TE's grouped GEMM. `auto` = `grouped` on CUDA in bfloat16 on compute capability major 9
+    or 10 (H100/H200, B200), else `per_expert`: on the CPU the grouped layout is not faster (tiny_cpu.yaml,
+    `train_step` 0.99-1.01x and old-policy pass 0.99-1.04x of the per-expert grouped GEMM in 3 interleaved
+    runs, `python -m benchmarks.learner_bench --expert-layouts`) and its fp32 rounding differs (logits within
+    ~1e-7), so the default run is unchanged. Unmeasured on a GPU (docs/gpu.md, "Expert layout")."""
     fused_rope: bool = True
     """Learner RoPE through Megatron's `apply_rope_fusion`: Transformer Engine's kernel, or without TE one
     autograd function (`moe_gspo/mcore/fused_rope.py`; bit-identical forward and gradients; tiny model:

@@ -201,7 +201,7 @@ def build_policy(cfg: Config, info: ParallelInfo) -> Policy:
     model = build_gpt_model(
         hf_config, ep_size=info.ep_size, params_dtype=learner_dtype(cfg), enable_routing_replay=True,
         token_dispatcher=cfg.parallel.token_dispatcher, vocab_pad_multiple=cfg.model.vocab_pad_multiple,
-        recompute=cfg.model.recompute, batched_experts=cfg.model.batched_experts,
+        recompute=cfg.model.recompute, batched_experts=cfg.model.batched_experts, expert_layout=cfg.model.expert_layout,
         sdpa_attention=cfg.model.sdpa_attention, fused_rope=cfg.model.fused_rope, **megatron_router_overrides(cfg),
     )
     if cfg.model.path is None:

@@ -9,7 +9,9 @@ Supported scope:
   `linear_qkv.layer_norm_weight` / dense `linear_fc1.layer_norm_weight`, are handled by `weights`);
 - experts: Megatron's `SequentialMLP` loop, or with `model.batched_experts` one grouped GEMM per projection
   over the local experts (`batched_experts`; `torch._grouped_mm` on the CPU and on sm90/sm100 GPUs in bf16), or
-  with TE its `TEGroupedMLP` (`moe_grouped_gemm`); SwiGLU, no shared experts, no load-balancing loss;
+  with `model.expert_layout=grouped` one parameter per projection (`grouped_experts`: Megatron's legacy
+  `GroupedMLP` on `torch._grouped_mm`, copy-free under the distributed optimizer), or with TE its
+  `TEGroupedMLP` (`moe_grouped_gemm`); SwiGLU, no shared experts, no load-balancing loss;
 - models: transformers `Qwen3MoeForCausalLM` configs (`model.check_supported` says why others fail),
   tied or untied embeddings, optional vocabulary padding.
 

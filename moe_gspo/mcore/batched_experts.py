@@ -31,7 +31,10 @@ gradient. Whoever moves the parameters afterwards breaks the layout: the forward
 arithmetic, no sync) and stacks the weights with a copy when it does not hold (`num_weight_copies`
 counts those forwards). Megatron's distributed optimizer does that: its buffer holds the parameters in
 reverse order, fc1 and fc2 interleaved, so with `train.distributed_optimizer` (the CUDA default) every
-forward copies the weights, as before (a known cost, `docs/gpu.md`).
+forward copies the weights. The grouped layout (`model.expert_layout=grouped`,
+`moe_gspo.mcore.grouped_experts`: one parameter per projection) has no such copy, and is what
+`model.expert_layout=auto` picks on the GPUs with fast grouped GEMMs; this per-expert path stays the CPU's
+(measured no slower there, and the default run's numbers are its own).
 
 Falls back to the loop for what it does not cover (one local expert, expert biases, expert tensor
 parallelism, FP8/FP4, probabilities on the input). With Transformer Engine, Megatron's own

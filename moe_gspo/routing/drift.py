@@ -165,10 +165,25 @@ class SetDrift:
 
 def _set_drift(a: np.ndarray, b: np.ndarray) -> SetDrift:
     n, num_layers, k = a.shape
+    inter = _intersection(a, b) if n and num_layers else np.zeros((n, num_layers), np.int32)
+    return set_drift_of_intersection(inter, k)
+
+
+def topk_intersection(topk_a_NLK: Any, topk_b_NLK: Any) -> np.ndarray:
+    """int32 [N, L]: the size of the intersection of the two top-k sets of each token and layer (computed
+    once, it gives `set_drift_of_intersection` of any subset of the tokens)."""
+    a, b = _check_pair(topk_a_NLK, topk_b_NLK)
+    return _intersection(a, b)
+
+
+def set_drift_of_intersection(inter_NL: np.ndarray, top_k: int) -> SetDrift:
+    """`SetDrift` from the intersection sizes [N, L] (`topk_intersection`) of top-k sets of width `top_k`."""
+    n, num_layers = inter_NL.shape
+    k = int(top_k)
     if n == 0 or num_layers == 0:
         return SetDrift(layer_disagree=[0.0] * num_layers, any_layer_flip=0.0, mean_layers_differing=0.0,
                         topk_overlap=0.0, jaccard=0.0, expert_change_frac=0.0, num_tokens=int(n))
-    inter = _intersection(a, b)                                   # [n, L]
+    inter = inter_NL
     diff = inter < k
     overlap = float(inter.mean() / k)
     return SetDrift(layer_disagree=diff.mean(axis=0).tolist(), any_layer_flip=float(diff.any(axis=1).mean()),
@@ -177,12 +192,18 @@ def _set_drift(a: np.ndarray, b: np.ndarray) -> SetDrift:
                     num_tokens=int(n))
 
 
+def check_topk_ids(topk_a_NLK: Any, topk_b_NLK: Any, *, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """Both sides as numpy arrays; ValueError unless they are [N, L, K] integer ids in [0, num_experts)
+    of the same shape."""
+    a, b = _check_pair(topk_a_NLK, topk_b_NLK)
+    _check_ids(a, b, int(num_experts))
+    return a, b
+
+
 def set_drift(topk_a_NLK: Any, topk_b_NLK: Any, *, num_experts: int) -> SetDrift:
     """The top-k set comparison of `routing_drift` (no expert loads, no probabilities) as a `SetDrift`;
     ValueError for arrays that are not [N, L, K] integer ids in [0, num_experts)."""
-    a, b = _check_pair(topk_a_NLK, topk_b_NLK)
-    _check_ids(a, b, int(num_experts))
-    return _set_drift(a, b)
+    return _set_drift(*check_topk_ids(topk_a_NLK, topk_b_NLK, num_experts=num_experts))
 
 
 def routing_drift(topk_a_NLK: Any, topk_b_NLK: Any, *, num_experts: int, probs_a_NLE: Any = None,

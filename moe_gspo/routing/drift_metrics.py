@@ -32,21 +32,36 @@ import torch
 
 from moe_gspo.algos import mismatch_metrics, ratio_stats
 from moe_gspo.algos.mismatch import extreme_frac_curve
-from moe_gspo.routing.drift import expert_load, per_token_flip_mask, set_drift
-from moe_gspo.routing.rows import prompt_rows, response_rows, response_spans, stack_rows
+from moe_gspo.routing.drift import (SetDrift, check_topk_ids, expert_load, per_token_flip_mask, set_drift,
+                                   set_drift_of_intersection, topk_intersection)
+from moe_gspo.routing.rows import prompt_rows, response_rows, response_spans, row_index, stack_rows
+
+
+def _comparable_rows(routes_a, routes_b, S: int) -> np.ndarray:
+    """int64 [B]: the rows 0 .. n_b - 1 of each sequence that produce a log-prob of a token (n_b <= S - 1)
+    and both sides have."""
+    return np.array([max(0, min(len(ra), len(rb), S - 1)) for ra, rb in zip(routes_a, routes_b)], dtype=np.int64)
+
+
+def _flipped_mask(flip_M: np.ndarray, n_B: np.ndarray, response_mask_BS: torch.Tensor) -> torch.Tensor:
+    """`flip_M` (the rows 0 .. n_b - 1 of every sequence, concatenated) scattered to the tokens they produce,
+    [b, 1 .. n_b], and masked to the response tokens: bool [B, S]."""
+    B, S = response_mask_BS.shape
+    out = np.zeros((B, S), dtype=bool)
+    if n_B.sum():
+        rows = np.repeat(np.arange(len(n_B)), n_B)
+        cols = np.arange(len(rows)) - np.repeat(np.cumsum(n_B) - n_B, n_B) + 1
+        out[rows, cols] = flip_M
+    return torch.from_numpy(out) & response_mask_BS.cpu().bool()
 
 
 def flipped_response_mask(routes_a, routes_b, response_mask_BS: torch.Tensor) -> torch.Tensor:
     """bool [B, S]: response tokens whose producing position (t-1) is routed differently in >= 1 layer."""
-    B, S = response_mask_BS.shape
-    out = np.zeros((B, S), dtype=bool)
-    n_B = np.array([max(0, min(len(ra), len(rb), S - 1)) for ra, rb in zip(routes_a, routes_b)], dtype=np.int64)
+    n_B = _comparable_rows(routes_a, routes_b, response_mask_BS.shape[1])
+    flip = np.zeros(0, bool)
     if n_B.sum():  # every sequence's rows in one comparison, scattered back to [b, 1 .. n_b]
-        a, b = stack_rows(routes_a, routes_b, np.zeros_like(n_B), n_B)
-        rows = np.repeat(np.arange(len(n_B)), n_B)
-        cols = np.arange(len(rows)) - np.repeat(np.cumsum(n_B) - n_B, n_B) + 1
-        out[rows, cols] = per_token_flip_mask(a, b)
-    return torch.from_numpy(out) & response_mask_BS.cpu().bool()
+        flip = per_token_flip_mask(*stack_rows(routes_a, routes_b, np.zeros_like(n_B), n_B))
+    return _flipped_mask(flip, n_B, response_mask_BS)
 
 
 def variance_attribution(logp_b_BS: torch.Tensor, logp_a_BS: torch.Tensor, mask_BS: torch.Tensor,
@@ -73,18 +88,29 @@ def _subset_var(b, a, sel) -> float:
     return float(ratio_stats(b, a, sel)["ratio/token_var"]) if bool(sel.any()) else math.nan
 
 
-def _routing_drift(rollout_routes: list, learner_routes: list, P_B, R_B, group_ids, num_experts: int) -> dict:
-    """`routing/*` on the response rows and `routing_prompt/*` on the prompt rows (module docstring)."""
-    ra, rb = stack_rows(rollout_routes, learner_routes, *response_rows(P_B, R_B))
-    d = set_drift(ra, rb, num_experts=num_experts)
+def _selected_drift(a_all: np.ndarray, b_all: np.ndarray, inter_all: np.ndarray, index: np.ndarray,
+                    num_experts: int) -> tuple[SetDrift, np.ndarray, np.ndarray]:
+    """`set_drift` of the rows `index` of the stacked rows (their intersections computed once for all rows),
+    with those rows of each side."""
+    a, b = check_topk_ids(a_all[index], b_all[index], num_experts=num_experts)
+    return set_drift_of_intersection(inter_all[index], a.shape[2]), a, b
+
+
+def _routing_drift(rollout_routes: list, learner_routes: list, P_B, R_B, group_ids, num_experts: int,
+                   n_B: np.ndarray) -> tuple[dict, np.ndarray]:
+    """`routing/*` on the response rows and `routing_prompt/*` on the prompt rows (module docstring), from
+    one comparison of the rows 0 .. n_b - 1 of every sequence (`_comparable_rows`), and whether each of
+    those rows differs in some layer (for the flipped tokens)."""
+    a_all, b_all = stack_rows(rollout_routes, learner_routes, np.zeros_like(n_B), n_B)
+    inter_all = topk_intersection(a_all, b_all)  # [sum n_b, L]: every comparison below selects its rows
+    d, ra, rb = _selected_drift(a_all, b_all, inter_all, row_index(n_B, *response_rows(P_B, R_B)), num_experts)
     out = {"routing/layer_disagree": d.layer_disagree, "routing/any_layer_flip": d.any_layer_flip,
            "routing/mean_layers_differing": d.mean_layers_differing, "routing/topk_overlap": d.topk_overlap,
            "routing/jaccard": d.jaccard, "routing/expert_change_frac": d.expert_change_frac,
            "routing/num_tokens": d.num_tokens,
            "routing/expert_load_rollout": expert_load(ra, num_experts).tolist(),
            "routing/expert_load_learner": expert_load(rb, num_experts).tolist()}
-    pa, pb = stack_rows(rollout_routes, learner_routes, *prompt_rows(P_B, group_ids))
-    p = set_drift(pa, pb, num_experts=num_experts)
+    p, _, _ = _selected_drift(a_all, b_all, inter_all, row_index(n_B, *prompt_rows(P_B, group_ids)), num_experts)
     nan = None if p.num_tokens else math.nan  # no prompt row (one-token prompts): NaN, not a perfect 0
     out.update({
         "routing_prompt/layer_disagree": p.layer_disagree if nan is None else [nan] * len(p.layer_disagree),
@@ -94,7 +120,8 @@ def _routing_drift(rollout_routes: list, learner_routes: list, P_B, R_B, group_i
         "routing_prompt/jaccard": p.jaccard if nan is None else nan,
         "routing_prompt/expert_change_frac": p.expert_change_frac if nan is None else nan,
         "routing_prompt/num_tokens": p.num_tokens})
-    return out
+    flip_M = (inter_all < a_all.shape[2]).any(axis=1)  # as per_token_flip_mask
+    return out, flip_M
 
 
 def rollout_vs_learner(*, rollout_logp_BS: torch.Tensor, learner_logp_BS: torch.Tensor,
@@ -109,8 +136,10 @@ def rollout_vs_learner(*, rollout_logp_BS: torch.Tensor, learner_logp_BS: torch.
     out.update({k: float(v) for k, v in ratio_stats(b, a, mask, namespace="mismatch_ratio").items()})
     if rollout_routes is not None and learner_routes is not None:
         P_B, R_B = response_spans(mask)
-        out.update(_routing_drift(rollout_routes, learner_routes, P_B, R_B, group_ids, num_experts))
-        flipped = flipped_response_mask(rollout_routes, learner_routes, mask)
+        n_B = _comparable_rows(rollout_routes, learner_routes, mask.shape[1])
+        drift, flip_M = _routing_drift(rollout_routes, learner_routes, P_B, R_B, group_ids, num_experts, n_B)
+        out.update(drift)
+        flipped = _flipped_mask(flip_M, n_B, mask)
         agreed = mask & ~flipped
         out["mismatch_ratio/token_var_flipped"] = _subset_var(b, a, flipped)
         out["mismatch_ratio/token_var_agreed"] = _subset_var(b, a, agreed)

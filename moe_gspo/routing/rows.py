@@ -48,12 +48,25 @@ def prompt_rows(P_B, group_ids=None) -> tuple[np.ndarray, np.ndarray]:
 
 def stack_rows(routes_a: list, routes_b: list, lo_B, hi_B) -> tuple[np.ndarray, np.ndarray]:
     """Rows [lo_b, hi_b) of every sequence that both sides have, concatenated: (a_NLK, b_NLK)."""
-    a_parts, b_parts = [], []
-    for ra, rb, lo, hi in zip(routes_a, routes_b, np.asarray(lo_B).tolist(), np.asarray(hi_B).tolist()):
-        hi = min(hi, len(ra), len(rb))  # python ints (tolist): no numpy scalar per sequence
-        lo = min(lo, hi)
-        a_parts.append(np.asarray(ra[lo:hi]))
-        b_parts.append(np.asarray(rb[lo:hi]))
-    if not a_parts:
+    n = min(len(routes_a), len(routes_b), len(lo_B), len(hi_B))
+    if not n:
         return np.zeros((0, 0, 0), np.int64), np.zeros((0, 0, 0), np.int64)
-    return np.concatenate(a_parts), np.concatenate(b_parts)
+    routes_a, routes_b = routes_a[:n], routes_b[:n]
+    # the bounds of every sequence at once, then one slice per sequence and side
+    hi = np.minimum(np.minimum(np.asarray(hi_B, np.int64)[:n], np.fromiter(map(len, routes_a), np.int64, n)),
+                    np.fromiter(map(len, routes_b), np.int64, n))
+    lo = np.minimum(np.asarray(lo_B, np.int64)[:n], hi)
+    lo, hi = lo.tolist(), hi.tolist()
+    return (np.concatenate([r[i:j] for r, i, j in zip(routes_a, lo, hi)]),
+            np.concatenate([r[i:j] for r, i, j in zip(routes_b, lo, hi)]))
+
+
+def row_index(n_B, lo_B, hi_B) -> np.ndarray:
+    """int64 [M]: where rows [lo_b, hi_b) of every sequence (cut at n_b) lie in the concatenation of the rows
+    0 .. n_b - 1 of every sequence (as `stack_rows(a, b, 0, n_B)` stacks them), in sequence order."""
+    n_B = np.asarray(n_B, np.int64)
+    hi = np.minimum(np.asarray(hi_B, np.int64), n_B)
+    lo = np.minimum(np.asarray(lo_B, np.int64), hi)
+    count = hi - lo
+    first = np.cumsum(n_B) - n_B + lo  # each selected run's first row in the concatenation
+    return np.repeat(first - (np.cumsum(count) - count), count) + np.arange(int(count.sum()), dtype=np.int64)

@@ -1,7 +1,10 @@
-"""Every compatibility shim moe-gspo needs to run Megatron-core 0.16 without CUDA or Transformer Engine.
+"""Every patch moe-gspo makes for Megatron-core 0.16 (of Megatron itself, and of torch or Transformer Engine on
+its behalf; docs/architecture.md, "Shims"): the compatibility shims it needs without CUDA or Transformer
+Engine, the fill-ins of Transformer Engine's and grouped_gemm's empty slots, and the edits of its class-level
+`RouterReplay` list.
 
-Each shim is a small, documented monkey-patch of a *missing-hardware* gap, never a change of Megatron's
-math. `apply_shims()` is idempotent and applies only what the current machine needs:
+Each compatibility shim is a small, documented monkey-patch of a *missing-hardware* gap, never a change of
+Megatron's math. `apply_shims()` is idempotent and applies only what the current machine needs:
 
 - `te_general_gemm` (wherever Transformer Engine is absent, CPU *and* GPU): `moe_utils` references the
   name `te_general_gemm` in its router GEMM even when the TE import failed, which raises `NameError`;

@@ -9,6 +9,7 @@ import warnings
 from moe_gspo.algos.algo_spec import OPTION_NAMES
 from moe_gspo.algos.registry import algo_names, get_algo
 from moe_gspo.config import AGGREGATION_ALIASES, AlgoConfig, Config, RolloutConfig, TrainConfig
+from moe_gspo.learner.replay_plan import replay_spec
 
 
 def _check_positive(where: str, value, *, allow_zero: bool = False) -> None:
@@ -113,11 +114,7 @@ def validate(cfg: Config) -> Config:
     _check_task_io(cfg)
     _check_positive("logging.samples_every", lg.samples_every, allow_zero=True)
     _check_positive("logging.num_samples", lg.num_samples)
-    if a.routing_replay == "r3" and not r.record_routes:
-        raise ValueError(
-            "algo.routing_replay=r3 replays the rollout engine's routes, but rollout.record_routes=false; "
-            "set rollout.record_routes=true or choose algo.routing_replay=r2/none"
-        )
+    replay_spec(a.routing_replay).check_rollout(record_routes=r.record_routes)  # R3 needs the engine's routes
     _check_quantization(r)
     _check_rollout_fast_paths(r)
     _check_router_policy(cfg)

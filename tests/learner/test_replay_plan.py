@@ -35,6 +35,17 @@ def test_each_mode_says_which_routes_each_pass_replays(mode):
     assert set(REPLAY_MODES) == {"none", "r2", "r3"}
 
 
+def test_the_config_offers_exactly_the_modes_the_specs_define():
+    """`moe_gspo.config` sits below the learner and lists the names for `--routing-replay` and the config's
+    type; they are the specs' names."""
+    import typing
+
+    from moe_gspo.config import REPLAYS, AlgoConfig
+
+    assert tuple(REPLAY_MODES) == REPLAYS
+    assert typing.get_args(typing.get_type_hints(AlgoConfig)["routing_replay"]) == REPLAYS
+
+
 def test_unknown_mode_and_a_model_without_replay_are_refused():
     with pytest.raises(ValueError, match=r"algo\.routing_replay='r4' is not a routing replay mode; choose one of "
                                          r"none, r2, r3"):

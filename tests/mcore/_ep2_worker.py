@@ -107,6 +107,32 @@ def run_checks(out_dir: Path) -> dict:
     merged = megatron_to_hf(all_sds, cfg)
     res["merge_per_rank_exact"] = set(merged) == set(sd) and all(torch.equal(merged[k], sd[k]) for k in sd)
 
+    # the grouped expert layout (issue 40: experts.weight1/weight2 per layer) at EP=2: same logits and
+    # gradients as the per-expert layout, and every HF conversion exact
+    grouped, _ = load_megatron_from_hf_dir(ckpt, ep_size=2, vocab_pad_multiple=8, expert_layout="grouped")
+    res["grouped_expert_params"] = sorted(n for n, _ in grouped.named_parameters() if ".experts." in n)[:2]
+    g_logits, g_masks = mcore_forward(grouped, mine)
+    res["grouped_max_abs_logit_diff"] = float((g_logits.detach() - logits.detach()).abs().max())
+    (g_logits * w[2 * info.ep_rank: 2 * info.ep_rank + 2]).sum().backward()
+    g_grads = {k: p.grad.clone() for k, p in grouped.named_parameters()}
+    for k, g in g_grads.items():
+        if ".experts." not in k:
+            dist.all_reduce(g)
+    g_hf_grads = gather_to_hf(g_grads, cfg)
+    res["grouped_max_rel_grad_diff"] = max(_max_rel(g_hf_grads[n], hf_grads[n]) for n in hf_grads)
+    g_fused, g_per = gather_hf_state_dict(grouped), gather_hf_state_dict(grouped, layout="per_expert")
+    ok = set(g_fused) == set(sd) and all(torch.equal(g_fused[k], sd[k]) for k in sd)
+    ok = ok and set(g_per) == set(disk) and all(torch.equal(g_per[k], disk[k]) for k in disk)
+    for layout, want in (("fused", sd), ("per_expert", disk)):
+        got = [(n, t.clone()) for n, t in HFWeightStream(grouped, layout=layout)]
+        ok = ok and set(want) == {n for n, _ in got} and all(torch.equal(t, want[n]) for n, t in got)
+    g_sds = [None] * info.world_size
+    dist.all_gather_object(g_sds, {k: v.detach().clone() for k, v in grouped.state_dict().items()
+                                   if not k.endswith("_extra_state")})
+    g_merged = megatron_to_hf(g_sds, cfg)
+    res["grouped_conversions_exact"] = ok and set(g_merged) == set(sd) and all(
+        torch.equal(g_merged[k], sd[k]) for k in sd)
+
     # save from EP=2 (rank 0 writes), reload in transformers, same logits
     saved = save_hf_checkpoint(model, cfg, out_dir / "saved", tokenizer_dir=ckpt, max_shard_size="100KB")
     reloaded, loading = AutoModelForCausalLM.from_pretrained(str(saved), output_loading_info=True)

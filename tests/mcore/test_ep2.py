@@ -68,3 +68,14 @@ def test_ep2_weight_stream_gathers_one_layer_at_a_time(ep2_results):
             want = r["layer_expert_bytes"] * 3 // 2 + r["qkv_bytes"]
             assert r[f"stream_{layout}_peak_bytes"] == want
             assert r[f"stream_{layout}_bytes"] > 2 * r["layer_expert_bytes"]  # the model: 2 MoE layers and more
+
+
+@pytest.mark.slow
+def test_ep2_grouped_expert_layout(ep2_results):
+    """Issue 40: `model.expert_layout=grouped` at EP=2 (each rank's 4 experts as `weight1`/`weight2`)."""
+    for r in ep2_results:
+        assert r["grouped_expert_params"] == ["decoder.layers.1.mlp.experts.weight1",
+                                              "decoder.layers.1.mlp.experts.weight2"]
+        assert r["grouped_max_abs_logit_diff"] <= 1e-5
+        assert r["grouped_max_rel_grad_diff"] <= 1e-5
+        assert r["grouped_conversions_exact"]

@@ -52,7 +52,7 @@ class ModelConfig:
     with its host sync (`moe_gspo/mcore/batched_experts.py`; same parameters and maths; the weights viewed in
     place, copied per forward under the distributed optimizer). Measured faster on the tiny CPU configs (on
     there: `train_step` 0.84x, old-policy pass 0.92x, `python -m benchmarks.fastpath_bench`); off by default
-    until measured on a GPU (`python -m benchmarks.gpu_check --mfu-experts grouped|loop`). Not with
+    until measured on a GPU (`python -m benchmarks.gpu_check --mfu-experts batched|loop`). Not with
     Transformer Engine, whose grouped GEMM is used then. Applies to the per-expert layout only
     (`expert_layout`)."""
     expert_layout: Literal["auto", "per_expert", "grouped"] = "auto"

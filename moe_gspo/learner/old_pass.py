@@ -4,9 +4,10 @@ hands to the update (`OldPolicyPass`, consumed by `Learner.train_step`).
 `logprob_pass` runs one pass over the global batch: this rank's shard (`moe_gspo.learner.batch.plan_shards`)
 micro-batch by micro-batch, optionally replaying given routes and recording the learner's routing (with the
 router recorder it is given), the results gathered over the data-parallel ranks. It uses the Learner's
-public pass helpers only; the caller (`Learner.compute_logprobs`) sets the model's train/eval mode. With `keep_graph` (`train.fuse_old_logp_pass`) it runs in
-train mode in two pieces and returns the first mini-batch's piece with its graph (`LogprobResult.fused`,
-`moe_gspo.learner.backward.FusedPass`), which the update back-propagates instead of a new forward.
+public pass helpers only; the caller (`Learner.compute_logprobs`) sets the model's train/eval mode.
+With `keep_graph` (`train.fuse_old_logp_pass`) it runs in train mode in two pieces and returns the first
+mini-batch's piece with its graph (`LogprobResult.fused`, `moe_gspo.learner.backward.FusedPass`), which the
+update back-propagates instead of a new forward.
 """
 
 from __future__ import annotations
@@ -120,8 +121,8 @@ def logprob_pass(learner, recorder, batch: PackedBatch, plan: ShardPlan, routes_
     L, K = len(learner.layer_ids), learner.top_k
     logp_local = torch.zeros((plan.num_rows, S), dtype=torch.float32, device=learner.device)
     ent_local = torch.zeros((plan.num_rows, S), dtype=torch.float32, device=learner.device) if with_entropy else None
-    ids_local = (torch.zeros((plan.num_rows, S, L, K), dtype=device_ids_dtype(learner.num_experts), device=learner.device)
-                 if record else None)
+    ids_dtype_dev = device_ids_dtype(learner.num_experts)  # gathered over the ranks below
+    ids_local = torch.zeros((plan.num_rows, S, L, K), dtype=ids_dtype_dev, device=learner.device) if record else None
     probs_local = torch.zeros((plan.num_rows, S, L, K), dtype=torch.float32, device=learner.device) if record else None
     stats_local = torch.zeros((plan.num_rows, S, L, 2), dtype=torch.float32, device=learner.device) if record else None
     kept, routes = None, None

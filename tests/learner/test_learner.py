@@ -84,7 +84,7 @@ def test_r2_replays_old_routing_while_the_router_still_learns(dist):
         learner.train_step(batch.select(range(4)), OldPolicyPass(logp_BS=old.logp_BS[:4], natural=old))
     router_grads = []
     handles = [r.weight.register_hook(lambda g: router_grads.append(float(g.abs().sum()))) for r in moe_routers(model)]
-    learner.train_step(batch, old_pass(old.logp_BS, natural=old, fused=old.fused))  # the pass itself: its routes are replayed
+    learner.train_step(batch, old_pass(old.logp_BS, natural=old))  # the pass itself: its routes are replayed
     # without replay the updated policy routes differently ...
     new = learner.compute_logprobs(batch, record_routes=True)
     assert flip_fraction(old.routes, new.routes) > 0.02

@@ -9,7 +9,6 @@ import torch
 
 from _learner_common import make_batch, make_learner, old_pass, params_snapshot, tiny_pair
 from moe_gspo.config import AlgoConfig
-from moe_gspo.learner.old_pass import OldPolicyPass
 
 pytestmark = pytest.mark.usefixtures("dist")
 WIDE = dict(clip_low=0.2, clip_high=0.2)  # wide clip so that the steps move the policy
@@ -27,7 +26,8 @@ def _run(dist, *, fuse: bool, replay="none", algo="gspo", steps=2, entropy_coef=
     for _ in range(steps):
         old = learner.compute_logprobs(batch, record_routes=True, keep_graph=fuse, with_entropy=entropy_coef > 0)
         olds.append(old)
-        metrics.append(learner.train_step(batch, old_pass(old.logp_BS, natural=old, fused=old.fused)))  # the pass itself: log-probs, routes (R2), kept graph
+        # the pass itself: log-probs, routes (R2), kept graph
+        metrics.append(learner.train_step(batch, old_pass(old.logp_BS, natural=old, fused=old.fused)))
     return params_snapshot(model), metrics, olds, learner, batch
 
 

@@ -41,7 +41,8 @@ def test_correction_weights_and_rejection_in_the_update(dist):
     assert m_keep["grad/norm"] == pytest.approx(m_half["grad/norm"], rel=1e-5)
     assert (masked.compute_logprobs(half).logp_BS - twin.compute_logprobs(half).logp_BS).abs().max() <= 1e-4
     with pytest.raises(ValueError, match="rs_keep_BS has shape"):
-        make_learner(tiny_pair()[2], cfg, dist).train_step(batch, old_pass(batch.rollout_logp_BS, rs_keep_BS=keep[:, :2]))
+        make_learner(tiny_pair()[2], cfg, dist).train_step(batch, old_pass(batch.rollout_logp_BS,
+                                                                           rs_keep_BS=keep[:, :2]))
 
 
 def test_opsm_masks_the_drifted_negative_sequences_in_the_update(dist):

@@ -299,13 +299,18 @@ class CompactDecoder:
 
     def _decode_step(self, logits_BV: torch.Tensor, ids: list, probs: list, stats: list, rows_tokens: tuple
                      ) -> DecodeStep:
-        """The `DecodeStep` of a forward whose MoE layers appended their [N*T, K] routes to `ids` / `probs` / `stats`."""
+        """The `DecodeStep` of a forward whose MoE layers appended their [N*T, K] routes to `ids` / `probs` and
+        their [N*T, E] router logits to `stats` (made margin and entropy here)."""
         if not self.record_routes:
             return DecodeStep(logits_BV)
         L = len(ids)
         ids_NTLK = torch.stack(ids, dim=1).to(self.id_dtype).view(*rows_tokens, L, -1)
         probs_NTLK = torch.stack(probs, dim=1).view(*rows_tokens, L, -1) if self.record_probs else None
-        stats_NTL2 = torch.stack(stats, dim=1).view(*rows_tokens, L, 2) if self.record_stats else None
+        stats_NTL2 = None
+        if self.record_stats:  # the MoE layers' router logits [N*T, E], one `token_router_stats` call for all
+            top_k = next(layer.top_k for layer in self._layers if layer.router is not None)
+            logits_NLE = torch.stack(stats, dim=1)
+            stats_NTL2 = token_router_stats(logits_NLE.view(-1, logits_NLE.shape[-1]), top_k).view(*rows_tokens, L, 2)
         return DecodeStep(logits_BV, ids_NTLK, probs_NTLK, stats_NTL2)
 
     def end(self) -> None:
@@ -320,14 +325,14 @@ class CompactDecoder:
 
     def _ffn(self, layer: _Layer, x: torch.Tensor, ids: list, probs: list, stats: list) -> torch.Tensor:
         """The layer's MLP (dense, or the MoE block on the flattened tokens, whose routes go to `ids` / `probs`
-        / `stats`)."""
+        and router logits to `stats`)."""
         if layer.router is None:
             gate, up = self._gemm(self._qa(x), layer.gate_up).chunk(2, dim=-1)
             return self._gemm(self._qa(F.silu(gate) * up), layer.down)
-        y, ids_NK, probs_NK, stats_N2 = self._moe(layer, x.reshape(-1, x.shape[-1]))
+        y, ids_NK, probs_NK, logits_NE = self._moe(layer, x.reshape(-1, x.shape[-1]))
         ids.append(ids_NK)
         probs.append(probs_NK)
-        stats.append(stats_N2)
+        stats.append(logits_NE)
         return y.view_as(x)
 
     def _moe(self, layer: _Layer, x_BH: torch.Tensor):
@@ -336,12 +341,12 @@ class CompactDecoder:
             from moe_gspo.rollout.router_dtype import route_in_dtype
 
             logits_BE, weights_BK, ids_BK = route_in_dtype(x_BH, layer.router, layer.top_k, layer.norm_topk_prob)
-            stats_B2 = token_router_stats(logits_BE, layer.top_k) if self.record_stats else None
+            stat_logits_BE = logits_BE if self.record_stats else None  # statistics of all layers at once: _decode_step
             recorded = (torch.softmax(logits_BE, dim=-1, dtype=torch.float32).gather(1, ids_BK)  # as HFRouterRecorder
                         if self.record_probs else None)
         else:
             logits_BE = self._gemm(self._qr(x_BH), layer.router)
-            stats_B2 = token_router_stats(logits_BE, layer.top_k) if self.record_stats else None
+            stat_logits_BE = logits_BE if self.record_stats else None  # statistics of all layers at once: _decode_step
             probs_BE = torch.softmax(logits_BE, dim=-1, dtype=torch.float32)
             top_BK, ids_BK = torch.topk(probs_BE, layer.top_k, dim=-1)
             recorded = top_BK if self.record_probs else None
@@ -350,8 +355,8 @@ class CompactDecoder:
         if layer.experts is not None:
             if self.fp32_gemm:
                 with Fp32GemmForBf16(self._cache):
-                    return layer.experts(x_BH, ids_BK, weights_BK), ids_BK, recorded, stats_B2
-            return layer.experts(x_BH, ids_BK, weights_BK), ids_BK, recorded, stats_B2
+                    return layer.experts(x_BH, ids_BK, weights_BK), ids_BK, recorded, stat_logits_BE
+            return layer.experts(x_BH, ids_BK, weights_BK), ids_BK, recorded, stat_logits_BE
         num_rows, num_experts = x_BH.shape[0], layer.down.shape[0]
         gate, up = self._gemm(self._qa(x_BH), layer.gate_up).view(num_rows, num_experts, -1).chunk(2, dim=-1)
         act_BEI = self._qa(F.silu(gate) * up)  # W8A8: per (token, expert) row, as the experts' down_proj input
@@ -359,4 +364,4 @@ class CompactDecoder:
         hidden = out_EBH.shape[-1]
         chosen_BKH = out_EBH.transpose(0, 1).gather(1, ids_BK[:, :, None].expand(-1, -1, hidden))
         y_BH = (chosen_BKH * weights_BK[..., None]).sum(dim=1).to(x_BH.dtype)
-        return y_BH, ids_BK, recorded, stats_B2
+        return y_BH, ids_BK, recorded, stat_logits_BE

@@ -6,8 +6,8 @@ transformers 5 the router returns `(router_logits [N, E], router_scores [N, K], 
 with `N = batch * seq` flattened tokens; the hook keeps the top-k ids and, when `record_probs`, the
 router probabilities of those experts; when `record_stats`, two scalars per token and layer: the router
 margin and entropy (`moe_gspo.routing.router_stats.token_router_stats`: the gap between the k-th and
-(k+1)-th logit, the entropy of the softmax over all experts), computed on the fly from the logits so that
-no [N, E] score tensor is kept.
+(k+1)-th logit, the entropy of the softmax over all experts), computed from the layers' router logits of a
+forward in one call when it is popped (the [N, E] logits are kept until then, not the scores).
 
 Which probabilities: the softmax over *all* experts (computed in float32 from the router's logits,
 exactly as the router computes it) at the chosen experts, i.e. the values *before* the
@@ -149,8 +149,8 @@ class HFRouterRecorder:
             if self.record_probs:
                 probs_NE = torch.softmax(logits_NE, dim=-1, dtype=torch.float32)
                 self._probs[pos].append(probs_NE.gather(-1, ids_NK.long()))
-            if self.record_stats:
-                self._stats[pos].append(token_router_stats(logits_NE, ids_NK.shape[-1]))
+            if self.record_stats:  # the logits; `pop` makes the statistics of every layer in one call
+                self._stats[pos].append(logits_NE)
 
         hook._moe_gspo_router_hook = True  # lets a deep copy of the model drop hooks it inherited
         return hook
@@ -175,7 +175,11 @@ class HFRouterRecorder:
         for c in range(counts.pop()):
             ids_NLK = torch.stack([ids[c] for ids in self._ids], dim=1)
             probs_NLK = torch.stack([p[c] for p in self._probs], dim=1) if self.record_probs else None
-            stats_NL2 = torch.stack([x[c] for x in self._stats], dim=1) if self.record_stats else None
+            stats_NL2 = None
+            if self.record_stats:
+                logits_NLE = torch.stack([x[c] for x in self._stats], dim=1)
+                stats_NL2 = token_router_stats(logits_NLE.reshape(-1, self.num_experts), self.top_k
+                                               ).view(*logits_NLE.shape[:2], 2)
             calls.append(RouterCall(topk_ids_NLK=ids_NLK, probs_NLK=probs_NLK, stats_NL2=stats_NL2))
         self.clear()
         return calls

@@ -39,7 +39,8 @@ def expert_token_counts(routes: Sequence[np.ndarray], lo_B, hi_B, *, num_layers:
     # differs between sequences keeps them apart
     for rows in ([np.concatenate(parts)] if len({p.shape[2] for p in parts}) == 1 else parts):
         for layer in range(num_layers):
-            counts[layer] += np.bincount(rows[:, layer, :].ravel().astype(np.int64), minlength=num_experts)[:num_experts]
+            ids = rows[:, layer, :].ravel().astype(np.int64)
+            counts[layer] += np.bincount(ids, minlength=num_experts)[:num_experts]
     return counts
 
 

@@ -32,9 +32,10 @@ def _no_advice(clip_low: float, clip_high: float) -> str | None:
     return None
 
 
-@dataclass(kw_only=True, frozen=True)
+@dataclass(kw_only=True, frozen=True, eq=False)
 class AlgoSpec:
-    """How the toolkit treats one algorithm (`algo.name`); see the module docstring."""
+    """How the toolkit treats one algorithm (`algo.name`); see the module docstring. Compared and hashed
+    by identity: the registry holds one object per name."""
 
     name: str
     """The algorithm's `algo.name` and registry key: letters, digits and `_`, starting with a letter."""

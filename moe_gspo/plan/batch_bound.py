@@ -38,6 +38,7 @@ def batch_floor_bytes(cfg, *, world_size: int, local_ranks: int, on_cuda: bool) 
     from moe_gspo.plan.from_config import resolve_hf_config, sequence_length
     from moe_gspo.plan.host_routes import learner_kept_bytes_per_token, rollout_bytes_per_token
     from moe_gspo.plan.params import Geometry
+    from moe_gspo.rollout.engine_spec import engine_spec
 
     r = cfg.rollout
     geom = Geometry.from_hf(resolve_hf_config(cfg)[0])
@@ -46,7 +47,7 @@ def batch_floor_bytes(cfg, *, world_size: int, local_ranks: int, on_cuda: bool) 
     per_token = (PACKED_BYTES_PER_TOKEN + rollout_bytes_per_token(geom, record_routes=r.record_routes)
                  + learner_kept_bytes_per_token(geom))
     out = {"batch": tokens * per_token * max(1, local_ranks), "kv_cache": 0.0}
-    if r.engine == "hf" and not on_cuda:
+    if not engine_spec(r.engine).kv_budget and not on_cuda:  # the whole share's KV cache at once
         dtype_bytes = 2 if r.dtype == "bfloat16" else 4
         kv = 2 * geom.num_layers * geom.num_kv_heads * geom.head_dim * dtype_bytes
         out["kv_cache"] = tokens / max(1, world_size) * kv * max(1, local_ranks)

@@ -27,6 +27,7 @@ from moe_gspo.plan.activations import MicroBatch
 from moe_gspo.plan.memory import (JSONL_PROMPT_TOKENS, SYNTHETIC_PROMPT_EXTRA, Allowances, LearnerSetup,
                                   PlanResult, RolloutSetup, count_plan)
 from moe_gspo.plan.params import Geometry
+from moe_gspo.rollout.engine_spec import engine_spec
 
 MODEL_CONFIG_DIR = Path(__file__).resolve().parents[1] / "assets" / "model_configs"
 
@@ -118,14 +119,15 @@ def setups(cfg: Config, *, num_gpus: int, attention: str) -> tuple[LearnerSetup,
         export_hf=bool(tr.export_hf),
         drift_passes=(2 if tr.num_minibatches > 1 else 1) if cfg.logging.update_drift_every else 0,
         replay=cfg.algo.routing_replay)
-    tp = r.tensor_parallel_size if r.engine == "vllm" else 1
+    spec = engine_spec(r.engine)
+    tp = spec.rollout_tp(r)
     rollout = RolloutSetup(
         engine=r.engine, tp=r.tensor_parallel_size, sleep_level=r.sleep_level, kv_cache_gib=r.kv_cache_gib,
         gpu_memory_utilization=r.gpu_memory_utilization, dtype_bytes=2 if r.dtype == "bfloat16" else 4,
         max_model_len=seq_len, seqs_per_rank=math.ceil(total / num_gpus), seqs_per_step=total,
         gen_rounds=cfg.algo.num_gen_batches_bound(),
         seqs_per_engine=math.ceil(total / max(1, num_gpus // tp)), record_routes=bool(r.record_routes),
-        record_probs=bool(r.record_probs) and r.engine == "hf")
+        record_probs=bool(r.record_probs) and spec.record_probs)
     return learner, rollout
 
 

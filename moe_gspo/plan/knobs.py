@@ -25,14 +25,16 @@ from moe_gspo.config import Config
 from moe_gspo.plan.from_config import setups, with_overrides
 from moe_gspo.plan.memory import PlanResult, layout_problems
 from moe_gspo.plan.params import Geometry
+from moe_gspo.rollout.engine_spec import engine_spec
 
 
 def candidates(cfg: Config, *, num_gpus: int, gpus_per_node: int = 8) -> list[list[str]]:
     """Candidate override sets (dotted `section.key=value` lists) for `cfg`."""
     learner, _ = setups(cfg, num_gpus=num_gpus, attention="flash")
     r, tr = cfg.rollout, cfg.train
+    spec = engine_spec(r.engine)
     out: list[list[str]] = []
-    if r.engine == "vllm" and r.sleep_level == 0:
+    if spec.sleep_mode and r.sleep_level == 0:
         out.append(["rollout.sleep_level=1"])
     if not learner.distributed_optimizer:
         out.append(["train.distributed_optimizer=true"])
@@ -40,11 +42,12 @@ def candidates(cfg: Config, *, num_gpus: int, gpus_per_node: int = 8) -> list[li
         out.append(["model.recompute=true"])
     if learner.train_mb.num_seqs > 1 or learner.infer_mb.num_seqs > 1:
         out.append(["train.micro_batch_size=1"])
-    if r.engine == "vllm":
+    if spec.tensor_parallel:
         tp = r.tensor_parallel_size * 2
         while tp <= num_gpus and tp <= 2 * gpus_per_node:
             out.append([f"rollout.tensor_parallel_size={tp}"])
             tp *= 2
+    if spec.kv_budget:
         if r.kv_cache_gib is not None and r.kv_cache_gib > 1:
             out.append([f"rollout.kv_cache_gib={r.kv_cache_gib / 2:g}"])
         if r.gpu_memory_utilization > 0.2:
@@ -131,7 +134,7 @@ def valid_layouts(cfg: Config, geom: Geometry, *, num_gpus: int, gpus_per_node: 
     tp0 = r.tensor_parallel_size
 
     def ep_ok(e: int) -> bool:
-        return not layout_problems(geom, num_gpus=num_gpus, ep=e, engine="hf")
+        return not layout_problems(geom, num_gpus=num_gpus, ep=e, engine=r.engine, tp=1)
 
     def tp_ok(t: int) -> bool:
         return not layout_problems(geom, num_gpus=num_gpus, ep=1, engine=r.engine, tp=t)

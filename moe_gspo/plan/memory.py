@@ -24,16 +24,10 @@ is `dense / DP + (experts / EP) / EDP`):
   `_foreach_sqrt` temporary (`x 4` of the same; `transients.foreach_adam_bytes`).
 **Reference policy** (`algo.kl_coef > 0`): an inference-only copy of the parameters sharded like the
 policy, `local x param bytes`, no gradients or optimizer state.
-**Rollout (vLLM)**: engines of `rollout.tensor_parallel_size` consecutive ranks; per GPU the weights
-at that TP (`params.rollout_params_per_rank`), the KV cache (`rollout.kv_cache_gib` per GPU, as
-vLLM's `kv_cache_memory_bytes`; null = what `gpu_memory_utilization x GPU memory` leaves after weights
-and vLLM's runtime), and vLLM's runtime allowance. Sleep (`rollout.sleep_level` 1/2) frees weights and
-KV during the learner's passes; a sleeping engine keeps `vllm_asleep_gib`. The engine starts while the
-learner holds its rollout-phase memory (`moe_gspo.run.setup.build_policy` offloads it around the start,
-per `train.offload_during_rollout`), then falls asleep at once; vLLM refuses to start unless
-`gpu_memory_utilization x GPU memory` is free then.
-**Rollout (transformers engine)**: a full copy of the weights per rank (resident in every phase), no TP,
-no sleep, and while it generates the KV of all of the rank's sequences (prompts x samples, full length).
+**Rollout**: the engine's own terms (`moe_gspo.plan.engine_memory`, named by its
+`moe_gspo.rollout.engine_spec.EngineSpec.memory`): vLLM's TP-sharded weights, KV-cache budget, runtime
+allowance and sleep; the transformers engine's full copy of the weights per rank and the KV of all of
+the rank's sequences while it generates.
 **Offload during the rollout** (`train.offload_during_rollout`): `grads` frees the gradient buffers
 except around the update (rollout, log-prob and weight-sync phases have none); `all` also moves the
 parameters and the optimizer's GPU state (not precision-aware) to pinned host memory for the rollout.
@@ -67,12 +61,13 @@ import math
 from dataclasses import dataclass, field
 
 from moe_gspo.plan.activations import activation_estimate, MicroBatch
+from moe_gspo.plan.engine_memory import GIB
 from moe_gspo.plan.host_routes import route_host_bytes
-from moe_gspo.plan.params import Geometry, kv_bytes_per_token, megatron_counts, rollout_params_per_rank
+from moe_gspo.plan.params import Geometry, megatron_counts, rollout_params_per_rank
+from moe_gspo.rollout.engine_spec import engine_spec
 from moe_gspo.plan.transients import (export_transient_bytes, foreach_adam_bytes, sample_gather_bytes,
                                       sample_payload_bytes, sync_transient_bytes)
 
-GIB = float(1 << 30)
 JSONL_PROMPT_TOKENS = 1024  # assumed prompt length when a JSONL task gives no rollout.max_model_len
 SYNTHETIC_PROMPT_EXTRA = 3  # marker and special tokens around a synthetic task's symbols
 
@@ -223,7 +218,7 @@ def layout_problems(geom: Geometry, *, num_gpus: int, ep: int, engine: str = "vl
     if ep_fails:
         out.append(f"parallel.expert_parallel_size={ep} does not divide {' nor '.join(ep_fails)} "
                    f"(it must divide the GPU count and the number of experts)")
-    if engine == "vllm":
+    if engine_spec(engine).tensor_parallel:
         tp_fails = [w for w, bad in ((f"the {num_gpus} GPUs", tp < 1 or num_gpus % tp),
                                      (f"the {geom.num_heads} query heads", tp > 1 and geom.num_heads % tp))
                     if bad]
@@ -272,45 +267,15 @@ def count_plan(geom: Geometry, learner: LearnerSetup, rollout: RolloutSetup, *, 
     params_b, grads_b = local * s.param_bytes, local * s.grad_bytes
     ref_b = local * s.param_bytes if s.reference else 0.0
 
-    # Rollout.
-    rt = al.vllm_runtime_gib * GIB
-    asleep = 0.0
-    if r.engine == "vllm":
-        if r.tp > gpus_per_node:
-            notes.append(f"rollout.tensor_parallel_size={r.tp} spans more than one node ({gpus_per_node} GPUs each)")
-        weights = rollout_params_per_rank(geom, r.tp) * r.dtype_bytes
-        if r.kv_cache_gib is not None:
-            kv = r.kv_cache_gib * GIB
-        else:
-            kv = r.gpu_memory_utilization * gpu_mem_gib * GIB - weights - rt
-            if kv <= 0:
-                problems.append(f"vLLM's budget rollout.gpu_memory_utilization={r.gpu_memory_utilization} x "
-                                f"{gpu_mem_gib:g} GiB leaves no room for a KV cache after its weights "
-                                f"({weights / GIB:.1f} GiB); raise it or set rollout.kv_cache_gib")
-                kv = 0.0
-        per_token = kv_bytes_per_token(geom, tp=r.tp, dtype_bytes=r.dtype_bytes)
-        kv_tokens = int(kv // per_token)
-        if kv_tokens < r.max_model_len and kv > 0:
-            problems.append(f"the KV cache ({kv / GIB:.2f} GiB per GPU) holds {kv_tokens} tokens, fewer than "
-                            f"one sequence of rollout.max_model_len={r.max_model_len}: vLLM will not start; "
-                            "raise rollout.kv_cache_gib")
-        elif kv > 0:
-            notes.append(f"KV cache: {kv_tokens:,} tokens per engine = {kv_tokens // r.max_model_len} sequences of "
-                         f"{r.max_model_len} tokens in flight")
-        sleeping = r.sleep_level > 0
-        asleep = al.vllm_asleep_gib * GIB if sleeping else weights + kv + rt
-        awake = weights + kv + rt
-        sync_engine = weights + (al.vllm_asleep_gib * GIB if sleeping else kv + rt)  # the KV cache stays asleep
-        host_rollout = weights if r.sleep_level == 1 else 0.0
-    else:
-        weights = counts.total * r.dtype_bytes  # transformers engine: a full copy on every rank
-        kv = r.seqs_per_rank * r.max_model_len * kv_bytes_per_token(geom, tp=1, dtype_bytes=r.dtype_bytes)
-        rt = r.seqs_per_rank * geom.vocab_size * 4 + 0.5 * GIB  # fp32 logits of one decode step + workspace
-        awake = weights + kv + rt
-        asleep = sync_engine = weights  # the KV cache lives only inside generate()
-        host_rollout = 0.0
-        if r.tp > 1 or r.sleep_level:
-            notes.append("rollout.tensor_parallel_size and rollout.sleep_level apply to vLLM only (engine=hf)")
+    # Rollout: the engine's own terms (moe_gspo.plan.engine_memory).
+    spec = engine_spec(r.engine)
+    engine_mem = spec.memory_terms()
+    terms = engine_mem.terms(geom, r, allowances=al, total_params=counts.total, gpu_mem_gib=gpu_mem_gib,
+                             gpus_per_node=gpus_per_node)
+    problems += terms.problems
+    notes += terms.notes
+    weights, kv, rt = terms.weights, terms.kv, terms.runtime
+    asleep, host_rollout = terms.resident, terms.host
     sync_t = sync_transient_bytes(geom, ep=s.ep, tp=r.tp, param_bytes=s.param_bytes, rollout_bytes=r.dtype_bytes,
                                   engine=r.engine)
     export_t = export_transient_bytes(geom, ep=s.ep, param_bytes=s.param_bytes) if s.export_hf else 0.0
@@ -335,37 +300,28 @@ def count_plan(geom: Geometry, learner: LearnerSetup, rollout: RolloutSetup, *, 
         parts["cuda_runtime"] = runtime
         return Phase(name=name, parts_gib={k: v / GIB for k, v in parts.items()})
 
-    engine_awake = ({"rollout_weights": weights, "rollout_kv": kv, "rollout_runtime": rt} if r.engine == "vllm"
-                    else {"rollout_engine": awake})
-    phases = [phase("engine_startup", engine_awake, rollout_absent)] if r.engine == "vllm" else []
+    engine_awake = terms.awake
+    phases = [phase("engine_startup", engine_awake, rollout_absent)] if terms.startup else []
     phases += [
         phase("rollout", {**engine_awake, "sample_gather": gather_t}, rollout_absent),
         phase("logprobs", {"activations": act.inference_peak_bytes, "rollout_resident": asleep}, no_grads),
         phase("update", {"activations": act.peak_bytes, "rollout_resident": asleep}),
         phase("optimizer_step", {"step_transient": step_transient, "rollout_resident": asleep}),
-        phase("weight_sync", {"rollout_resident": sync_engine, "sync_transient": sync_t}, no_grads),
+        phase("weight_sync", {"rollout_resident": terms.sync_resident, "sync_transient": sync_t}, no_grads),
     ]
     if s.export_hf:  # after the last update (gradients released when offloading them); vLLM closed
-        phases.append(phase("hf_export", {"rollout_resident": asleep if r.engine == "vllm" else weights,
+        phases.append(phase("hf_export", {"rollout_resident": terms.export_resident,
                                           "export_transient": export_t}, no_grads))
-    if r.engine == "vllm":
-        # vLLM starts next to the learner's rollout-phase memory (moe_gspo.run.setup.build_policy).
+    if terms.startup:  # the engine starts next to the learner's rollout-phase memory (run.setup.build_policy)
         resident = sum(v for k, v in state.items() if k not in rollout_absent) + runtime
-        free = gpu_mem_gib * GIB - resident
-        need = r.gpu_memory_utilization * gpu_mem_gib * GIB
-        if need > free:
-            fix = (f"set rollout.gpu_memory_utilization <= {math.floor(free / gpu_mem_gib / GIB * 100) / 100:.2f}"
-                   if free >= 0.05 * gpu_mem_gib * GIB else "shrink the learner's resident memory first")
-            problems.append(f"vLLM starts only with rollout.gpu_memory_utilization x GPU memory free: "
-                            f"{r.gpu_memory_utilization} x {gpu_mem_gib:g} = {need / GIB:.1f} GiB, but the learner "
-                            f"already holds {resident / GIB:.1f} GiB; {fix}")
+        problems += engine_mem.startup_problems(r, resident=resident, gpu_mem_gib=gpu_mem_gib)
 
     ranks_per_node = min(gpus_per_node, s.num_gpus)
     routes = route_host_bytes(
         geom, num_seqs=r.seqs_per_step or r.seqs_per_rank * s.num_gpus, seq_len=r.max_model_len,
         record_routes=r.record_routes, record_probs=r.record_probs, gen_rounds=r.gen_rounds,
         drift_passes=s.drift_passes, replay=s.replay, replay_mb_seqs=s.infer_mb.num_seqs,
-        gather_bytes=3 * payload, gather_copies=r.tp if r.engine == "vllm" else 1)
+        gather_bytes=3 * payload, gather_copies=r.tp if spec.tensor_parallel else 1)
     host_per_rank = opt_host + host_rollout + host_learner + routes.peak
     host_node = host_per_rank * ranks_per_node / GIB
     host_routes = {
@@ -392,7 +348,7 @@ def count_plan(geom: Geometry, learner: LearnerSetup, rollout: RolloutSetup, *, 
             "cuda_runtime_gib": runtime / GIB, "host_routes_gib": routes.peak / GIB},
         params={"total": counts.total, "dense": counts.dense, "expert": counts.expert,
                 "per_rank": counts.per_rank(s.ep), "optimizer_shard": shard if s.distributed_optimizer else local,
-                "rollout_per_gpu": rollout_params_per_rank(geom, r.tp) if r.engine == "vllm" else counts.total})
+                "rollout_per_gpu": rollout_params_per_rank(geom, r.tp) if spec.tensor_parallel else counts.total})
     over = result.per_rank_gib - gpu_mem_gib
     if over > 0:
         problems.append(f"phase '{result.peak_phase.name}' needs {result.per_rank_gib:.1f} GiB per GPU, "

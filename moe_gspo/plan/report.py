@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from moe_gspo.plan.memory import PlanResult
+from moe_gspo.rollout.engine_spec import engine_spec
 
 ROW_ORDER = ("learner_params", "learner_grads", "optimizer_gpu", "reference", "activations", "step_transient",
              "rollout_weights", "rollout_kv", "rollout_runtime", "rollout_engine", "sample_gather", "rollout_resident",
@@ -48,17 +49,7 @@ def describe_setup(result: PlanResult, cfg) -> list[str]:
            f"EDP=none (EDP = GPUs / EP, and EP={ep} does not divide the {n} GPUs)")
     learner = (f"learner: {'fp32' if cfg.model.params_dtype == 'float32' else 'bf16'}, EP={ep} DP={n} "
                f"{edp}, {_b(p['per_rank'])} params per rank; " + ", ".join(opt))
-    if r.engine == "vllm":
-        kv = f"KV {r.kv_cache_gib:g} GiB/GPU" if r.kv_cache_gib is not None else \
-            f"KV from gpu_memory_utilization={r.gpu_memory_utilization:g}"
-        tp = r.tensor_parallel_size
-        engines = n // tp if tp >= 1 and n % tp == 0 else None
-        engines_text = (f"{engines} engine{'s' if engines != 1 else ''}" if engines is not None else
-                        f"no engine layout: TP={tp} does not divide the {n} GPUs")
-        rollout = (f"rollout: vLLM {r.dtype}, TP={tp} ({engines_text}, "
-                   f"{_b(p['rollout_per_gpu'])} params per GPU), sleep level {r.sleep_level}, {kv}")
-    else:
-        rollout = f"rollout: transformers engine {r.dtype}, a full copy per rank"
+    rollout = engine_spec(r.engine).memory_terms().header(r, num_gpus=n, per_gpu_params=_b(p["rollout_per_gpu"]))
     return [learner, rollout]
 
 

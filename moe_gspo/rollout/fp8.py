@@ -159,8 +159,11 @@ def rollout_precision(dtype: str, quantization: str | None, fp8_scale: str | Non
         return str(dtype)
     if quantization != "fp8":
         return f"{dtype} with {quantization} weights"
-    how = "vLLM's online quantization" if engine == "vllm" else "emulated"
-    what = "weights and per-token activations (W8A8)" if fp8_activations and engine != "vllm" else "weights"
+    from moe_gspo.rollout.engine_spec import engine_spec
+
+    spec = engine_spec(engine)
+    how = spec.quantization_how
+    what = "weights and per-token activations (W8A8)" if fp8_activations and spec.fp8_activations else "weights"
     return f"{dtype} with FP8 (e4m3) {what}, per-{fp8_scale or 'channel'} scales ({how})"
 
 

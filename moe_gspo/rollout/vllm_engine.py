@@ -90,6 +90,7 @@ import numpy as np
 import torch
 
 from moe_gspo.rollout.base import RolloutEngine, RolloutSample, SamplingParams
+from moe_gspo.rollout import engine_spec
 from moe_gspo.rollout.vllm_outputs import (  # noqa: F401  (re-exported)
     completion_to_sample,
     request_outputs_to_samples,
@@ -241,10 +242,8 @@ class VLLMEngine(RolloutEngine):
         vllm = vllm_support.import_vllm()
         self._vllm = vllm
         self._cpu = vllm_support.on_cpu()
-        if self._cpu and self.sleep_level:
-            raise ValueError("rollout.sleep_level > 0 needs CUDA (vLLM's sleep mode); set it to 0 on CPU")
-        if self._cpu and quantization is not None:
-            raise ValueError(vllm_support.cpu_quantization_error(quantization))
+        if self._cpu:
+            engine_spec.VLLM.check_on_cpu(quantization=quantization, sleep_level=self.sleep_level)
         self.same_support = bool(same_support)
         if self.same_support and not hasattr(importlib.import_module("vllm.outputs"), "SamplingMask"):
             raise ValueError(f"rollout.top_p < 1 / rollout.top_k > 0 with rollout.engine=vllm need vLLM's "

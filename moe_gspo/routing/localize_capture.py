@@ -30,6 +30,8 @@ import contextlib
 import torch
 from torch import nn
 
+from moe_gspo.rollout.engine_spec import engine_spec
+
 
 def _first(x):
     return x[0] if isinstance(x, (tuple, list)) else x
@@ -167,7 +169,7 @@ def probe_localize(engine, engine_name: str, model, samples, learner_logp_BS: to
     mc_lp = [response_logp(f["logits"], t, len(s.prompt_ids)).double().numpy()
              for (_, f), t, s in zip(mc, ids, samples)]
     out["learner_forward_vs_pass"] = L.logp_diff_stats(mc_lp, learner)
-    if engine_name == "hf":
+    if engine_spec(engine_name).layer_capture:
         from moe_gspo.rollout.cpu_gemm import fp32_gemms_in
 
         scope = (lambda: fp32_gemms_in(engine.model, engine._cache)) if engine.fp32_gemm else (lambda: None)

@@ -12,7 +12,6 @@ import dataclasses
 
 import hashlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -152,36 +151,12 @@ def init_run(cfg: Config) -> ParallelInfo:
 
 
 def build_engine(cfg: Config, hf_model_or_dir, tokenizer, *, load_weights: bool = True):
-    """The rollout engine of `cfg.rollout` on a checkpoint directory or an in-memory HF model.
+    """The rollout engine of `cfg.rollout` on a checkpoint directory or an in-memory HF model, as its
+    spec builds it (`moe_gspo.rollout.engine_spec.EngineSpec.build`; vLLM: a directory is loaded by
+    vLLM itself unless `load_weights=False`, `moe_gspo.rollout.engine_factories`)."""
+    from moe_gspo.rollout.engine_spec import engine_spec
 
-    vLLM: a directory is loaded by vLLM itself, unless `load_weights=False` (random weights: the
-    caller syncs the learner's weights before sampling, as `moe_gspo.train` does); an in-memory model
-    (the tiny default) always starts from random weights in a temporary directory holding its config.
-    """
-    r = cfg.rollout
-    if r.engine == "vllm":
-        from moe_gspo.rollout.vllm_engine import VLLMEngine, vllm_quantization
-        from moe_gspo.rollout.vllm_support import check_rollout_machine
-
-        check_rollout_machine(r)
-
-        kw = dict(eos_token_ids=tokenizer.eos_token_id, dtype=r.dtype, seed=cfg.train.seed,
-                  record_routes=r.record_routes, tensor_parallel_size=r.tensor_parallel_size,
-                  max_model_len=r.max_model_len,
-                  kv_cache_bytes=None if r.kv_cache_gib is None else int(r.kv_cache_gib * 2**30),
-                  gpu_memory_utilization=r.gpu_memory_utilization, sleep_level=r.sleep_level,
-                  quantization=vllm_quantization(r.quantization, r.fp8_scale),
-                  same_support=r.top_p < 1 or r.top_k > 0)  # docs/same_support.md
-        if isinstance(hf_model_or_dir, (str, Path)):
-            return VLLMEngine(hf_model_or_dir, load_weights=load_weights, **kw)
-        return VLLMEngine.from_hf_config(hf_model_or_dir.config, **kw)
-    from moe_gspo.rollout.hf_engine import HFEngine
-
-    return HFEngine(hf_model_or_dir, dtype=r.dtype, record_routes=r.record_routes, router_dtype=cfg.model.router_dtype,
-                    record_probs=r.record_probs, pad_token_id=tokenizer.pad_token_id,
-                    eos_token_id=tokenizer.eos_token_id, quantization=r.quantization,
-                    fp8_scale=r.fp8_scale or "channel", fp8_router=r.fp8_router, fp8_activations=r.fp8_activations,
-                    compact_decode=r.compact_decode, fp32_gemm=r.fp32_gemm)
+    return engine_spec(cfg.rollout.engine).build(cfg, hf_model_or_dir, tokenizer, load_weights=load_weights)
 
 
 def megatron_router_overrides(cfg: Config) -> dict:

@@ -13,6 +13,7 @@ from moe_gspo.algos import group_advantages, group_signal_metrics
 from moe_gspo.config import Config
 from moe_gspo.mcore.parallel import ParallelInfo
 from moe_gspo.rollout.base import RolloutSample, SamplingParams
+from moe_gspo.rollout.engine_spec import engine_spec
 from moe_gspo.files import writing
 from moe_gspo.run.setup import Policy, derive_seed
 from moe_gspo.tasks import Prompt, Task
@@ -58,7 +59,7 @@ def generate(policy: Policy, prompts: list[Prompt], cfg: Config, info: ParallelI
     """`sampling.n` samples of every prompt, each rollout engine generating a contiguous share of the
     prompts (sizes differ by at most one; a share may be empty) with the seed `seed_of_share(share)`;
     every rank receives all samples, in prompt order (collective: every rank calls it)."""
-    share, num_shares = rollout_share(info, cfg.rollout.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1)
+    share, num_shares = rollout_share(info, engine_spec(cfg.rollout.engine).rollout_tp(cfg.rollout))
     lo, hi = len(prompts) * share // num_shares, len(prompts) * (share + 1) // num_shares
     ids = encode_prompts(policy.tokenizer, [p.text for p in prompts[lo:hi]], chat_template=cfg.task.chat_template,
                          system_prompt=cfg.task.system_prompt)

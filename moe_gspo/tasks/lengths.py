@@ -1,17 +1,13 @@
 """Do the prompts fit the model's context? Checked when the data loads, before anything is written.
 
 A prompt of P tokens is sampled with up to `rollout.max_new_tokens` = R response tokens, and the
-learner then runs prompt and response as one sequence, so P + R must fit the context the run has:
-
-- `rollout.engine=hf`: the model's context, `model_context_len` (max_position_embeddings). Neither
-  transformers' generate nor the Megatron learner refuses a longer sequence: RoPE simply runs past
-  the positions the model was trained for (and padding to the long prompt slows every step).
-- `rollout.engine=vllm`: vLLM's `max_model_len`, i.e. `rollout.max_model_len`, or the same model
-  context when it is null (vLLM derives it as `vllm/config/model.py: _get_and_verify_max_len` does,
-  and refuses a larger `max_model_len`). vLLM itself refuses only a prompt of >= max_model_len
-  tokens (`vllm/v1/engine/input_processor.py: _validate_prompt_len`) and cuts the response short;
-  `moe_gspo.rollout.vllm_engine.VLLMEngine.generate` refuses P + R > max_model_len so that no response
-  is silently truncated. The same bound therefore holds for both engines.
+learner then runs prompt and response as one sequence, so P + R must fit the context the run has: the
+model's context, `model_context_len` (max_position_embeddings, RoPE-scaled as vLLM scales it), bounded
+further by the engine's own rule (`moe_gspo.rollout.engine_spec.EngineSpec.context_limit`: vLLM's
+`rollout.max_model_len`). Neither transformers' generate nor the Megatron learner refuses a longer
+sequence: RoPE simply runs past the positions the model was trained for (and padding to the long prompt
+slows every step); vLLM cuts the response short, so its engine refuses P + R > max_model_len. The same
+bound therefore holds for every engine.
 
 The error names the first prompt that does not fit (`file:line` for a JSONL task), its token count,
 the limit and the knobs, and how many more prompts are too long.
@@ -21,6 +17,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from moe_gspo.rollout.engine_spec import ContextLimit, engine_spec
 from moe_gspo.tasks.base import Prompt
 from moe_gspo.tasks.encoding import encode_prompts
 
@@ -43,16 +40,18 @@ def model_context_len(hf_config) -> tuple[int, str]:
     return n, what
 
 
-def context_limit(hf_config, rollout) -> tuple[int, str]:
-    """(longest prompt + response in tokens, what sets it) for the engine of `rollout` (a
-    `moe_gspo.config.RolloutConfig`); raises ValueError for a `rollout.max_model_len` vLLM refuses."""
+def engine_context(hf_config, rollout) -> ContextLimit:
+    """The longest prompt + response, what sets it and the knob that raises it, for the engine of
+    `rollout` (a `moe_gspo.config.RolloutConfig`) on the model of `hf_config`: the engine's rule
+    (`EngineSpec.context_limit`) on the model's context; ValueError for a limit the engine refuses."""
     model_len, what = model_context_len(hf_config)
-    if rollout.engine == "vllm" and rollout.max_model_len is not None:
-        if rollout.max_model_len > model_len:
-            raise ValueError(f"rollout.max_model_len={rollout.max_model_len} exceeds {what}; vLLM refuses that "
-                             f"(positions past the model's context); set rollout.max_model_len <= {model_len} or null")
-        return rollout.max_model_len, f"rollout.max_model_len={rollout.max_model_len}"
-    return model_len, what
+    return engine_spec(rollout.engine).context_limit(rollout, model_len, what)
+
+
+def context_limit(hf_config, rollout) -> tuple[int, str]:
+    """(longest prompt + response in tokens, what sets it) for the engine of `rollout` (`engine_context`)."""
+    limit = engine_context(hf_config, rollout)
+    return limit.tokens, limit.what
 
 
 _WHITESPACE = " \t\n\r\f\v"
@@ -102,7 +101,8 @@ def check_prompt_lengths(prompts: Sequence[Prompt], tokenizer, hf_config, rollou
     rollout does (`moe_gspo.tasks.encoding.encode_prompts`)."""
     if not prompts:
         return 0
-    limit, what = context_limit(hf_config, rollout)
+    context = engine_context(hf_config, rollout)
+    limit, what = context.tokens, context.what
     room = rollout.max_new_tokens
     longest = limit - room
     if longest < 1:
@@ -117,10 +117,7 @@ def check_prompt_lengths(prompts: Sequence[Prompt], tokenizer, hf_config, rollou
         return max(counts)
     first = prompts[bad[0]]
     where = first.where or f"prompt {bad[0]}"
-    knobs = [f"lower {max_new_tokens_flag} (now {room})"]
-    model_len, _ = model_context_len(hf_config)
-    if rollout.engine == "vllm" and rollout.max_model_len is not None and rollout.max_model_len < model_len:
-        knobs.append(f"raise rollout.max_model_len (up to {model_len}, or null)")
+    knobs = [f"lower {max_new_tokens_flag} (now {room})"] + ([context.knob] if context.knob else [])
     more = ""
     if len(bad) > 1:
         shown = ", ".join(prompts[i].where or str(i) for i in bad[1:6])

@@ -146,9 +146,7 @@ def expert_modules(model) -> list:
     """The expert modules of `model`'s MoE layers (`SequentialMLP`, `GroupedMLP`, `TEGroupedMLP`, ...), in order."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from moe_gspo.mcore.model import unwrap
-
-    return [m.experts for m in unwrap(model).modules() if isinstance(m, MoELayer)]
+    return [m.experts for m in model.modules() if isinstance(m, MoELayer)]  # through DDP wrappers too
 
 
 def weight_copies(model) -> int:

@@ -74,7 +74,7 @@ def _check_clip(spec: AlgoSpec, clip_low, clip_high) -> None:
     algo, kind = spec.name, spec.clip
     if kind == "none":
         if clip_low is not None or clip_high is not None:
-            raise ValueError(f"{algo} has no clip range (a soft gate instead); pass clip_low=None, clip_high=None")
+            raise ValueError(f"{algo} has no clip range (its AlgoSpec.clip is 'none'); pass clip_low=None, clip_high=None")
         return
     if clip_low is None or clip_high is None:
         raise ValueError(f"{algo} needs clip_low and clip_high")

@@ -263,3 +263,41 @@ def test_learner_step_equals_the_per_expert_layouts(dist_ep1, replay):
     assert float((diff > 1e-5).float().mean()) <= 1e-3
     assert max(float((w0[k] - hf_w).abs().max()) for k, hf_w in to_per_expert_layout(hf.state_dict(), cfg).items()
                if ".experts." in k) > 1e-4  # the experts did move
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_grouped_layout_matches_the_per_expert_one_in_bf16_without_a_host_sync():
+    """On a real GPU: `auto` picks the grouped layout on majors 9/10 only; there the grouped layout's experts
+    match the per-expert loop on the same weights in bf16, with no host sync (counts on the host, as
+    Megatron's dispatchers give them), and experts without tokens get exactly zero gradient (major 10: the
+    mask)."""
+    major = torch.cuda.get_device_capability()[0]
+    assert (resolve_expert_layout("auto", device="cuda", params_dtype=torch.bfloat16) == "grouped") == \
+        (major in (9, 10))
+    cfg = tiny_qwen3_moe_config()
+    hf = build_tiny_model(cfg, seed=0)
+    per = build_gpt_model(cfg, params_dtype=torch.bfloat16, device="cuda")
+    grouped = build_gpt_model(cfg, params_dtype=torch.bfloat16, device="cuda", expert_layout="grouped")
+    for m in (per, grouped):
+        load_hf_model_into_megatron(m, hf.to(torch.bfloat16))
+    seq, experts = expert_modules(per)[0], expert_modules(grouped)[0]
+    gen = torch.Generator().manual_seed(7)
+    counts = torch.tensor([3, 0, 5, 1, 0, 0, 7, 2])
+    x = torch.randn(int(counts.sum()), cfg.hidden_size, generator=gen).to("cuda", torch.bfloat16)
+    probs = torch.rand(int(counts.sum()), generator=gen).to("cuda", torch.bfloat16)
+    torch.cuda.synchronize()
+    if major in (9, 10):
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        got, _ = experts(x, counts, probs)
+        w1_grad, w2_grad = torch.autograd.grad(got.float().square().sum(), [experts.weight1, experts.weight2])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    want, _ = seq(x, counts, probs)
+    assert (got.float() - want.float()).abs().max() <= 2e-2
+    E, H, F = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    g1, g2 = w1_grad.view(E, H, 2 * F), w2_grad.view(E, F, H)
+    for e in (1, 4, 5):
+        assert float(g1[e].abs().max()) == 0.0 and float(g2[e].abs().max()) == 0.0
+    assert float(g1.abs().max()) > 0 and experts.num_weight_copies == 0

@@ -90,6 +90,37 @@ def row_reasons(routes_TLK, seq_len: int, *, num_layers: int, top_k: int, num_ex
     return codes
 
 
+def _row_reasons_all(routes: list, lens: list[int], *, num_layers: int, top_k: int, num_experts: int
+                     ) -> list[np.ndarray]:
+    """`row_reasons` of every sequence, the per-row checks (range, duplicate) of all sequences in one pass over
+    their rows concatenated."""
+    reasons: list = [None] * len(lens)
+    rows: list[tuple[int, np.ndarray]] = []
+    for b, (r, n) in enumerate(zip(routes, lens)):
+        if r is None or np.shape(r)[:1] == (0,):
+            reasons[b] = row_reasons(r, n, num_layers=num_layers, top_k=top_k, num_experts=num_experts)
+            continue
+        r = np.asarray(r)
+        if (r.ndim != 3 or r.shape[1:] != (int(num_layers), int(top_k)) or r.dtype.kind not in "iu"
+                or not n - 1 <= r.shape[0] <= n):  # a whole-sequence failure: `row_reasons` names it
+            reasons[b] = row_reasons(r, n, num_layers=num_layers, top_k=top_k, num_experts=num_experts)
+            continue
+        rows.append((b, r[:n]))
+    if rows:
+        r = np.concatenate([x for _, x in rows])
+        bad_range = ((r < 0) | (r >= int(num_experts))).reshape(len(r), -1).any(-1)
+        srt = np.sort(r, axis=-1)
+        dup = (srt[..., 1:] == srt[..., :-1]).reshape(len(r), -1).any(-1)
+        code = np.where(bad_range, RANGE, np.where(dup, DUPLICATE, 0)).astype(np.int8)
+        start = 0
+        for b, x in rows:
+            codes = np.full(lens[b], MISSING, dtype=np.int8)  # a row the array does not have: missing
+            codes[:len(x)] = code[start:start + len(x)]
+            start += len(x)
+            reasons[b] = codes
+    return reasons
+
+
 def check_routes(rollout_routes: Sequence | None, seq_lens, *, num_layers: int, top_k: int,
                  num_experts: int) -> tuple[list[np.ndarray], dict[str, float]]:
     """Every sequence's `row_reasons` and the `r3/*` metrics (module docstring).
@@ -103,8 +134,7 @@ def check_routes(rollout_routes: Sequence | None, seq_lens, *, num_layers: int, 
     routes = [None] * len(lens) if rollout_routes is None else list(rollout_routes)
     if len(routes) != len(lens):
         raise ValueError(f"check_routes: {len(routes)} route arrays for {len(lens)} sequences")
-    reasons = [row_reasons(r, n, num_layers=num_layers, top_k=top_k, num_experts=num_experts)
-               for r, n in zip(routes, lens)]
+    reasons = _row_reasons_all(routes, lens, num_layers=num_layers, top_k=top_k, num_experts=num_experts)
     counted = [c[:max(n - 1, 0)] for c, n in zip(reasons, lens)]
     num_rows = sum(len(c) for c in counted)
     failed = np.concatenate(counted) if counted else np.zeros(0, np.int8)

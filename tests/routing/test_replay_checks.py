@@ -109,3 +109,39 @@ def test_usable_prefix_cuts_at_the_first_failed_row():
     np.testing.assert_array_equal(cut[1], routes[1][:1])
     assert [c.shape for c in cut[2:]] == [(0, L, K)] * 3 and all(c.dtype == np.uint8 for c in cut)
     assert usable_prefix(None, reasons, **DIMS) is None
+
+
+def test_check_routes_gives_every_sequence_its_row_reasons():
+    """`check_routes` checks the rows of all sequences at once; each sequence gets what `row_reasons` says
+    for it alone (random defects of every kind, mixed id dtypes)."""
+    from moe_gspo.routing.replay_checks import check_routes, row_reasons
+
+    rng = np.random.default_rng(1)
+    L, K, E = 2, 3, 8
+    routes, lens = [], []
+    for b in range(60):
+        n = int(rng.integers(1, 12))
+        r = np.stack([np.stack([rng.choice(E, K, replace=False) for _ in range(L)]) for _ in range(n)])
+        kind = b % 8
+        if kind == 1:
+            r = r[:n - 1]
+        elif kind == 2:
+            r[rng.integers(0, n)] = E  # out of range
+        elif kind == 3:
+            r[rng.integers(0, n), 0] = 5  # a duplicate within a layer
+        elif kind == 4:
+            r = None
+        elif kind == 5:
+            r = r[:, :, :2]  # wrong K
+        elif kind == 6:
+            r = r[:max(n - 3, 0)]  # wrong length
+        elif kind == 7:
+            r = r.astype(np.float32)
+        if r is not None and r.dtype.kind in "iu":
+            r = r.astype(np.int16 if b % 2 else np.uint8)
+        routes.append(r)
+        lens.append(n)
+    reasons, _ = check_routes(routes, lens, num_layers=L, top_k=K, num_experts=E)
+    for r, n, got in zip(routes, lens, reasons):
+        want = row_reasons(r, n, num_layers=L, top_k=K, num_experts=E)
+        assert got.dtype == want.dtype and got.tolist() == want.tolist()

@@ -197,11 +197,25 @@ def usable_prefix(rollout_routes: Sequence | None, reasons: Sequence[np.ndarray]
         return None
     dtype = ids_dtype(num_experts)
     out = []
-    for r, c in zip(rollout_routes, reasons):
-        cut = _first_failed(c)  # whole-sequence failures (missing, shape, length) fail at row 0
+    for r, cut in zip(rollout_routes, _first_failed_all(reasons)):
+        # whole-sequence failures (missing, shape, length) fail at row 0
         out.append(np.asarray(r)[:cut].astype(dtype, copy=False) if cut else
                    np.zeros((0, int(num_layers), int(top_k)), dtype=dtype))
     return out
+
+
+def _first_failed_all(reasons: Sequence[np.ndarray]) -> list[int]:
+    """`_first_failed` of every sequence, from one search over their reasons concatenated."""
+    if not len(reasons):
+        return []
+    lens = np.fromiter(map(len, reasons), np.int64, len(reasons))
+    bad = np.flatnonzero(np.concatenate(reasons))
+    if not bad.size:
+        return lens.tolist()
+    start = np.cumsum(lens) - lens
+    pos = np.searchsorted(bad, start)  # the first failed row at or after each sequence's start
+    first = bad[np.minimum(pos, bad.size - 1)] - start
+    return np.where((pos < bad.size) & (first < lens), first, lens).tolist()
 
 
 def _first_failed(reasons_T: np.ndarray) -> int:

@@ -145,3 +145,13 @@ def test_check_routes_gives_every_sequence_its_row_reasons():
     for r, n, got in zip(routes, lens, reasons):
         want = row_reasons(r, n, num_layers=L, top_k=K, num_experts=E)
         assert got.dtype == want.dtype and got.tolist() == want.tolist()
+
+
+def test_usable_prefix_cuts_every_sequence_at_its_first_failed_row():
+    from moe_gspo.routing.replay_checks import _first_failed, _first_failed_all
+
+    rng = np.random.default_rng(2)
+    reasons = [np.where(rng.random(int(n)) < 0.1, rng.integers(1, 6, int(n)), 0).astype(np.int8)
+               for n in rng.integers(0, 15, 200)]
+    assert _first_failed_all(reasons) == [_first_failed(c) for c in reasons]
+    assert _first_failed_all([np.zeros(3, np.int8), np.zeros(0, np.int8)]) == [3, 0] and _first_failed_all([]) == []

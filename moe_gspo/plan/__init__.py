@@ -4,7 +4,8 @@
 Modules (pure arithmetic unless said): `params` (parameter counts from the HF config), `activations`
 (the activation formula and its assumptions), `transients` (short-lived allocations: optimizer step,
 weight sync, HF export, sample gather), `host_routes` (the step's routes in host memory, per rank),
-`memory` (learner / reference / rollout / weight-sync memory per phase), `from_config` (a run `Config` →
+`memory` (learner / reference / rollout / weight-sync memory per phase), `engine_memory` (each rollout
+engine's own terms, named by its `moe_gspo.rollout.engine_spec.EngineSpec`), `from_config` (a run `Config` →
 a plan), `knobs` (what to change when it does not fit), `report` (the table), `startup` (the check
 `moe_gspo.train` runs on GPU before loading weights), `flops` (model FLOPs of the learner's passes and
 MFU, for `benchmarks.gpu_check`).

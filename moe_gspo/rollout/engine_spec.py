@@ -41,7 +41,7 @@ class EngineSpec:
     name: str
     """The `rollout.engine` value and registry key."""
     doc: str
-    """One line for `--help` and the docs: what the engine is and where it runs."""
+    """One line: what the engine is and where it runs (as `RolloutConfig.engine`'s doc, which `--help` prints)."""
     title: str
     """How messages and reports name the engine ("vLLM", "transformers engine")."""
     factory: str

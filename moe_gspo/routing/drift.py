@@ -93,15 +93,19 @@ def per_token_flip_mask(topk_a_NLK: Any, topk_b_NLK: Any) -> np.ndarray:
     return per_token_layer_diff(topk_a_NLK, topk_b_NLK).any(axis=1)
 
 
-def expert_load(topk_NLK: Any, num_experts: int) -> np.ndarray:
+def expert_load(topk_NLK: Any, num_experts: int, *, rows: np.ndarray | None = None) -> np.ndarray:
     """float64 [L, E]: share of each layer's k slots that go to each expert (rows sum to 1; zeros if
-    there are no tokens)."""
+    there are no tokens). `rows` (int indices) counts those tokens only, one layer at a time (no copy of
+    the selected [M, L, K] rows)."""
     ids = _np(topk_NLK)
     n, num_layers, k = ids.shape
+    if rows is not None:
+        n = len(rows)
     if n == 0:
         return np.zeros((num_layers, num_experts))
     # per layer, in the ids' own dtype: no int64 copy of the whole [N, L, K] batch (72 B a token instead of 8 L K)
-    counts = np.stack([np.bincount(ids[:, l, :].ravel(), minlength=num_experts) for l in range(num_layers)])
+    counts = np.stack([np.bincount((ids[:, l, :] if rows is None else ids[rows, l, :]).ravel(), minlength=num_experts)
+                       for l in range(num_layers)])
     return counts / float(n * k)
 
 
@@ -192,11 +196,20 @@ def set_drift_of_intersection(inter_NL: np.ndarray, top_k: int) -> SetDrift:
                     num_tokens=int(n))
 
 
-def check_topk_ids(topk_a_NLK: Any, topk_b_NLK: Any, *, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
-    """Both sides as numpy arrays; ValueError unless they are [N, L, K] integer ids in [0, num_experts)
-    of the same shape."""
+def check_topk_ids(topk_a_NLK: Any, topk_b_NLK: Any, *, num_experts: int, rows: np.ndarray | None = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Both sides as numpy arrays; ValueError unless they are [N, L, K] integer ids of the same shape, in
+    [0, num_experts) (in the tokens `rows` only, when given: checked one layer at a time, no copy of the
+    selected rows)."""
     a, b = _check_pair(topk_a_NLK, topk_b_NLK)
-    _check_ids(a, b, int(num_experts))
+    if rows is None:
+        _check_ids(a, b, int(num_experts))
+    else:
+        for name, x in (("topk_a_NLK", a), ("topk_b_NLK", b)):
+            for layer in range(x.shape[1]):
+                sel = x[rows, layer, :]
+                if sel.size and (int(sel.min()) < 0 or int(sel.max()) >= num_experts):
+                    raise ValueError(f"{name} holds expert ids outside [0, num_experts={num_experts})")
     return a, b
 
 

@@ -89,11 +89,10 @@ def _subset_var(b, a, sel) -> float:
 
 
 def _selected_drift(a_all: np.ndarray, b_all: np.ndarray, inter_all: np.ndarray, index: np.ndarray,
-                    num_experts: int) -> tuple[SetDrift, np.ndarray, np.ndarray]:
-    """`set_drift` of the rows `index` of the stacked rows (their intersections computed once for all rows),
-    with those rows of each side."""
-    a, b = check_topk_ids(a_all[index], b_all[index], num_experts=num_experts)
-    return set_drift_of_intersection(inter_all[index], a.shape[2]), a, b
+                    num_experts: int) -> SetDrift:
+    """`set_drift` of the rows `index` of the stacked rows (their intersections computed once for all rows)."""
+    check_topk_ids(a_all, b_all, num_experts=num_experts, rows=index)
+    return set_drift_of_intersection(inter_all[index], a_all.shape[2])
 
 
 def _routing_drift(rollout_routes: list, learner_routes: list, P_B, R_B, group_ids, num_experts: int,
@@ -103,14 +102,15 @@ def _routing_drift(rollout_routes: list, learner_routes: list, P_B, R_B, group_i
     those rows differs in some layer (for the flipped tokens)."""
     a_all, b_all = stack_rows(rollout_routes, learner_routes, np.zeros_like(n_B), n_B)
     inter_all = topk_intersection(a_all, b_all)  # [sum n_b, L]: every comparison below selects its rows
-    d, ra, rb = _selected_drift(a_all, b_all, inter_all, row_index(n_B, *response_rows(P_B, R_B)), num_experts)
+    rows = row_index(n_B, *response_rows(P_B, R_B))
+    d = _selected_drift(a_all, b_all, inter_all, rows, num_experts)
     out = {"routing/layer_disagree": d.layer_disagree, "routing/any_layer_flip": d.any_layer_flip,
            "routing/mean_layers_differing": d.mean_layers_differing, "routing/topk_overlap": d.topk_overlap,
            "routing/jaccard": d.jaccard, "routing/expert_change_frac": d.expert_change_frac,
            "routing/num_tokens": d.num_tokens,
-           "routing/expert_load_rollout": expert_load(ra, num_experts).tolist(),
-           "routing/expert_load_learner": expert_load(rb, num_experts).tolist()}
-    p, _, _ = _selected_drift(a_all, b_all, inter_all, row_index(n_B, *prompt_rows(P_B, group_ids)), num_experts)
+           "routing/expert_load_rollout": expert_load(a_all, num_experts, rows=rows).tolist(),
+           "routing/expert_load_learner": expert_load(b_all, num_experts, rows=rows).tolist()}
+    p = _selected_drift(a_all, b_all, inter_all, row_index(n_B, *prompt_rows(P_B, group_ids)), num_experts)
     nan = None if p.num_tokens else math.nan  # no prompt row (one-token prompts): NaN, not a perfect 0
     out.update({
         "routing_prompt/layer_disagree": p.layer_disagree if nan is None else [nan] * len(p.layer_disagree),

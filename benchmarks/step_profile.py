@@ -101,9 +101,18 @@ def profile(rows: list[dict], *, skip: int) -> dict:
     return out
 
 
+DIAGNOSTIC_PHASES = ("compare", "eval", "traces")
+"""The phases that only measure (rollout-vs-learner and router metrics, route checks; the held-out evaluation;
+traces and samples): their share is what the step pays for its diagnostics, apart from the router
+statistics recorded inside the rollout and the learner's passes."""
+
+
 def format_profile(name: str, prof: dict) -> str:
-    return _table(name, prof, [p for p in (*PHASES, "loop, untimed")
-                               if prof[p] > 0 or p in ("rollout", "old_logp", "update", "sync")])
+    table = _table(name, prof, [p for p in (*PHASES, "loop, untimed")
+                                if prof[p] > 0 or p in ("rollout", "old_logp", "update", "sync")])
+    diag = sum(prof.get(p, 0.0) for p in DIAGNOSTIC_PHASES)
+    return (table + f"\n  measuring phases ({' + '.join(DIAGNOSTIC_PHASES)}): {diag:.4f} s/step, "
+            f"{100 * diag / prof['total']:.1f}% of the step")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,9 @@ def test_profile_amortises_periodic_phases_and_counts_untimed_time():
     assert prof["total"] == pytest.approx(2.8 / 3 + 0.4 / 3)
     text = format_profile("cfg", prof)
     assert "checkpoint" in text and "drift" not in text
+    # the measuring phases: traces 0.1 s over the 3 steps, as a share of the total (log and checkpoint in it)
+    total = prof["total"]
+    assert f"measuring phases (compare + eval + traces): {0.1 / 3:.4f} s/step, {100 * 0.1 / 3 / total:.1f}%" in text
 
 
 def test_profile_needs_steps_after_the_warm_up():

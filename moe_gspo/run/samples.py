@@ -23,16 +23,16 @@ def token_flips(rollout_TLK: np.ndarray, learner_TLK: np.ndarray, prompt_len: in
                 response_len: int) -> list[int | None]:
     """Per response token j: MoE layers whose top-k sets differ on row prompt_len - 1 + j (None past
     either side's rows); pure."""
-    out: list[int | None] = []
     num_rows = min(len(rollout_TLK), len(learner_TLK))
-    for j in range(response_len):
-        row = prompt_len - 1 + j
-        if row >= num_rows:
-            out.append(None)
-            continue
-        a, b = np.sort(np.asarray(rollout_TLK[row]), axis=-1), np.sort(np.asarray(learner_TLK[row]), axis=-1)
-        out.append(int((a != b).any(axis=-1).sum()))
-    return out
+    rows = np.arange(int(response_len)) + int(prompt_len) - 1
+    ok = rows < num_rows
+    flips: list[int | None] = [None] * int(response_len)
+    if ok.any():  # every token's row at once: one sort per side
+        a = np.sort(np.asarray(rollout_TLK)[rows[ok]], axis=-1)
+        b = np.sort(np.asarray(learner_TLK)[rows[ok]], axis=-1)
+        for j, n in zip(np.flatnonzero(ok).tolist(), (a != b).any(axis=-1).sum(axis=-1).tolist()):
+            flips[j] = n
+    return flips
 
 
 def sample_rows(step: int, tokenizer, prompts, samples, rewards, advantages_B, *, rollout_routes: Sequence | None,

@@ -82,6 +82,29 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -
     return total / count.clamp(min=1).to(values.dtype)
 
 
+def _token_moments(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, mask_BT: torch.Tensor, limit: float):
+    """(mask, clamped log ratio lr, tokens per row, tokens, token mean and population variance of w = exp(lr))."""
+    mask = as_bool_mask(mask_BT)
+    raw_lr = logp_BT.detach().double() - old_logp_BT.detach().double()
+    lr = torch.where(mask, raw_lr, 0.0).clamp(-limit, limit)  # 0 at padding
+    num_tok_B = mask.sum(-1)
+    num_tokens = num_tok_B.sum()
+    w = torch.exp(lr)
+    token_mean = masked_mean(w, mask, num_tokens)
+    token_var = masked_mean((w - token_mean) ** 2, mask, num_tokens)
+    return mask, lr, num_tok_B, num_tokens, token_mean, token_var
+
+
+def token_ratio_var(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, mask_BT: torch.Tensor, *,
+                    max_log_ratio: float = 20.0) -> torch.Tensor:
+    """`ratio/token_var` of `ratio_stats` alone (the same numbers, without the other statistics): the
+    population variance of w = exp(logp - old_logp) over the valid tokens, a detached 0-dim float64 tensor."""
+    check_token_tensors(mask_BT, logp_BT=logp_BT, old_logp_BT=old_logp_BT)
+    check_max_log_ratio(max_log_ratio)
+    with torch.no_grad():
+        return _token_moments(logp_BT, old_logp_BT, mask_BT, float(max_log_ratio))[5]
+
+
 def ratio_stats(
     logp_BT: torch.Tensor,
     old_logp_BT: torch.Tensor,
@@ -112,18 +135,10 @@ def ratio_stats(
     check_max_log_ratio(max_log_ratio)
     limit = float(max_log_ratio)
     with torch.no_grad():
-        mask = as_bool_mask(mask_BT)
-        raw_lr = logp_BT.detach().double() - old_logp_BT.detach().double()
-        lr = torch.where(mask, raw_lr, 0.0).clamp(-limit, limit)  # 0 at padding
-
-        num_tok_B = mask.sum(-1)
-        num_tokens = num_tok_B.sum()
+        mask, lr, num_tok_B, num_tokens, token_mean, token_var = _token_moments(logp_BT, old_logp_BT, mask_BT, limit)
         seq_valid_B = num_tok_B > 0
         num_seqs = seq_valid_B.sum()
 
-        w = torch.exp(lr)
-        token_mean = masked_mean(w, mask, num_tokens)
-        token_var = masked_mean((w - token_mean) ** 2, mask, num_tokens)
         chi2_token = masked_mean(torch.expm1(2.0 * lr), mask, num_tokens)
 
         log_prod_B = lr.sum(-1)

@@ -32,6 +32,7 @@ import torch
 
 from moe_gspo.algos import mismatch_metrics, ratio_stats
 from moe_gspo.algos.mismatch import extreme_frac_curve
+from moe_gspo.algos.ratios import token_ratio_var
 from moe_gspo.routing.drift import (SetDrift, check_topk_ids, expert_load, per_token_flip_mask, set_drift,
                                    set_drift_of_intersection, topk_intersection)
 from moe_gspo.routing.rows import prompt_rows, response_rows, response_spans, row_index, stack_rows
@@ -85,7 +86,7 @@ def variance_attribution(logp_b_BS: torch.Tensor, logp_a_BS: torch.Tensor, mask_
 
 
 def _subset_var(b, a, sel) -> float:
-    return float(ratio_stats(b, a, sel)["ratio/token_var"]) if bool(sel.any()) else math.nan
+    return float(token_ratio_var(b, a, sel)) if bool(sel.any()) else math.nan
 
 
 def _selected_drift(a_all: np.ndarray, b_all: np.ndarray, inter_all: np.ndarray, index: np.ndarray,

@@ -97,3 +97,13 @@ def test_shape_errors():
         ratio_stats(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3), torch.ones(2, 3))
     with pytest.raises(ValueError, match="max_log_ratio"):
         ratio_stats(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), max_log_ratio=0.0)
+
+
+def test_token_ratio_var_is_ratio_stats_token_var_bit_for_bit():
+    from moe_gspo.algos.ratios import ratio_stats, token_ratio_var
+
+    g = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        logp, old = -torch.rand(6, 9, generator=g) * 3, -torch.rand(6, 9, generator=g) * 3
+        mask = torch.rand(6, 9, generator=g) < 0.6
+        assert torch.equal(token_ratio_var(logp, old, mask), ratio_stats(logp, old, mask)["ratio/token_var"])

@@ -52,8 +52,7 @@ def _rows(arrays: Sequence[np.ndarray | None] | None, lo_B, hi_B, tail: tuple, d
     sequences with no row may hold None)."""
     if arrays is None:
         return None
-    parts = [np.asarray(a)[lo:hi] for a, lo, hi in zip(arrays, np.asarray(lo_B).tolist(), np.asarray(hi_B).tolist())
-             if hi > lo]
+    parts = [a[lo:hi] for a, lo, hi in zip(arrays, np.asarray(lo_B).tolist(), np.asarray(hi_B).tolist()) if hi > lo]
     return np.concatenate(parts) if parts else np.zeros((0, *tail), dtype)
 
 
@@ -67,8 +66,9 @@ def _usable_rows(arrays: Sequence[np.ndarray | None], tail: tuple, num_experts: 
     for b, a in enumerate(arrays):
         if a is None:
             continue
-        a = np.asarray(a)
-        if a.ndim != 1 + len(tail) or a.shape[1:] != tail:
+        if type(a) is not np.ndarray:
+            a = np.asarray(a)
+        if a.shape[1:] != tail:  # also a wrong number of dimensions (tail is never empty)
             continue
         if num_experts is None:
             out[b] = a.shape[0]

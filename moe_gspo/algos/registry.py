@@ -15,18 +15,12 @@ docs/architecture.md, "Adding a loss".
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
-import sys
-import traceback
-from pathlib import Path
-
 from moe_gspo.algos.algo_spec import AlgoSpec
 from moe_gspo.algos.cispo import CISPO
 from moe_gspo.algos.gmpo import GMPO
 from moe_gspo.algos.ppo_clip import GRPO, GSPO, GSPO_TOKEN
 from moe_gspo.algos.sapo import SAPO
+from moe_gspo.plugins import import_plugin_module
 
 __all__ = ["AlgoSpec", "BUILTIN_ALGOS", "algo_names", "get_algo", "register_algo"]
 
@@ -71,12 +65,7 @@ def _load_plugin(ref: str) -> AlgoSpec:
     where, _, attr = ref.partition(":")
     if not where or not attr.isidentifier():
         raise ValueError(f"algo.name={ref!r}: give {PLUGIN_FORM}")
-    try:
-        module = _import(where, ref)
-    except ValueError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the user's module: any failure to import is a user error
-        raise ValueError(f"algo.name={ref!r}: cannot import {where!r}: {type(e).__name__}: {e}{_user_frame(e)}") from None
+    module = import_plugin_module(ref, field="algo.name", prefix="moe_gspo_algo", attr_form="Spec")
     obj = getattr(module, attr, None)
     if not isinstance(obj, AlgoSpec):
         specs = sorted(k for k, v in vars(module).items() if isinstance(v, AlgoSpec))
@@ -90,34 +79,6 @@ def _load_plugin(ref: str) -> AlgoSpec:
         raise ValueError(f"algo.name={ref!r}: {e}") from None
     _PLUGINS[ref] = obj
     return obj
-
-
-def _import(where: str, ref: str):
-    if not where.endswith(".py"):
-        return importlib.import_module(where)
-    path = Path(where)
-    if not path.is_file():
-        raise ValueError(f"algo.name={ref!r}: file {where!r} does not exist; give a path to a .py file (relative to "
-                         "the working directory) or package.module:Spec")
-    mod_name = f"moe_gspo_algo_{hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]}"
-    if mod_name in sys.modules:  # the same file under another spelling of its path: one module, one spec
-        return sys.modules[mod_name]
-    loader = importlib.util.spec_from_file_location(mod_name, path)
-    module = importlib.util.module_from_spec(loader)
-    sys.modules[mod_name] = module  # dataclasses and pickling inside the file need it
-    try:
-        loader.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[mod_name]
-        raise
-    return module
-
-
-def _user_frame(e: BaseException) -> str:
-    """` (at FILE:LINE)` of the innermost frame outside this module and Python's frozen ones, or ""."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if f.filename != __file__ and not f.filename.startswith("<frozen")]
-    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 
 for _spec in (GSPO, GSPO_TOKEN, GRPO, GMPO, CISPO, SAPO):  # the built-ins, in --help's order

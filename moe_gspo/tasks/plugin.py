@@ -20,18 +20,13 @@ non-number / NaN / inf (the message names the prompt).
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import math
 import signal
-import sys
 import threading
 import time
-import traceback
-from pathlib import Path
 from typing import Callable
 
+from moe_gspo.plugins import import_plugin_module, user_frame
 from moe_gspo.tasks.base import Prompt, Task
 
 RewardFn = Callable[..., float]
@@ -40,24 +35,7 @@ RewardFn = Callable[..., float]
 def load_reward_function(spec: str) -> RewardFn:
     """The callable `spec` (`module:function` or `file.py:function`) names; ValueError otherwise."""
     where, _, name = spec.partition(":")
-    try:
-        if where.endswith(".py"):
-            path = Path(where)
-            if not path.is_file():
-                raise ValueError(f"task.reward={spec!r}: file {where!r} does not exist; give a path to a .py file "
-                                 "(relative to the working directory) or package.module:function")
-            mod_name = f"moe_gspo_reward_{hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]}"
-            loader = importlib.util.spec_from_file_location(mod_name, path)
-            module = importlib.util.module_from_spec(loader)
-            sys.modules[mod_name] = module  # dataclasses and pickling inside the file need it
-            loader.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-    except ValueError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the user's module: any failure to import is a user error
-        raise ValueError(f"task.reward={spec!r}: cannot import {where!r}: {type(e).__name__}: {e}"
-                         f"{_user_frame(e)}") from None
+    module = import_plugin_module(spec, field="task.reward", prefix="moe_gspo_reward", attr_form="function")
     fn = getattr(module, name, None)
     if fn is None:
         public = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
@@ -65,12 +43,6 @@ def load_reward_function(spec: str) -> RewardFn:
     if not callable(fn):
         raise ValueError(f"task.reward={spec!r}: {name!r} is a {type(fn).__name__}, not a function")
     return fn
-
-
-def _user_frame(e: BaseException) -> str:
-    """` (at FILE:LINE)` of the innermost frame outside this module, or ""."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename != __file__]
-    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 
 class _RewardTimeout(BaseException):
@@ -128,7 +100,7 @@ def call_reward(fn: RewardFn, spec: str, *, prompt: Prompt, response: str, timeo
                          f"prompt {where}; fix the function (or raise task.reward_timeout_s, null = no limit)") from None
     except Exception as e:  # noqa: BLE001 - the user's function
         where = prompt.where or repr(prompt.text[:60])
-        raise ValueError(f"task.reward={spec!r} raised {type(e).__name__}: {e}{_user_frame(e)} on the prompt "
+        raise ValueError(f"task.reward={spec!r} raised {type(e).__name__}: {e}{user_frame(e)} on the prompt "
                          f"{where}") from None
     if isinstance(value, bool):
         return float(value)

@@ -93,30 +93,38 @@ def bench_rollout(cfg, repeats: int) -> dict[str, float]:
     return medians
 
 
-def bench_learner(cfg, repeats: int) -> dict[str, float]:
+def synthetic_batch(cfg, vocab_size: int):
+    """A `PackedBatch` shaped like one RL step of `cfg` (prompts_per_step x samples_per_prompt sequences,
+    the task's prompt length, response lengths drawn in [9, max_new_tokens]), random ids and advantages."""
     from moe_gspo.learner.batch import PackedBatch
+    from moe_gspo.rollout.base import RolloutSample
+
+    rng = np.random.default_rng(0)
+    r, t = cfg.rollout, cfg.task
+    num = r.prompts_per_step * r.samples_per_prompt
+    prompt_len = (t.prompt_len_max or t.prompt_len) + 2  # the copy task's field, "=" and BOS
+    lens = rng.integers(9, r.max_new_tokens + 1, num)
+    samples = [RolloutSample(prompt_index=i // r.samples_per_prompt,
+                             prompt_ids=rng.integers(3, vocab_size, prompt_len),
+                             response_ids=rng.integers(3, vocab_size, int(n)), finish_reason="stop",
+                             response_logprobs=np.full(int(n), -2.0, np.float32)) for i, n in enumerate(lens)]
+    return PackedBatch.from_samples(samples, rng.standard_normal(num), pad_id=0)
+
+
+def bench_learner(cfg, repeats: int) -> dict[str, float]:
     from moe_gspo.learner.learner import Learner
     from moe_gspo.learner.old_pass import OldPolicyPass
     from moe_gspo.mcore.model import build_gpt_model
     from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
     from moe_gspo.mcore.weights import load_hf_model_into_megatron
-    from moe_gspo.rollout.base import RolloutSample
     from moe_gspo.tiny import build_tiny_model, tiny_qwen3_moe_config
 
     hf_cfg = tiny_qwen3_moe_config(**cfg.model.tiny)
     info = init_distributed(ep_size=1, num_experts=hf_cfg.num_experts, seed=0)
     try:
         hf = build_tiny_model(hf_cfg, seed=cfg.model.init_seed, router_scale=cfg.model.router_scale)
-        rng = np.random.default_rng(0)
-        r, t = cfg.rollout, cfg.task
-        num = r.prompts_per_step * r.samples_per_prompt
-        prompt_len = (t.prompt_len_max or t.prompt_len) + 2  # the copy task's field, "=" and BOS
-        lens = rng.integers(9, r.max_new_tokens + 1, num)
-        samples = [RolloutSample(prompt_index=i // r.samples_per_prompt,
-                                 prompt_ids=rng.integers(3, hf_cfg.vocab_size, prompt_len),
-                                 response_ids=rng.integers(3, hf_cfg.vocab_size, int(n)), finish_reason="stop",
-                                 response_logprobs=np.full(int(n), -2.0, np.float32)) for i, n in enumerate(lens)]
-        batch = PackedBatch.from_samples(samples, rng.standard_normal(num), pad_id=0)
+        batch = synthetic_batch(cfg, hf_cfg.vocab_size)
+        num = batch.num_seqs
         learners = {}
         for name, batched, sdpa, rope in (("default", True, True, True), ("loop experts", False, True, True),
                                           ("local attention", True, False, True), ("unfused RoPE", True, True, False)):

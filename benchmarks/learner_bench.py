@@ -43,16 +43,14 @@ GEMM, the grouped layout, Megatron's loop over experts)."""
 
 def bench_expert_layouts(config: str, repeats: int) -> dict[str, float]:
     """Median seconds of the old-policy pass and of `train_step` per expert path (module docstring)."""
-    from benchmarks.fastpath_bench import interleaved
+    from benchmarks.fastpath_bench import interleaved, synthetic_batch
     from moe_gspo.config_load import load_config
-    from moe_gspo.learner.batch import PackedBatch
     from moe_gspo.learner.learner import Learner
     from moe_gspo.learner.old_pass import OldPolicyPass
     from moe_gspo.mcore.grouped_experts import expert_modules
     from moe_gspo.mcore.model import build_gpt_model
     from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
     from moe_gspo.mcore.weights import load_hf_model_into_megatron
-    from moe_gspo.rollout.base import RolloutSample
     from moe_gspo.tiny import build_tiny_model, tiny_qwen3_moe_config
 
     cfg = load_config(config)
@@ -62,16 +60,8 @@ def bench_expert_layouts(config: str, repeats: int) -> dict[str, float]:
     info = init_distributed(ep_size=1, num_experts=hf_cfg.num_experts, seed=0)
     try:
         hf = build_tiny_model(hf_cfg, seed=cfg.model.init_seed, router_scale=cfg.model.router_scale)
-        rng = np.random.default_rng(0)
-        r, t = cfg.rollout, cfg.task
-        num = r.prompts_per_step * r.samples_per_prompt
-        prompt_len = (t.prompt_len_max or t.prompt_len) + 2  # the copy task's field, "=" and BOS
-        samples = [RolloutSample(prompt_index=i // r.samples_per_prompt,
-                                 prompt_ids=rng.integers(3, hf_cfg.vocab_size, prompt_len),
-                                 response_ids=rng.integers(3, hf_cfg.vocab_size, int(n)), finish_reason="stop",
-                                 response_logprobs=np.full(int(n), -2.0, np.float32))
-                   for i, n in enumerate(rng.integers(9, r.max_new_tokens + 1, num))]
-        batch = PackedBatch.from_samples(samples, rng.standard_normal(num), pad_id=0)
+        batch = synthetic_batch(cfg, hf_cfg.vocab_size)
+        num = batch.num_seqs
         learners = {}
         for name, kw in EXPERT_PATHS.items():
             model = build_gpt_model(hf_cfg, **kw)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from moe_gspo.rollout.engine_spec import ENGINE_NAMES
+from moe_gspo.rollout.engine_spec import ENGINE_NAMES, engine_spec
 
 
 def read_prompt_file(path: str | Path) -> list[tuple[str, str]]:
@@ -178,7 +178,6 @@ def probe(args: argparse.Namespace, cfg=None) -> dict:
     from moe_gspo.mcore.model import moe_layer_ids
     from moe_gspo.mcore.parallel import init_distributed
     from moe_gspo.rollout.base import SamplingParams
-    from moe_gspo.rollout.vllm_support import check_rollout_machine
     from moe_gspo.routing.drift_metrics import rollout_vs_learner
     from moe_gspo.files import check_output_file
     from moe_gspo.run.setup import build_engine, check_tokenizer_fits, derive_seed, learner_dtype, quiet_progress_bars
@@ -191,7 +190,7 @@ def probe(args: argparse.Namespace, cfg=None) -> dict:
     r, model_dir = cfg.rollout, cfg.model.path
     check_output_file(args.out, "--out")  # before any compute
     hf_config = load_hf_config(model_dir, field="--model")  # clear errors: missing dir, not a Qwen3-MoE
-    check_rollout_machine(r, hf_config, model=f"--model {model_dir}")  # this machine's vLLM, what its kernels run
+    engine_spec(r.engine).check_machine(r, hf_config, model=f"--model {model_dir}")  # this machine's vLLM, what its kernels run
     prompt_lines = read_prompt_file(args.prompts)
     tok = _tokenizer(cfg)
     check_tokenizer_fits(tok, hf_config, tokenizer_dir=cfg.model.tokenizer or model_dir, model=model_dir)

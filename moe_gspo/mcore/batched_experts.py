@@ -249,14 +249,20 @@ def stack_expert_weights_(model) -> None:
             module.stack_weights_()
 
 
-def with_batched_experts(block_spec):
-    """A copy of a GPT decoder block spec whose MoE layers build `BatchedSequentialMLP` experts."""
+def swap_expert_module(block_spec, old: type, new: type):
+    """A copy of a GPT decoder block spec whose MoE layers build `new` experts where they built `old`; and
+    how many layers changed."""
     spec = copy.deepcopy(block_spec)
     found = 0
     for layer in spec.layer_specs:
         mlp = getattr(layer.submodules, "mlp", None)
         experts = getattr(getattr(mlp, "submodules", None), "experts", None)
-        if experts is not None and getattr(experts, "module", None) is SequentialMLP:
-            experts.module = BatchedSequentialMLP
+        if experts is not None and getattr(experts, "module", None) is old:
+            experts.module = new
             found += 1
     return spec, found
+
+
+def with_batched_experts(block_spec):
+    """A copy of a GPT decoder block spec whose MoE layers build `BatchedSequentialMLP` experts."""
+    return swap_expert_module(block_spec, SequentialMLP, BatchedSequentialMLP)

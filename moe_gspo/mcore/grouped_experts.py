@@ -40,14 +40,14 @@ expert inside TE's own grouped linear); this module is then not used.
 
 from __future__ import annotations
 
-import copy
 import types
 
 import torch
 from megatron.core.transformer.moe.experts import GroupedMLP
 
 from moe_gspo.mcore.batched_experts import (_contiguous_grad, grouped_mm_supported, mask_empty_expert_grads,
-                                            masks_empty_expert_grads, mlp_activation, to_device_pinned)
+                                            masks_empty_expert_grads, mlp_activation, swap_expert_module,
+                                            to_device_pinned)
 
 EXPERT_LAYOUTS = ("auto", "per_expert", "grouped")
 """`model.expert_layout` values: `per_expert` (megatron's `SequentialMLP`, one parameter per expert and
@@ -131,15 +131,7 @@ class GroupedExperts(GroupedMLP):
 
 def with_grouped_experts(block_spec):
     """A copy of a GPT decoder block spec whose legacy `GroupedMLP` experts are `GroupedExperts`; and how many."""
-    spec = copy.deepcopy(block_spec)
-    found = 0
-    for layer in spec.layer_specs:
-        mlp = getattr(layer.submodules, "mlp", None)
-        experts = getattr(getattr(mlp, "submodules", None), "experts", None)
-        if experts is not None and getattr(experts, "module", None) is GroupedMLP:
-            experts.module = GroupedExperts
-            found += 1
-    return spec, found
+    return swap_expert_module(block_spec, GroupedMLP, GroupedExperts)
 
 
 def expert_modules(model) -> list:
@@ -147,6 +139,12 @@ def expert_modules(model) -> list:
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     return [m.experts for m in model.modules() if isinstance(m, MoELayer)]  # through DDP wrappers too
+
+
+def built_expert_layout(model) -> str:
+    """`grouped` when `model`'s MoE layers hold `GroupedExperts` (one parameter per projection), else
+    `per_expert`: the parameter naming a checkpoint of `model` has."""
+    return "grouped" if any(isinstance(m, GroupedExperts) for m in expert_modules(model)) else "per_expert"
 
 
 def weight_copies(model) -> int:

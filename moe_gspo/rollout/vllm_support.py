@@ -21,7 +21,7 @@ import logging
 import os
 
 from moe_gspo.rollout import vllm_cpu, vllm_shims
-from moe_gspo.rollout.engine_spec import VLLM, engine_spec
+from moe_gspo.rollout.engine_spec import VLLM
 
 SUPPORTED = {"vllm": "0.33.0", vllm_cpu.CPU_DIST: vllm_cpu.CPU_VERSION}
 """Distribution name -> the one version of it this adapter supports."""
@@ -119,10 +119,7 @@ def check_rollout_machine(rollout, hf_config=None, *, model: str = "the model") 
     `vllm_cpu.check_cpu_kernels`); run when a run starts, before any weight is loaded, not when a
     config is read, so that a GPU config still loads (and plans, `moe_gspo.plan`) on a CPU box.
     ValueError naming the field and the fix; `model` says where the geometry comes from."""
-    r = rollout
-    spec = engine_spec(r.engine)
-    if spec is not VLLM:
-        return
+    r, spec = rollout, VLLM  # vLLM's `EngineSpec.machine_check`: the caller asked the spec
     check_installed()
     if on_cpu():
         if hf_config is not None:

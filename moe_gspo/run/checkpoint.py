@@ -49,7 +49,8 @@ GEOMETRY_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermed
                  "decoder_sparse_step", "mlp_only_layers", "tie_word_embeddings")
 # Fingerprint entries that must match to resume, with how to restore them.
 _MUST_MATCH = {"algo.name": "--algo", "algo.routing_replay": "--routing-replay",
-               "world_size": "torchrun --nproc-per-node", "parallel.expert_parallel_size": "parallel.expert_parallel_size"}
+               "world_size": "torchrun --nproc-per-node", "parallel.expert_parallel_size": "parallel.expert_parallel_size",
+               "model.expert_layout": "model.expert_layout; its parameters and optimizer state are named per layout"}
 
 
 @dataclass(kw_only=True)
@@ -120,13 +121,15 @@ def agree(local: BaseException | None, what: str) -> None:
     raise RankFailure(f"rank {r} failed while {what}: {text}")
 
 
-def run_fingerprint(cfg, hf_config, world_size: int) -> dict:
-    """What must stay the same for a checkpoint to resume this run (stored in meta.json)."""
+def run_fingerprint(cfg, hf_config, world_size: int, *, expert_layout: str) -> dict:
+    """What must stay the same for a checkpoint to resume this run (stored in meta.json). `expert_layout`:
+    the layout the learner built (`model.expert_layout` resolved on this machine: `auto` differs between a
+    CPU and an sm90 GPU)."""
     def plain(v):
         return list(v) if isinstance(v, (list, tuple)) else v
 
     return {"algo.name": cfg.algo.name, "algo.routing_replay": cfg.algo.routing_replay, "world_size": world_size,
-            "parallel.expert_parallel_size": cfg.parallel.expert_parallel_size,
+            "parallel.expert_parallel_size": cfg.parallel.expert_parallel_size, "model.expert_layout": expert_layout,
             "model": {k: plain(getattr(hf_config, k, None)) for k in GEOMETRY_KEYS}}
 
 

@@ -126,7 +126,7 @@ def check_prompts_fit(cfg: Config, task, eval_prompts=()) -> None:
 
 
 def init_run(cfg: Config) -> ParallelInfo:
-    from moe_gspo.rollout.vllm_support import check_rollout_machine
+    from moe_gspo.rollout.engine_spec import engine_spec
     from moe_gspo.tiny import tiny_qwen3_moe_config
 
     if cfg.model.path is None:
@@ -136,7 +136,7 @@ def init_run(cfg: Config) -> ParallelInfo:
 
         hf_config = load_hf_config(cfg.model.path)  # config only; weights load later
         model = f"model.path={cfg.model.path}"
-    check_rollout_machine(cfg.rollout, hf_config, model=model)  # before any compute: this machine's vLLM, CPU limits
+    engine_spec(cfg.rollout.engine).check_machine(cfg.rollout, hf_config, model=model)  # before any compute: this machine's vLLM, CPU limits
     quiet_progress_bars(cfg)
     num_experts = hf_config.num_experts
     info = init_distributed(ep_size=cfg.parallel.expert_parallel_size, num_experts=num_experts,

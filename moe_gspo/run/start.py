@@ -58,7 +58,10 @@ def _check_same_algorithm(prev: dict, cfg: Config) -> None:
 
 
 def fingerprint(cfg: Config, policy, info) -> dict:
-    return run_fingerprint(cfg, policy.hf_config, info.world_size)
+    from moe_gspo.mcore.grouped_experts import built_expert_layout
+
+    return run_fingerprint(cfg, policy.hf_config, info.world_size,
+                           expert_layout=built_expert_layout(policy.learner.model))
 
 
 def start_run(cfg: Config, plan: RunDirPlan, info, policy, *, resume_asked: bool) -> TrainState | None:

@@ -11,8 +11,8 @@ from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
 import moe_gspo.mcore.batched_experts as be
 import moe_gspo.mcore.grouped_experts as ge
 from moe_gspo.mcore.checkpoint import load_megatron_from_hf_dir, save_hf_checkpoint, to_per_expert_layout
-from moe_gspo.mcore.grouped_experts import (GroupedExperts, expert_modules, gmm, resolve_expert_layout,
-                                            weight_copies)
+from moe_gspo.mcore.grouped_experts import (GroupedExperts, built_expert_layout, expert_modules, gmm,
+                                            resolve_expert_layout, weight_copies)
 from moe_gspo.mcore.model import build_gpt_model, forward_logits, moe_layer_ids
 from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
 from moe_gspo.mcore.weight_stream import HFWeightStream
@@ -55,6 +55,7 @@ def test_builds_megatrons_grouped_mlp_with_one_parameter_per_projection():
     assert names[f"decoder.layers.{l}.mlp.experts.weight1"] == (H, E * 2 * F)
     assert names[f"decoder.layers.{l}.mlp.experts.weight2"] == (E * F, H)
     assert len(names) == 2 * len(moe_layer_ids(cfg))
+    assert built_expert_layout(grouped) == "grouped" and built_expert_layout(per) == "per_expert"  # resume's fingerprint
     from megatron.core.transformer.moe import grouped_gemm_util as gg
 
     assert gg.grouped_gemm_is_available() and gg.ops.gmm is gmm  # the shim (moe_gspo.mcore.shims)

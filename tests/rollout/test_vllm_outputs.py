@@ -15,6 +15,7 @@ import torch
 from moe_gspo.config_load import config_from_dict
 from moe_gspo.rollout import vllm_support
 from moe_gspo.rollout.base import SamplingParams
+from moe_gspo.rollout.engine_spec import engine_spec
 from moe_gspo.rollout.vllm_outputs import (
     completion_to_sample,
     request_outputs_to_samples,
@@ -248,9 +249,9 @@ def test_missing_or_unsupported_vllm_is_one_clear_error_at_start(monkeypatch, in
     monkeypatch.setattr(vllm_support, "installed_vllm", lambda: installed)
     cfg = _cfg(*_VLLM)  # a vLLM config loads (and plans) on a machine without vLLM
     with pytest.raises(ValueError, match=msg) as e:
-        vllm_support.check_rollout_machine(cfg.rollout)
+        engine_spec(cfg.rollout.engine).check_machine(cfg.rollout)
     assert "pip install" in str(e.value)
-    vllm_support.check_rollout_machine(_cfg().rollout)  # the transformers engine does not need vLLM
+    engine_spec("hf").check_machine(_cfg().rollout)  # the transformers engine does not need vLLM
 
 
 @pytest.mark.parametrize("overrides,msg", [
@@ -279,7 +280,7 @@ def test_what_vllm_cannot_do_on_cpu_is_refused_at_start(monkeypatch, overrides, 
     monkeypatch.setattr(vllm_support, "on_cpu", lambda: True)
     cfg = _cfg(*_VLLM, *overrides)  # loads: the same config is meant for a GPU machine
     with pytest.raises(ValueError, match=msg):
-        vllm_support.check_rollout_machine(cfg.rollout)
+        engine_spec(cfg.rollout.engine).check_machine(cfg.rollout)
     monkeypatch.setattr(vllm_support, "installed_vllm", lambda: ("vllm", "0.33.0"))
     monkeypatch.setattr(vllm_support, "on_cpu", lambda: False)  # the same config is fine on CUDA
-    vllm_support.check_rollout_machine(cfg.rollout)
+    engine_spec(cfg.rollout.engine).check_machine(cfg.rollout)

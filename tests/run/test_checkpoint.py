@@ -15,7 +15,7 @@ from moe_gspo.run.checkpoint import (TrainState, checkpoint_candidates, resume, 
                                      step_dirs)
 
 FP = {"algo.name": "gspo", "algo.routing_replay": "none", "world_size": 1, "parallel.expert_parallel_size": 1,
-      "model": {"hidden_size": 64, "num_experts": 8}}
+      "model.expert_layout": "per_expert", "model": {"hidden_size": 64, "num_experts": 8}}
 
 
 class FakeLearner:
@@ -125,6 +125,8 @@ def test_resume_never_restarts_silently_when_latest_names_a_deleted_checkpoint(t
     ({"algo.name": "grpo"}, "written with algo.name=gspo, this run has algo.name=grpo; resume with the same value "
                             r"\(--algo\)"),
     ({"parallel.expert_parallel_size": 2}, "parallel.expert_parallel_size=1"),
+    ({"model.expert_layout": "grouped"}, "written with model.expert_layout=per_expert, this run has "
+                                         r"model.expert_layout=grouped; resume with the same value \(model.expert_layout"),
     ({"model": {"hidden_size": 32, "num_experts": 8}}, r"another model geometry \(hidden_size 64 -> 32\)"),
 ])
 def test_resume_refuses_an_incompatible_run(tmp_path, change, msg):

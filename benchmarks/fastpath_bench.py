@@ -111,32 +111,45 @@ def synthetic_batch(cfg, vocab_size: int):
     return PackedBatch.from_samples(samples, rng.standard_normal(num), pad_id=0)
 
 
-def bench_learner(cfg, repeats: int) -> dict[str, float]:
+def time_learner_variants(cfg, hf_cfg, hf, info, builds: dict[str, dict], repeats: int):
+    """A `Learner` per `build_gpt_model` keyword set in `builds` (the HF model `hf`'s weights), timed on one
+    `synthetic_batch` of `cfg`: (learners, batch, old-policy pass medians, `train_step` medians), the calls
+    interleaved across the variants; the update's pi_old is the first variant's."""
     from moe_gspo.learner.learner import Learner
     from moe_gspo.learner.old_pass import OldPolicyPass
     from moe_gspo.mcore.model import build_gpt_model
-    from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
     from moe_gspo.mcore.weights import load_hf_model_into_megatron
+
+    batch = synthetic_batch(cfg, hf_cfg.vocab_size)
+    learners = {}
+    for name, kw in builds.items():
+        model = build_gpt_model(hf_cfg, **kw)
+        load_hf_model_into_megatron(model, hf)
+        learners[name] = Learner(model, hf_cfg, parallel=info, algo=cfg.algo, train=cfg.train)
+    old = next(iter(learners.values())).compute_logprobs(batch).logp_BS
+    passes = interleaved({k: (lambda L=L: L.compute_logprobs(batch, record_routes=True, no_replay=True,
+                                                             with_entropy=True)) for k, L in learners.items()},
+                         repeats)
+    steps = interleaved({k: (lambda L=L: L.train_step(batch, OldPolicyPass(logp_BS=old)))
+                         for k, L in learners.items()}, repeats)
+    return learners, batch, passes, steps
+
+
+def bench_learner(cfg, repeats: int) -> dict[str, float]:
+    from moe_gspo.learner.old_pass import OldPolicyPass
+    from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
     from moe_gspo.tiny import build_tiny_model, tiny_qwen3_moe_config
 
     hf_cfg = tiny_qwen3_moe_config(**cfg.model.tiny)
     info = init_distributed(ep_size=1, num_experts=hf_cfg.num_experts, seed=0)
     try:
         hf = build_tiny_model(hf_cfg, seed=cfg.model.init_seed, router_scale=cfg.model.router_scale)
-        batch = synthetic_batch(cfg, hf_cfg.vocab_size)
+        builds = {name: dict(batched_experts=batched, sdpa_attention=sdpa, fused_rope=rope)
+                  for name, batched, sdpa, rope in (("default", True, True, True), ("loop experts", False, True, True),
+                                                    ("local attention", True, False, True),
+                                                    ("unfused RoPE", True, True, False))}
+        learners, batch, passes, steps = time_learner_variants(cfg, hf_cfg, hf, info, builds, repeats)
         num = batch.num_seqs
-        learners = {}
-        for name, batched, sdpa, rope in (("default", True, True, True), ("loop experts", False, True, True),
-                                          ("local attention", True, False, True), ("unfused RoPE", True, True, False)):
-            model = build_gpt_model(hf_cfg, batched_experts=batched, sdpa_attention=sdpa, fused_rope=rope)
-            load_hf_model_into_megatron(model, hf)
-            learners[name] = Learner(model, hf_cfg, parallel=info, algo=cfg.algo, train=cfg.train)
-        old = learners["default"].compute_logprobs(batch).logp_BS
-        passes = interleaved({k: (lambda L=L: L.compute_logprobs(batch, record_routes=True, no_replay=True,
-                                                                 with_entropy=True)) for k, L in learners.items()},
-                             repeats)
-        steps = interleaved({k: (lambda L=L: L.train_step(batch, OldPolicyPass(logp_BS=old)))
-                             for k, L in learners.items()}, repeats)
         default = learners["default"]
 
         def old_pass_and_update(fuse: bool):

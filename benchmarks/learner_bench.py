@@ -43,14 +43,10 @@ GEMM, the grouped layout, Megatron's loop over experts)."""
 
 def bench_expert_layouts(config: str, repeats: int) -> dict[str, float]:
     """Median seconds of the old-policy pass and of `train_step` per expert path (module docstring)."""
-    from benchmarks.fastpath_bench import interleaved, synthetic_batch
+    from benchmarks.fastpath_bench import time_learner_variants
     from moe_gspo.config_load import load_config
-    from moe_gspo.learner.learner import Learner
-    from moe_gspo.learner.old_pass import OldPolicyPass
     from moe_gspo.mcore.grouped_experts import expert_modules
-    from moe_gspo.mcore.model import build_gpt_model
     from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
-    from moe_gspo.mcore.weights import load_hf_model_into_megatron
     from moe_gspo.tiny import build_tiny_model, tiny_qwen3_moe_config
 
     cfg = load_config(config)
@@ -60,20 +56,10 @@ def bench_expert_layouts(config: str, repeats: int) -> dict[str, float]:
     info = init_distributed(ep_size=1, num_experts=hf_cfg.num_experts, seed=0)
     try:
         hf = build_tiny_model(hf_cfg, seed=cfg.model.init_seed, router_scale=cfg.model.router_scale)
-        batch = synthetic_batch(cfg, hf_cfg.vocab_size)
+        learners, batch, passes, steps = time_learner_variants(cfg, hf_cfg, hf, info, EXPERT_PATHS, repeats)
         num = batch.num_seqs
-        learners = {}
-        for name, kw in EXPERT_PATHS.items():
-            model = build_gpt_model(hf_cfg, **kw)
-            load_hf_model_into_megatron(model, hf)
-            learners[name] = Learner(model, hf_cfg, parallel=info, algo=cfg.algo, train=cfg.train)
-            print(f"{name}: {type(expert_modules(model)[0]).__name__}", flush=True)
-        old = learners["per_expert"].compute_logprobs(batch).logp_BS
-        passes = interleaved({k: (lambda L=L: L.compute_logprobs(batch, record_routes=True, no_replay=True,
-                                                                 with_entropy=True)) for k, L in learners.items()},
-                             repeats)
-        steps = interleaved({k: (lambda L=L: L.train_step(batch, OldPolicyPass(logp_BS=old)))
-                             for k, L in learners.items()}, repeats)
+        for name, learner in learners.items():
+            print(f"{name}: {type(expert_modules(learner.model)[0]).__name__}", flush=True)
     finally:
         destroy_distributed()
     print(f"{config}: {num} sequences, {cfg.train.num_minibatches} optimizer steps per train_step, median of "

@@ -1,6 +1,6 @@
 """Time the main job of several commits side by side, in rounds, on this machine.
 
-`python -m benchmarks.side_by_side REV [REV ...] [--rounds 3] [--nproc 2] [--skip 5] [-- train overrides]`
+`python -m benchmarks.side_by_side REV [REV ...] [--rounds 3] [--nproc 2] [--skip 5] [--overrides section.key=value ...]`
 
 Each REV is checked out read-only in a temporary `git worktree`; every round runs the default command
 (`python -m moe_gspo.launch --standalone --nproc-per-node N -m moe_gspo.train --algo gspo` plus the

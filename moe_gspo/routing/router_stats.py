@@ -50,8 +50,8 @@ def _log_softmax_experts(z_NE: torch.Tensor) -> torch.Tensor:
     """`log_softmax(z_NE, dim=-1)`. On the CPU with fewer than `SHORT_EXPERT_AXIS` experts, computed over
     the first axis of the transposed copy instead: the last-axis kernel runs scalar on an axis shorter
     than one vector (7x slower at E = 8, [2048, 8]: 209 vs 29 us), the first-axis one vectorises across
-    tokens. Bit-identical at E = 8 (the tiny model; `tests/routing/test_router_stats.py`), within float32
-    rounding otherwise."""
+    tokens. The same values to float32 rounding (`tests/routing/test_router_stats.py`); bit-identical at E = 8 on
+    a CPU with AMX, not on an AVX2-only one (another reduction kernel: the last bits differ)."""
     if z_NE.device.type == "cpu" and z_NE.shape[-1] < SHORT_EXPERT_AXIS:
         return torch.log_softmax(z_NE.t().contiguous(), dim=0).t()
     return torch.log_softmax(z_NE, dim=-1)

@@ -143,20 +143,39 @@ def test_experts_without_tokens_uneven_counts_and_no_token_at_all():
             assert (g - (want if want is not None else torch.zeros_like(g))).abs().max() <= 1e-5
 
 
+# Two different kernels (`torch._grouped_mm` and a loop of per-expert `@`) are compared to a tolerance: on
+# an AMX CPU they happened to agree bit for bit, on an AVX-512 or AVX2-only one they do not (issue 51).
+# fp32: the order of fp32 additions (K = 16 terms of magnitude ~1); bf16: both round an fp32 accumulation to
+# bf16, so they may differ by one bf16 step (2^-7 relative) where the fp32 sums straddle a rounding boundary.
+GMM_TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2.0 ** -7, atol=1e-3)}
+
+
 def test_gmm_adapter_contract_in_fp32_and_bf16(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     counts = torch.tensor([2, 0, 3, 4])
     for dtype in (torch.float32, torch.bfloat16):
         a = torch.randn(9, 16, generator=gen).to(dtype)
         b = torch.randn(4, 16, 8, generator=gen).to(dtype)
+        got = gmm(a, b, counts)
+        assert got.dtype == dtype and got.shape == (9, 8)
+        # the adapter adds no arithmetic: the same kernel on the same operands, bit for bit
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        assert torch.equal(got, torch._grouped_mm(a, b, offs=offs))
+        # against the loop of per-expert GEMMs (another kernel) and an fp64 reference: to the dtype's tolerance
         want = torch.cat([x @ b[e] for e, x in enumerate(a.split(counts.tolist()))])
-        assert torch.equal(gmm(a, b, counts), want)
-        assert torch.equal(gmm(a, b.transpose(1, 2).contiguous(), counts, trans_b=True), want)
-    # off the fast path (e.g. fp32 on CUDA): the loop over row blocks, the same numbers
+        exact = torch.cat([x.double() @ b[e].double() for e, x in enumerate(a.split(counts.tolist()))])
+        torch.testing.assert_close(got, want, **GMM_TOLERANCE[dtype])
+        torch.testing.assert_close(got.double(), exact, **GMM_TOLERANCE[dtype])
+        transposed = gmm(a, b.transpose(1, 2).contiguous(), counts, trans_b=True)  # another memory layout
+        torch.testing.assert_close(transposed, want, **GMM_TOLERANCE[dtype])
+        # the tolerance is tight enough to catch a wrong expert's weights
+        wrong = torch.cat([x @ b[(e + 1) % 4] for e, x in enumerate(a.split(counts.tolist()))])
+        assert not torch.allclose(got.double(), wrong.double(), **GMM_TOLERANCE[dtype])
+    # off the fast path (e.g. fp32 on CUDA): the loop over row blocks, the same numbers to fp32 rounding
     a, b = torch.randn(9, 16, generator=gen), torch.randn(4, 16, 8, generator=gen)
     fast = gmm(a, b, counts)
     monkeypatch.setattr(ge, "grouped_mm_supported", lambda x, n: False)
-    assert torch.allclose(gmm(a, b, counts), fast, atol=1e-6)
+    torch.testing.assert_close(gmm(a, b, counts), fast, **GMM_TOLERANCE[torch.float32])
 
 
 def test_empty_experts_gradients_are_masked_where_asked(monkeypatch):

@@ -51,15 +51,22 @@ def test_engine_margins_and_entropies_per_token_row():
         # the compact decoder computes the same logits as transformers' forward in bf16: bit for bit
         np.testing.assert_array_equal(a.router_margin_TL, b.router_margin_TL)
         np.testing.assert_array_equal(a.router_entropy_TL, b.router_entropy_TL)
-    # the prompt rows of the prefill agree with a plain bf16 forward of the same tokens
+    # the prompt rows of the prefill agree with a plain bf16 forward of the same tokens, row by row. Another
+    # shape (one unpadded row instead of the left-padded prompts; and outside `generate`, without the fp32-GEMM
+    # scope the engine uses on CPUs without bf16 kernels): other GEMM kernels, so the bf16 hidden states may
+    # differ by a rounding step (issue 51), and the margins (continuous in the logits) to a tolerance
     engine = HFEngine(model, device="cpu", dtype="bfloat16", compact_decode=False)
     s = hooks[0]
     with torch.no_grad():
         engine.recorder.clear()
         engine.model(torch.as_tensor(np.concatenate([s.prompt_ids, s.response_ids[:-1]]))[None])
         (call,) = engine.recorder.pop()
-    np.testing.assert_array_equal(call.stats_NL2[:, :, 0].numpy().astype(np.float16)[:len(s.prompt_ids)],
-                                  s.router_margin_TL[:len(s.prompt_ids)])
+    P = len(s.prompt_ids)
+    plain = call.stats_NL2[:, :, 0].numpy()[:P]
+    recorded = s.router_margin_TL[:P].astype(np.float32)
+    np.testing.assert_allclose(recorded, plain, rtol=0.05, atol=0.03)
+    # ... tight enough to see rows out of place (each row's margin against its neighbour's)
+    assert not np.allclose(recorded[1:], plain[:-1], rtol=0.05, atol=0.03)
 
 
 def test_no_stats_without_probs():

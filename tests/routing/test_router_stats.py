@@ -46,7 +46,9 @@ def test_token_stats_edge_cases():
 @pytest.mark.parametrize("num_experts", [4, 8, 16, 64])
 def test_token_stats_entropy_equals_the_last_axis_log_softmax(num_experts):
     """The short-axis CPU path (fewer than 16 experts: the transposed copy's first axis) gives the entropy
-    of the plain last-axis log-softmax: bit for bit at E = 8 (the tiny model's), within rounding at E = 4."""
+    of the plain last-axis log-softmax to float32 rounding; from 16 experts on it is the last-axis kernel
+    itself, bit for bit. (The two reductions are different kernels: on an AMX machine they agreed bit for bit
+    at E = 8, on an AVX2-only one they do not; issue 51.)"""
     gen = torch.Generator().manual_seed(num_experts)
     for scale in (0.1, 1.0, 4.0, 10.0):
         z = torch.randn(1024, num_experts, generator=gen) * scale
@@ -54,7 +56,7 @@ def test_token_stats_entropy_equals_the_last_axis_log_softmax(num_experts):
         logp = torch.log_softmax(z, dim=-1)
         plain = -(logp.exp() * logp).sum(-1)  # NaN on the masked rows, on both paths
         got = token_router_stats(z, top_k=2)[:, 1]
-        exact = num_experts == 8 or num_experts >= 16  # >= 16: the last-axis kernel itself
+        exact = num_experts >= 16  # >= 16: the last-axis kernel itself, the same computation twice
         torch.testing.assert_close(got, plain, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-6, equal_nan=True)
         assert got[1:7].isfinite().all() and got[::7].isnan().all()
 

@@ -144,6 +144,15 @@ class RolloutConfig:
     weight-only (activations in rollout.dtype, as vLLM's Marlin path). Differs from vLLM: dequantized
     operands multiplied in bf16 instead of an fp32-accumulated e4m3 GEMM scaled afterwards, per-token scales
     everywhere (moe_gspo/rollout/fp8.py). Not for rollout.engine=vllm (its GPU FP8 is already W8A8)."""
+    router_noise_std: float = 0.0
+    """hf engine: the routing-drift dial (docs/paper_claims.md, "The phase diagram"). Gaussian noise on the rollout
+    routers' logits before top-k, in units of each token's own logit standard deviation; the chosen experts' gate
+    weights stay the clean ones (gathered as Megatron's replay gathers them), so only routing changes, and R3
+    removes it. 0 = off (the code does not run). moe_gspo/routing/dial.py."""
+    router_flip_prob: float = 0.0
+    """hf engine: the routing-drift dial's exact form: with this probability per (token, MoE layer) the rollout
+    router swaps its k-th chosen expert for the (k+1)-th (per-layer flip rate = p). Combines with
+    rollout.router_noise_std (noise first). 0 = off. Logged: `routing/dial_*`."""
     prompts_per_step: int = 8
     """Prompts per training step across all ranks (must divide by the data-parallel size)."""
     samples_per_prompt: int = 8

@@ -10,6 +10,7 @@ from moe_gspo.algos.algo_spec import OPTION_NAMES
 from moe_gspo.algos.registry import algo_names, get_algo
 from moe_gspo.config import AGGREGATION_ALIASES, AlgoConfig, Config, RolloutConfig, TrainConfig
 from moe_gspo.learner.replay_plan import replay_spec
+from moe_gspo.routing.dial import check_dial
 from moe_gspo.rollout.engine_spec import check_fields as check_engine_fields, engine_spec
 
 
@@ -83,6 +84,7 @@ def validate(cfg: Config) -> Config:
     if not 0 <= r.top_k <= r.support_cap:
         raise ValueError(f"rollout.top_k={r.top_k} must be in [0, rollout.support_cap={r.support_cap}] (0 = off); "
                          "raise rollout.support_cap (4 bytes per kept token id per response token) or lower top_k")
+    check_dial(r.router_noise_std, r.router_flip_prob)
     if not 0 < r.gpu_memory_utilization <= 1:
         raise ValueError(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} must be in (0, 1]")
     _validate_algo(a, r)

@@ -144,6 +144,7 @@ def loop(cfg: Config, run_dir: Path, info, policy, task, evals, state, act, refe
                                              num_groups=cfg.logging.num_samples))
         with timer("metrics"):
             metrics.update(steps.sample_metrics(rewards, samples, batch.advantages_B, cfg.rollout.samples_per_prompt))
+            metrics.update(steps.dial_metrics(samples, cfg.rollout))  # routing/dial_*, when the dial is on
             metrics.update(drawn.metrics)  # sampling/*
             metrics.update(eval_metrics)  # eval/*, on eval steps
             state.step, state.prompts_consumed = step + 1, state.prompts_consumed + drawn.num_prompts_drawn

@@ -145,6 +145,8 @@ class CompactDecoder:
         self.id_dtype = torch.int16 if config.num_experts <= torch.iinfo(torch.int16).max else torch.int32
         self._cache = cache if cache is not None else TensorCache()
         self._qa, self._qr = activation_quantizers(fp8_activations, fp8_router)  # identities without W8A8
+        self.dial = None
+        """The engine's `moe_gspo.rollout.routing_dial.RoutingDial`, or None: the routers select through it."""
         self._layers: list[_Layer] = []
         self._K: list[torch.Tensor] = []
         self._V: list[torch.Tensor] = []
@@ -337,7 +339,16 @@ class CompactDecoder:
 
     def _moe(self, layer: _Layer, x_BH: torch.Tensor):
         """The sparse MoE block: router as transformers' `Qwen3MoeTopKRouter`, then the experts."""
-        if layer.router_wide:  # model.router_dtype: gate GEMM, softmax and top-k in the gate weight's dtype
+        if self.dial is not None:  # the routing-drift dial: as its hook on transformers' router (routing_dial.py)
+            if layer.router_wide:
+                logits_BE, out_dtype = F.linear(x_BH.to(layer.router.dtype), layer.router), x_BH.dtype
+            else:
+                logits_BE = self._gemm(self._qr(x_BH), layer.router)
+                out_dtype = logits_BE.dtype
+            weights_BK, ids_BK, recorded = self.dial.route(logits_BE, layer.top_k, layer.norm_topk_prob, out_dtype)
+            stat_logits_BE = logits_BE if self.record_stats else None
+            recorded = recorded if self.record_probs else None
+        elif layer.router_wide:  # model.router_dtype: gate GEMM, softmax and top-k in the gate weight's dtype
             from moe_gspo.rollout.router_dtype import route_in_dtype
 
             logits_BE, weights_BK, ids_BK = route_in_dtype(x_BH, layer.router, layer.top_k, layer.norm_topk_prob)

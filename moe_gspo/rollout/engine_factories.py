@@ -37,4 +37,5 @@ def build_hf(cfg, hf_model_or_dir, tokenizer, *, load_weights: bool = True):
                     record_probs=r.record_probs, pad_token_id=tokenizer.pad_token_id,
                     eos_token_id=tokenizer.eos_token_id, quantization=r.quantization,
                     fp8_scale=r.fp8_scale or "channel", fp8_router=r.fp8_router, fp8_activations=r.fp8_activations,
-                    compact_decode=r.compact_decode, fp32_gemm=r.fp32_gemm)
+                    compact_decode=r.compact_decode, fp32_gemm=r.fp32_gemm,
+                    router_noise_std=r.router_noise_std, router_flip_prob=r.router_flip_prob)

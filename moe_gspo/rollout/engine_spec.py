@@ -167,7 +167,7 @@ HF = EngineSpec(
     doc="embedded transformers engine (CPU/GPU)",
     title="transformers engine",
     factory="moe_gspo.rollout.engine_factories:build_hf",
-    fields=_frozen({"compact_decode": None, "fp32_gemm": None}),
+    fields=_frozen({"compact_decode": None, "fp32_gemm": None, "router_noise_std": 0.0, "router_flip_prob": 0.0}),
     quantizations=("fp8",), quantization_how="emulated",
     fp8_activations=True, fp8_router_optional=True, router_dtype=True, record_probs=True, layer_capture=True,
     memory="moe_gspo.plan.engine_memory:HF_MEMORY",

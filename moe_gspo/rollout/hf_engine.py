@@ -48,8 +48,10 @@ from moe_gspo.rollout.fp8 import QUANTIZATIONS, Fp8ActivationQuantizer, Fp8Weigh
 from moe_gspo.rollout.hf_decoders import HFDecoder, TransformersDecoder
 from moe_gspo.rollout.hf_router_hooks import HFRouterRecorder, find_routers
 from moe_gspo.rollout.router_dtype import parse_router_dtype, use_router_dtype_
+from moe_gspo.rollout.routing_dial import RoutingDial
 from moe_gspo.rollout.token_sampler import TokenSampler, draw_tokens
 from moe_gspo.rollout.weights_sync import load_named_tensors_
+from moe_gspo.routing.dial import check_dial, dial_is_on
 from moe_gspo.routing.trace import ids_dtype
 from moe_gspo.tensor_cache import TensorCache
 
@@ -165,6 +167,13 @@ class HFEngine(RolloutEngine):
             both decoders apply it). Config: rollout.fp8_activations.
         router_dtype: "fp32" / "fp64" (model.router_dtype): keep the MoE gates' weights in that dtype and route
             in it (`moe_gspo.rollout.router_dtype`; both decoders); None = transformers' router.
+        router_noise_std / router_flip_prob: the routing-drift dial (`moe_gspo.routing.dial`; both decoders, bit
+            for bit): the routers select their experts from logits with Gaussian noise of this many logit standard
+            deviations, and/or swap the k-th chosen expert for the (k+1)-th with this probability per token and
+            MoE layer; the gate weights stay the clean ones. Each sample's `extra["dial_changed"]` counts its
+            routes the dial changed, `extra["dial_rows"]` the (token, MoE layer) routes counted (the rows of
+            positions P-1 ... P+R-2, those `routing/layer_disagree` compares). Config: rollout.router_noise_std,
+            rollout.router_flip_prob.
     """
 
     def __init__(self, model_or_dir, *, dtype: str | torch.dtype = "bfloat16",
@@ -173,7 +182,8 @@ class HFEngine(RolloutEngine):
                  eos_token_id: int | list[int] | None = None, fp32_gemm: bool | None = None,
                  compact_decode: bool | None = None, quantization: str | None = None,
                  fp8_scale: str = "channel", fp8_router: bool = True, fp8_activations: bool = False,
-                 router_dtype: str | torch.dtype | None = None):
+                 router_dtype: str | torch.dtype | None = None, router_noise_std: float = 0.0,
+                 router_flip_prob: float = 0.0):
         self.dtype = _parse_dtype(dtype)
         if quantization is not None and quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={quantization!r} is not supported; use None or one of {QUANTIZATIONS}")
@@ -222,6 +232,9 @@ class HFEngine(RolloutEngine):
         self.recorder: HFRouterRecorder | None = (
             HFRouterRecorder(self._model, record_probs=self.record_probs, record_stats=self.record_probs)
             if record_routes else None)
+        check_dial(router_noise_std, router_flip_prob, top_k=self._top_k, num_experts=self._num_experts)
+        self._dial = (RoutingDial(noise_std=router_noise_std, flip_prob=router_flip_prob, device=self.device)
+                      if dial_is_on(router_noise_std, router_flip_prob) else None)
         if compact_decode is None:
             compact_decode = unsupported_reason(self._model) is None
         self._decoder: HFDecoder = (
@@ -230,6 +243,11 @@ class HFEngine(RolloutEngine):
                            fp8_activations=self.fp8_activations, fp8_router=fp8_router)
             if compact_decode else
             TransformersDecoder(self._model, self.recorder, num_moe_layers=self.num_moe_layers, top_k=self._top_k))
+        if self._dial is not None:  # both decoders route through it (rollout/routing_dial.py)
+            if isinstance(self._decoder, CompactDecoder):
+                self._decoder.dial = self._dial
+            else:
+                self._dial.attach(self._model)
 
     # ----------------------------------------------------------------------------- properties
     @property
@@ -241,6 +259,11 @@ class HFEngine(RolloutEngine):
     def compact_decode(self) -> bool:
         """True when the prefill and decode steps run `CompactDecoder` instead of transformers' forward."""
         return isinstance(self._decoder, CompactDecoder)
+
+    @property
+    def routing_dial(self) -> RoutingDial | None:
+        """The routing-drift dial, or None when it is off (`router_noise_std` = `router_flip_prob` = 0)."""
+        return self._dial
 
     @property
     def records_routes(self) -> bool:
@@ -325,8 +348,15 @@ class HFEngine(RolloutEngine):
         eos_ids = torch.tensor(self.eos_token_ids, device=device)
         if self.recorder is not None:
             self.recorder.clear()
+        dial = self._dial
+        if dial is not None:
+            dial.begin(sampling.seed)
         # each distinct prompt once; the decoder repeats its state for the n samples
         out = decoder.prefill(input_ids, mask, positions, n, sampling.max_new_tokens)
+        dialled_B = None  # per row: the dial's changed routes on the rows routing/layer_disagree compares
+        if dial is not None:  # the prompt's last token (position P-1), shared by its n samples
+            changed = dial.pop_changed().view(num_prompts, max_len, -1)[:, -1]
+            dialled_B = changed.sum(-1).repeat_interleave(n, dim=0)
         prefill_routes = (out.ids_NTLK, out.probs_NTLK, out.stats_NTL2) if out.ids_NTLK is not None else None
         next_pos_B = positions[:, -1].repeat_interleave(n, dim=0) + 1
         tokens, logprobs, decode_ids, decode_probs, decode_stats = [], [], [], [], []
@@ -340,13 +370,20 @@ class HFEngine(RolloutEngine):
                 break
             out = decoder.step(tok_B, next_pos_B)
             next_pos_B = next_pos_B + 1
+            if dial is not None:  # the fed tokens that stay in their samples: those of unfinished rows
+                dialled_B += (dial.pop_changed() & ~finished_B[:, None]).sum(-1)
             if out.ids_NTLK is not None:
                 decode_ids.append(out.ids_NTLK[:, 0])
                 decode_probs.append(out.probs_NTLK[:, 0] if out.probs_NTLK is not None else None)
                 decode_stats.append(out.stats_NTL2[:, 0] if out.stats_NTL2 is not None else None)
 
-        return self._collect(prompts, n, max_len, torch.stack(tokens, 1), torch.stack(logprobs, 1),
-                             eos_ids, prefill_routes, decode_ids, decode_probs, decode_stats)
+        samples = self._collect(prompts, n, max_len, torch.stack(tokens, 1), torch.stack(logprobs, 1),
+                                eos_ids, prefill_routes, decode_ids, decode_probs, decode_stats)
+        if dialled_B is not None:
+            for s, changed in zip(samples, dialled_B.tolist()):
+                s.extra["dial_changed"] = int(changed)
+                s.extra["dial_rows"] = len(s.response_ids) * self.num_moe_layers
+        return samples
 
     def _collect(self, prompts, n, max_len, tokens_BS, logprobs_BS, eos_ids, prefill_routes,
                  decode_ids, decode_probs, decode_stats) -> list[RolloutSample]:

@@ -144,6 +144,21 @@ def sample_metrics(rewards: torch.Tensor, samples: list[RolloutSample], advantag
             **group_signal_metrics(r, advantages_B, group_size)}
 
 
+def dial_metrics(samples: list[RolloutSample], rollout) -> dict:
+    """The routing-drift dial's settings and its realised flip rate (`routing/dial_*`); {} when it is off, so an
+    undialled run's rows keep their keys. The rate: the share of (token, MoE layer) routes the rollout engine
+    used on the rows `routing/layer_disagree` compares (positions P-1 ... P+R-2 of each sample) whose expert
+    set the dial changed against the clean top-k of the same router logits (`RolloutSample.extra`, counted by
+    the engine)."""
+    if not (rollout.router_noise_std > 0 or rollout.router_flip_prob > 0):
+        return {}
+    rows = sum(s.extra.get("dial_rows", 0) for s in samples)
+    changed = sum(s.extra.get("dial_changed", 0) for s in samples)
+    return {"routing/dial_noise_std": float(rollout.router_noise_std),
+            "routing/dial_flip_prob": float(rollout.router_flip_prob),
+            "routing/dial_flip_frac": changed / rows if rows else float("nan")}
+
+
 def learner_margins(result) -> list | None:
     """[T_b, L] router margins of a learner pass (`LogprobResult.router_stats[..., 0]`), or None."""
     stats = getattr(result, "router_stats", None) if result is not None else None

@@ -10,6 +10,8 @@ The ablation YAML:
     algos: [gspo, gspo_token, grpo]      # required; values of the train CLI's --algo
     routing_replay: [none, r2, r3]       # required; values of --routing-replay
     seeds: [0, 1]                        # required; each arm runs once per seed (train.seed=...)
+    seed_keys: [train.seed]              # optional; the config keys each seed sets (default train.seed;
+                                         # [train.seed, model.init_seed]: every seed a new initial model too)
     overrides: {train.steps: 40}         # optional; dotted config overrides given to every arm
     nproc: 2                             # optional (default 1); processes per arm (torchrun)
     out_dir: runs/ablation_tiny          # optional (default runs/ablation); --out overrides it
@@ -72,7 +74,7 @@ from moe_gspo.run.rundir import move_aside
 
 _SPEC_KEYS = {"base_config", "algos", "routing_replay", "seeds", "overrides", "nproc", "out_dir",
               "exclude", "extra_args", "arm_timeout_s", "variants", "parallel_arms", "reward_threshold",
-              "algo_overrides"}
+              "algo_overrides", "seed_keys"}
 _VARIANT_RE = re.compile(r"^[A-Za-z0-9_.]+$")
 _AXIS_OVERRIDES = {"algo.name": "list it under 'algos'", "algo.routing_replay": "list it under 'routing_replay'"}
 _REQUIRED = ("base_config", "algos", "routing_replay", "seeds")
@@ -97,6 +99,9 @@ class AblationSpec:
     variants: dict[str, dict[str, Any]] = field(default_factory=dict)
     algo_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per-algorithm dotted overrides, applied after `overrides` and before the variant's."""
+    seed_keys: list[str] = field(default_factory=lambda: ["train.seed"])
+    """The dotted config keys each seed sets (train.seed always; e.g. model.init_seed too, so that the seeds
+    also draw the initial model: no answer then belongs to one initialisation)."""
 
 
 @dataclass(frozen=True)
@@ -189,6 +194,14 @@ def parse_spec(raw: Any, out_dir: str | Path | None = None) -> AblationSpec:
     if not isinstance(exclude, list) or not all(isinstance(e, dict) and e and set(e) <= fields
                                                 for e in exclude):
         raise ValueError(f"ablation spec: 'exclude' must be a list of mappings using keys {sorted(fields)}")
+    seed_keys = raw.get("seed_keys", ["train.seed"])
+    if (not isinstance(seed_keys, list) or "train.seed" not in seed_keys or len(set(seed_keys)) != len(seed_keys)
+            or not all(isinstance(k, str) and _OVERRIDE_KEY_RE.match(k) for k in seed_keys)):
+        raise ValueError("ablation spec: 'seed_keys' must be a list of distinct dotted config keys that includes "
+                         f"train.seed (e.g. [train.seed, model.init_seed]), got {seed_keys!r}")
+    clash = sorted(set(seed_keys) & set(overrides))
+    if clash:
+        raise ValueError(f"ablation spec: {clash} are set per seed ('seed_keys'); drop them from 'overrides'")
     extra = raw.get("extra_args") or []
     if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
         raise ValueError("ablation spec: 'extra_args' must be a list of strings")
@@ -208,7 +221,7 @@ def parse_spec(raw: Any, out_dir: str | Path | None = None) -> AblationSpec:
         out_dir=Path(out_dir if out_dir is not None else raw.get("out_dir", "runs/ablation")),
         exclude=list(exclude), extra_args=list(extra),
         arm_timeout_s=float(timeout) if timeout is not None else None, variants=variants,
-        reward_threshold=float(threshold), algo_overrides=algo_overrides)
+        reward_threshold=float(threshold), algo_overrides=algo_overrides, seed_keys=list(seed_keys))
 
 
 def _parse_variants(raw: Any, what: str = "variants") -> dict[str, dict[str, Any]]:
@@ -322,7 +335,7 @@ def build_command(spec: AblationSpec, arm: Arm, resume: bool) -> list[str]:
 
 def arm_overrides(spec: AblationSpec, arm: Arm) -> list[str]:
     """The dotted overrides of one arm, in the order the command passes them (later ones win)."""
-    out = [f"train.seed={arm.seed}"]
+    out = [f"train.seed={arm.seed}"] + [f"{k}={arm.seed}" for k in spec.seed_keys if k != "train.seed"]
     out += [format_override(k, v) for k, v in spec.overrides.items()]
     out += [format_override(k, v) for k, v in spec.algo_overrides.get(arm.algo, {}).items()]
     out += [format_override(k, v) for k, v in spec.variants.get(arm.variant, {}).items()]

@@ -351,3 +351,23 @@ def test_shipped_algorithms_ablation_validates(capsys):
         assert (cfg.algo.name, cfg.algo.routing_replay) == (arm.algo, arm.routing_replay)
         assert cfg.train.steps == 150 and cfg.task.name == "copy" and not cfg.algo.dynamic_sampling
         assert cfg.algo.resolved_loss_agg_mode() == ("token-mean" if arm.algo == "cispo" else "seq-mean-token-mean")
+
+
+def test_seed_keys_set_every_listed_key_per_seed(tmp_path):
+    """`seed_keys: [train.seed, model.init_seed]`: each seed also draws its own initial model (issue 47)."""
+    spec = parse_spec(_spec_dict(tmp_path, seed_keys=["train.seed", "model.init_seed"]))
+    arm = expand_arms(spec)[-1]
+    cmd = build_command(spec, arm, resume=False)
+    assert cmd[-4:] == ["train.seed=1", "model.init_seed=1", "train.steps=4", "rollout.record_probs=false"]
+    assert parse_spec(_spec_dict(tmp_path)).seed_keys == ["train.seed"]  # the default: today's commands
+
+
+@pytest.mark.parametrize("seed_keys,match", [
+    (["model.init_seed"], "includes train.seed"), (["train.seed", "train.seed"], "distinct"),
+    ("train.seed", "must be a list"), (["train.seed", "steps"], "dotted"),
+])
+def test_bad_seed_keys_are_rejected(tmp_path, seed_keys, match):
+    with pytest.raises(ValueError, match=match):
+        parse_spec(_spec_dict(tmp_path, seed_keys=seed_keys))
+    with pytest.raises(ValueError, match="set per seed"):
+        parse_spec(_spec_dict(tmp_path, seed_keys=["train.seed", "train.steps"]))

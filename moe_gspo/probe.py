@@ -100,6 +100,16 @@ def build_parser(*, add_help: bool = True):
                         "fp32 rollouts, 1e-2 for bf16")
     p.add_argument("--localize-out", default=None,
                    help="also write the --localize result alone to this JSON file (figure beside it)")
+    g = p.add_argument_group("gate (exit 1 with one line per violated threshold; analysis/phase_gate.py)")
+    g.add_argument("--phase", default=None, metavar="DIR",
+                   help="a phase-diagram matrix (analysis.phase: its out_dir or --save-metrics file): say where this "
+                        "checkpoint's per-layer flip rate falls, as a fraction of each method's critical mismatch")
+    g.add_argument("--phase-method", default="grpo-none", help="the method --max-critical-frac scales (default grpo-none)")
+    g.add_argument("--max-k3", type=float, default=None, help="fail when mismatch/k3_kl exceeds this")
+    g.add_argument("--max-flip", type=float, default=None,
+                   help="fail when the per-layer flip rate (mean over MoE layers of routing/layer_disagree) exceeds this")
+    g.add_argument("--max-critical-frac", type=float, default=None,
+                   help="fail when the flip rate exceeds this fraction of --phase-method's critical mismatch (needs --phase)")
     return p
 
 
@@ -293,12 +303,22 @@ def main(argv: list[str] | None = None) -> int:
         exit_with_launcher()  # kill -9 of torchrun must not leave this worker writing
         args = parse_args(argv)
         out_path.append(args.out)
+        from analysis.phase_gate import Thresholds, check_thresholds, load_fits, phase_keys, phase_lines, violations
+
+        gate = Thresholds(max_k3=args.max_k3, max_flip=args.max_flip, max_critical_frac=args.max_critical_frac,
+                          phase_method=args.phase_method)
+        check_thresholds(gate, have_phase=args.phase is not None)
+        fits = load_fits(args.phase, gate) if args.phase else None  # before any compute: a bad --phase is one line
 
         with warnings.catch_warnings():
             if int(os.environ.get("RANK", "0")) != 0:  # every rank loads the same config: warn once, on rank 0
                 warnings.simplefilter("ignore", UserWarning)
             cfg = probe_config(args)
         res = probe(args, cfg)
+        if fits is not None:
+            res.update(phase_keys(res, fits))
+        failed = violations(res, gate, fits)
+        res["gate/violations"] = failed
         if int(os.environ.get("RANK", "0")) == 0:
             out = Path(args.out)
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -309,7 +329,11 @@ def main(argv: list[str] | None = None) -> int:
 
                 write_localize_outputs(res, out, args.localize_out)
             print(f"wrote {out}")
-        return 0
+            if fits is not None:
+                print("\n".join(phase_lines(res, fits)))
+            for line in failed:
+                print(line, file=sys.stderr)
+        return 1 if failed else 0
 
     def how_to_resume() -> str:
         return f"nothing was written to {out_path[0]}; rerun the same command" if out_path else "rerun the same command"

@@ -90,7 +90,11 @@ class FailureCriteria:
       methods get no gradient);
     - an event counts only when it holds from t to the last step and t ≤ T − min_persist (at least
       `min_persist` steps from t on); otherwise the run is censored at its last step;
-    - the failure step is the earliest t of either kind; collapse wins a tie.
+    - dead at t (only with `dead_reward` set; issue 47's detector, `analysis.phase_runs.FAILURE_V2`): R̄_u ≤
+      dead_reward at t and at every later step u. It needs no `min_persist` steps: a run that *ends* dead failed,
+      however late it fell (the end-of-run miss of experiments 1-2, where a reward fell to ~0 without a relative
+      drop of `drop` from a low best, or late);
+    - the failure step is the earliest t of any kind; collapse wins a tie, then stall.
     """
 
     window: int = 10
@@ -99,11 +103,13 @@ class FailureCriteria:
     stall_stay: float = 0.75
     solved: float = 0.9
     min_persist: int = 20
+    dead_reward: float | None = None
+    """None (experiments 1-2's pre-registered detector): no "dead" kind."""
 
 
 @dataclass(frozen=True)
 class FailureEvent:
-    kind: Literal["collapse", "stall"] | None
+    kind: Literal["collapse", "stall", "dead"] | None
     step: int | None
     """Index of the failure step in the given arrays (None: no failure, censored)."""
     censored_at: int
@@ -155,9 +161,15 @@ def detect_failure(reward_T, zero_std_T=None, criteria: FailureCriteria = Failur
         stall = (np.isfinite(z) & np.isfinite(r) & (z >= c.stall_enter - eps) & (r < c.solved - eps)
                  & (z_min >= c.stall_stay - eps) & (r_max < c.solved - eps))
     last = T - c.min_persist
-    tc, ts = _first(collapse, last), _first(stall, last)
-    if tc is None and ts is None:
+    events = [(t, kind) for t, kind in ((_first(collapse, last), "collapse"), (_first(stall, last), "stall"))
+              if t is not None]
+    if c.dead_reward is not None:
+        r_max = np.maximum.accumulate(np.where(np.isfinite(r), r, np.inf)[::-1])[::-1]
+        td = _first(np.isfinite(r) & (r_max <= c.dead_reward + eps), T - 1)
+        if td is not None:
+            events.append((td, "dead"))
+    if not events:
         return FailureEvent(None, None, T - 1)
-    if ts is None or (tc is not None and tc <= ts):
-        return FailureEvent("collapse", tc, T - 1)
-    return FailureEvent("stall", ts, T - 1)
+    order = {"collapse": 0, "stall": 1, "dead": 2}
+    t, kind = min(events, key=lambda e: (e[0], order[e[1]]))
+    return FailureEvent(kind, t, T - 1)

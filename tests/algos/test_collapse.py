@@ -116,3 +116,22 @@ def test_thresholds_hold_within_rounding():
     # ten steps at 0.9 average to 0.8999999999999999: that is solved, not a stall
     assert detect_failure(np.full(40, 0.9), np.ones(40)) == FailureEvent(None, None, 39)
     assert detect_failure(np.full(40, 0.6), np.full(40, 0.9)).kind == "stall"
+
+
+def test_dead_end_of_run_fix_counts_a_late_fall_to_zero_only_when_asked():
+    """Issue 47's detector (dead_reward): experiment 2's missed run fell from a low best (0.32) to ~0 and
+    stayed there; without a drop of 0.3 from its best and without all-equal groups nothing else fires."""
+    r = np.r_[np.full(10, 0.32), np.full(25, 0.03), np.full(5, 0.0)]
+    z = np.full(40, 0.5)  # a few groups still differ: no stall
+    assert detect_failure(r, z, W1) == FailureEvent(None, None, 39)  # experiments 1-2's detector misses it
+    v2 = FailureCriteria(window=1, min_persist=20, dead_reward=0.1)
+    assert detect_failure(r, z, v2) == FailureEvent("dead", 10, 39)
+    # a fall in the last steps counts too (no min_persist: the run ends dead) ...
+    late = np.r_[np.full(35, 0.5), np.full(5, 0.05)]
+    assert detect_failure(late, z, v2) == FailureEvent("dead", 35, 39)
+    # ... but not a run that recovers above dead_reward, nor one that ends solved
+    assert detect_failure(np.r_[np.full(35, 0.05), np.full(5, 0.2)], z, v2).kind is None
+    assert detect_failure(np.linspace(0.0, 1.0, 40), z, v2).kind is None
+    # the earlier event wins: a collapse from 0.8 at step 5 before the reward is dead
+    r = np.r_[np.full(5, 0.8), np.full(10, 0.4), np.full(25, 0.05)]
+    assert detect_failure(r, z, v2) == FailureEvent("collapse", 5, 39)

@@ -1,0 +1,203 @@
+"""The stability phase diagram of a drift-dial matrix (issue 47): `python -m analysis.phase RUNS_DIR|METRICS.jsonl.gz
+[--out FILE.md] [--figures DIR] [--save-metrics FILE.jsonl.gz] [--bootstrap-reps N] [--seed S]`.
+
+RUNS_DIR is an ablation's out_dir whose runs are named `<algo>-<replay>-<dose>[_<fix>]-s<seed>`
+(`analysis.phase_runs`): e.g. `python -m moe_gspo.ablate --config configs/ablation_phase.yaml`. The page answers
+"how much routing drift does each method tolerate?": per method, the final-reward drop against the method's own
+zero-drift arm (`p0`) at each realised per-layer flip rate, the critical mismatch x* (the drop reaches 0.1) with
+a seed-bootstrap CI, or the largest dose tolerated when no dose reaches it; each fix's shift of x*; failure rates
+(exact CIs); where the rollout precisions (bf16, FP8, W8A8 arms, when present) and the papers' ~10% fall on the
+same axis; and the pre-registered Holm family (`analysis.phase_stats.phase_family`). `--figures` draws the
+diagram (`analysis.phase_figures`). Numbers come from `metrics.jsonl` only, so `--save-metrics`' file regenerates
+the same page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from analysis import stats as st
+from analysis.load import ReportInputError
+from analysis.phase_runs import ENTROPY_FLOOR, ENTROPY_WINDOW, FAILURE_V2, PhaseRun, load_phase, load_runs, save_metrics
+from analysis.phase_stats import (
+    GRPO, POSITIVE, REWARD_DROP, ZERO_DOSE, MethodFit, arms, dose_x, fit_method, ladder, ols_slope, phase_family,
+    shared_boot_seeds, shift,
+)
+
+PAPERS = "the papers' Qwen3-30B-A3B: ~10% per-layer flips, k3 ~1.5e-3 (R3 paper)"
+PRECISIONS = ("bf16", "fp8", "w8a8")
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows] + [""]
+
+
+def _est(values, reps: int, seed: int, *names) -> str:
+    return st.fmt_ci(st.bootstrap_ci(list(values), reps=reps, seed=st.stream_seed(seed, *names)))
+
+
+def _pct(x: float) -> str:
+    return "n/a" if not math.isfinite(x) else f"{100 * x:.3g}%"
+
+
+def fmt_critical(fit: MethodFit) -> str:
+    c = fit.critical
+    if c.kind == "not_reached":
+        upper = f"> {_pct(fit.x.max())}"
+        return f"not reached: tolerates every dose tested ({upper}; largest dose tolerated {_pct(fit.largest_tolerated)})"
+    lo, hi = fit.ci_log10
+    ci = (f"[{_pct(10 ** lo)}, {_pct(10 ** hi)}]" if math.isfinite(lo) else "[n/a]")
+    if fit.not_reached_share > 0.025:
+        ci = f"[{_pct(10 ** lo) if math.isfinite(lo) else 'n/a'}, > {_pct(fit.x.max())}]"
+    where = "at or below the first dose, " if c.kind == "at_or_below_first" else ""
+    return f"{where}{_pct(c.value)} {ci} (not reached in {100 * fit.not_reached_share:.0f}% of resamples)"
+
+
+def arm_table(by_method, reps: int, seed: int) -> list[str]:
+    rows = []
+    for method, marms in by_method.items():
+        for dose in ladder(marms) + ([POSITIVE] if POSITIVE in marms else []):
+            runs = list(marms[dose].values())
+            sc = lambda k: [r.scores[k] for r in runs]  # noqa: E731
+            fails = st.rate(sum(r.failed for r in runs), len(runs))
+            coll = st.rate(sum(r.collapsed for r in runs), len(runs))
+            rows.append([method, dose, str(len(runs)), _est(sc("layer_disagree"), reps, seed, method, dose, "x"),
+                         _est(sc("k3"), reps, seed, method, dose, "k3"),
+                         _est(sc("final_reward"), reps, seed, method, dose, "final"),
+                         _est(sc("reward_auc"), reps, seed, method, dose, "auc"), st.fmt_rate(fails), st.fmt_rate(coll)])
+    return _table(["method", "dose", "seeds", "per-layer flips (realised)", "k3 KL", "final reward", "reward AUC",
+                   "failed", "entropy collapses"], rows)
+
+
+def fits(by_method, reps: int, seed: int) -> dict[str, MethodFit]:
+    boot = shared_boot_seeds({m: a for m, a in by_method.items() if ZERO_DOSE in a}, reps, seed)
+    out = {}
+    for method, marms in by_method.items():
+        f = fit_method(method, marms, reps=reps, seed=seed, boot_seeds=boot if boot.size else None)
+        if f is not None:
+            out[method] = f
+    return out
+
+
+def critical_table(fitted: dict[str, MethodFit], by_method) -> list[str]:
+    rows = []
+    for method, f in fitted.items():
+        slope, lo, hi, p = ols_slope(by_method[method])
+        drops = ", ".join(f"{_pct(x)}: {d:+.2f}" for x, d in zip(f.x, f.drop) if math.isfinite(d))
+        cf = f.critical_fail
+        fail = ("not reached" if cf.kind == "not_reached" else
+                f"{'≤ ' if cf.kind == 'at_or_below_first' else ''}{_pct(cf.value)}")
+        ols = "n/a" if not math.isfinite(slope) else f"{slope:+.3f} [{lo:+.3f}, {hi:+.3f}] (p {st.fmt_p(p)})"
+        rows.append([method, fmt_critical(f), fail, ols, drops])
+    return _table(["method", f"critical mismatch x* (final reward −{REWARD_DROP:g}), 95% CI",
+                   "failure rate ≥ 50% at", "OLS: final reward per decade of flips, seed effects",
+                   "mean drop vs own zero dose, by realised flips"], rows)
+
+
+def shift_table(fitted: dict[str, MethodFit]) -> list[str]:
+    base = fitted.get(GRPO)
+    if base is None:
+        return ["No GRPO-none fit: no shift to report.", ""]
+    rows = []
+    for method, f in fitted.items():
+        if method == GRPO:
+            continue
+        point, lo, hi, both = shift(f, base)
+        if not math.isfinite(point):
+            why = ("neither reaches its critical mismatch" if f.critical.kind == base.critical.kind == "not_reached"
+                   else f"{method if f.critical.kind == 'not_reached' else GRPO} does not reach it")
+            rows.append([method, f"not decided: {why}", f"{100 * both:.0f}%"])
+        else:
+            ci = f"[{lo:.3g}, {hi:.3g}]" if math.isfinite(lo) else "[n/a]"
+            rows.append([method, f"{point:.3g}× {ci}", f"{100 * both:.0f}%"])
+    return _table(["method", "x*(method) / x*(GRPO), 95% CI", "resamples where both are reached"], rows)
+
+
+def reference_points(by_method, reps: int, seed: int) -> list[str]:
+    grpo = by_method.get(GRPO, {})
+    rows = [[d, _est([r.scores["layer_disagree"] for r in grpo[d].values()], reps, seed, "ref", d, "x"),
+             _est([r.scores["k3"] for r in grpo[d].values()], reps, seed, "ref", d, "k3")]
+            for d in PRECISIONS if d in grpo]
+    rows.append(["papers (Qwen3-30B-A3B)", "~10% (R3 paper)", "~1.5e-3 (R3 paper)"])
+    return _table(["rollout precision (GRPO-none, no dial)", "per-layer flips", "k3 KL"], rows)
+
+
+def _tests_table(tests) -> list[str]:
+    if not tests:
+        return ["No test: their arms are not in this matrix.", ""]
+    return _table(["test", "statistic", "estimate", "p", "Holm-adjusted p", "verdict"],
+                  [[t.label, t.test, t.estimate, st.fmt_p(t.p), st.fmt_p(t.p_holm), t.verdict] for t in tests])
+
+
+def phase_page(runs: list[PhaseRun], reps: int = st.DEFAULT_REPS, seed: int = 0) -> str:
+    by_method = arms(runs)
+    fitted = fits(by_method, reps, seed)
+    tests = phase_family(by_method, reps=reps, seed=seed)
+    c = FAILURE_V2
+    n = sorted({len(a) for m in by_method.values() for a in m.values()})
+    lines = [
+        f"Methods: {len(by_method)}; arms: {sum(len(m) for m in by_method.values())}; seeds per arm: "
+        f"{', '.join(map(str, n))}. Dose: the realised per-layer flip rate (`routing/layer_disagree`, rollout engine "
+        "vs the learner's natural routing, response tokens, mean over layers and steps; the arm's median over "
+        "seeds). Cells: interquartile mean over seeds [95% percentile bootstrap CI, "
+        f"{reps} resamples, each cell its own stream from seed {seed}]; rates: k/n with the exact Clopper–Pearson CI.",
+        "",
+        f"Final reward: mean reward/mean over the last 10% of steps; reward AUC: over all steps. Entropy collapse: "
+        f"the trailing {ENTROPY_WINDOW}-step mean of actor/entropy below {ENTROPY_FLOOR:g} nats while the trailing "
+        f"reward is below 0.9. Failed: the pre-registered collapse/stall detector of experiments 1–2 plus a run "
+        f"that ends with its trailing reward ≤ {c.dead_reward:g} (`moe_gspo.algos.collapse`, `dead_reward`).", "",
+        "### Arms", ""] + arm_table(by_method, reps, seed)
+    lines += ["### Critical mismatch per method", "",
+              f"The dose at which the isotonic (non-increasing) fit of the paired final-reward drop against the "
+              f"method's own {ZERO_DOSE} arm first reaches −{REWARD_DROP:g}, interpolated in log10(dose); CI: cluster "
+              f"bootstrap over seeds ({reps} resamples, shared by all methods so that shifts pair).", ""]
+    lines += critical_table(fitted, by_method) if fitted else ["No method has a zero-dose arm and a dosed one.", ""]
+    lines += ["### Each fix's shift of the critical mismatch", ""] + shift_table(fitted)
+    lines += ["### Where real precisions and the papers fall on the same axis", ""] + reference_points(by_method, reps, seed)
+    lines += ["### Pre-registered tests (one Holm family)", ""] + _tests_table(tests)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m analysis.phase", description=__doc__.split("\n\n")[0])
+    p.add_argument("runs_dir", help="the phase matrix's out_dir, or a .jsonl.gz written by --save-metrics")
+    p.add_argument("--out", default=None, help="write the Markdown here (temp file, then rename); else stdout")
+    p.add_argument("--figures", default=None, metavar="DIR", help="write the phase diagram (PNG) here")
+    p.add_argument("--save-metrics", default=None, metavar="FILE.jsonl.gz",
+                   help="also save the metrics the page reads, per finished run (to regenerate the page)")
+    p.add_argument("--bootstrap-reps", type=int, default=2000,
+                   help="bootstrap resamples per CI and for the critical mismatch (default 2000)")
+    p.add_argument("--seed", type=int, default=0, help="base seed of the bootstrap streams (default 0)")
+    args = p.parse_args(argv)
+    if args.bootstrap_reps < 100:
+        p.error(f"--bootstrap-reps={args.bootstrap_reps}: use at least 100")
+    try:
+        raw = load_runs(args.runs_dir)
+        if args.save_metrics:
+            save_metrics(raw, args.save_metrics)
+        runs = load_phase(raw)
+        text = phase_page(runs, reps=args.bootstrap_reps, seed=args.seed)
+        if args.figures:
+            from analysis.phase_figures import write_figures
+
+            write_figures(runs, args.figures, reps=args.bootstrap_reps, seed=args.seed)
+    except (ReportInputError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.out is None:
+        print(text)
+        return 0
+    from moe_gspo.files import atomic_write_text
+
+    atomic_write_text(Path(args.out), text + "\n")
+    print(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,279 @@
+"""The phase diagram's statistics (issue 47): dose–response fits, the critical mismatch per method with a
+bootstrap CI, each fix's shift of it, and the pre-registered test family. Pure: `PhaseRun`s in, rows out.
+
+- **Dose**: the realised per-layer flip rate of an arm (`routing/layer_disagree`, the median over its runs);
+  `ZERO_DOSE` names the arms without drift (fp32 rollouts, dial off).
+- **Drop curve** of a method: at each dose, the mean over seeds of (final reward at that dose − final reward at
+  the method's own zero dose), paired by seed (the arms of one seed share the initial model and prompts).
+  The fit is scipy's isotonic regression (non-increasing in the dose), so a noisy curve is read as the
+  monotone one closest to it in least squares; no shape is assumed.
+- **Critical mismatch** x*: the dose at which the fitted drop first reaches `REWARD_DROP` (0.1), linearly
+  interpolated in log10(dose) between the two doses around the crossing; "not reached" when the fitted drop
+  stays above it over every dose tested (then the answer is the largest dose tolerated); "at or below the first
+  dose" when it is reached there. The same for the failure rate crossing 50% (isotonic non-decreasing).
+- **CI**: a cluster bootstrap over seeds (a resampled seed brings all its arms), `reps` resamples from one seeded
+  stream per quantity; percentiles of log10 x* over the resamples, with the share of resamples in which x* was
+  not reached (an upper bound "> largest dose" when that share exceeds 2.5%).
+- **Shift** of a fix: x*_fix / x*_GRPO per resample (both from the same resampled seeds), percentile CI.
+- Descriptive, per method: statsmodels OLS of final reward on log10(dose) with seed fixed effects over the
+  dosed arms (slope per decade, 95% CI), and a binomial GLM of failure on log10(dose) when failures vary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import isotonic_regression
+
+from analysis import stats as st
+from analysis.claims_stats import ClaimTest, apply_holm
+from analysis.phase_runs import PhaseRun
+
+ZERO_DOSE = "p0"
+REWARD_DROP = 0.1
+FAILURE_LEVEL = 0.5
+GRPO = "grpo-none"
+FIXES = ("grpo-r3", "grpo-none+tis", "gspo-none", "grpo-r2")
+POSITIVE = "pos"
+"""The positive control's dose label: a regime known to fail (no entropy bonus, lr 2e-3; experiment 2)."""
+
+
+def arms(runs: Iterable[PhaseRun]) -> dict[str, dict[str, dict[int, PhaseRun]]]:
+    """{method: {dose: {seed: run}}}."""
+    out: dict[str, dict[str, dict[int, PhaseRun]]] = {}
+    for r in runs:
+        out.setdefault(r.method, {}).setdefault(r.dose, {})[r.seed] = r
+    return out
+
+
+def dose_x(arm: Mapping[int, PhaseRun], seeds: Iterable[int] | None = None) -> float:
+    """The arm's realised dose: median over its runs of the per-layer flip rate (0 for an arm without drift)."""
+    vals = [arm[s].scores["layer_disagree"] for s in (seeds if seeds is not None else arm) if s in arm]
+    vals = [v for v in vals if math.isfinite(v)]
+    return float(np.median(vals)) if vals else math.nan
+
+
+def ladder(method_arms: Mapping[str, Mapping[int, PhaseRun]]) -> list[str]:
+    """The method's drift doses (the positive control left out), weakest realised dose first, zero first."""
+    doses = [d for d in method_arms if d != POSITIVE]
+    return sorted(doses, key=lambda d: (d != ZERO_DOSE, dose_x(method_arms[d])))
+
+
+@dataclass
+class Crossing:
+    value: float
+    """x* (realised per-layer flips), or NaN when not reached."""
+    kind: str
+    """'interpolated', 'at_or_below_first' (reached at the first dosed arm) or 'not_reached'."""
+
+
+def crossing(x: np.ndarray, y: np.ndarray, level: float, *, decreasing: bool) -> Crossing:
+    """Where the isotonic fit of y over the doses x (x[0] = 0: the zero dose; ascending) first reaches `level`
+    (y ≤ level when `decreasing`, y ≥ level otherwise), interpolated in log10(x)."""
+    ok = np.isfinite(y)
+    x, y = x[ok], y[ok]
+    if x.size < 2:
+        return Crossing(math.nan, "not_reached")
+    fit = isotonic_regression(y, increasing=not decreasing).x
+    hit = (fit <= level) if decreasing else (fit >= level)
+    idx = np.flatnonzero(hit)
+    if idx.size == 0:
+        return Crossing(math.nan, "not_reached")
+    i = int(idx[0])
+    if i == 0 or x[i - 1] <= 0:
+        return Crossing(float(x[i]), "at_or_below_first")
+    lx0, lx1 = math.log10(x[i - 1]), math.log10(x[i])
+    f0, f1 = fit[i - 1], fit[i]
+    frac = (level - f0) / (f1 - f0) if f1 != f0 else 1.0
+    return Crossing(float(10 ** (lx0 + frac * (lx1 - lx0))), "interpolated")
+
+
+def _curves(method_arms, doses, seeds) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(x, mean reward drop vs the zero dose, failure rate) per dose for the (resampled) `seeds`."""
+    zero = method_arms[ZERO_DOSE]
+    xs, drops, fails = [], [], []
+    for d in doses:
+        arm = method_arms[d]
+        pairs = [(arm[s].scores["final_reward"], zero[s].scores["final_reward"]) for s in seeds if s in arm and s in zero]
+        xs.append(0.0 if d == ZERO_DOSE else dose_x(arm, seeds))
+        drops.append(float(np.mean([a - b for a, b in pairs])) if pairs else math.nan)
+        f = [float(arm[s].failed) for s in seeds if s in arm]
+        fails.append(float(np.mean(f)) if f else math.nan)
+    return np.asarray(xs), np.asarray(drops), np.asarray(fails)
+
+
+@dataclass
+class MethodFit:
+    method: str
+    doses: list[str]
+    x: np.ndarray
+    drop: np.ndarray
+    fail: np.ndarray
+    critical: Crossing
+    critical_fail: Crossing
+    ci_log10: tuple[float, float]
+    """95% bootstrap CI of log10 x* over the resamples where it was reached (NaN when it never was)."""
+    not_reached_share: float
+    boot_log10: np.ndarray
+    """log10 x* per resample (NaN where not reached), in resample order: the shifts pair them."""
+    largest_tolerated: float
+    """The largest realised dose whose fitted drop stays above -REWARD_DROP."""
+
+
+def _seed_pool(method_arms: Mapping[str, Mapping[int, PhaseRun]]) -> list[int]:
+    return sorted(set(method_arms[ZERO_DOSE]))
+
+
+def fit_method(method: str, method_arms: Mapping[str, Mapping[int, PhaseRun]], *, reps: int, seed: int,
+               boot_seeds: np.ndarray | None = None) -> MethodFit | None:
+    """The method's drop curve, critical mismatch and its bootstrap (None without a zero-dose arm and one dose
+    more). `boot_seeds` [reps, n]: the resampled seed lists (shared across methods so shifts pair)."""
+    if ZERO_DOSE not in method_arms:
+        return None
+    doses = ladder(method_arms)
+    if len(doses) < 2:
+        return None
+    pool = _seed_pool(method_arms)
+    x, drop, fail = _curves(method_arms, doses, pool)
+    crit = crossing(x, drop, -REWARD_DROP, decreasing=True)
+    crit_fail = crossing(x, fail, FAILURE_LEVEL, decreasing=False)
+    if boot_seeds is None:
+        rng = np.random.default_rng(st.stream_seed(seed, "phase", method))
+        boot_seeds = rng.choice(pool, size=(reps, len(pool)), replace=True)
+    boot = np.full(len(boot_seeds), math.nan)
+    for i, seeds in enumerate(boot_seeds):
+        bx, bd, _ = _curves(method_arms, doses, [int(s) for s in seeds])
+        c = crossing(bx, bd, -REWARD_DROP, decreasing=True)
+        if math.isfinite(c.value):
+            boot[i] = math.log10(c.value)
+    reached = boot[np.isfinite(boot)]
+    ci = tuple(np.percentile(reached, [2.5, 97.5]).tolist()) if reached.size >= 2 else (math.nan, math.nan)
+    fit = isotonic_regression(drop[np.isfinite(drop)], increasing=False).x
+    xs_ok = x[np.isfinite(drop)]
+    tolerated = xs_ok[fit > -REWARD_DROP]
+    return MethodFit(method, doses, x, drop, fail, crit, crit_fail, ci, float(np.mean(~np.isfinite(boot))), boot,
+                     float(tolerated.max()) if tolerated.size else math.nan)
+
+
+def shared_boot_seeds(by_method: Mapping[str, Mapping[str, Mapping[int, PhaseRun]]], reps: int, seed: int) -> np.ndarray:
+    """Resampled seed lists over the seeds every method's zero-dose arm has (so fixes and GRPO pair)."""
+    pools = [set(m[ZERO_DOSE]) for m in by_method.values() if ZERO_DOSE in m]
+    pool = sorted(set.intersection(*pools)) if pools else []
+    if not pool:
+        return np.zeros((0, 0), np.int64)
+    rng = np.random.default_rng(st.stream_seed(seed, "phase", "shared"))
+    return rng.choice(pool, size=(reps, len(pool)), replace=True)
+
+
+def shift(fix: MethodFit, base: MethodFit) -> tuple[float, float, float, float]:
+    """(x*_fix / x*_base point, CI low, CI high, share of resamples where both were reached)."""
+    point = (fix.critical.value / base.critical.value
+             if math.isfinite(fix.critical.value) and math.isfinite(base.critical.value) else math.nan)
+    both = np.isfinite(fix.boot_log10) & np.isfinite(base.boot_log10)
+    if both.sum() < 2:
+        return point, math.nan, math.nan, float(both.mean()) if both.size else 0.0
+    ratio = fix.boot_log10[both] - base.boot_log10[both]
+    lo, hi = np.percentile(ratio, [2.5, 97.5])
+    return point, float(10 ** lo), float(10 ** hi), float(both.mean())
+
+
+def ols_slope(method_arms: Mapping[str, Mapping[int, PhaseRun]]) -> tuple[float, float, float, float]:
+    """Final reward on log10(realised dose) with seed fixed effects over the dosed arms (statsmodels OLS):
+    (slope per decade, CI low, CI high, p); NaNs when fewer than two dosed arms."""
+    import pandas as pd
+    import statsmodels.formula.api as smf
+
+    rows = [{"reward": r.scores["final_reward"], "logx": math.log10(r.scores["layer_disagree"]), "seed": str(s)}
+            for d, arm in method_arms.items() if d not in (ZERO_DOSE, POSITIVE) for s, r in arm.items()
+            if r.scores["layer_disagree"] > 0 and math.isfinite(r.scores["final_reward"])]
+    df = pd.DataFrame(rows)
+    if df.empty or df["logx"].nunique() < 2:
+        return (math.nan,) * 4
+    formula = "reward ~ logx + C(seed)" if df["seed"].nunique() > 1 else "reward ~ logx"
+    res = smf.ols(formula, data=df).fit()
+    lo, hi = res.conf_int().loc["logx"].tolist()
+    return float(res.params["logx"]), float(lo), float(hi), float(res.pvalues["logx"])
+
+
+# --------------------------------------------------------------------------- pre-registered tests
+
+def _paired(a: Mapping[int, PhaseRun], b: Mapping[int, PhaseRun], key: str) -> tuple[dict, dict]:
+    return ({s: r.scores[key] for s, r in a.items()}, {s: r.scores[key] for s, r in b.items()})
+
+
+def _compare(section: str, label: str, a, b, key: str, *, a_better: bool, reps: int, seed: int,
+             null_claim: bool = False) -> ClaimTest:
+    """Paired (by seed) Wilcoxon of `key`; `a_better`: the claim is that arm a scores higher."""
+    va, vb = _paired(a, b, key)
+    c = st.compare(va, vb, reps=reps, seed=st.stream_seed(seed, label, key))
+    diff = c.diff
+    agrees = None if not math.isfinite(diff.point) or diff.point == 0 else ((diff.point > 0) == a_better)
+    return ClaimTest(section, label, "Wilcoxon signed-rank (paired by seed)" if c.paired else "Mann–Whitney U",
+                     f"A − B = {st.fmt_ci(diff)} (IQM, 95% bootstrap CI)", c.p, agrees, null_claim=null_claim,
+                     seeds_needed=c.seeds_needed, num_seeds=diff.num_seeds)
+
+
+def _collapse_test(section: str, label: str, a, b) -> ClaimTest:
+    """Log-rank on time to entropy collapse; the claim: arm a collapses earlier (or more often)."""
+    sa = st.survival([r.collapse_step for r in a.values()], [r.collapsed for r in a.values()])
+    sb = st.survival([r.collapse_step for r in b.values()], [r.collapsed for r in b.values()])
+    lr = st.logrank(sa, sb)
+    ka, kb = sum(r.collapsed for r in a.values()), sum(r.collapsed for r in b.values())
+    agrees = None if not math.isfinite(lr.observed_minus_expected) or lr.observed_minus_expected == 0 else (
+        lr.observed_minus_expected > 0)
+    return ClaimTest(section, label, "log-rank", f"collapsed {ka}/{len(a)} vs {kb}/{len(b)}", lr.p, agrees,
+                     num_seeds=min(len(a), len(b)))
+
+
+def _trend_test(grpo: Mapping[str, Mapping[int, PhaseRun]]) -> ClaimTest | None:
+    import pandas as pd
+    import statsmodels.formula.api as smf
+
+    doses = ladder(grpo)
+    rows = [{"reward": r.scores["final_reward"], "rank": i, "seed": str(s)}
+            for i, d in enumerate(doses) for s, r in grpo[d].items()]
+    df = pd.DataFrame(rows)
+    if df.empty or df["rank"].nunique() < 3:
+        return None
+    res = smf.ols("reward ~ rank + C(seed)" if df["seed"].nunique() > 1 else "reward ~ rank", data=df).fit()
+    slope, p = float(res.params["rank"]), float(res.pvalues["rank"])
+    lo, hi = res.conf_int().loc["rank"].tolist()
+    return ClaimTest("drift", f"{GRPO}: final reward against the dose rank ({len(doses)} doses)",
+                     "OLS with seed fixed effects, t-test on the slope",
+                     f"slope {slope:+.3f} per dose step [{lo:+.3f}, {hi:+.3f}]", p, None if slope == 0 else slope < 0,
+                     num_seeds=df["seed"].nunique())
+
+
+def phase_family(by_method: Mapping[str, Mapping[str, Mapping[int, PhaseRun]]], *, reps: int, seed: int
+                 ) -> list[ClaimTest]:
+    """The pre-registered Holm family (docs/paper_claims.md, experiment 3), in its listed order; tests whose arms
+    are missing are left out (and the page says so)."""
+    tests: list[ClaimTest] = []
+    grpo = by_method.get(GRPO, {})
+    doses = ladder(grpo) if ZERO_DOSE in grpo else []
+    top = doses[-1] if len(doses) >= 2 else None
+    if top is not None:
+        a, b = grpo[top], grpo[ZERO_DOSE]
+        tests.append(_compare("drift", f"{GRPO}: final reward, {top} vs {ZERO_DOSE}", a, b, "final_reward",
+                              a_better=False, reps=reps, seed=seed))
+        tests.append(_compare("drift", f"{GRPO}: reward AUC, {top} vs {ZERO_DOSE}", a, b, "reward_auc",
+                              a_better=False, reps=reps, seed=seed))
+        tests.append(_collapse_test("drift", f"{GRPO}: time to entropy collapse, {top} vs {ZERO_DOSE}", a, b))
+        trend = _trend_test(grpo)
+        if trend is not None:
+            tests.append(trend)
+        for fix in FIXES:
+            if top in by_method.get(fix, {}):
+                tests.append(_compare("fixes", f"{fix} vs {GRPO} at {top}: final reward", by_method[fix][top], a,
+                                      "final_reward", a_better=True, reps=reps, seed=seed))
+    if POSITIVE in grpo and ZERO_DOSE in grpo:
+        tests.append(_compare("controls", f"positive control: {GRPO} {POSITIVE} vs {ZERO_DOSE}: final reward",
+                              grpo[POSITIVE], grpo[ZERO_DOSE], "final_reward", a_better=False, reps=reps, seed=seed))
+    if ZERO_DOSE in by_method.get("grpo-r3", {}) and ZERO_DOSE in grpo:
+        tests.append(_compare("controls", f"zero mismatch: grpo-r3 vs {GRPO} at {ZERO_DOSE}: final reward",
+                              by_method["grpo-r3"][ZERO_DOSE], grpo[ZERO_DOSE], "final_reward", a_better=True,
+                              reps=reps, seed=seed, null_claim=True))
+    return apply_holm(tests)

@@ -1,0 +1,117 @@
+"""analysis.phase (phase_runs / phase_stats / phase_figures): the critical mismatch by hand, "not reached",
+the fix shift, the pre-registered family on a synthetic dial matrix, and the page regenerated exactly from
+the saved metrics."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from analysis.phase import main, phase_page
+from analysis.phase_runs import entropy_collapse, load_phase, phase_run
+from analysis.phase_stats import arms, crossing, fit_method, phase_family, shift
+from analysis.load import load_run
+
+T = 40
+X = {"p0": 0.0, "p5": 0.05, "p20": 0.2, "p80": 0.8}
+DROP = {"grpo-none": {"p0": 0.0, "p5": -0.02, "p20": -0.15, "p80": -0.4},
+        "grpo-r3": {"p0": 0.0, "p20": 0.0, "p80": -0.05}}
+
+
+def _write(d: Path, final: float, x: float, *, entropy_end: float = 0.5, k3: float = 1e-4):
+    d.mkdir(parents=True)
+    rows = []
+    for step in range(T):
+        reward = final if step >= T - 4 else 0.5  # the last 10% of 40 steps: 4 steps
+        ent = 1.0 if step < 20 else entropy_end
+        rows.append({"step": step, "reward/mean": reward, "reward/frac_zero_std": 0.2, "actor/entropy": ent,
+                     "routing/layer_disagree": [x, x], "mismatch/k3_kl": k3 * (1 + 10 * x)})
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "done.json").write_text(json.dumps({"step": T}))
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    root = tmp_path_factory.mktemp("phase")
+    for method, drops in DROP.items():
+        algo, replay = method.split("-")
+        for dose, drop in drops.items():
+            for seed in range(6):
+                noise = 0.01 * ((seed % 3) - 1)  # -0.01, 0, 0.01: pairing removes most of it
+                _write(root / f"{algo}-{replay}-{dose}-s{seed}", 0.9 + drop + noise + 0.001 * seed, X[dose])
+    return root
+
+
+def test_crossing_by_hand():
+    x = np.asarray([0.0, 0.05, 0.2, 0.8])
+    c = crossing(x, np.asarray([0.0, -0.02, -0.15, -0.4]), -0.1, decreasing=True)
+    # between 0.05 (-0.02) and 0.2 (-0.15): 8/13 of the way in log10
+    want = 10 ** (math.log10(0.05) + (0.08 / 0.13) * (math.log10(0.2) - math.log10(0.05)))
+    assert c.kind == "interpolated" and c.value == pytest.approx(want, rel=1e-12)
+    # a noisy, non-monotone curve is read through its isotonic fit: (-0.02, +0.04) pool to +0.01
+    c = crossing(x, np.asarray([0.0, -0.02, 0.04, -0.3]), -0.1, decreasing=True)
+    assert c.kind == "interpolated" and 0.2 < c.value < 0.8
+    assert crossing(x, np.asarray([0.0, -0.01, -0.02, -0.05]), -0.1, decreasing=True).kind == "not_reached"
+    first = crossing(x, np.asarray([0.0, -0.3, -0.4, -0.5]), -0.1, decreasing=True)
+    assert first.kind == "at_or_below_first" and first.value == 0.05
+    fail = crossing(x, np.asarray([0.0, 0.1, 0.7, 1.0]), 0.5, decreasing=False)
+    assert fail.kind == "interpolated" and 0.05 < fail.value < 0.2
+
+
+def test_fits_critical_mismatch_ci_and_the_fix_shift(matrix):
+    by = arms(load_phase(matrix))
+    grpo = fit_method("grpo-none", by["grpo-none"], reps=300, seed=0)
+    assert grpo.doses == ["p0", "p5", "p20", "p80"]
+    np.testing.assert_allclose(grpo.x, [0, 0.05, 0.2, 0.8])
+    np.testing.assert_allclose(grpo.drop, [0, -0.02, -0.15, -0.4], atol=1e-12)  # paired: noise and seed cancel
+    assert grpo.critical.kind == "interpolated" and grpo.critical.value == pytest.approx(0.1173, abs=1e-4)
+    lo, hi = grpo.ci_log10
+    assert 10 ** lo <= grpo.critical.value <= 10 ** hi and grpo.not_reached_share == 0
+    r3 = fit_method("grpo-r3", by["grpo-r3"], reps=300, seed=0)
+    assert r3.critical.kind == "not_reached" and r3.largest_tolerated == pytest.approx(0.8)
+    point, *_ = shift(r3, grpo)
+    assert math.isnan(point)  # R3 never reaches it: no ratio
+
+
+def test_family_on_the_synthetic_matrix(matrix):
+    tests = phase_family(arms(load_phase(matrix)), reps=300, seed=0)
+    labels = [t.label for t in tests]
+    assert labels[0] == "grpo-none: final reward, p80 vs p0" and labels[1].startswith("grpo-none: reward AUC")
+    assert any(lbl.startswith("grpo-r3 vs grpo-none at p80") for lbl in labels)
+    drop = tests[0]
+    assert drop.agrees is True and drop.p < 0.05  # 6 paired seeds, all 0.4 lower: the exact Wilcoxon p 1/32
+    assert all(math.isfinite(t.p_holm) and t.p_holm >= t.p for t in tests)
+
+
+def test_entropy_collapse_needs_low_entropy_and_an_unsolved_reward(tmp_path):
+    _write(tmp_path / "grpo-none-p0-s0", 0.5, 0.0, entropy_end=0.01)
+    step, hit = entropy_collapse(load_run(tmp_path / "grpo-none-p0-s0"))
+    assert hit and step == 29  # the 10-step mean first falls below 0.05 with no 1.0 left in it: steps 20-29
+    _write(tmp_path / "grpo-none-p0-s1", 0.95, 0.0, entropy_end=0.01)  # low entropy on a solved task
+    r = phase_run(load_run(tmp_path / "grpo-none-p0-s1"))
+    assert r.collapsed is True  # the reward is 0.5 until the last 4 steps: still below 0.9 at step 29
+    _write(tmp_path / "grpo-none-p0-s2", 0.5, 0.0, entropy_end=0.5)
+    assert entropy_collapse(load_run(tmp_path / "grpo-none-p0-s2")) == (39.0, False)
+
+
+def test_page_regenerates_from_saved_metrics_and_draws_the_diagram(matrix, tmp_path):
+    saved, out_a, out_b = tmp_path / "m.jsonl.gz", tmp_path / "a.md", tmp_path / "b.md"
+    assert main([str(matrix), "--out", str(out_a), "--save-metrics", str(saved), "--bootstrap-reps", "200",
+                 "--figures", str(tmp_path / "fig")]) == 0
+    assert main([str(saved), "--out", str(out_b), "--bootstrap-reps", "200"]) == 0
+    assert out_a.read_text() == out_b.read_text()
+    text = out_a.read_text()
+    assert "| grpo-none | p80 | 6 |" in text and "not reached: tolerates every dose tested" in text
+    assert (tmp_path / "fig" / "phase_diagram.png").stat().st_size > 10_000
+
+
+def test_bad_input_is_one_line(tmp_path, capsys):
+    assert main([str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty")]) == 2
+    assert "no finished run" in capsys.readouterr().err

@@ -40,9 +40,10 @@ def test_fused_old_pass_gives_the_same_update(dist, algo, replay, shuffle, entro
     plain_w, plain_m, plain_old, _, _ = _run(dist, fuse=False, **kw)
     fused_w, fused_m, fused_old, _, _ = _run(dist, fuse=True, **kw)
     # the pass in two pieces (train mode, autograd on for the first) gives the same old log-probs (up to the
-    # rounding of Megatron's attention at another padded length) and routes
-    for a, b in zip(plain_old, fused_old):
-        assert (a.logp_BS - b.logp_BS).abs().max() <= 1e-4
+    # rounding of Megatron's attention at another padded length) and routes; the second step's pass follows an Adam
+    # step at lr 1e-2, which amplifies the first step's rounding (1.0e-4 measured under oneDNN's SSE4.1 kernels)
+    for step, (a, b) in enumerate(zip(plain_old, fused_old)):
+        assert (a.logp_BS - b.logp_BS).abs().max() <= (1e-5 if step == 0 else 5e-4)
         assert all((x == y).all() for x, y in zip(a.routes, b.routes))
     # gradients agree to float rounding (grad/norm below); Adam's ~lr * sign(grad) first steps amplify that
     # where a gradient is ~0: measured <= 1.3e-4 after 2 steps at lr 1e-2 (the steps move weights by ~2e-2)

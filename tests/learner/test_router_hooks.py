@@ -52,13 +52,23 @@ def test_routes_and_probs_match_transformers_per_sequence(pair):
         call = hrec.pop()[0]
     hf_ids = call.topk_ids_NLK.view(B, S, 2, 2).numpy()  # transformers' rows are b*S+s
     hf_probs = call.probs_NLK.view(B, S, 2, 2).numpy()
+    # Megatron's and transformers' routers are different GEMM kernels on other row layouts (fp32 rounding may
+    # differ, issue 51): a row whose 2nd and 3rd router logits (or 1st and 2nd, for the order) lie within float
+    # rounding may be picked either way, so rows are compared exactly only away from such near-ties
+    margin = call.stats_NL2[..., 0].view(B, S, 2).numpy()  # logit gap of the k-th and (k+1)-th expert
+    top_gap = np.abs(np.diff(np.log(hf_probs), axis=-1))[..., 0]  # logit gap of the two chosen experts
     assert ids[0].dtype == np.uint8 and probs[0].dtype == np.float32
+    decided = 0
     for b, n in enumerate(batch.seq_lens_B.tolist()):
         assert ids[b].shape == (n, 2, 2)
-        np.testing.assert_array_equal(np.sort(ids[b], -1), np.sort(hf_ids[b, :n], -1))
+        clear = margin[b, :n] > 1e-4
+        np.testing.assert_array_equal(np.sort(ids[b], -1)[clear], np.sort(hf_ids[b, :n], -1)[clear])
         # ordered by router weight, descending, like transformers' top-k
-        np.testing.assert_array_equal(ids[b], hf_ids[b, :n])
-        np.testing.assert_allclose(probs[b], hf_probs[b, :n], atol=1e-5)
+        ordered = clear & (top_gap[b, :n] > 1e-4)
+        np.testing.assert_array_equal(ids[b][ordered], hf_ids[b, :n][ordered])
+        np.testing.assert_allclose(probs[b][ordered], hf_probs[b, :n][ordered], atol=1e-5)
+        decided += int(ordered.sum())
+    assert decided >= 0.95 * 2 * sum(batch.seq_lens_B.tolist())  # near-ties are rare: nearly every row is checked
     # the sequences differ, so a wrong (b*S+s) reading could not pass the check above
     assert any(not np.array_equal(ids[0][:3], ids[b][:3]) for b in range(1, B))
 

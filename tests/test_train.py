@@ -176,7 +176,7 @@ def test_opsm_run_logs_its_masked_fractions(tmp_path):
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["--algo", "ppo"], "invalid choice: 'ppo'"),
+    (["--algo", "ppo"], "error: algo.name='ppo' is not one of ['gspo', "),  # checked by the config: plug-ins pass
     (["--routing-replay", "r9"], "invalid choice: 'r9'"),
     (["train.lr=abc"], "train.lr='abc' must be a number"),
     (["bogus.key=1"], "must be section.key"),

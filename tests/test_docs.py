@@ -145,8 +145,10 @@ OTHER_NAMES = {
 
 
 def _code_spans(page: Path) -> list[str]:
-    """The inline code spans (`...`) of `page`, outside fenced blocks."""
-    return [m.strip() for m in re.findall(r"`([^`\n]+)`", _prose(page.read_text(encoding="utf-8")))]
+    """The inline code spans (`...`) of `page`, outside fenced blocks; a span may run over a line break inside
+    a paragraph (its whitespace collapsed to one space), never past one."""
+    paragraphs = re.split(r"\n\s*\n", _prose(page.read_text(encoding="utf-8")))
+    return [" ".join(m.split()) for para in paragraphs for m in re.findall(r"`([^`]+)`", para)]
 
 
 def _source_files() -> list[Path]:

@@ -359,3 +359,15 @@ def test_every_metric_key_a_run_writes_is_documented(tmp_path):
             "perf"} <= families and {"loss/kl", "loss/entropy", "loss/router_aux", "routing/dial_flip_frac",
                                      "perf/checkpoint_s", "perf/traces_s"} <= keys  # the run logged what it should
     assert undocumented_metric_keys(keys) == []
+
+
+def test_the_engine_recipe_names_every_required_field():
+    """docs/architecture.md, "Adding a rollout engine": following it builds an `EngineSpec` (issue 52: `title`
+    was missing)."""
+    from moe_gspo.rollout.engine_spec import EngineSpec
+
+    required = [f.name for f in dataclasses.fields(EngineSpec)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    recipe = page.split("## Adding a rollout engine", 1)[1].split("\n## ", 1)[0]
+    assert "title" in required and [f for f in required if f"{f}=" not in recipe] == []

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import warnings
 
-from moe_gspo.algos.algo_spec import OPTION_NAMES
 from moe_gspo.algos.registry import algo_names, get_algo
 from moe_gspo.config import AGGREGATION_ALIASES, AlgoConfig, Config, RolloutConfig, TrainConfig
 from moe_gspo.learner.replay_plan import replay_spec
@@ -154,18 +153,20 @@ def _validate_algo(a: AlgoConfig, r: RolloutConfig) -> None:
     if spec.default_clip is None:
         for k in ("clip_low", "clip_high"):
             if getattr(a, k) is not None:
-                own = " / ".join(f"algo.{o}" for o in spec.options)
+                own = " / ".join(f"algo.options.{o.name}" for o in spec.options)
                 raise ValueError(f"algo.{k}={getattr(a, k)} has no effect with algo.name={a.name} (no clip range"
                                  + (f"; its options are {own}" if own else "") + "); drop it")
     elif spec.clip_low_problem(lo):
         raise ValueError(f"algo.clip_low={lo} {spec.clip_low_problem(lo)}")
     if hi is not None and hi <= 0:
         raise ValueError(f"algo.clip_high={hi} must be > 0")
-    for k in OPTION_NAMES:
-        if k not in spec.options and getattr(a, k) is not None:
-            users = "/".join(n for n in algo_names() if k in get_algo(n).options)
-            raise ValueError(f"algo.{k}={getattr(a, k)} applies to algo.name={users} only (now {a.name}); drop it")
-        _check_positive(f"algo.{k}", getattr(a, k))
+    for k, v in a.options.items():  # the algorithm's own options (AlgoSpec.options)
+        if not (isinstance(k, str) and spec.option(k)):
+            have = ", ".join(o.name for o in spec.options) or "none"
+            users = "/".join(n for n in algo_names() if isinstance(k, str) and get_algo(n).option(k))
+            raise ValueError(f"algo.options.{k}={v} is not an option of algo.name={a.name} (its options: {have})"
+                             + (f"; it is an option of algo.name={users}" if users else "") + "; drop it")
+    a.options = spec.check_options(a.options, prefix="algo.options.")  # as each option's type
     _check_positive("algo.kl_coef", a.kl_coef, allow_zero=True)
     _check_positive("algo.entropy_coef", a.entropy_coef, allow_zero=True)
     _check_positive("algo.adv_eps", a.adv_eps)

@@ -98,8 +98,16 @@ def _build_section(name: str, cls: type, data: dict) -> Any:
         raise ValueError(f"config section '{name}' must be a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     known = [f.name for f in dataclasses.fields(cls)]
+    renamed = getattr(cls, "RENAMED", {})  # keys of older configs (e.g. AlgoConfig.RENAMED)
     kwargs = {}
     for key, value in data.items():
+        if key in renamed and key not in known:
+            if value is None:  # an older run's config.yaml writes every key, unset ones as null
+                continue
+            new, v = renamed[key], _yaml_scalar(value)
+            head, _, entry = new.partition(".")
+            in_yaml = f" (in YAML: {head}: {{{entry}: {v}}} under {name})" if entry else ""
+            raise ValueError(f"{name}.{key} is now {name}.{new}; write {name}.{new}={v}{in_yaml}")
         if key not in known:
             raise ValueError(f"unknown config key '{name}.{key}'; known keys of '{name}': {', '.join(known)}")
         kwargs[key] = _coerce(value, hints[key], f"{name}.{key}")
@@ -144,20 +152,29 @@ def load_yaml_file(path: str | Path, *, what: str) -> Any:
         raise ValueError(f"{what} {str(p)!r}{where}: {problem}") from None
 
 
+def _yaml_scalar(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
 def parse_override(text: str) -> tuple[str, str, Any]:
+    """`section.key=value` -> (section, key, value parsed as YAML); `section.key.name=value` sets one entry of
+    a mapping field (`algo.options`, `model.tiny`) -> (section, "key.name", value)."""
     if "=" not in text:
         raise ValueError(f"override {text!r} must look like section.key=value (e.g. train.lr=1e-3)")
     key, raw = text.split("=", 1)
     parts = key.strip().split(".")
-    if len(parts) != 2 or parts[0] not in SECTIONS:
+    if len(parts) not in (2, 3) or parts[0] not in SECTIONS or not all(parts):
         raise ValueError(
             f"override key {key!r} must be section.key with section in {list(SECTIONS)} (e.g. train.lr=1e-3)"
         )
+    if len(parts) == 3 and typing.get_type_hints(_section_classes()[parts[0]]).get(parts[1]) is not dict:
+        raise ValueError(f"override key {key!r}: {parts[0]}.{parts[1]} is not a mapping field, so it takes no "
+                         f".{parts[2]}; give {parts[0]}.{parts[1]}=value")
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
         raise ValueError(f"override {text!r}: value is not valid YAML ({e})") from None
-    return parts[0], parts[1], value
+    return parts[0], ".".join(parts[1:]), value
 
 
 def config_from_dict(data: dict | None, overrides: list[str] = ()) -> Config:
@@ -172,7 +189,14 @@ def config_from_dict(data: dict | None, overrides: list[str] = ()) -> Config:
     merged = {sec: dict(data.get(sec) or {}) for sec in SECTIONS}
     for ov in overrides:
         sec, key, value = parse_override(ov)
-        merged[sec][key] = value
+        if "." in key:  # one entry of a mapping field
+            key, _, entry = key.partition(".")
+            current = merged[sec].get(key)
+            if current is not None and not isinstance(current, dict):
+                raise ValueError(f"override {ov!r}: {sec}.{key} is {current!r}, not a mapping")
+            merged[sec][key] = {**(current or {}), entry: value}
+        else:
+            merged[sec][key] = value
     classes = _section_classes()
     cfg = Config(**{sec: _build_section(sec, classes[sec], merged[sec]) for sec in SECTIONS})
     return validate(cfg)

@@ -1,6 +1,8 @@
 """Writing files safely, the ground floor every layer writes through: atomic writes with the modes a plain
 `open()` gives, a full disk reported as a user error naming the file, and output paths checked before any
-compute. Imports nothing from `moe_gspo` (docs/architecture.md, layers).
+compute. Imports nothing from `moe_gspo` (docs/architecture.md, layers). Appends cannot be atomic: the
+metrics rows (`moe_gspo.run.sinks.append_jsonl_line`, under `writing`) and an ablation arm's train.log
+(`moe_gspo.run.arm_runner`) are appended by their own modules.
 
 - Atomic writes (a temporary sibling, then `os.replace`): `atomic_write_text` for text; the routing
   traces (`moe_gspo.routing.trace.save_trace`) and the HF export (`moe_gspo.mcore.checkpoint`) write

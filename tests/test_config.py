@@ -51,8 +51,16 @@ def test_overrides_typed():
     (["algo.kl_estimator=k4"], "algo.kl_estimator='k4' is not one of"),
     (["algo.scale_rewards=std"], "algo.scale_rewards='std' is not one of"),
     (["algo.name=sapo", "algo.clip_high=0.2"], "algo.clip_high=0.2 has no effect with algo.name=sapo"),
-    (["algo.name=grpo", "algo.sapo_tau_neg=2"], "algo.sapo_tau_neg=2.0 applies to algo.name=sapo only"),
-    (["algo.name=sapo", "algo.sapo_tau_pos=0"], "algo.sapo_tau_pos=0.0 must be > 0"),
+    (["algo.name=grpo", "algo.options.tau_neg=2"],
+     "algo.options.tau_neg=2 is not an option of algo.name=grpo (its options: none); it is an option of algo.name=sapo"),
+    (["algo.name=sapo", "algo.options.tau_pos=0"], "algo.options.tau_pos=0.0 must be > 0 (gate temperature"),
+    (["algo.name=sapo", "algo.options.tau_pos=hot"], "algo.options.tau_pos='hot' must be a number"),
+    (["algo.name=sapo", "algo.options.temperature=1"], "algo.options.temperature=1 is not an option of algo.name=sapo "
+                                                       "(its options: tau_pos, tau_neg)"),
+    (["algo.name=sapo", "algo.sapo_tau_pos=1.2"],  # an old key: one line naming the new one
+     "algo.sapo_tau_pos is now algo.options.tau_pos; write algo.options.tau_pos=1.2 (in YAML: options: {tau_pos: 1.2}"),
+    (["algo.options=3"], "algo.options must be a mapping"),
+    (["train.lr.x=1"], "train.lr is not a mapping field"),
     (["algo.name=gmpo", "algo.clip_low=0"], "algo.clip_low=0.0 must be > 0 (a log-space bound"),
     (["algo.name=cispo", "algo.clip_high=-1"], "algo.clip_high=-1.0 must be > 0"),
     (["algo.max_num_gen_batches=3"], "algo.max_num_gen_batches=3 has no effect with algo.dynamic_sampling=false"),
@@ -126,8 +134,13 @@ def test_algorithm_defaults_and_loss_options():
         assert ((opts["clip_low"], opts["clip_high"]), opts["loss_agg_mode"]) == (clip, mode), algo
         assert opts["kl_estimator"] == "k3"
         # each algorithm's own options only (sapo's temperatures, at the paper's values)
-        taus = {k: opts[k] for k in ("sapo_tau_pos", "sapo_tau_neg") if k in opts}
-        assert taus == ({"sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05} if algo == "sapo" else {}), algo
+        assert opts["options"] == ({"tau_pos": 1.0, "tau_neg": 1.05} if algo == "sapo" else {}), algo
+    # an option given is checked as its type; the others keep their defaults
+    cfg = load_config(None, ["algo.name=sapo", "algo.options.tau_neg=2"])
+    assert cfg.algo.options == {"tau_neg": 2.0} and isinstance(cfg.algo.options["tau_neg"], float)
+    assert cfg.algo.loss_options()["options"] == {"tau_pos": 1.0, "tau_neg": 2.0}
+    # an older run's config.yaml (every key written, the temperatures null) still loads
+    assert load_config(None, ["algo.name=sapo", "algo.sapo_tau_pos=null", "algo.sapo_tau_neg=null"]).algo.options == {}
     # old configs keep working: aggregation is an alias of loss_agg_mode
     cfg = load_config(None, ["algo.name=grpo", "algo.aggregation=token_mean"])
     assert cfg.algo.loss_options()["loss_agg_mode"] == "token-mean"
@@ -201,6 +214,10 @@ def test_shipped_configs_load():
 
 def test_parse_override_yaml_values():
     assert parse_override("model.tiny={num_experts: 16}") == ("model", "tiny", {"num_experts": 16})
+    # one entry of a mapping field, merged into what the file or an earlier override gave
+    assert parse_override("algo.options.tau_pos=1.5") == ("algo", "options.tau_pos", 1.5)
+    cfg = config_from_dict({"algo": {"name": "sapo", "options": {"tau_pos": 1.5}}}, ["algo.options.tau_neg=2"])
+    assert cfg.algo.options == {"tau_pos": 1.5, "tau_neg": 2.0}
     assert parse_override("train.export_hf=false")[2] is False
 
 

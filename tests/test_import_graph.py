@@ -135,7 +135,7 @@ def _edges_within(graph: dict[str, set[str]], comp: list[str]) -> list[str]:
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ground floor", ("moe_gspo.files", "moe_gspo.plugins", "moe_gspo.tensor_cache", "moe_gspo.tokenizer", "moe_gspo.tiny")),
     ("pure maths", ("moe_gspo.algos", "moe_gspo.routing")),
-    ("inputs", ("moe_gspo.tasks", "moe_gspo.config", "moe_gspo.rollout.engine_spec")),
+    ("inputs", ("moe_gspo.tasks", "moe_gspo.config", "moe_gspo.config_algo", "moe_gspo.rollout.engine_spec")),
     ("model", ("moe_gspo.mcore",)),
     ("engines", ("moe_gspo.rollout",)),
     ("learner", ("moe_gspo.learner",)),

@@ -72,7 +72,7 @@ def test_old_records_in_a_named_log_dir_are_not_read(tmp_path):
 
 @pytest.mark.parametrize("train_args, msg", [
     (["train.lr=abc"], "error: train.lr='abc' must be a number"),
-    (["--algo", "ppo"], "error: argument --algo: invalid choice: 'ppo'"),
+    (["--algo", "ppo"], "error: algo.name='ppo' is not one of ['gspo', "),
     (["--resume", "--overwrite"], "error: --resume continues the run"),
 ])
 def test_a_train_config_error_is_one_line_before_any_worker_starts(monkeypatch, capsys, train_args, msg):

@@ -5,7 +5,6 @@ run exactly. Faults and bad input: tests/test_train_faults.py."""
 import json
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -14,17 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from _metric_docs import undocumented_metric_keys
 from _procs import alive, worker_pids
 from moe_gspo import train
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def documented_metric_keys() -> set[str]:
-    """The metric names of the section "What a step logs" of docs/metrics.md (up to the next section)."""
-    page = (ROOT / "docs" / "metrics.md").read_text()
-    section = page.split("## What a step logs", 1)[1].split("\n## ", 1)[0]
-    return set(re.findall(r"`([a-z_0-9]+(?:/[a-z_0-9*]+)?)`", section))
 
 
 SMALL = ["parallel.expert_parallel_size=1", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
@@ -33,7 +26,10 @@ SMALL = ["parallel.expert_parallel_size=1", "rollout.prompts_per_step=4", "rollo
 
 
 def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The rows of a run's metrics.jsonl, each of whose keys docs/metrics.md documents (by name, or as `prefix/*`)."""
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert undocumented_metric_keys(k for r in rows for k in r) == []
+    return rows
 
 
 @pytest.mark.parametrize("algo", ["gspo", "gspo_token", "grpo"])
@@ -83,7 +79,7 @@ def test_corrected_grpo_with_kl_reference(tmp_path):
                      "algo.rollout_rs_threshold=1.001", "logging.update_drift_every=2",
                      "train.lr_warmup_steps=2", "train.lr_decay=linear", "train.lr_decay_steps=2",
                      # an evaluation of 2 samples per prompt on steps 0 and 2, so that the eval/* keys (pass@k
-                     # included) are among the keys checked against docs/metrics.md below
+                     # included) are among the keys checked against docs/metrics.md (`_metrics`)
                      "eval.every=2", "eval.greedy=false", "eval.samples_per_prompt=2", "eval.num_prompts=4"])
     assert rc == 0
     rows = _metrics(run_dir)
@@ -106,11 +102,6 @@ def test_corrected_grpo_with_kl_reference(tmp_path):
         assert math.isfinite(r["mismatch_replayed/k3_kl"])
     assert ["update/any_layer_change" in r for r in rows] == [True, False, True, False]
     assert rows[0]["update/expert_change_frac"] == rows[0]["update_all_minibatches/expert_change_frac"]
-    # every logged key is documented in the metrics table of docs/metrics.md (by name, or as `prefix/*`)
-    documented = documented_metric_keys()
-    undocumented = [k for r in rows for k in r if k != "step" and k not in documented
-                    and k.split("/")[0] + "/*" not in documented]
-    assert undocumented == []
     traces = run_dir / "traces"
     assert (traces / "step_000000_updated.npz").is_file() and not (traces / "step_000001_updated.npz").exists()
     import numpy as np
@@ -176,7 +167,7 @@ def test_opsm_run_logs_its_masked_fractions(tmp_path):
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["--algo", "ppo"], "invalid choice: 'ppo'"),
+    (["--algo", "ppo"], "error: algo.name='ppo' is not one of ['gspo', "),  # checked by the config: plug-ins pass
     (["--routing-replay", "r9"], "invalid choice: 'r9'"),
     (["train.lr=abc"], "train.lr='abc' must be a number"),
     (["bogus.key=1"], "must be section.key"),

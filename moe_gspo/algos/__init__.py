@@ -10,12 +10,13 @@ from moe_gspo.algos.kl import KL_ESTIMATORS
 from moe_gspo.algos.mismatch import MISMATCH_KEYS, mismatch_metrics
 from moe_gspo.algos.policy_loss import AGGREGATIONS, ALGOS, policy_loss
 from moe_gspo.algos.ratios import RATIO_KEYS, ratio_stats
-from moe_gspo.algos.registry import AlgoSpec, algo_names, get_algo, register_algo
+from moe_gspo.algos.registry import AlgoOption, AlgoSpec, algo_names, get_algo, register_algo
 from moe_gspo.algos.rollout_correction import opsm_mask, rollout_correction, rollout_is_weights, rollout_rs_mask
 
 __all__ = [
     "AGGREGATIONS",
     "ALGOS",
+    "AlgoOption",
     "AlgoSpec",
     "COLLAPSE_KEYS",
     "KL_ESTIMATORS",

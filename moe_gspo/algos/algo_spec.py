@@ -2,16 +2,23 @@
 
 A spec owns the algorithm's name, its ratio level (sequence / token), its terms function (the maths,
 in the algorithm's own module), its default clip range and aggregation, what its clip range means, the
-inputs it accepts (per-token advantages, its own options such as SAPO's temperatures), a warning for
-an implausible clip range, and its one-line doc. `policy_loss`, the config checks and `--help` ask the
-spec; nothing compares algorithm names. Specs are registered in `moe_gspo.algos.registry`.
+inputs it accepts (per-token advantages), its own options (`AlgoOption`s, e.g. SAPO's temperatures), a
+warning for an implausible clip range, and its one-line doc. `policy_loss`, the config checks and `--help`
+ask the spec; nothing compares algorithm names. Specs are registered in `moe_gspo.algos.registry`.
+
+An option is declared once, in the spec: its name, type, default, bounds and one-line doc. The config
+carries the values generically (`algo.options.<name>`, checked against the chosen spec at config time),
+`policy_loss(..., options={name: value})` checks them again, fills in the defaults and passes every option
+to the terms function as a keyword. A loss with an option of its own is therefore one file (a built-in's
+module, or a plug-in `file.py:Spec`), with no change to the config or to `policy_loss`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Callable, Literal, Mapping
+import keyword
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Mapping
 
 from moe_gspo.algos.aggregation import LOSS_AGG_MODES, SEQUENCE_LEVEL_MODE, resolve_loss_agg_mode
 from moe_gspo.algos.loss_common import PolicyTerms
@@ -23,9 +30,89 @@ CLIP_MEANINGS: dict[str, str] = {
     "none": "no clip range: clip_low / clip_high stay unset",
 }
 """What `clip_low` / `clip_high` mean, per `AlgoSpec.clip`."""
-OPTION_NAMES = ("sapo_tau_pos", "sapo_tau_neg")
-"""The option keywords of `policy_loss` (each also an `algo.<name>` config field) that a spec may claim in
-`AlgoSpec.options`. A plug-in's other hyper-parameters are constants of its own file."""
+RESERVED_OPTION_NAMES = ("clip_low", "clip_high")
+"""Keywords the terms function gets from `policy_loss` itself: no option may take these names."""
+def _fmt(value: float | int | bool) -> str:
+    return str(value).lower() if isinstance(value, bool) else f"{value:g}"
+
+
+_BOUNDS = (("gt", ">", float.__gt__), ("ge", ">=", float.__ge__), ("lt", "<", float.__lt__), ("le", "<=", float.__le__))
+
+
+@dataclass(kw_only=True, frozen=True)
+class AlgoOption:
+    """One option of a loss (`AlgoSpec.options`): `algo.options.<name>` in the config, a key of
+    `policy_loss(..., options=...)`, and a keyword argument of the spec's terms function."""
+
+    name: str
+    """A Python identifier (the terms function's keyword), not `clip_low` / `clip_high`."""
+    default: float | int | bool
+    """The value when the config (or the caller of `policy_loss`) does not set it; within the bounds."""
+    doc: str
+    """One line for `--help` and the docs: what the option does."""
+    type: type = float
+    """float, int or bool. A float option takes integers too (YAML `1` is 1.0); int and bool options take
+    exactly their type."""
+    gt: float | None = None
+    """Values must be > gt (None = no such bound); likewise `ge` (>=), `lt` (<) and `le` (<=)."""
+    ge: float | None = None
+    lt: float | None = None
+    le: float | None = None
+
+    def __post_init__(self) -> None:
+        where = f"AlgoOption(name={self.name!r})"
+        if not (isinstance(self.name, str) and self.name.isidentifier() and not keyword.iskeyword(self.name)
+                and self.name not in RESERVED_OPTION_NAMES):
+            raise ValueError(f"{where}: name must be a Python identifier other than {', '.join(RESERVED_OPTION_NAMES)}")
+        if not isinstance(self.doc, str) or not self.doc.strip() or "\n" in self.doc.strip():
+            raise ValueError(f"{where}: doc must be one non-empty line")
+        if self.type not in (float, int, bool):
+            raise ValueError(f"{where}: type must be float, int or bool, got {self.type!r}")
+        bounds = {k: getattr(self, k) for k, _, _ in _BOUNDS if getattr(self, k) is not None}
+        if self.type is bool and bounds:
+            raise ValueError(f"{where}: a bool option has no bounds, got {bounds}")
+        for k, v in bounds.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{where}: {k} must be a finite number, got {v!r}")
+        try:
+            object.__setattr__(self, "default", self.check(self.default))
+        except ValueError as e:
+            raise ValueError(f"{where}: the default does not pass its own check: {e}") from None
+
+    def bounds_text(self) -> str:
+        """The bounds as text, e.g. "> 0", "> 0 and <= 1"; "" without bounds."""
+        parts = [f"{op} {_fmt(getattr(self, k))}" for k, op, _ in _BOUNDS if getattr(self, k) is not None]
+        return " and ".join(parts)
+
+    def check(self, value: Any, key: str | None = None) -> float | int | bool:
+        """`value` as this option's type (an integer for a float option becomes a float; a string such as
+        YAML 1.1's "1e-4" is read as a number), or one ValueError naming `key` (default: the option's name),
+        its type or bounds, and the option's doc."""
+        key = key or self.name
+        what = f"({self.doc})"
+        if self.type is bool:
+            if not isinstance(value, bool):
+                raise ValueError(f"{key}={value!r} must be true or false {what}")
+            return value
+        if self.type is float and isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float) if self.type is float else int):
+            raise ValueError(f"{key}={value!r} must be {'a number' if self.type is float else 'an integer'} {what}")
+        if self.type is float:
+            value = float(value)
+            if not math.isfinite(value):
+                raise ValueError(f"{key}={value!r} must be a finite number {what}")
+        if not all(test(float(value), float(getattr(self, k))) for k, _, test in _BOUNDS if getattr(self, k) is not None):
+            raise ValueError(f"{key}={value!r} must be {self.bounds_text()} {what}")
+        return value
+
+    def help_text(self) -> str:
+        """`doc (type, bounds; default D)` for `--help`."""
+        bounds = self.bounds_text()
+        return f"{self.doc} ({self.type.__name__}{', ' + bounds if bounds else ''}; default {_fmt(self.default)})"
 
 
 def _no_advice(clip_low: float, clip_high: float) -> str | None:
@@ -57,10 +144,11 @@ class AlgoSpec:
     """The aggregation when `loss_agg_mode` is null (the paper's); sequence-level: seq-mean-token-mean."""
     per_token_advantages: bool = True
     """Accepts per-token advantages [B, T]; False = one advantage per sequence [B] only."""
-    options: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
-    """This algorithm's own options (names from `OPTION_NAMES`: `algo.<name>` config fields and `policy_loss`
-    keywords, passed on to `terms`) with their defaults, each > 0 (sapo: sapo_tau_pos 1.0, sapo_tau_neg 1.05);
-    setting one for another algorithm is a config error."""
+    options: tuple[AlgoOption, ...] = ()
+    """This algorithm's own options (`AlgoOption`: name, type, default, bounds, doc): set in the config as
+    `algo.options.<name>` (setting one the chosen algorithm does not declare is a config error), passed to
+    `policy_loss` as `options={name: value}`, and to `terms` as keywords, every option with a value (the
+    default where none was given). sapo: tau_pos 1.0, tau_neg 1.05."""
     clip_advice: Callable[[float, float], str | None] = _no_advice
     """`clip_advice(clip_low, clip_high)`: a warning (config time) for a clip range that is implausible
     for this method, e.g. a token-level range given to a sequence ratio; None = fine."""
@@ -90,11 +178,13 @@ class AlgoSpec:
             raise ValueError(f"{where}: default_agg must be one of {LOSS_AGG_MODES}, got {self.default_agg!r}")
         if self.sequence_level and self.default_agg != SEQUENCE_LEVEL_MODE:
             raise ValueError(f"{where}: a sequence-level method aggregates with {SEQUENCE_LEVEL_MODE!r} only")
-        bad = {k: v for k, v in self.options.items()
-               if not (k in OPTION_NAMES and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0)}
-        if bad:
-            raise ValueError(f"{where}: options must map names of {OPTION_NAMES} to defaults > 0, got {bad}")
-        object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
+        if isinstance(self.options, (Mapping, str)) or not all(isinstance(o, AlgoOption) for o in self.options):
+            raise ValueError(f"{where}: options must be a tuple of AlgoOption(name=..., default=..., doc=...) "
+                             f"(moe_gspo.algos.algo_spec), got {self.options!r}")
+        names = [o.name for o in self.options]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{where}: option names must differ, got {names}")
+        object.__setattr__(self, "options", tuple(self.options))
 
     @property
     def sequence_level(self) -> bool:
@@ -120,8 +210,33 @@ class AlgoSpec:
                              "leave it unset")
         return mode
 
+    def option(self, name: str) -> AlgoOption | None:
+        """The option called `name`, or None."""
+        return next((o for o in self.options if o.name == name), None)
+
+    def check_options(self, given: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+        """`given` checked against this spec's options (each value as its option's type); ValueError naming
+        `prefix + name` for a name the spec does not declare, or a value of the wrong type or out of bounds."""
+        if not isinstance(given, Mapping):
+            raise ValueError(f"{prefix.rstrip('.') or 'options'} must be a mapping of option names to values, got "
+                             f"{given!r}")
+        out = {}
+        for name, value in given.items():
+            opt = self.option(name) if isinstance(name, str) else None
+            if opt is None:
+                have = ", ".join(o.name for o in self.options)
+                raise ValueError(f"{prefix}{name} is not an option of {self.name} "
+                                 f"({f'its options: {have}' if have else 'it has no options'})")
+            out[name] = opt.check(value, f"{prefix}{name}")
+        return out
+
+    def resolve_options(self, given: Mapping[str, Any] | None = None, prefix: str = "") -> dict[str, Any]:
+        """Every option's value: `given` (checked, `check_options`), else its default."""
+        checked = self.check_options(given or {}, prefix)
+        return {o.name: checked.get(o.name, o.default) for o in self.options}
+
     def help_line(self) -> str:
-        """`name: doc (level, default clip, default aggregation)` for `--help`."""
+        """`name: doc (level, default clip, default aggregation, options)` for `--help`."""
         clip = "no clip" if self.default_clip is None else f"clip {self.default_clip[0]:g}/{self.default_clip[1]:g} ({self.clip})"
-        opts = "".join(f", {k} {v:g}" for k, v in self.options.items())
+        opts = "; options " + ", ".join(f"{o.name} {_fmt(o.default)}" for o in self.options) if self.options else ""
         return f"{self.name}: {self.doc} [{self.level} level; {clip}; {self.default_agg}{opts}]"

@@ -4,7 +4,8 @@ penalty, as one pure function returning `(loss, metrics)`.
 Algorithms: the `AlgoSpec`s of `moe_gspo.algos.registry` (built-ins: gspo, gspo_token and grpo in
 `ppo_clip`, gmpo, cispo, sapo; one module each, with its paper, formula and simplifications; `python -m
 moe_gspo.train --help` lists them), or a plug-in `module:Spec` / `file.py:Spec`. Each spec says what
-this function needs to know: its terms, its level, what its clip range means, its default aggregation.
+this function needs to know: its terms, its level, what its clip range means, its default aggregation,
+its own options (`options=`, checked and passed on to its terms).
 
 "level": a sequence-level method has one term per sequence (its token mean already inside the
 ratio) and only the `seq-mean-token-mean` aggregation; a token-level method's per-token terms are
@@ -55,6 +56,8 @@ Metrics (detached 0-dim float64 tensors on the input's device; `float(v)` to log
 """
 
 from __future__ import annotations
+
+from typing import Any, Mapping
 
 import torch
 
@@ -120,8 +123,7 @@ def policy_loss(
     loss_agg_mode: str | None = None,
     aggregation: str | None = None,
     loss_scale_factor: float | None = None,
-    sapo_tau_pos: float | None = None,
-    sapo_tau_neg: float | None = None,
+    options: Mapping[str, Any] | None = None,
     max_log_ratio: float = 20.0,
     is_weights_BT: torch.Tensor | None = None,
     entropy_BT: torch.Tensor | None = None,
@@ -143,8 +145,10 @@ def policy_loss(
         loss_agg_mode: see `moe_gspo.algos.aggregation`; None = the algorithm's default.
         aggregation: the old name: "seq_mean" or "token_mean" (aliases of loss_agg_mode).
         loss_scale_factor: the constant L of seq-mean-token-sum-norm (required there only).
-        sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures for A > 0 and A <= 0; None = the spec's
-            default (`AlgoSpec.options`; other algorithms ignore them).
+        options: the algorithm's own options by name (`AlgoSpec.options`, e.g. sapo's
+            `{"tau_pos": 1.0, "tau_neg": 1.05}`); an option left out takes its default, a name the spec
+            does not declare or a value out of its bounds is a ValueError. All of them reach its terms
+            function as keywords.
         max_log_ratio: clamp of per-token log ratios before exp.
         is_weights_BT: [B, T] rollout-correction weights (constants) multiplying the policy-gradient
             term of each token; None = all 1.
@@ -173,15 +177,11 @@ def policy_loss(
         raise ValueError("entropy_coef > 0 needs entropy_BT (the current policy's per-token entropy [B, T])")
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
-    given = {"sapo_tau_pos": sapo_tau_pos, "sapo_tau_neg": sapo_tau_neg}  # algo_spec.OPTION_NAMES
-    options = {k: default if given[k] is None else given[k] for k, default in spec.options.items()}
-    for k, v in options.items():
-        if not float(v) > 0.0:
-            raise ValueError(f"{k} must be > 0 ({spec.name}'s option), got {v}")
+    own = spec.resolve_options(options, prefix="options.")  # the spec's options, checked, defaults filled in
 
     inp = prepare(logp_BT, old_logp_BT, advantages, mask_BT, is_weights_BT=is_weights_BT,
                   max_log_ratio=max_log_ratio)
-    terms = spec.terms(inp, clip_low=clip_low, clip_high=clip_high, **options)
+    terms = spec.terms(inp, clip_low=clip_low, clip_high=clip_high, **own)
 
     def aggregate(values_BT: torch.Tensor) -> torch.Tensor:
         return agg.aggregate(values_BT, inp.mask, mode, loss_scale_factor=loss_scale_factor)

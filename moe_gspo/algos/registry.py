@@ -6,7 +6,8 @@ The built-in algorithms are registered below, one line each, from the modules th
 
 A loss of your own, without touching the package: `algo.name=package.module:Spec` (importable from the
 working directory or the environment) or `algo.name=path/to/file.py:Spec` (a file, loaded by path,
-relative to the working directory), where `Spec` is an `AlgoSpec` (`moe_gspo.algos.algo_spec`). It is
+relative to the working directory), where `Spec` is an `AlgoSpec` (`moe_gspo.algos.algo_spec`), with options
+of its own if it declares them (`AlgoOption`; set as `algo.options.<name>`). It is
 loaded and registered under its own `AlgoSpec.name` the first time the name is asked for: when the config
 is validated, i.e. on every rank, since every rank reads the config. Errors are one ValueError naming
 `algo.name` and the fix (the same rules as `task.reward`, `moe_gspo/tasks/plugin.py`).
@@ -15,14 +16,14 @@ docs/architecture.md, "Adding a loss".
 
 from __future__ import annotations
 
-from moe_gspo.algos.algo_spec import AlgoSpec
+from moe_gspo.algos.algo_spec import AlgoOption, AlgoSpec
 from moe_gspo.algos.cispo import CISPO
 from moe_gspo.algos.gmpo import GMPO
 from moe_gspo.algos.ppo_clip import GRPO, GSPO, GSPO_TOKEN
 from moe_gspo.algos.sapo import SAPO
 from moe_gspo.plugins import import_plugin_module
 
-__all__ = ["AlgoSpec", "BUILTIN_ALGOS", "algo_names", "get_algo", "register_algo"]
+__all__ = ["AlgoOption", "AlgoSpec", "BUILTIN_ALGOS", "algo_names", "get_algo", "register_algo"]
 
 _SPECS: dict[str, AlgoSpec] = {}
 _PLUGINS: dict[str, AlgoSpec] = {}

@@ -4,7 +4,8 @@ TRL `loss_type="sapo"`). Evaluated by its authors on Qwen3 MoE models (Qwen3-30B
 A smooth, temperature-controlled gate replaces the hard clip of the token ratio w = pi_theta/pi_old:
 
     J = (1/G) sum_i (1/|y_i|) sum_t f(w_{i,t}) A_{i,t},   f(w) = (4/tau) sigmoid(tau (w - 1)),
-    tau = tau_pos if A > 0 else tau_neg   (paper: tau_pos = 1.0, tau_neg = 1.05).
+    tau = tau_pos if A > 0 else tau_neg   (paper: tau_pos = 1.0, tau_neg = 1.05; SAPO's options,
+    `algo.options.tau_pos` / `algo.options.tau_neg`).
 
 d f(w) / d theta = g(w) * w * grad log pi with the gate weight g(w) = 4 sigmoid(tau(w-1)) (1 - sigmoid(tau(w-1)))
 = sech^2(tau (w - 1) / 2): the factor by which SAPO scales the token's UNCLIPPED policy gradient
@@ -32,16 +33,16 @@ from __future__ import annotations
 
 import torch
 
-from moe_gspo.algos.algo_spec import AlgoSpec
+from moe_gspo.algos.algo_spec import AlgoOption, AlgoSpec
 from moe_gspo.algos.loss_common import LossInputs, PolicyTerms
 
 GATE_WEIGHT_LEVEL = 0.5
 """`gate/token_frac_below_half` counts tokens whose gate weight is below this."""
 
 
-def sapo_terms(inp: LossInputs, *, sapo_tau_pos: float, sapo_tau_neg: float, **_) -> PolicyTerms:
+def sapo_terms(inp: LossInputs, *, tau_pos: float, tau_neg: float, **_) -> PolicyTerms:
     w = torch.exp(inp.lr)
-    tau = torch.where(inp.adv_BT > 0, float(sapo_tau_pos), float(sapo_tau_neg)).to(w.dtype)
+    tau = torch.where(inp.adv_BT > 0, float(tau_pos), float(tau_neg)).to(w.dtype)
     x = tau * (w - 1.0)
     objective_BT = torch.where(inp.mask, (4.0 / tau) * torch.sigmoid(x) * inp.adv_BT, 0.0)
     if inp.is_w_BT is not None:
@@ -56,5 +57,8 @@ def sapo_terms(inp: LossInputs, *, sapo_tau_pos: float, sapo_tau_neg: float, **_
 
 
 SAPO = AlgoSpec(name="sapo", terms=sapo_terms, level="token", clip="none",
-                options={"sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05},  # the paper's temperatures
+                options=(AlgoOption(name="tau_pos", default=1.0, gt=0.0,  # the paper's temperatures
+                                    doc="gate temperature for tokens with A > 0, the paper's 1.0"),
+                         AlgoOption(name="tau_neg", default=1.05, gt=0.0,
+                                    doc="gate temperature for tokens with A <= 0, the paper's 1.05")),
                 doc="a soft sigmoid gate on the token ratio instead of a clip (Gao et al. 2025, Qwen team)")

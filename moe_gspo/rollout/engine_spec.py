@@ -36,7 +36,9 @@ class ContextLimit:
 
 @dataclass(frozen=True, kw_only=True)
 class EngineSpec:
-    """How the toolkit treats one rollout engine (`rollout.engine`); see the module docstring."""
+    """How the toolkit treats one rollout engine (`rollout.engine`); see the module docstring. Required: `name`,
+    `doc`, `title`, `factory`, `memory`; the capabilities default to the least (no TP, no sleep mode, no
+    quantization, expert ids only, ...)."""
 
     name: str
     """The `rollout.engine` value and registry key."""
@@ -47,6 +49,9 @@ class EngineSpec:
     factory: str
     """`module:function` building the engine: `function(cfg, hf_model_or_dir, tokenizer, *, load_weights)`
     -> `moe_gspo.rollout.base.RolloutEngine`; imported only when an engine is built (`build`)."""
+    memory: str
+    """`module:attribute` of the engine's memory terms for the plan (a `moe_gspo.plan.engine_memory.EngineMemory`,
+    `memory_terms`); imported only when asked."""
     fields: Mapping[str, Any] = field(default_factory=lambda: _frozen({}))
     """The `rollout.<field>` settings only this engine reads, with their defaults: with another engine
     they must keep the default (`check_fields`)."""
@@ -94,8 +99,6 @@ class EngineSpec:
     layer_capture: bool = False
     """The probe's localiser can run its model layer by layer (`moe_gspo.routing.localize_capture`: the
     transformers model's hidden states, attention and router outputs); False: it compares routes only."""
-    memory: str = ""
-    """`module:attribute` of the engine's memory terms for the plan (`moe_gspo.plan.engine_memory`)."""
     machine_check: str | None = None
     """`module:function` checking a rollout config against THIS machine's engine (installed version, CPU
     kernel limits): `function(rollout, hf_config=None, *, model)`, run at start-up before any weight

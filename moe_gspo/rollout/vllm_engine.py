@@ -89,6 +89,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from moe_gspo.files import atomic_write_text
 from moe_gspo.rollout.base import RolloutEngine, RolloutSample, SamplingParams
 from moe_gspo.rollout import engine_spec
 from moe_gspo.rollout.vllm_outputs import (  # noqa: F401  (re-exported)
@@ -300,7 +301,7 @@ class VLLMEngine(RolloutEngine):
         try:
             config = hf_config.to_dict()
             config["architectures"] = ["Qwen3MoeForCausalLM"]
-            (tmp / "config.json").write_text(json.dumps(config, indent=1))
+            atomic_write_text(tmp / "config.json", json.dumps(config, indent=1))
             engine = cls.__new__(cls)
             engine._tmp_dir = tmp
             cls.__init__(engine, tmp, load_weights=False, **kwargs)

@@ -24,7 +24,7 @@ import warnings
 from typing import Callable
 
 from moe_gspo.algos.registry import PLUGIN_FORM, algo_names, get_algo
-from moe_gspo.config import REPLAYS, Config
+from moe_gspo.config import REPLAYS, AlgoConfig, Config
 from moe_gspo.config_load import field_docs, load_config, parse_override
 
 OVERRIDES_HELP = "dotted config overrides, e.g. train.steps=20 rollout.dtype=float32"
@@ -148,9 +148,19 @@ def config_fields_help(cfg: Config, source: str, *, keys: Callable[[str], bool] 
             value, default = getattr(now, f.name), getattr(built_in, f.name)
             differs = "" if value == default else f" (built-in default {_fmt(default)})"
             rows.append(f"    {key} = {_fmt(value)}{differs}: {docs.get(f.name, '')}")
+            if isinstance(now, AlgoConfig) and f.name == "options":
+                rows += _algo_option_rows(now)
         if rows:
             lines += [f"  [{sec.name}] {cls.__doc__.strip().splitlines()[0]}", *rows]
     return "\n".join(lines)
+
+
+def _algo_option_rows(algo: AlgoConfig) -> list[str]:
+    """One `--help` row per option of the chosen algorithm (`AlgoSpec.options`), with its value in `algo`."""
+    spec = algo.spec()
+    values = algo.algo_options()
+    return [f"      algo.options.{o.name} = {_fmt(values[o.name])} ({spec.name}'s option): {o.help_text()}"
+            for o in spec.options]
 
 
 def help_requested(argv: list[str]) -> bool:
@@ -176,15 +186,16 @@ def algorithms_help() -> str:
     """The `--help` section listing every registered algorithm (`AlgoSpec.help_line`) and the plug-in form."""
     lines = [f"  {get_algo(n).help_line()}" for n in algo_names()]
     return "\n".join(["algorithms (--algo NAME, algo.name=NAME):", *lines,
-                      f"  a loss of your own: algo.name={PLUGIN_FORM}"])
+                      f"  a loss of your own: --algo / algo.name={PLUGIN_FORM}"])
 
 
 def build_parser(prog: str, description: str, *, raise_errors: bool = False,
                  add_help: bool = True) -> argparse.ArgumentParser:
     p = OnceArgumentParser(prog=prog, description=description, raise_errors=raise_errors, add_help=add_help)
     add_config_arguments(p, default=TRAIN_DEFAULT_CONFIG)
-    p.add_argument("--algo", choices=algo_names(), metavar="NAME",
-                   help="shortcut for algo.name=NAME: " + ", ".join(algo_names()) + " (listed below)")
+    p.add_argument("--algo", metavar="NAME",  # checked with the config (algo.name): a plug-in is welcome too
+                   help="shortcut for algo.name=NAME: " + ", ".join(algo_names()) + " (listed below), or a loss of "
+                        "your own, file.py:SPEC / package.module:SPEC")
     p.add_argument("--routing-replay", choices=REPLAYS, help="shortcut for algo.routing_replay=...")
     p.add_argument("--run-dir", default=None,
                    help="output directory (metrics.jsonl, traces, checkpoints); default runs/<algo>-<replay>")

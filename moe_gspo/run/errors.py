@@ -34,7 +34,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from moe_gspo.files import disk_full_message, is_disk_full
+from moe_gspo.files import atomic_write_text, disk_full_message, is_disk_full
 
 EXIT_USER_ERROR = 2
 EXIT_RANK_FAILURE = 3
@@ -115,10 +115,9 @@ def _write_torchelastic_error_file(message: str, *, printed: bool, exitcode: int
         return
     info = {"timestamp": str(int(time.time())), "printed": printed, "exitcode": exitcode,
             "rank": int(os.environ.get("RANK", "0"))}
-    try:
-        with open(path, "w") as f:
-            json.dump({"message": {"message": message, "extraInfo": info}}, f)
-    except OSError:
+    try:  # whole or not at all: the launcher may read it back while this rank exits
+        atomic_write_text(path, json.dumps({"message": {"message": message, "extraInfo": info}}))
+    except (OSError, ValueError):  # ValueError: a full disk (files.writing); the line is still printed
         pass
 
 

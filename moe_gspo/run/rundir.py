@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from moe_gspo.files import check_output_dir
+from moe_gspo.files import atomic_write_text, check_output_dir, writing
 
 RUN_OUTPUTS = ("metrics.jsonl", "done.json", "config.yaml", "run.json", "eval.jsonl", "samples.jsonl", "checkpoints",
                "hf_export", "traces", "wandb")
@@ -120,8 +120,13 @@ def lock_dir(path: str | os.PathLike, flag: str, *, wait_s: float = 1.0) -> DirL
             raise
     record = {"pid": os.getpid(), "host": socket.gethostname(),
               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv)}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(record).encode(), 0)
+    try:  # into the locked file itself (a rename would lose the lock): a full disk is a user error naming it
+        with writing(p / LOCK_FILE, "run-directory lock record"):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(record).encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
     return DirLock(p, fd)
 
 
@@ -219,9 +224,9 @@ def check_same_run_dir(plan: RunDirPlan, *, rank: int, world_size: int) -> None:
         token = secrets.token_hex(16)
         try:
             path.mkdir(parents=True, exist_ok=True)
-            token_file.write_text(token)
+            atomic_write_text(token_file, token)
             sent = [token, None, socket.gethostname()]
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: a full disk (files.writing), sent to every rank
             sent = [None, f"{type(e).__name__}: {e}", socket.gethostname()]
     dist.broadcast_object_list(sent, src=0)
     token, rank0_error, rank0_host = sent

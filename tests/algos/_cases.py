@@ -9,7 +9,7 @@ from moe_gspo.algos.registry import get_algo
 
 PPO_CLIP = ("gspo", "gspo_token", "grpo")
 """The hard-clip methods whose clip acts on a ratio range [1 - low, 1 + high] (tests written for them)."""
-SAPO_TAUS = tuple(get_algo("sapo").options.values())
+SAPO_TAUS = tuple(o.default for o in get_algo("sapo").options)
 LN = math.log
 NAN, INF = float("nan"), float("inf")
 

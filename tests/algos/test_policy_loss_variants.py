@@ -176,7 +176,7 @@ def test_sapo_gate_below_half_and_temperatures():
     _, m = policy_loss("sapo", logp, *args)
     assert m["gate/token_frac_below_half"].item() == 0.5
     assert m["gate/weight_mean"].item() == pytest.approx((1 / math.cosh(1.5) ** 2 + 1) / 2)
-    _, m = policy_loss("sapo", logp, *args, sapo_tau_pos=0.1)
+    _, m = policy_loss("sapo", logp, *args, options={"tau_pos": 0.1})
     assert m["gate/token_frac_below_half"].item() == 0.0
     assert m["gate/weight_mean"].item() == pytest.approx((1 / math.cosh(0.15) ** 2 + 1) / 2)
 
@@ -188,7 +188,7 @@ def test_sapo_tends_to_unclipped_grpo_as_the_temperature_goes_to_zero(mode):
     logp, old, adv, mask = _random_batch(14, noise=0.5)
     tau = 1e-4
     kw = dict(loss_agg_mode=mode, loss_scale_factor=7.0)
-    l_s, _ = policy_loss("sapo", logp, old, adv, mask, sapo_tau_pos=tau, sapo_tau_neg=tau, **kw)
+    l_s, _ = policy_loss("sapo", logp, old, adv, mask, options={"tau_pos": tau, "tau_neg": tau}, **kw)
     l_g, _ = policy_loss("grpo", logp, old, adv, mask, clip_low=0.999, clip_high=1e6, **kw)
     offset, _ = policy_loss("grpo", old.clone(), old, adv * (2 / tau - 1), mask, clip_low=0.2, clip_high=0.2, **kw)
     assert l_s.item() == pytest.approx(l_g.item() + offset.item(), rel=1e-6)

@@ -14,7 +14,7 @@ import torch
 from moe_gspo.algos import ALGOS, policy_loss
 from moe_gspo.algos import registry
 from moe_gspo.algos.loss_common import PolicyTerms, grad_carrier
-from moe_gspo.algos.registry import AlgoSpec, algo_names, get_algo, register_algo
+from moe_gspo.algos.registry import AlgoOption, AlgoSpec, algo_names, get_algo, register_algo
 from moe_gspo.config_load import load_config
 
 
@@ -91,14 +91,15 @@ def test_spec_defaults_reach_the_config_and_the_loss():
     assert cfg.spec() is get_algo("toy_pg") and cfg.clip_range() == (0.1, 0.15)
     opts = cfg.loss_options()
     assert (opts["clip_low"], opts["clip_high"], opts["loss_agg_mode"]) == (0.1, 0.15, "token-mean")
-    assert "sapo_tau_pos" not in opts
+    assert opts["options"] == {}
     # a token-level spec takes every mode; an override of its clip is checked by its clip meaning
     assert load_config(None, ["algo.name=toy_pg", "algo.loss_agg_mode=seq-mean-token-mean"]).algo.loss_options()[
         "loss_agg_mode"] == "seq-mean-token-mean"
     with pytest.raises(ValueError, match=r"algo.clip_low=1.5 must be in \(0, 1\)"):
         load_config(None, ["algo.name=toy_pg", "algo.clip_low=1.5"])
-    with pytest.raises(ValueError, match=r"algo.sapo_tau_pos=2.0 applies to algo.name=sapo only \(now toy_pg\)"):
-        load_config(None, ["algo.name=toy_pg", "algo.sapo_tau_pos=2"])
+    with pytest.raises(ValueError, match=r"algo.options.tau_pos=2 is not an option of algo.name=toy_pg \(its options: "
+                                         r"none\); it is an option of algo.name=sapo; drop it"):
+        load_config(None, ["algo.name=toy_pg", "algo.options.tau_pos=2"])
     # the loss runs the spec's terms, by name or by the spec itself
     logp = torch.zeros(2, 3, requires_grad=True)
     args = (logp, logp.detach(), torch.tensor([1.0, -1.0]), torch.ones(2, 3))
@@ -127,8 +128,9 @@ def test_a_sequence_level_spec_refuses_other_modes_at_config_time():
     (dict(default_clip=(1.5, 0.1)), "is not a valid"),
     (dict(default_agg="mean"), "default_agg must be one of"),
     (dict(level="sequence"), "a sequence-level method aggregates with 'seq-mean-token-mean' only"),
-    (dict(options={"temperature": 1.0}), "options must map names of"),
-    (dict(options={"sapo_tau_pos": 0.0}), "options must map names of"),
+    (dict(options={"temperature": 1.0}), "options must be a tuple of AlgoOption"),
+    (dict(options=(AlgoOption(name="t", default=1.0, doc="a"), AlgoOption(name="t", default=2.0, doc="b"))),
+     "option names must differ"),
 ])
 def test_a_malformed_spec_is_refused_when_built(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -140,7 +142,9 @@ def test_specs_are_frozen_kw_only_dataclasses():
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.name = "x"  # type: ignore[misc]
     with pytest.raises(TypeError):
-        spec.options["sapo_tau_pos"] = 2.0  # type: ignore[index]
+        spec.options[0] = None  # type: ignore[index]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.options[0].default = 2.0  # type: ignore[misc]
     with pytest.raises(TypeError):
         AlgoSpec("x", "doc", _pg_terms, "token", "ratio")  # type: ignore[misc]
 
@@ -184,3 +188,76 @@ def test_bad_plugins_are_one_error_naming_algo_name(tmp_path):
     with pytest.raises(ValueError, match=r"^algo.name='.*my_loss.py:': give package.module:Spec or path/to/file.py:Spec"):
         get_algo(f"{good}:")  # (on the command line YAML would read `x.py:` as a mapping: a type error)
     assert "gspo" in algo_names() and get_algo("gspo").terms.__module__ == "moe_gspo.algos.ppo_clip"
+
+
+OPTION_FILE = """
+import torch
+from moe_gspo.algos.loss_common import PolicyTerms, grad_carrier
+from moe_gspo.algos.registry import AlgoOption, AlgoSpec
+
+def terms(inp, *, scale, signed, steps, **_):
+    value = float(scale) * (1.0 if signed else -1.0) * steps
+    objective_BT = torch.where(inp.mask, value * inp.adv_BT * grad_carrier(inp), 0.0)
+    return PolicyTerms(objective_BT=objective_BT, metrics={"opt_pg/value": torch.tensor(value, dtype=torch.float64)})
+
+SPEC = AlgoSpec(name="opt_pg", doc="a loss with options of its own", terms=terms, level="token", clip="none",
+                default_agg="token-mean",
+                options=(AlgoOption(name="scale", default=0.5, gt=0.0, le=2.0, doc="a weight"),
+                         AlgoOption(name="signed", type=bool, default=True, doc="keep the sign"),
+                         AlgoOption(name="steps", type=int, default=1, ge=1, doc="a count")))
+"""
+
+
+def test_a_plugin_declares_options_that_the_config_checks_and_the_loss_receives(tmp_path):
+    path = _write(tmp_path, body=OPTION_FILE, fname="opt_loss.py")
+    ref = f"algo.name={path}:SPEC"
+    cfg = load_config(None, [ref, "algo.options.scale=2", "algo.options.steps=3"]).algo
+    assert cfg.options == {"scale": 2.0, "steps": 3}  # as given, each as its type (YAML's 2 is the float 2.0)
+    assert cfg.algo_options() == {"scale": 2.0, "signed": True, "steps": 3}  # the default fills in the rest
+    logp = torch.zeros(2, 3, requires_grad=True)
+    args = (logp, logp.detach(), torch.tensor([1.0, -1.0]), torch.ones(2, 3))
+    _, m = policy_loss(cfg.spec(), *args, **cfg.loss_options())
+    assert float(m["opt_pg/value"]) == 6.0  # the terms function got every option
+    _, m = policy_loss(cfg.spec(), *args, **{**cfg.loss_options(), "options": {"signed": False}})
+    assert float(m["opt_pg/value"]) == -0.5
+    for override, match in [
+        ("algo.options.scale=3", r"algo.options.scale=3.0 must be > 0 and <= 2 \(a weight\)"),
+        ("algo.options.scale=0", r"algo.options.scale=0.0 must be > 0 and <= 2"),
+        ("algo.options.signed=1", r"algo.options.signed=1 must be true or false \(keep the sign\)"),
+        ("algo.options.steps=1.5", r"algo.options.steps=1.5 must be an integer \(a count\)"),
+        ("algo.options.steps=0", r"algo.options.steps=0 must be >= 1"),
+        ("algo.options.other=1", r"algo.options.other=1 is not an option of algo.name=.*opt_loss.py:SPEC \(its options: "
+                                 r"scale, signed, steps\); drop it"),
+    ]:
+        with pytest.raises(ValueError, match="^" + match):
+            load_config(None, [ref, override])
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(name="clip_low"), "name must be a Python identifier other than clip_low, clip_high"),
+    (dict(name="a b"), "name must be a Python identifier"),
+    (dict(name="lambda"), "name must be a Python identifier"),
+    (dict(doc="two\nlines"), "doc must be one non-empty line"),
+    (dict(type=str, default="x"), "type must be float, int or bool"),
+    (dict(default=0.0, gt=0.0), r"the default does not pass its own check: t=0.0 must be > 0"),
+    (dict(type=bool, default=True, gt=0.0), "a bool option has no bounds"),
+    (dict(lt=float("inf")), "lt must be a finite number"),
+])
+def test_a_malformed_option_is_refused_when_built(kw, match):
+    with pytest.raises(ValueError, match=match):
+        AlgoOption(**{**dict(name="t", default=1.0, doc="an option"), **kw})
+
+
+def test_help_lists_the_options_of_the_chosen_algorithm(capsys):
+    from moe_gspo.run.cli import parse_train_args
+
+    with pytest.raises(SystemExit):
+        parse_train_args(["--help", "--algo", "sapo", "algo.options.tau_neg=2"])
+    out = capsys.readouterr().out
+    assert "sapo: a soft sigmoid gate" in out and "options tau_pos 1, tau_neg 1.05]" in out  # the list of algorithms
+    assert ("algo.options.tau_pos = 1.0 (sapo's option): gate temperature for tokens with A > 0, the paper's 1.0 "
+            "(float, > 0; default 1)") in out
+    assert "algo.options.tau_neg = 2.0 (sapo's option)" in out
+    with pytest.raises(SystemExit):
+        parse_train_args(["--help", "--algo", "grpo"])
+    assert "algo.options.tau_pos = " not in capsys.readouterr().out  # another algorithm's options are not listed

@@ -19,15 +19,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_registry_and_config_choices():
-    assert ENGINE_NAMES == ("hf", "vllm") and [s.name for s in ENGINE_SPECS.values()] == list(ENGINE_NAMES)
+    """Asked of the registry, not written here: an engine added as docs/architecture.md says passes as it is."""
+    assert {"hf", "vllm"} <= set(ENGINE_NAMES) and list(ENGINE_SPECS) == list(ENGINE_NAMES)
+    assert all(engine_spec(name).name == name for name in ENGINE_NAMES)
     assert typing.get_args(typing.get_type_hints(RolloutConfig)["engine"]) == ENGINE_NAMES
     assert engine_spec("vllm") is VLLM and engine_spec("hf") is HF
-    with pytest.raises(ValueError, match="rollout.engine=sglang is not a rollout engine; choose one of hf, vllm"):
-        engine_spec("sglang")
-    with pytest.raises(ValueError, match=r"rollout.engine='sglang' is not one of \['hf', 'vllm'\]"):
-        config_from_dict({"rollout": {"engine": "sglang"}})
+    unknown = "not_an_engine"
+    assert unknown not in ENGINE_NAMES
+    with pytest.raises(ValueError, match=f"rollout.engine={unknown} is not a rollout engine; choose one of "
+                                         + re.escape(", ".join(ENGINE_NAMES)) + "$"):
+        engine_spec(unknown)
+    with pytest.raises(ValueError, match=f"rollout.engine='{unknown}' is not one of " + re.escape(str(list(ENGINE_NAMES)))):
+        config_from_dict({"rollout": {"engine": unknown}})
     for spec in ENGINE_SPECS.values():
-        assert spec.doc and spec.title
+        assert spec.doc and "\n" not in spec.doc and spec.title and spec.factory and spec.memory
 
 
 def test_importing_the_spec_imports_no_engine():
@@ -131,7 +136,8 @@ def test_plan_and_sync_terms():
 
 
 def test_no_engine_name_checks_outside_the_spec():
-    pattern = re.compile(r"""engine(_name)?\s*(==|!=)\s*["'](hf|vllm)["']|engine\s+in\s+\(""")
+    names = "|".join(map(re.escape, ENGINE_NAMES))
+    pattern = re.compile(r"""engine(_name)?\s*(==|!=)\s*["'](""" + names + r""")["']|engine\s+in\s+\(""")
     hits = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "moe_gspo").rglob("*.py"))
             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if pattern.search(line)]
     assert hits == []

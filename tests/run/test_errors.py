@@ -71,3 +71,21 @@ def test_run_dir_plans(tmp_path):
     assert plan_run_dir(d, resume=False, overwrite=True).mode == "overwrite"
     (d / "checkpoints" / "step_000001").mkdir(parents=True)
     assert plan_run_dir(d, resume=True, overwrite=False).mode == "resume"
+
+
+def test_the_torchelastic_error_file_is_written_whole_or_not_at_all(tmp_path, monkeypatch, capsys):
+    """Written through `files.atomic_write_text`: a failure (a full disk) leaves no file, no temporary, and
+    the line is still printed."""
+    import errno
+
+    from moe_gspo import files
+
+    f = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(f))
+
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files.Path, "write_text", full)
+    assert run_entry(lambda: (_ for _ in ()).throw(ValueError("bad"))) == 2
+    assert capsys.readouterr().err == "error: bad\n" and list(tmp_path.iterdir()) == []

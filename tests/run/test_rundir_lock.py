@@ -129,3 +129,22 @@ def test_second_ablation_on_one_out_dir_is_refused(tmp_path, capsys):
     assert rc == 2 and not calls
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: out_dir") and "in use by another run" in err[0]
+
+
+def test_a_full_disk_while_recording_the_holder_is_one_line_and_leaves_the_lock_free(tmp_path, monkeypatch):
+    """The lock record goes into the locked file itself under `files.writing`: a full disk is a user error
+    naming the file, and the descriptor (so the lock) is given back."""
+    import errno
+
+    from moe_gspo.run import rundir
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    d = tmp_path / "run"
+    with monkeypatch.context() as m:
+        m.setattr(rundir.os, "pwrite", full)
+        with pytest.raises(ValueError, match=rf"^disk full while writing run-directory lock record '.*{LOCK_FILE}'"):
+            lock_dir(d, "--run-dir", wait_s=0)
+    assert lock_state(d)[0] != "held"
+    lock_dir(d, "--run-dir", wait_s=0).release()  # free: the failed attempt kept nothing

@@ -11,9 +11,10 @@ layers and steps) and `mismatch/k3_kl` (mean over steps).
 
 Per-run scalars (the pre-registered endpoints, docs/paper_claims.md "Pre-registration of experiment 3"):
 - `final_reward`: mean `reward/mean` over the last 10% of steps; `reward_auc`: mean over all steps;
-- `entropy_collapse`: the first step at which the trailing `ENTROPY_WINDOW`-step mean of `actor/entropy` falls
-  below `ENTROPY_FLOOR` while the trailing reward is below `SOLVED` (a policy turned nearly deterministic on a
-  partly wrong answer), censored at the last step when it never does;
+- `entropy_collapse`: the first step at which the trailing `ENTROPY_WINDOW`-step mean of `actor/entropy` is below
+  `ENTROPY_FLOOR` and the trailing reward stays below `SOLVED` from then to the end (a policy turned nearly
+  deterministic on a partly wrong answer and never solved the task; a dip on the way to solving it is none),
+  censored at the last step when it never does;
 - `failed`: `moe_gspo.algos.collapse.detect_failure` with `FAILURE_V2` (the pre-registered detector plus its
   end-of-run miss fixed: a trailing reward that ends at or below `dead_reward`, the run never solved, counts).
 
@@ -81,7 +82,8 @@ def entropy_collapse(run: RunData) -> tuple[float, bool]:
     by_step = dict(zip(r_steps.tolist(), reward.tolist()))
     rew = np.asarray([by_step.get(s, math.nan) for s in steps.tolist()], np.float64)
     h, r = trailing_mean(ent, ENTROPY_WINDOW), trailing_mean(rew, ENTROPY_WINDOW)
-    hit = np.flatnonzero(np.isfinite(h) & np.isfinite(r) & (h < ENTROPY_FLOOR) & (r < SOLVED))
+    never_solved_after = np.maximum.accumulate(np.where(np.isfinite(r), r, -np.inf)[::-1])[::-1] < SOLVED
+    hit = np.flatnonzero(np.isfinite(h) & (h < ENTROPY_FLOOR) & never_solved_after)
     return (float(steps[hit[0]]), True) if hit.size else (float(steps[-1]), False)
 
 

@@ -31,22 +31,27 @@ def swiglu_fusable(c) -> bool:
     return bool(c.gated_linear_unit) and c.activation_func is F.silu and c.activation_func_clamp_value is None
 
 
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    """`t` in the arithmetic's precision: float32, or float64 for float64 operands."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def swiglu_probs_forward(h: torch.Tensor, probs: torch.Tensor, offset: float) -> torch.Tensor:
-    """`silu(gate) * (up + offset) * probs` of `h = [gate | up]` ([..., 2F]) and `probs` ([...]) in float32,
-    rounded once to `h`'s dtype."""
-    gate, up = h.float().chunk(2, dim=-1)
-    return (F.silu(gate) * (up + offset) * probs.float().unsqueeze(-1)).to(h.dtype)
+    """`silu(gate) * (up + offset) * probs` of `h = [gate | up]` ([..., 2F]) and `probs` ([...]) in float32
+    (float64 for float64 operands), rounded once to `h`'s dtype."""
+    gate, up = _acc(h).chunk(2, dim=-1)
+    return (F.silu(gate) * (up + offset) * _acc(probs).unsqueeze(-1)).to(h.dtype)
 
 
 def swiglu_probs_backward(g: torch.Tensor, h: torch.Tensor, probs: torch.Tensor, offset: float
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients of `swiglu_probs_forward` for the output gradient `g`: `(dh in h's dtype, dprobs in
-    probs' dtype)`, in float32 (d silu(x)/dx = s (1 + x (1 - s)), s = sigmoid(x))."""
-    gate, up = h.float().chunk(2, dim=-1)
-    g = g.float()
+    probs' dtype)`, in float32 or float64 as the forward (d silu(x)/dx = s (1 + x (1 - s)), s = sigmoid(x))."""
+    gate, up = _acc(h).chunk(2, dim=-1)
+    g = _acc(g)
     s = torch.sigmoid(gate)
     silu, lin = gate * s, up + offset
-    g_p = g * probs.float().unsqueeze(-1)
+    g_p = g * _acc(probs).unsqueeze(-1)
     d_gate = g_p * lin * s * (1 + gate * (1 - s))
     d_probs = (g * silu * lin).sum(-1)
     return torch.cat([d_gate, g_p * silu], dim=-1).to(h.dtype), d_probs.to(probs.dtype)

@@ -58,26 +58,33 @@ def swiglu_probs_backward(g: torch.Tensor, h: torch.Tensor, probs: torch.Tensor,
 
 
 class _Compiled:
-    """`torch.compile`d `swiglu_probs_forward` / `swiglu_probs_backward`, compiled on first use (per process);
-    after a failure to compile, one warning and the uncompiled functions."""
+    """`torch.compile`d `swiglu_probs_forward` / `swiglu_probs_backward`, compiled on first use (per process).
+    A failure before a function's first compiled call succeeded (compiling happens then) gives one warning
+    and the uncompiled functions from then on; after it, errors are the caller's (not a compile failure)."""
 
     def __init__(self):
         self.fns: dict | None = None
+        self.ran: set[str] = set()
         self.error: str | None = None
 
     def __call__(self, name: str, *args):
         eager = {"forward": swiglu_probs_forward, "backward": swiglu_probs_backward}
         if self.error is None:
+            if name in self.ran:
+                return self.fns[name](*args)
             try:
                 if self.fns is None:
                     self.fns = {k: torch.compile(fn, dynamic=True) for k, fn in eager.items()}
-                return self.fns[name](*args)
+                out = self.fns[name](*args)
             except torch.OutOfMemoryError:
                 raise
             except Exception as e:  # noqa: BLE001  (a compiler missing or failing: the same maths, uncompiled)
-                self.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                self.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
                 warnings.warn(f"moe_gspo.mcore.swiglu: torch.compile of the experts' SwiGLU failed ({self.error}); "
                               "it runs uncompiled (same maths, more memory passes)", RuntimeWarning, stacklevel=2)
+            else:
+                self.ran.add(name)
+                return out
         return eager[name](*args)
 
 

@@ -4,6 +4,8 @@ gradients as the per-expert layout, HF names both ways, and no weight copy under
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
@@ -306,6 +308,8 @@ def test_cuda_grouped_layout_matches_the_per_expert_one_in_bf16_without_a_host_s
     counts = torch.tensor([3, 0, 5, 1, 0, 0, 7, 2])
     x = torch.randn(int(counts.sum()), cfg.hidden_size, generator=gen).to("cuda", torch.bfloat16)
     probs = torch.rand(int(counts.sum()), generator=gen).to("cuda", torch.bfloat16)
+    # warm-up outside the sync check: first launches, the fused SwiGLU's compilation (issue 48)
+    torch.autograd.grad(experts(x, counts, probs)[0].float().square().sum(), [experts.weight1, experts.weight2])
     torch.cuda.synchronize()
     if major in (9, 10):
         torch.cuda.set_sync_debug_mode("error")
@@ -382,3 +386,38 @@ def test_the_cuda_capability_is_read_once_per_device(monkeypatch):
         assert reads == [0, 1]
     finally:
         be._capability_of.cache_clear()  # no faked capability left behind
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fused_swiglu_compiles_matches_todays_maths_and_saves_two_tensors():
+    """Issue 48, on a GPU: the grouped experts' SwiGLU compiles (`torch.compile`, Triton), matches its uncompiled
+    formulas and today's unfused maths to bf16 rounding on two row counts (value, fc1-output and probability
+    gradients), and saves only the fc1 output and the probabilities."""
+    import torch.nn.functional as F
+
+    import moe_gspo.mcore.swiglu as sw
+    from moe_gspo.mcore.batched_experts import mlp_activation
+
+    cfg = types.SimpleNamespace(gated_linear_unit=True, activation_func=F.silu, activation_func_clamp_value=None,
+                                glu_linear_offset=0.0)
+    gen = torch.Generator().manual_seed(11)
+    for T in (96, 1000):
+        h = (torch.randn(T, 512, generator=gen) * 2).to("cuda", torch.bfloat16)
+        probs = torch.rand(T, generator=gen).cuda()
+        g = torch.randn(T, 256, generator=gen).to("cuda", torch.bfloat16)
+        results, saved = [], []
+        for fn in (lambda a, p: sw.swiglu_with_probs(a, p, compiled=True),
+                   lambda a, p: sw.swiglu_with_probs(a, p, compiled=False), lambda a, p: mlp_activation(cfg, a, p)):
+            a, p = h.clone().requires_grad_(), probs.clone().requires_grad_()
+            shapes = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: (shapes.append(tuple(t.shape)), t)[1], lambda t: t):
+                out = fn(a, p)
+            results.append((out.detach(), *torch.autograd.grad(out, [a, p], g)))
+            saved.append(shapes)
+        assert sw.COMPILED.error is None, f"the fused SwiGLU did not compile here: {sw.COMPILED.error}"
+        for got, eager, today in zip(*results):
+            scale = float(today.float().abs().max())
+            torch.testing.assert_close(got.float(), eager.float(), rtol=2 ** -7, atol=2 ** -7 * scale)
+            torch.testing.assert_close(got.float(), today.float(), rtol=2 ** -6, atol=2 ** -6 * scale)
+        assert sorted(saved[0]) == sorted([(T, 512), (T,)]) and saved[2].count((T, 256)) >= 3

@@ -3,9 +3,10 @@
 Writes `DIR/gpu_check.json` and `DIR/gpu_check.md` (the summary), with the logs of every run and
 `DIR/train_step_profile.txt` beside them, and exits 0 when every check passed, 1 when one failed, 2
 without CUDA (one line, at once). One GPU; needs torch, transformers and megatron-core only (no
-Transformer Engine, vLLM, wandb or network: a GPU machine with torch and transformers takes
-megatron-core's wheel with `pip install --no-deps megatron_core-0.16.1-*.whl`; see docs/gpu.md,
-"Validating a GPU machine"). Its wall time on an H100 with these defaults has not been measured yet.
+Transformer Engine, vLLM, wandb or network: an offline GPU machine with torch and transformers takes
+megatron-core's wheel for its Python, e.g. the cp312 one, with `pip install --no-index --no-deps --target
+/tmp/site megatron_core-0.16.1-*.whl` and runs this from the checkout root with
+`PYTHONPATH=/tmp/site:$PWD`; see docs/gpu.md, "An offline GPU machine, step by step"). Its wall time on an H100 with these defaults has not been measured yet.
 
 The checks (`--checks`, any subset of mfu,parity,memory,learning,resume; default all) run MFU first
 (3 below: the figure a short device call is for), then 1, 2, 4, 5 and 6; each one's failure is recorded

@@ -200,9 +200,14 @@ def _parity_on_cuda() -> dict:
 
     from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
 
+    from moe_gspo.mcore.swiglu import compile_status
+
     init_distributed(ep_size=1, num_experts=MODEL["num_experts"], seed=0)
     try:
-        return check_parity(MODEL, device=torch.device("cuda"), dtype=torch.bfloat16)
+        out = check_parity(MODEL, device=torch.device("cuda"), dtype=torch.bfloat16)
+        out["fused_swiglu"] = compile_status()  # the grouped experts' SwiGLU on this GPU (issue 48)
+        out["headline"] += f"; fused SwiGLU {out['fused_swiglu']}"
+        return out
     finally:
         destroy_distributed()
         torch.cuda.empty_cache()

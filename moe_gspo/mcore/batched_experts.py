@@ -7,8 +7,8 @@ expert parallelism, DDP and routing replay see no difference. Only the forward c
 runs 2 GEMMs over all its local experts instead of 2 x num_local_experts small matmuls, each with its
 own Python and autograd overhead, and (upstream's loop) a `tokens_per_expert.tolist()` host sync:
 
-- **grouped** (`torch._grouped_mm`: on the CPU in any float dtype, on CUDA in bfloat16 on compute
-  capability major 9 or 10 only; the widths meet its 16-byte stride rule): the tokens, already permuted
+- **grouped** (`torch._grouped_mm`, torch >= 2.9: on the CPU in any float dtype, on CUDA in bfloat16 on
+  compute capability major 9 or 10 only; the widths meet its 16-byte stride rule): the tokens, already permuted
   by expert, stay contiguous and each expert's rows are multiplied by that expert's weights (offsets =
   cumulative tokens per expert, staged in pinned host memory and moved to the device without a sync);
   no padding. Forward and gradients equal the loop's (`tests/mcore/test_batched_experts.py`, on CUDA

@@ -22,15 +22,20 @@ Here:
 - `gmm(a, b, batch_sizes, trans_b=False)` is that extension's contract on `torch._grouped_mm`, with int32
   offsets (the cumulative `batch_sizes`) staged in pinned host memory and moved to the device without a
   sync; `moe_gspo.mcore.shims.install_grouped_gemm` puts it in megatron's `grouped_gemm_util` slot so that
-  `GroupedMLP` can be built. Fast path where `batched_experts.grouped_mm_supported` says so (the CPU in any
-  float dtype; CUDA in bf16 on compute capability major 9 or 10, where on major 10 the weight gradients
-  of experts without tokens are zeroed, pytorch#172439); elsewhere a loop over the experts' row blocks
-  (its `batch_sizes.tolist()` syncs when the counts live on the device; megatron's dispatchers hand them
-  over on the host).
+  `GroupedMLP` can be built. Fast path where `batched_experts.expert_groups` says so (torch >= 2.9; the
+  CPU in any float dtype; CUDA in bf16 on compute capability major 9 or 10, where on major 10 the weight
+  gradients of experts without tokens are zeroed, pytorch#172439; the operands' 16-byte strides and
+  starts, fewer than 1024 groups); elsewhere a loop over the experts' row blocks (its
+  `batch_sizes.tolist()` syncs when the counts live on the device; megatron's dispatchers hand them over
+  on the host). The kernel's contract is checked call by call at Qwen3-30B-A3B shapes on the `meta`
+  device (tests/mcore/test_grouped_meta_contract.py).
 - `GroupedExperts(GroupedMLP)` (what the spec builds) keeps upstream's parameters, init and checkpoint
-  sharding and replaces only the forward: any float dtype (fp32 on the CPU, for parity and tests),
-  `SequentialMLP`'s activation (`batched_experts.mlp_activation`: the same maths and rounding), no
-  `torch.compile`d activation (upstream's `jit_fuser`), and the copy counter. Experts without tokens take
+  sharding and replaces only the forward: any float dtype (fp32 on the CPU, for parity and tests), the
+  offsets and kernel choice prepared once per forward for both projections (`expert_groups`), the SwiGLU
+  with the routing probabilities as one fused autograd function on CUDA (`moe_gspo.mcore.swiglu`:
+  Megatron's `weighted_bias_swiglu_impl` maths, `torch.compile`d, saving the fc1 output and the
+  probabilities only) and elsewhere `SequentialMLP`'s unfused activation (`batched_experts.mlp_activation`:
+  the same maths and rounding as the per-expert layout), and the copy counter. Experts without tokens take
   part with zero rows; a layer whose experts got no token at all multiplies the empty input by the whole
   weights, as upstream does, so every parameter still gets a (zero) gradient.
 

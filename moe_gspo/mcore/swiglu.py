@@ -92,6 +92,13 @@ COMPILED = _Compiled()
 """The process's compiled SwiGLU kernels (a cache of compiled code, compiled on first CUDA use)."""
 
 
+def compile_status() -> str:
+    """This process's compiled SwiGLU, in words: "compiled", "not compiled (<error>)" or "not used"."""
+    if COMPILED.error is not None:
+        return f"not compiled ({COMPILED.error})"
+    return "compiled" if COMPILED.ran else "not used"
+
+
 class SwiGLUWithProbs(torch.autograd.Function):
     """`swiglu_probs_forward(h, probs, offset)` saving only `h` and `probs` for the backward
     (`swiglu_probs_backward`); `compiled`: through `COMPILED` (CUDA)."""

@@ -217,3 +217,12 @@ def test_after_a_compiled_call_succeeded_errors_are_not_taken_for_compile_failur
     with pytest.raises(RuntimeError, match="illegal memory access"):
         compiled("forward", h, probs, 0.0)
     assert compiled.error is None
+
+
+def test_compile_status_in_words(monkeypatch):
+    monkeypatch.setattr(sw, "COMPILED", sw._Compiled())
+    assert sw.compile_status() == "not used"
+    sw.COMPILED.ran.add("forward")
+    assert sw.compile_status() == "compiled"
+    sw.COMPILED.error = "RuntimeError: Failed to find C compiler"
+    assert sw.compile_status() == "not compiled (RuntimeError: Failed to find C compiler)"

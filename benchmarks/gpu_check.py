@@ -3,9 +3,10 @@
 Writes `DIR/gpu_check.json` and `DIR/gpu_check.md` (the summary), with the logs of every run and
 `DIR/train_step_profile.txt` beside them, and exits 0 when every check passed, 1 when one failed, 2
 without CUDA (one line, at once). One GPU; needs torch, transformers and megatron-core only (no
-Transformer Engine, vLLM, wandb or network: a GPU machine with torch and transformers takes
-megatron-core's wheel with `pip install --no-deps megatron_core-0.16.1-*.whl`; see docs/gpu.md,
-"Validating a GPU machine"). Its wall time on an H100 with these defaults has not been measured yet.
+Transformer Engine, vLLM, wandb or network: an offline GPU machine with torch and transformers takes
+megatron-core's wheel for its Python, e.g. the cp312 one, with `pip install --no-index --no-deps --target
+/tmp/site megatron_core-0.16.1-*.whl` and runs this from the checkout root with
+`PYTHONPATH=/tmp/site:$PWD`; see docs/gpu.md, "An offline GPU machine, step by step"). Its wall time on an H100 with these defaults has not been measured yet.
 
 The checks (`--checks`, any subset of mfu,parity,memory,learning,resume; default all) run MFU first
 (3 below: the figure a short device call is for), then 1, 2, 4, 5 and 6; each one's failure is recorded
@@ -47,7 +48,8 @@ arithmetic, the summary) are in `benchmarks.gpu_check_report`:
    at ~20 GiB without recompute (planned, not measured; the plan and the measurement are printed in
    `DIR/mfu_bench.log` and reported in the summary's memory table).
 4. learning: the main job, `python -m moe_gspo.launch ... -m moe_gspo.train` (here through this
-   module's `job` mode, which only makes torch deterministic first), `--steps` (default 60) RL steps on
+   module's `job` mode, which only makes torch deterministic first: `deterministic_job_setup`, attention
+   on SDPA's math kernel), `--steps` (default 60) RL steps on
    the same geometry with the shipped tiny tokenizer (vocabulary 51, ~0.6 B parameters): GSPO, the
    transformers rollout engine in bf16, the `copy_first` task with 2 symbols (answer: the prompt's first
    symbol, then EOS), 32 prompts x 8 samples, 2 mini-batches, lr `JOB_LR` = 1e-3. It passes only with
@@ -75,7 +77,7 @@ arithmetic, the summary) are in `benchmarks.gpu_check_report`:
    equal the learning run's first 20 steps (wall times aside; the learning rate is constant, so no step
    depends on the run's length). The run's first segment doubles as a determinism control: when it
    already differs, the job is not bitwise reproducible on this machine and the check says
-   "inconclusive" instead of failing.
+   "inconclusive" instead of failing, naming the non-deterministic ops torch warned about in the jobs' logs.
 6. throughput (reported): a per-phase table like NeMo-RL's performance summary, tokens/s/GPU = the
    tokens a phase processes (the step's prompt + response tokens) / (its seconds x GPUs), for
    generation (the rollout engine; also per generated token), the old-policy log-prob pass, training
@@ -105,8 +107,8 @@ from pathlib import Path
 
 from benchmarks.gpu_check_report import (MIN_REWARD_GAIN, NOISE_Z, PEAK_BF16_TFLOPS, _fmt,  # noqa: F401 (re-exported)
                                          bench_throughput, job_throughput, learner_mfu, learning_verdict,
-                                         memory_rows, peak_bf16_tflops, render_markdown, resume_verdict,
-                                         write_summary)
+                                         memory_rows, nondeterminism_reported, peak_bf16_tflops, render_markdown,
+                                         resume_verdict, write_summary)
 
 MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=3072, moe_intermediate_size=512,
              num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4, head_dim=128, num_experts=32,
@@ -198,9 +200,14 @@ def _parity_on_cuda() -> dict:
 
     from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
 
+    from moe_gspo.mcore.swiglu import compile_status
+
     init_distributed(ep_size=1, num_experts=MODEL["num_experts"], seed=0)
     try:
-        return check_parity(MODEL, device=torch.device("cuda"), dtype=torch.bfloat16)
+        out = check_parity(MODEL, device=torch.device("cuda"), dtype=torch.bfloat16)
+        out["fused_swiglu"] = compile_status()  # the grouped experts' SwiGLU on this GPU (issue 48)
+        out["headline"] += f"; fused SwiGLU {out['fused_swiglu']}"
+        return out
     finally:
         destroy_distributed()
         torch.cuda.empty_cache()
@@ -481,12 +488,23 @@ def _resume(out: Path) -> dict:
     if f"resuming at step {resumed_at}" not in log.read_text():
         raise CheckFailed(f"the resumed run did not report 'resuming at step {resumed_at}'; see {log}")
     resume = resume_verdict(_metrics(ref_dir)[:RESUME_STEPS], _metrics(cut_dir), resumed_at=resumed_at)
-    resume["headline"] = (f"killed after the step-{resumed_at} checkpoint, resumed: "
-                          + ("every metric of every later step equals the uninterrupted run's" if resume["exact"] else
-                             f"first difference {resume['first_difference_after_resume']}")
-                          + ("" if resume["first_segment_reproduces"] else
-                             " (the job is not bitwise reproducible on this machine: inconclusive)"))
-    return resume
+    return dict(resume, **resume_headline(resume, "\n".join(
+        f.read_text(errors="replace") for f in (out / "job_uninterrupted.log", log) if f.is_file())))
+
+
+def resume_headline(resume: dict, logs: str) -> dict:
+    """The resume check's headline, and the non-deterministic ops its jobs' logs report
+    (`nondeterministic_ops`, named in the headline when the run was not reproducible)."""
+    ops = nondeterminism_reported(logs)
+    at = resume["resumed_at_step"]
+    headline = (f"killed after the step-{at} checkpoint, resumed: "
+                + ("every metric of every later step equals the uninterrupted run's" if resume["exact"] else
+                   f"first difference {resume['first_difference_after_resume']}"))
+    if not resume["first_segment_reproduces"]:
+        headline += (" (the job is not bitwise reproducible on this machine: inconclusive; "
+                     + (f"non-deterministic ops reported: {', '.join(ops)})" if ops else
+                        "no non-deterministic op reported by torch)"))
+    return {"headline": headline, "nondeterministic_ops": ops}
 
 
 def _versions() -> dict:
@@ -582,12 +600,27 @@ def _run(out: Path, steps: int, peak_override: float | None, command: str, mfu_s
     return result
 
 
-def _job(argv: list[str]) -> int:
-    """`job TRAIN_ARGS...`: `moe_gspo.train` with torch's deterministic algorithms (where they exist)."""
+def deterministic_job_setup() -> None:
+    """What `job` mode sets before the main job (the learning and resume checks' runs): torch's deterministic
+    algorithms with `warn_only=True` (an op without a deterministic kernel warns and the job goes on; the
+    resume check names the ops its logs report) and attention through SDPA's math kernel only (matmuls and
+    a softmax, deterministic under `CUBLAS_WORKSPACE_CONFIG`): under `warn_only` flash and memory-efficient
+    attention keep their non-deterministic backward (issue 48), which with longer sequences would make the
+    resume check "inconclusive" for a setting of this check rather than for the machine."""
     import torch
 
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    torch.backends.cuda.enable_math_sdp(True)
+
+
+def _job(argv: list[str]) -> int:
+    """`job TRAIN_ARGS...`: `moe_gspo.train` after `deterministic_job_setup`."""
+    deterministic_job_setup()
     from moe_gspo.train import main as train_main
 
     return train_main(argv)

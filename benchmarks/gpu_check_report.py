@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("GH200", 989.4), ("H100", 989.4),
@@ -148,6 +149,22 @@ def resume_verdict(ref: list[dict], cut: list[dict], *, resumed_at: int) -> dict
     return {"status": status, "resumed_at_step": resumed_at, "steps_match": steps_ok, "exact": exact,
             "first_segment_reproduces": deterministic, "first_difference_after_resume": diff_after,
             "first_difference_before_resume": diff_before}
+
+
+NONDETERMINISM = (re.compile(r"(\S+) does not have a deterministic implementation"),
+                  re.compile(r"([A-Z][\w ]*?) defaults to a non-deterministic algorithm"))
+"""torch's warnings under `use_deterministic_algorithms(True, warn_only=True)` (an op without a deterministic
+kernel; flash / memory-efficient attention's backward)."""
+
+
+def nondeterminism_reported(log_text: str) -> list[str]:
+    """The ops a job's log says ran non-deterministically (torch's warnings), each once, in order."""
+    found: list[str] = []
+    for pattern in NONDETERMINISM:
+        for m in pattern.finditer(log_text):
+            if m.group(1) not in found:
+                found.append(m.group(1))
+    return found
 
 
 def _mean_se(xs: list[float]) -> tuple[float, float]:

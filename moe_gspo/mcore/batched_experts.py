@@ -7,8 +7,8 @@ expert parallelism, DDP and routing replay see no difference. Only the forward c
 runs 2 GEMMs over all its local experts instead of 2 x num_local_experts small matmuls, each with its
 own Python and autograd overhead, and (upstream's loop) a `tokens_per_expert.tolist()` host sync:
 
-- **grouped** (`torch._grouped_mm`: on the CPU in any float dtype, on CUDA in bfloat16 on compute
-  capability major 9 or 10 only; the widths meet its 16-byte stride rule): the tokens, already permuted
+- **grouped** (`torch._grouped_mm`, torch >= 2.9: on the CPU in any float dtype, on CUDA in bfloat16 on
+  compute capability major 9 or 10 only; the widths meet its 16-byte stride rule): the tokens, already permuted
   by expert, stay contiguous and each expert's rows are multiplied by that expert's weights (offsets =
   cumulative tokens per expert, staged in pinned host memory and moved to the device without a sync);
   no padding. Forward and gradients equal the loop's (`tests/mcore/test_batched_experts.py`, on CUDA
@@ -44,40 +44,86 @@ parallelism, FP8/FP4, probabilities on the input). With Transformer Engine, Mega
 from __future__ import annotations
 
 import copy
+import functools
+import re
+from dataclasses import dataclass
 
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 
+@functools.lru_cache(maxsize=None)
+def _capability_of(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
 def _cuda_capability(device) -> tuple[int, int]:
-    """The compute capability of a CUDA device (a function of its own so that tests can fake it)."""
-    return torch.cuda.get_device_capability(device)
+    """The compute capability of a CUDA device, read once per device and process (it does not change; the
+    grouped-GEMM rules ask on every layer forward). A function of its own so that tests can fake it."""
+    device = torch.device(device)
+    return _capability_of(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def _torch_version() -> str:
+    """This process's torch version (a function of its own so that tests can fake an older one)."""
+    return str(torch.__version__)
 
 
 FAST_GROUPED_MM_MAJORS = (9, 10)
 """Compute-capability majors with torch's fast grouped-GEMM kernels (sm90: H100/H200; sm100: B200);
 elsewhere `torch._grouped_mm` syncs (`offs.cpu()`) and loops over experts."""
+GROUPED_MM_MIN_TORCH = (2, 9)
+"""The oldest torch whose `torch._grouped_mm` the grouped paths use: before CUTLASS 4.0 (torch <= 2.8) the
+weight-gradient kernel could hang on experts without tokens (pytorch#152668, fixed by #157376 / #157903),
+and torch 2.8 has no CPU kernel."""
+GROUPED_MM_MAX_GROUPS = 1023
+"""The most groups (local experts) one `torch._grouped_mm` call takes (the CUDA kernel checks `< 1024`)."""
 
 
-def grouped_mm_supported(x_TH: torch.Tensor, ffn: int) -> bool:
-    """Whether `torch._grouped_mm` can multiply these experts here: a CPU kernel (torch >= 2.9, any float
-    dtype) or CUDA's fast kernels (bfloat16, compute capability major 9 or 10), with the operands' row
-    strides (hidden and expert widths, in bytes) multiples of 16."""
-    if not hasattr(torch, "_grouped_mm"):
+def grouped_mm_torch_problem(version: str | None = None) -> str | None:
+    """None where this torch (`version`, default the running one) may run the grouped paths' `torch._grouped_mm`;
+    else why not, in a few words."""
+    version = _torch_version() if version is None else version
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m is None or (int(m.group(1)), int(m.group(2))) >= GROUPED_MM_MIN_TORCH:
+        return None
+    need = ".".join(map(str, GROUPED_MM_MIN_TORCH))
+    return (f"torch._grouped_mm needs torch >= {need} here (this is torch {version}: before CUTLASS 4.0 its "
+            f"weight-gradient kernel could hang on experts without tokens, pytorch#152668)")
+
+
+def kernel_device(device) -> tuple[str, tuple[int, int] | None]:
+    """`(device type, CUDA compute capability or None)`: what the grouped-GEMM and SwiGLU rules read of a
+    device (the capability cached by `_cuda_capability`). One function so that a test can present the `meta`
+    device as a CUDA one (the grouped GEMM's contract at Qwen3-30B-A3B shapes, tests/mcore)."""
+    device = torch.device(device)
+    return (device.type, _cuda_capability(device)) if device.type == "cuda" else (device.type, None)
+
+
+def grouped_mm_supported(x_TH: torch.Tensor, ffn: int, *, device: tuple[str, tuple[int, int] | None] | None = None
+                         ) -> bool:
+    """Whether `torch._grouped_mm` can multiply these experts here: torch >= 2.9 (`GROUPED_MM_MIN_TORCH`) with
+    a CPU kernel (any float dtype) or CUDA's fast kernels (bfloat16, compute capability major 9 or 10), with
+    the operands' row strides (hidden and expert widths, in bytes) multiples of 16. `device`: `x_TH`'s
+    `kernel_device`, when the caller has it already."""
+    if not hasattr(torch, "_grouped_mm") or grouped_mm_torch_problem() is not None:
         return False
     size = x_TH.element_size()
     aligned = x_TH.shape[1] * size % 16 == 0 and ffn * size % 16 == 0 and x_TH.data_ptr() % 16 == 0
-    if x_TH.device.type == "cpu":
+    kind, capability = device or kernel_device(x_TH.device)
+    if kind == "cpu":
         return aligned
-    if x_TH.device.type == "cuda":
-        return aligned and x_TH.dtype == torch.bfloat16 and _cuda_capability(x_TH.device)[0] in FAST_GROUPED_MM_MAJORS
+    if kind == "cuda":
+        return aligned and x_TH.dtype == torch.bfloat16 and capability[0] in FAST_GROUPED_MM_MAJORS
     return False
 
 
-def masks_empty_expert_grads(device: torch.device) -> bool:
+def masks_empty_expert_grads(device, *, kind: tuple[str, tuple[int, int] | None] | None = None) -> bool:
     """Whether the grouped path zeroes the weight gradients of experts without tokens on `device`: CUDA
-    capability major 10, where pytorch#172439 reports non-zero ones from `_grouped_mm`'s backward."""
-    return torch.device(device).type == "cuda" and _cuda_capability(device)[0] == 10
+    capability major 10, where pytorch#172439 reports non-zero ones from `_grouped_mm`'s backward. `kind`:
+    `device`'s `kernel_device`, when the caller has it already."""
+    kind, capability = kind or kernel_device(device)
+    return kind == "cuda" and capability[0] == 10
 
 
 class _MaskEmptyExpertGrads(torch.autograd.Function):
@@ -108,6 +154,48 @@ def to_device_pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if t.device.type == "cpu" and device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def _meets_stride_rule(w: torch.Tensor) -> bool:
+    """`torch._grouped_mm`'s operand rule: one of the last two strides 1, the other at least the extent it
+    steps over and a multiple of 16 bytes, and the data pointer 16-byte aligned."""
+    size, (s0, s1), (n0, n1) = w.element_size(), w.stride()[-2:], w.shape[-2:]
+    major = s0 if s1 == 1 and s0 >= max(1, n1) else (s1 if s0 == 1 and s1 >= max(1, n0) else None)
+    return major is not None and major * size % 16 == 0 and w.data_ptr() % 16 == 0
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """One layer forward's rows grouped by expert, prepared once for all its grouped GEMMs (`expert_groups`)."""
+
+    kind: str
+    """The rows' device type as the kernel rules see it (`kernel_device`: "cuda", "cpu", ...)."""
+    fast: bool
+    """`torch._grouped_mm` takes these operands (`grouped_mm_supported` and the weights' stride rule); else a
+    loop over the experts' row blocks."""
+    offs_E: torch.Tensor | None
+    """int32 cumulative row counts on the rows' device (moved from pinned host memory, no sync); fast path only."""
+    nonempty_E: torch.Tensor | None
+    """bool, on the rows' device: experts with rows, whose weight gradients are kept (capability major 10,
+    pytorch#172439, under autograd); None where no mask is needed."""
+
+
+def expert_groups(x_TK: torch.Tensor, counts_E: torch.Tensor, *, ffn: int,
+                  weights: tuple[torch.Tensor, ...] = ()) -> ExpertGroups:
+    """The grouping of rows `x_TK` (`counts_E[e]` rows for expert e, in order; counts on the host, as Megatron's
+    dispatchers give them) for grouped GEMMs whose widths are `x_TK`'s and `ffn` (and multiples of them), with
+    the `[E, K, N]` weight operands `weights`: which kernel (`grouped_mm_supported`, the weights' dtype and
+    16-byte strides and pointers, fewer than 1024 groups), the device offsets and the major-10 gradient mask,
+    each computed once (the device capability is read once, and cached per device)."""
+    device = kernel_device(x_TK.device)
+    fast = (grouped_mm_supported(x_TK, ffn, device=device) and counts_E.numel() <= GROUPED_MM_MAX_GROUPS
+            and _meets_stride_rule(x_TK) and all(w.dtype == x_TK.dtype and _meets_stride_rule(w) for w in weights))
+    if not fast:
+        return ExpertGroups(kind=device[0], fast=False, offs_E=None, nonempty_E=None)
+    offs_E = to_device_pinned(torch.cumsum(counts_E, 0).to(torch.int32), x_TK.device)
+    mask = masks_empty_expert_grads(x_TK.device, kind=device) and torch.is_grad_enabled()
+    return ExpertGroups(kind=device[0], fast=True, offs_E=offs_E,
+                        nonempty_E=to_device_pinned(counts_E > 0, x_TK.device) if mask else None)
 
 
 def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
@@ -204,14 +292,13 @@ class BatchedSequentialMLP(SequentialMLP):
         E, (T, H) = self.num_local_experts, x_TH.shape
         w1_EHF = self._stacked("linear_fc1").transpose(1, 2)
         w2_EFH = self._stacked("linear_fc2").transpose(1, 2)
-        if grouped_mm_supported(x_TH, w2_EFH.shape[1]):
-            offs_E = to_device_pinned(torch.cumsum(tokens_per_expert, 0).to(torch.int32), x_TH.device)
-            if masks_empty_expert_grads(x_TH.device) and torch.is_grad_enabled():
-                nonempty_E = to_device_pinned(tokens_per_expert > 0, x_TH.device)
-                w1_EHF, w2_EFH = (mask_empty_expert_grads(w, nonempty_E) for w in (w1_EHF, w2_EFH))
-            h_TF = _contiguous_grad(torch._grouped_mm(x_TH, w1_EHF, offs=offs_E))
+        groups = expert_groups(x_TH, tokens_per_expert, ffn=w2_EFH.shape[1], weights=(w1_EHF, w2_EFH))
+        if groups.fast:
+            if groups.nonempty_E is not None:
+                w1_EHF, w2_EFH = (mask_empty_expert_grads(w, groups.nonempty_E) for w in (w1_EHF, w2_EFH))
+            h_TF = _contiguous_grad(torch._grouped_mm(x_TH, w1_EHF, offs=groups.offs_E))
             h_TF = self._activation(h_TF, permuted_probs)
-            return _contiguous_grad(torch._grouped_mm(h_TF, w2_EFH, offs=offs_E)), None
+            return _contiguous_grad(torch._grouped_mm(h_TF, w2_EFH, offs=groups.offs_E)), None
         max_tokens = int(tokens_per_expert.max())  # Megatron's dispatchers give the counts on the host
         counts_E = tokens_per_expert.to(device=x_TH.device, dtype=torch.long)
         # padded slot of each token: expert e's tokens are rows e*max_tokens + 0..count_e-1

@@ -22,15 +22,20 @@ Here:
 - `gmm(a, b, batch_sizes, trans_b=False)` is that extension's contract on `torch._grouped_mm`, with int32
   offsets (the cumulative `batch_sizes`) staged in pinned host memory and moved to the device without a
   sync; `moe_gspo.mcore.shims.install_grouped_gemm` puts it in megatron's `grouped_gemm_util` slot so that
-  `GroupedMLP` can be built. Fast path where `batched_experts.grouped_mm_supported` says so (the CPU in any
-  float dtype; CUDA in bf16 on compute capability major 9 or 10, where on major 10 the weight gradients
-  of experts without tokens are zeroed, pytorch#172439); elsewhere a loop over the experts' row blocks
-  (its `batch_sizes.tolist()` syncs when the counts live on the device; megatron's dispatchers hand them
-  over on the host).
+  `GroupedMLP` can be built. Fast path where `batched_experts.expert_groups` says so (torch >= 2.9; the
+  CPU in any float dtype; CUDA in bf16 on compute capability major 9 or 10, where on major 10 the weight
+  gradients of experts without tokens are zeroed, pytorch#172439; the operands' 16-byte strides and
+  starts, fewer than 1024 groups); elsewhere a loop over the experts' row blocks (its
+  `batch_sizes.tolist()` syncs when the counts live on the device; megatron's dispatchers hand them over
+  on the host). The kernel's contract is checked call by call at Qwen3-30B-A3B shapes on the `meta`
+  device (tests/mcore/test_grouped_meta_contract.py).
 - `GroupedExperts(GroupedMLP)` (what the spec builds) keeps upstream's parameters, init and checkpoint
-  sharding and replaces only the forward: any float dtype (fp32 on the CPU, for parity and tests),
-  `SequentialMLP`'s activation (`batched_experts.mlp_activation`: the same maths and rounding), no
-  `torch.compile`d activation (upstream's `jit_fuser`), and the copy counter. Experts without tokens take
+  sharding and replaces only the forward: any float dtype (fp32 on the CPU, for parity and tests), the
+  offsets and kernel choice prepared once per forward for both projections (`expert_groups`), the SwiGLU
+  with the routing probabilities as one fused autograd function on CUDA (`moe_gspo.mcore.swiglu`:
+  Megatron's `weighted_bias_swiglu_impl` maths, `torch.compile`d, saving the fc1 output and the
+  probabilities only) and elsewhere `SequentialMLP`'s unfused activation (`batched_experts.mlp_activation`:
+  the same maths and rounding as the per-expert layout), and the copy counter. Experts without tokens take
   part with zero rows; a layer whose experts got no token at all multiplies the empty input by the whole
   weights, as upstream does, so every parameter still gets a (zero) gradient.
 
@@ -45,9 +50,10 @@ import types
 import torch
 from megatron.core.transformer.moe.experts import GroupedMLP
 
-from moe_gspo.mcore.batched_experts import (_contiguous_grad, grouped_mm_supported, mask_empty_expert_grads,
-                                            masks_empty_expert_grads, mlp_activation, swap_expert_module,
-                                            to_device_pinned)
+from moe_gspo.mcore.batched_experts import (FAST_GROUPED_MM_MAJORS, ExpertGroups, _contiguous_grad, expert_groups,
+                                            grouped_mm_torch_problem, kernel_device, mask_empty_expert_grads,
+                                            mlp_activation, swap_expert_module)
+from moe_gspo.mcore.swiglu import swiglu_fusable, swiglu_with_probs
 
 EXPERT_LAYOUTS = ("auto", "per_expert", "grouped")
 """`model.expert_layout` values: `per_expert` (megatron's `SequentialMLP`, one parameter per expert and
@@ -56,32 +62,39 @@ projection), `grouped` (`GroupedExperts`, one per projection), `auto` (see `reso
 
 def resolve_expert_layout(layout: str, *, device: torch.device | str, params_dtype: torch.dtype) -> str:
     """`per_expert` or `grouped` for `model.expert_layout` on this machine. `auto`: `grouped` on CUDA in bf16
-    on compute capability major 9 or 10 (torch's fast grouped GEMM, which the distributed optimizer, the
-    CUDA default, leaves copy-free only in this layout); `per_expert` elsewhere, the CPU included (measured
-    there: `docs/gpu.md`, "Expert layout")."""
-    from moe_gspo.mcore.batched_experts import FAST_GROUPED_MM_MAJORS, _cuda_capability
-
+    on compute capability major 9 or 10 with torch >= 2.9 (torch's fast grouped GEMM, which the distributed
+    optimizer, the CUDA default, leaves copy-free only in this layout); `per_expert` elsewhere, the CPU
+    included (measured there: `docs/gpu.md`, "Expert layout"). `grouped` on a torch older than 2.9 is a
+    ValueError (`batched_experts.GROUPED_MM_MIN_TORCH`: its grouped GEMM could hang on empty experts)."""
     if layout not in EXPERT_LAYOUTS:
         raise ValueError(f"model.expert_layout={layout!r}: use one of {', '.join(EXPERT_LAYOUTS)}")
+    old_torch = grouped_mm_torch_problem()
+    if layout == "grouped" and old_torch is not None:
+        raise ValueError(f"model.expert_layout=grouped: {old_torch}; use model.expert_layout=auto or per_expert, "
+                         "or upgrade torch")
     if layout != "auto":
         return layout
-    device = torch.device(device)
-    fast = (device.type == "cuda" and params_dtype == torch.bfloat16
-            and _cuda_capability(device)[0] in FAST_GROUPED_MM_MAJORS)
+    kind, capability = kernel_device(device)
+    fast = (old_torch is None and kind == "cuda" and params_dtype == torch.bfloat16
+            and capability[0] in FAST_GROUPED_MM_MAJORS)
     return "grouped" if fast else "per_expert"
 
 
-def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False) -> torch.Tensor:
+def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False, *,
+        groups: ExpertGroups | None = None) -> torch.Tensor:
     """`grouped_gemm.ops.gmm`: rows `a` [T, K], grouped by expert in order (`batch_sizes[e]` rows for expert
-    e, summing to T), times that expert's `b[e]` ([E, K, N]; with `trans_b`, `b` is [E, N, K]) -> [T, N]."""
+    e, summing to T), times that expert's `b[e]` ([E, K, N]; with `trans_b`, `b` is [E, N, K]) -> [T, N].
+    `groups`: the layer forward's `expert_groups` (offsets, kernel choice), shared by its GEMMs; by default
+    computed for this call."""
     w_EKN = b.transpose(1, 2) if trans_b else b
     assert a.dim() == 2 and w_EKN.dim() == 3 and a.shape[1] == w_EKN.shape[1], (a.shape, b.shape, trans_b)
     assert batch_sizes.numel() == w_EKN.shape[0], (batch_sizes.shape, b.shape)
-    if grouped_mm_supported(a, w_EKN.shape[2]):
-        offs_E = to_device_pinned(torch.cumsum(batch_sizes, 0).to(torch.int32), a.device)
-        if masks_empty_expert_grads(a.device) and torch.is_grad_enabled() and w_EKN.requires_grad:
-            w_EKN = mask_empty_expert_grads(w_EKN, to_device_pinned(batch_sizes > 0, a.device))
-        return _contiguous_grad(torch._grouped_mm(a, w_EKN, offs=offs_E))
+    if groups is None:
+        groups = expert_groups(a, batch_sizes, ffn=w_EKN.shape[2], weights=(w_EKN,))
+    if groups.fast:
+        if groups.nonempty_E is not None and torch.is_grad_enabled() and w_EKN.requires_grad:
+            w_EKN = mask_empty_expert_grads(w_EKN, groups.nonempty_E)
+        return _contiguous_grad(torch._grouped_mm(a, w_EKN, offs=groups.offs_E))
     rows = a.split(batch_sizes.tolist())  # not the fast path: a host sync where the counts are on the device
     return torch.cat([x @ w_EKN[e] for e, x in enumerate(rows)])
 
@@ -125,8 +138,20 @@ class GroupedExperts(GroupedMLP):
         if x_TH.shape[0] == 0:  # no token for any local expert: zero rows through the whole weights (grads)
             h_TF = mlp_activation(self.config, x_TH @ self.weight1.view(self.config.hidden_size, -1), probs_T)
             return h_TF @ self.weight2.view(-1, self.config.hidden_size), None
-        h_TF = mlp_activation(self.config, gmm(x_TH, w1_EHF, tokens_per_expert), probs_T)
-        return gmm(h_TF, w2_EFH, tokens_per_expert), None
+        # offsets, kernel choice and gradient mask once for both projections (widths H, 2F and F)
+        groups = expert_groups(x_TH, tokens_per_expert, ffn=w2_EFH.shape[1], weights=(w1_EHF, w2_EFH))
+        h_TF = self._activation(gmm(x_TH, w1_EHF, tokens_per_expert, groups=groups), probs_T, groups.kind)
+        return gmm(h_TF, w2_EFH, tokens_per_expert, groups=groups), None
+
+    def _activation(self, h_TF: torch.Tensor, probs_T: torch.Tensor, kind: str) -> torch.Tensor:
+        """The SwiGLU and the routing probabilities: on CUDA one fused autograd function (`moe_gspo.mcore.swiglu`,
+        compiled; saves only the fc1 output and the probabilities, as Megatron's `weighted_bias_swiglu_impl`);
+        elsewhere, or for another activation, `SequentialMLP`'s unfused maths (`mlp_activation`: the CPU's
+        numbers stay bit for bit those of the per-expert layout's activation)."""
+        c = self.config
+        if kind == "cuda" and swiglu_fusable(c):
+            return swiglu_with_probs(h_TF, probs_T, offset=c.glu_linear_offset, compiled=h_TF.is_cuda)
+        return mlp_activation(c, h_TF, probs_T)
 
 
 def with_grouped_experts(block_spec):

@@ -23,7 +23,10 @@ layer spec, and checked against the bytes autograd really saves on the tiny mode
   (token, expert) pairs routed to this rank's experts: `N k` in expectation at any EP size; the busiest
   rank of an EP group gets more (`imbalance`, an allowance, `min(imbalance, EP)`; exact `1` at EP=1).
   `h + 6I` per pair: the permuted token, the fc1 output (`2I`), SiLU output, GLU product, the
-  probability-scaled product and the fc2 input (`I` each).
+  probability-scaled product and the fc2 input (`I` each). The grouped expert layout on CUDA fuses its
+  SwiGLU (`moe_gspo.mcore.swiglu`, issue 48) and keeps `h + 3I` (the permuted token, the fc1 output, the
+  fc2 input); the plan keeps counting `h + 6I` for every layout, an over-count of `3 I p` per pair there
+  (counted at Qwen3-30B-A3B shapes on the meta device: tests/mcore/test_grouped_meta_contract.py).
 - dense-MLP block (layers in `mlp_only_layers`): `N [p (3h + 5 I_d) + 4]`.
 
 **Loss head**: the final norm and output layer keep `3 N h p`. The loss (`moe_gspo.learner.logprobs`)
@@ -31,8 +34,8 @@ in fp32 keeps the fp32 logits, `4 N V`, and the backward starts with an equal-si
 `8 N V`. With bf16 (any `p < 4`) logits its autograd function (`ChunkedTokenLogprobs`, issue 40) keeps
 only the bf16 logits, `p N V`, besides the targets and log-sum-exps both paths keep (+ `4 N`
 entropies), and recomputes the softmax one 128 MiB fp32 chunk at a time in the backward (a few
-chunk-sized fp32 temporaries, `LOGPROB_BACKWARD_CHUNKS` chunks) next to the bf16 gradient `p N V`: peak
-`2 p N V` + the chunks. Before issue 40 it kept an fp32 copy, `4 N V` (`8 N V` with entropies), and
+chunk-sized fp32 temporaries, `logprob_backward_chunks`: 4 chunks, 5 when the entropy bonus has a gradient
+or the logits span several chunks) next to the bf16 gradient `p N V`: peak `2 p N V` + the chunks. Before issue 40 it kept an fp32 copy, `4 N V` (`8 N V` with entropies), and
 peaked at `(4 + p) N V`.
 
 **Peaks** (`ActivationEstimate.peak_bytes`):
@@ -60,6 +63,18 @@ from moe_gspo.plan.params import Geometry
 
 LOGPROB_CHUNK_BYTES = 128 << 20  # moe_gspo.learner.logprobs processes fp32 logits in 128 MiB chunks
 LOGPROB_BACKWARD_CHUNKS = 4  # fp32 chunk-sized temporaries of ChunkedTokenLogprobs' backward (x, p, grad, a product)
+LOGPROB_BACKWARD_CHUNKS_MAX = 5  # ... with the entropy bonus' gradient, or past the first of several chunks
+
+
+def logprob_backward_chunks(*, entropy_grad: bool, several_chunks: bool) -> int:
+    """Chunk-sized fp32 temporaries alive at once in `ChunkedTokenLogprobs`' backward (counted on the CPU,
+    tests/plan/test_plan_activations.py): a chunk's logits `x`, `p`, its gradient and one product, 4; 5 when
+    the entropy bonus has a gradient (`algo.entropy_coef > 0`: `p (x - lse + H) g` holds two products) or
+    when there are several chunks (the next chunk's `x` and `p` are allocated while the previous chunk's
+    `p` and gradient are still bound)."""
+    return LOGPROB_BACKWARD_CHUNKS_MAX if entropy_grad or several_chunks else LOGPROB_BACKWARD_CHUNKS
+
+
 ATTENTIONS = ("unfused", "flash")
 DISPATCHERS = ("allgather", "alltoall")
 
@@ -137,11 +152,15 @@ def head_saved_bytes(geom: Geometry, mb: MicroBatch, *, act_bytes: int, vocab_pa
     return N * (3 * geom.hidden * act_bytes + 4) + act_bytes * N * vocab_padded + 24 * N
 
 
-def head_peak_bytes(geom: Geometry, mb: MicroBatch, *, act_bytes: int, vocab_padded: int) -> float:
+def head_peak_bytes(geom: Geometry, mb: MicroBatch, *, act_bytes: int, vocab_padded: int,
+                    entropy_grad: bool = False) -> float:
+    """The head's peak in the training backward (`entropy_grad`: the entropy bonus has a gradient)."""
     N = mb.tokens
     if act_bytes >= 4:
         return N * (3 * geom.hidden * act_bytes + 4) + (4 + act_bytes) * N * vocab_padded + 20 * N
-    chunks = LOGPROB_BACKWARD_CHUNKS * min(LOGPROB_CHUNK_BYTES, 4 * N * vocab_padded)
+    several = N > max(1, LOGPROB_CHUNK_BYTES // 4 // vocab_padded)  # rows per chunk (moe_gspo.learner.logprobs)
+    chunks = logprob_backward_chunks(entropy_grad=entropy_grad, several_chunks=several) \
+        * min(LOGPROB_CHUNK_BYTES, 4 * N * vocab_padded)
     return N * (3 * geom.hidden * act_bytes + 4) + 2 * act_bytes * N * vocab_padded + chunks + 24 * N
 
 
@@ -157,12 +176,14 @@ class ActivationEstimate:
 
 def activation_estimate(geom: Geometry, train_mb: MicroBatch, *, act_bytes: int, attention: str, recompute: bool,
                         vocab_padded: int, ep_size: int = 1, imbalance: float = 1.0, dispatcher: str = "allgather",
-                        infer_mb: MicroBatch | None = None) -> ActivationEstimate:
-    """Training and no-grad activation memory of one micro-batch on one rank."""
+                        infer_mb: MicroBatch | None = None, entropy_grad: bool = False) -> ActivationEstimate:
+    """Training and no-grad activation memory of one micro-batch on one rank (`entropy_grad`: the loss has
+    the entropy bonus, whose gradient adds a chunk to the loss head's backward)."""
     kw = dict(act_bytes=act_bytes, attention=attention, ep_size=ep_size, imbalance=imbalance)
     layers = [layer_saved_bytes(geom, train_mb, is_moe=m, **kw) for m in geom.moe_layers]
     transients = [layer_transient_bytes(geom, train_mb, is_moe=m, dispatcher=dispatcher, **kw) for m in geom.moe_layers]
-    head_peak = head_peak_bytes(geom, train_mb, act_bytes=act_bytes, vocab_padded=vocab_padded)
+    head_peak = head_peak_bytes(geom, train_mb, act_bytes=act_bytes, vocab_padded=vocab_padded,
+                                entropy_grad=entropy_grad)
     ids = 8 * train_mb.tokens
     if recompute:
         ckpt = geom.num_layers * train_mb.tokens * geom.hidden * act_bytes + 4 * train_mb.seq_len * geom.head_dim \

@@ -118,7 +118,7 @@ def setups(cfg: Config, *, num_gpus: int, attention: str) -> tuple[LearnerSetup,
         offload_during_rollout=opts.offload_during_rollout, fused_adam=attention == "flash",
         export_hf=bool(tr.export_hf),
         drift_passes=(2 if tr.num_minibatches > 1 else 1) if cfg.logging.update_drift_every else 0,
-        replay=cfg.algo.routing_replay)
+        replay=cfg.algo.routing_replay, entropy_grad=cfg.algo.entropy_coef > 0)
     spec = engine_spec(r.engine)
     tp = spec.rollout_tp(r)
     rollout = RolloutSetup(

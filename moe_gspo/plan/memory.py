@@ -117,6 +117,8 @@ class LearnerSetup:
     """Learner passes of the routing-drift probe on a probe step (`logging.update_drift_every`; host routes)."""
     replay: str = "none"
     """`algo.routing_replay` (host routes: R2 keeps its recorded routes, R3 may copy the rollout routes)."""
+    entropy_grad: bool = False
+    """The loss has the entropy bonus (`algo.entropy_coef > 0`): its gradient adds a chunk to the loss head."""
 
     @property
     def dp(self) -> int:
@@ -263,7 +265,8 @@ def count_plan(geom: Geometry, learner: LearnerSetup, rollout: RolloutSetup, *, 
     v_pad = int(math.ceil(geom.vocab_size / s.vocab_pad_multiple) * s.vocab_pad_multiple)
     act = activation_estimate(geom, s.train_mb, act_bytes=s.param_bytes, attention=s.attention,
                               recompute=s.recompute, vocab_padded=v_pad, ep_size=s.ep,
-                              imbalance=al.moe_imbalance, dispatcher=s.dispatcher, infer_mb=s.infer_mb)
+                              imbalance=al.moe_imbalance, dispatcher=s.dispatcher, infer_mb=s.infer_mb,
+                              entropy_grad=s.entropy_grad)
     params_b, grads_b = local * s.param_bytes, local * s.grad_bytes
     ref_b = local * s.param_bytes if s.reference else 0.0
 

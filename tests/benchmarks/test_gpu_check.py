@@ -591,3 +591,42 @@ def test_memory_bench_writes_its_failures_when_nothing_ran(tmp_path, monkeypatch
         monkeypatch.setattr(gc.subprocess, "run", lambda *a, **k: type("P", (), {"returncode": 2})())
         (tmp_path / "mfu_bench.json").write_text(out.read_text())
         gc._bench(tmp_path, "mfu_bench")
+
+
+def test_the_job_makes_attention_deterministic():
+    """Issue 48: under `use_deterministic_algorithms(True, warn_only=True)` flash and memory-efficient attention
+    keep a non-deterministic backward; the learning and resume jobs run attention on SDPA's math kernel."""
+    b = torch.backends.cuda
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, b.flash_sdp_enabled(),
+              b.mem_efficient_sdp_enabled(), b.cudnn_sdp_enabled(), b.math_sdp_enabled())
+    try:
+        gc.deterministic_job_setup()
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert not (b.flash_sdp_enabled() or b.mem_efficient_sdp_enabled() or b.cudnn_sdp_enabled())
+        assert b.math_sdp_enabled() and torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = before[2], before[3]
+        b.enable_flash_sdp(before[4])
+        b.enable_mem_efficient_sdp(before[5])
+        b.enable_cudnn_sdp(before[6])
+        b.enable_math_sdp(before[7])
+
+
+def test_an_inconclusive_resume_names_the_nondeterministic_ops_of_its_logs():
+    logs = ("step 3\n/x/torch/autograd/graph.py:829: UserWarning: scatter_add_cuda_kernel does not have a "
+            "deterministic implementation, but you set 'torch.use_deterministic_algorithms(True, warn_only=True)'.\n"
+            "UserWarning: Flash Attention defaults to a non-deterministic algorithm. To explicitly enable "
+            "determinism call torch.use_deterministic_algorithms(True, warn_only=False).\n"
+            "UserWarning: scatter_add_cuda_kernel does not have a deterministic implementation\n")
+    assert gcr.nondeterminism_reported(logs) == ["scatter_add_cuda_kernel", "Flash Attention"]
+    assert gcr.nondeterminism_reported("step 1\nstep 2\n") == []
+    ref = _rows([0.1, 0.2, 0.3, 0.4])
+    noisy = gc.resume_verdict(ref, _rows([0.1, 0.25, 0.35, 0.4]), resumed_at=2)
+    got = gc.resume_headline(noisy, logs)
+    assert "inconclusive" in got["headline"] and "scatter_add_cuda_kernel, Flash Attention" in got["headline"]
+    assert got["nondeterministic_ops"] == ["scatter_add_cuda_kernel", "Flash Attention"]
+    assert "no non-deterministic op reported" in gc.resume_headline(noisy, "")["headline"]
+    exact = gc.resume_headline(gc.resume_verdict(ref, ref, resumed_at=2), logs)
+    assert "equals the uninterrupted run's" in exact["headline"] and "inconclusive" not in exact["headline"]

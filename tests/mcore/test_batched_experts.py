@@ -30,8 +30,8 @@ def path(request, monkeypatch):
     calls = []
     real = be.grouped_mm_supported
 
-    def spy(x, ffn):
-        ok = real(x, ffn) and request.param == "grouped"
+    def spy(x, ffn, **kw):
+        ok = real(x, ffn, **kw) and request.param == "grouped"
         calls.append(ok)
         return ok
 
@@ -199,7 +199,7 @@ def test_mask_empty_expert_grads_zeroes_only_the_empty_experts():
 def test_masked_grouped_path_on_cpu_equals_the_loop(monkeypatch):
     """The forward with the major-10 masking switched on (faked on the CPU): same output and gradients as
     Megatron's loop, zero gradients for the experts without tokens; offsets go through `to_device_pinned`."""
-    monkeypatch.setattr(be, "masks_empty_expert_grads", lambda device: True)
+    monkeypatch.setattr(be, "masks_empty_expert_grads", lambda device, **kw: True)
     moved = []
     real_move = be.to_device_pinned
     monkeypatch.setattr(be, "to_device_pinned", lambda t, d: (moved.append(t.dtype), real_move(t, d))[1])

@@ -4,6 +4,8 @@ gradients as the per-expert layout, HF names both ways, and no weight copy under
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
@@ -174,7 +176,7 @@ def test_gmm_adapter_contract_in_fp32_and_bf16(monkeypatch):
     # off the fast path (e.g. fp32 on CUDA): the loop over row blocks, the same numbers to fp32 rounding
     a, b = torch.randn(9, 16, generator=gen), torch.randn(4, 16, 8, generator=gen)
     fast = gmm(a, b, counts)
-    monkeypatch.setattr(ge, "grouped_mm_supported", lambda x, n: False)
+    monkeypatch.setattr(be, "grouped_mm_supported", lambda x, n, **kw: False)
     torch.testing.assert_close(gmm(a, b, counts), fast, **GMM_TOLERANCE[torch.float32])
 
 
@@ -188,7 +190,7 @@ def test_empty_experts_gradients_are_masked_where_asked(monkeypatch):
         calls.append(nonempty.tolist())
         return real(w, nonempty)
 
-    monkeypatch.setattr(ge, "masks_empty_expert_grads", lambda device: True)
+    monkeypatch.setattr(be, "masks_empty_expert_grads", lambda device, **kw: True)
     monkeypatch.setattr(ge, "mask_empty_expert_grads", spy)
     a = torch.randn(5, 16, requires_grad=True)
     b = torch.randn(3, 16, 8, requires_grad=True)
@@ -306,6 +308,8 @@ def test_cuda_grouped_layout_matches_the_per_expert_one_in_bf16_without_a_host_s
     counts = torch.tensor([3, 0, 5, 1, 0, 0, 7, 2])
     x = torch.randn(int(counts.sum()), cfg.hidden_size, generator=gen).to("cuda", torch.bfloat16)
     probs = torch.rand(int(counts.sum()), generator=gen).to("cuda", torch.bfloat16)
+    # warm-up outside the sync check: first launches, the fused SwiGLU's compilation (issue 48)
+    torch.autograd.grad(experts(x, counts, probs)[0].float().square().sum(), [experts.weight1, experts.weight2])
     torch.cuda.synchronize()
     if major in (9, 10):
         torch.cuda.set_sync_debug_mode("error")
@@ -321,3 +325,99 @@ def test_cuda_grouped_layout_matches_the_per_expert_one_in_bf16_without_a_host_s
     for e in (1, 4, 5):
         assert float(g1[e].abs().max()) == 0.0 and float(g2[e].abs().max()) == 0.0
     assert float(g1.abs().max()) > 0 and experts.num_weight_copies == 0
+
+
+# --- issue 48: torch >= 2.9, the offsets and the capability once per layer forward -------------------------
+
+def test_the_grouped_path_refuses_torch_before_2_9_with_one_line(monkeypatch):
+    """Before CUTLASS 4.0 (torch <= 2.8) `_grouped_mm`'s weight-gradient kernel could hang on experts without
+    tokens (pytorch#152668): `grouped` is refused in one line, `auto` falls back to `per_expert`, and the
+    per-expert layout's grouped GEMM and the adapter loop instead."""
+    monkeypatch.setattr(be, "_cuda_capability", lambda device: (9, 0))
+    monkeypatch.setattr(be, "_torch_version", lambda: "2.8.0+cu128")
+    with pytest.raises(ValueError) as err:
+        resolve_expert_layout("grouped", device="cuda", params_dtype=torch.bfloat16)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("model.expert_layout=grouped: ") and "torch >= 2.9" in msg
+    assert "2.8.0+cu128" in msg and "pytorch#152668" in msg and "per_expert" in msg
+    assert resolve_expert_layout("auto", device="cuda", params_dtype=torch.bfloat16) == "per_expert"
+    assert resolve_expert_layout("per_expert", device="cuda", params_dtype=torch.bfloat16) == "per_expert"
+    x = torch.randn(9, 16)
+    assert not be.grouped_mm_supported(x, 8)
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("torch._grouped_mm called on torch 2.8")
+
+    monkeypatch.setattr(torch, "_grouped_mm", no_kernel)
+    b, counts = torch.randn(4, 16, 8), torch.tensor([2, 0, 3, 4])
+    want = torch.cat([r @ b[e] for e, r in enumerate(x.split(counts.tolist()))])
+    torch.testing.assert_close(gmm(x, b, counts), want, **GMM_TOLERANCE[torch.float32])
+    for version in ("2.9.0", "2.10.1+cu130", "2.11.0a0+git1234", "3.0.0"):
+        monkeypatch.setattr(be, "_torch_version", lambda v=version: v)
+        assert resolve_expert_layout("auto", device="cuda", params_dtype=torch.bfloat16) == "grouped"
+        assert be.grouped_mm_torch_problem() is None
+
+
+def test_offsets_are_computed_once_per_layer_forward(monkeypatch):
+    """Issue 48: one cumsum / int32 cast / device move of the offsets per MoE layer forward, shared by fc1 and
+    fc2 (each `gmm` call made its own before)."""
+    moved = []
+    real_move = be.to_device_pinned
+    monkeypatch.setattr(be, "to_device_pinned", lambda t, d: (moved.append(t.dtype), real_move(t, d))[1])
+    cfg, _, _, grouped = _pair()
+    experts = expert_modules(grouped)[0]
+    counts = torch.tensor([3, 0, 5, 1, 0, 0, 7, 2])
+    x = torch.randn(int(counts.sum()), cfg.hidden_size, requires_grad=True)
+    out, _ = experts(x, counts, torch.rand(int(counts.sum())))
+    out.sum().backward()
+    assert moved == [torch.int32]
+    assert gmm(x.detach(), torch.randn(8, cfg.hidden_size, 4), counts).shape == (18, 4)  # a lone call: its own
+    assert moved == [torch.int32, torch.int32]
+
+
+def test_the_cuda_capability_is_read_once_per_device(monkeypatch):
+    reads = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (reads.append(index), (9, 0))[1])
+    be._capability_of.cache_clear()
+    try:
+        for _ in range(3):
+            assert be._cuda_capability("cuda:0") == (9, 0) and be.kernel_device("cuda:0") == ("cuda", (9, 0))
+        assert be._cuda_capability(torch.device("cuda", 1)) == (9, 0)
+        assert reads == [0, 1]
+    finally:
+        be._capability_of.cache_clear()  # no faked capability left behind
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fused_swiglu_compiles_matches_todays_maths_and_saves_two_tensors():
+    """Issue 48, on a GPU: the grouped experts' SwiGLU compiles (`torch.compile`, Triton), matches its uncompiled
+    formulas and today's unfused maths to bf16 rounding on two row counts (value, fc1-output and probability
+    gradients), and saves only the fc1 output and the probabilities."""
+    import torch.nn.functional as F
+
+    import moe_gspo.mcore.swiglu as sw
+    from moe_gspo.mcore.batched_experts import mlp_activation
+
+    cfg = types.SimpleNamespace(gated_linear_unit=True, activation_func=F.silu, activation_func_clamp_value=None,
+                                glu_linear_offset=0.0)
+    gen = torch.Generator().manual_seed(11)
+    for T in (96, 1000):
+        h = (torch.randn(T, 512, generator=gen) * 2).to("cuda", torch.bfloat16)
+        probs = torch.rand(T, generator=gen).cuda()
+        g = torch.randn(T, 256, generator=gen).to("cuda", torch.bfloat16)
+        results, saved = [], []
+        for fn in (lambda a, p: sw.swiglu_with_probs(a, p, compiled=True),
+                   lambda a, p: sw.swiglu_with_probs(a, p, compiled=False), lambda a, p: mlp_activation(cfg, a, p)):
+            a, p = h.clone().requires_grad_(), probs.clone().requires_grad_()
+            shapes = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: (shapes.append(tuple(t.shape)), t)[1], lambda t: t):
+                out = fn(a, p)
+            results.append((out.detach(), *torch.autograd.grad(out, [a, p], g)))
+            saved.append(shapes)
+        assert sw.COMPILED.error is None, f"the fused SwiGLU did not compile here: {sw.COMPILED.error}"
+        for got, eager, today in zip(*results):
+            scale = float(today.float().abs().max())
+            torch.testing.assert_close(got.float(), eager.float(), rtol=2 ** -7, atol=2 ** -7 * scale)
+            torch.testing.assert_close(got.float(), today.float(), rtol=2 ** -6, atol=2 ** -6 * scale)
+        assert sorted(saved[0]) == sorted([(T, 512), (T,)]) and saved[2].count((T, 256)) >= 3

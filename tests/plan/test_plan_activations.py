@@ -133,3 +133,71 @@ def test_bf16_head_keeps_the_bf16_logits_not_an_fp32_copy(dist1):
     peak_new = head_peak_bytes(qwen, big, act_bytes=2, vocab_padded=151936)
     assert peak_new < big.tokens * (3 * qwen.hidden * 2 + 4) + 6 * big.tokens * 151936 \
         and peak_new >= 4 * big.tokens * 151936 + 4 * LOGPROB_CHUNK_BYTES
+
+
+class _LiveChunks(torch.utils._python_dispatch.TorchDispatchMode):
+    """The most fp32 tensors of one chunk's shape alive at once (allocated by an op, not views), the peak
+    the CUDA caching allocator would see of `ChunkedTokenLogprobs`' chunk temporaries."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.live, self.peak, self.seen = tuple(shape), 0, 0, set()
+
+    def _gone(self, key: int):
+        self.live -= 1
+        self.seen.discard(key)  # ids are reused once a tensor is freed
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and tuple(t.shape) == self.shape
+                    and t._base is None and id(t) not in self.seen):
+                self.seen.add(id(t))
+                self.live += 1
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self._gone, id(t))
+        return out
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+@pytest.mark.parametrize("num_chunks", [1, 3])
+def test_chunked_logprobs_backward_holds_the_planned_chunks(entropy_grad, num_chunks):
+    """Issue 48: the plan's chunk count of the bf16 loss head's backward is what `ChunkedTokenLogprobs`'
+    backward holds at once: 4 chunk-sized fp32 temporaries for one chunk, 5 when the entropy bonus has a
+    gradient or there are several chunks."""
+    from moe_gspo.learner.logprobs import token_logprobs
+    from moe_gspo.plan.activations import logprob_backward_chunks
+
+    B, S, V = num_chunks, 4, 50
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(B, S, V, generator=gen).to(torch.bfloat16).requires_grad_()
+    ids = torch.randint(0, V, (B, S), generator=gen)
+    logp, ent = token_logprobs(logits, ids, with_entropy=True, chunk_elements=S * V)  # one sequence a chunk
+    loss = logp.sum() + (0.01 * ent.sum() if entropy_grad else 0.0)
+    probe = _LiveChunks((S, V))
+    with probe:
+        loss.backward()
+    assert logits.grad is not None
+    assert probe.peak == logprob_backward_chunks(entropy_grad=entropy_grad, several_chunks=num_chunks > 1)
+
+
+def test_the_plan_counts_the_loss_heads_backward_chunks():
+    from moe_gspo.config_load import config_from_dict
+    from moe_gspo.plan.activations import LOGPROB_CHUNK_BYTES, head_peak_bytes
+    from moe_gspo.plan.from_config import setups
+
+    geom = Geometry.from_hf(tiny_qwen3_moe_config(vocab_size=151936))
+    mb = MicroBatch(num_seqs=4, seq_len=1024)  # 4096 x 151,936 fp32 logits: far more than one chunk
+    one = MicroBatch(num_seqs=1, seq_len=32)  # 32 x 151,936 fp32 logits: within one chunk
+    small = 4 * 32 * 151936
+    assert head_peak_bytes(geom, one, act_bytes=2, vocab_padded=151936, entropy_grad=True) \
+        - head_peak_bytes(geom, one, act_bytes=2, vocab_padded=151936) == small
+    assert head_peak_bytes(geom, mb, act_bytes=2, vocab_padded=151936, entropy_grad=True) \
+        == head_peak_bytes(geom, mb, act_bytes=2, vocab_padded=151936)  # 5 chunks either way
+    assert head_peak_bytes(geom, mb, act_bytes=2, vocab_padded=151936) - 2 * 2 * mb.tokens * 151936 \
+        - mb.tokens * (3 * geom.hidden * 2 + 4) - 24 * mb.tokens == 5 * LOGPROB_CHUNK_BYTES
+    for coef, want in ((0.0, False), (0.01, True)):
+        learner, _ = setups(config_from_dict({"algo": {"entropy_coef": coef}}), num_gpus=1, attention="flash")
+        assert learner.entropy_grad is want

@@ -61,7 +61,7 @@ def fmt_critical(fit: MethodFit) -> str:
 def arm_table(by_method, reps: int, seed: int) -> list[str]:
     rows = []
     for method, marms in by_method.items():
-        for dose in ladder(marms) + ([POSITIVE] if POSITIVE in marms else []):
+        for dose in ladder(marms) + sorted(d for d in marms if d not in ladder(marms)):
             runs = list(marms[dose].values())
             sc = lambda k: [r.scores[k] for r in runs]  # noqa: E731
             fails = st.rate(sum(r.failed for r in runs), len(runs))

@@ -22,6 +22,7 @@ bootstrap CI, each fix's shift of it, and the pre-registered test family. Pure: 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -56,9 +57,14 @@ def dose_x(arm: Mapping[int, PhaseRun], seeds: Iterable[int] | None = None) -> f
     return float(np.median(vals)) if vals else math.nan
 
 
+DIAL_DOSE = re.compile(r"^p\d+(\.\d+)?$")
+"""A dial dose label (`p0`, `p2.5`, `p40`): the arms the fits and tests use. Other labels (the rollout precisions
+bf16 / fp8 / w8a8, the positive control) are reference points: described, not fitted or tested."""
+
+
 def ladder(method_arms: Mapping[str, Mapping[int, PhaseRun]]) -> list[str]:
-    """The method's drift doses (the positive control left out), weakest realised dose first, zero first."""
-    doses = [d for d in method_arms if d != POSITIVE]
+    """The method's dial doses, weakest realised dose first, zero first (reference arms left out)."""
+    doses = [d for d in method_arms if DIAL_DOSE.match(d)]
     return sorted(doses, key=lambda d: (d != ZERO_DOSE, dose_x(method_arms[d])))
 
 

@@ -115,3 +115,18 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main([str(tmp_path / "empty")]) == 2
     assert "no finished run" in capsys.readouterr().err
+
+
+def test_reference_arms_are_described_not_fitted(matrix, tmp_path):
+    """bf16 / w8a8 / pos arms (no dial) appear in the arm table but not in the ladder, the fits or the family."""
+    import shutil
+
+    root = tmp_path / "m"
+    shutil.copytree(matrix, root)
+    for seed in range(3):
+        _write(root / f"grpo-none-bf16-s{seed}", 0.2, 0.004)  # a low reward that a fit would read as a drop
+    by = arms(load_phase(root))
+    fit = fit_method("grpo-none", by["grpo-none"], reps=100, seed=0)
+    assert fit.doses == ["p0", "p5", "p20", "p80"] and fit.critical.value == pytest.approx(0.1173, abs=1e-4)
+    text = phase_page(load_phase(root), reps=100)
+    assert "| grpo-none | bf16 | 3 |" in text and "| bf16 |" in text

@@ -185,7 +185,7 @@ def test_dry_run_lists_arms_and_touches_nothing(tmp_path, capsys):
     out = capsys.readouterr().out
     for name in ("gspo-none-s0", "gspo-none-s1", "grpo-none-s0", "grpo-r2-s1"):
         assert name in out
-    assert "gspo-r2" not in out and "6 arms, 6 to run" in out
+    assert "gspo-r2" not in out and "6 runs (3 arms x 2 seeds), 6 to run" in out
     assert str(tmp_path / "other" / "grpo-r2-s1") in out
     assert runner.calls == [] and not (tmp_path / "other").exists()
 
@@ -289,7 +289,7 @@ def test_dry_run_reports_invalid_arm_configs(tmp_path, capsys):
     assert main([str(spec_path), "--dry-run"]) == 2
     out = capsys.readouterr().out
     assert "invalid config" in out and "algo.rollout_rs=geometric needs algo.rollout_rs_threshold" in out
-    assert "12 arms, 6 to run, 6 with an invalid config" in out
+    assert "12 runs (6 arms x 2 seeds), 6 to run, 6 with an invalid config" in out
 
 
 def test_shipped_rollout_correction_ablation_validates(capsys):
@@ -320,7 +320,7 @@ def test_shipped_paper_claims_ablation_validates(capsys):
                                        for v in ("base", "lr_high")}
     rows = dry_run(spec)
     assert all(action == "run" or action.startswith("skip") or action == "resume" for _, action, _ in rows)
-    assert "24 arms" in capsys.readouterr().out
+    assert "24 runs (8 arms x 3 seeds)" in capsys.readouterr().out
     cli = pytest.importorskip("moe_gspo.run.cli")
     base_lr = yaml.safe_load(spec.base_config.read_text())["train"]["lr"]
     for arm in arms:
@@ -343,7 +343,7 @@ def test_shipped_algorithms_ablation_validates(capsys):
         "grpo-r2", "grpo-r3"}
     rows = dry_run(spec)
     assert all(action == "run" or action.startswith("skip") or action == "resume" for _, action, _ in rows)
-    assert "24 arms" in capsys.readouterr().out
+    assert "24 runs (8 arms x 3 seeds)" in capsys.readouterr().out
     cli = pytest.importorskip("moe_gspo.run.cli")
     for arm in arms:
         cmd = build_command(spec, arm, resume=False)

@@ -217,7 +217,7 @@ def dry_run(spec: AblationSpec) -> list[tuple[Arm, str, list[str]]]:
         n = sum(r[1] in ("run", "resume") for r in rows)
         print(f"executor: slurm: each of the {n} runs to run is one job of one array, submitted seed by seed; "
               "every job gets this sbatch script:")
-        print("    " + sbatch_preview(spec, n).strip().replace("\n", "\n    "))
+        print("\n".join(f"    {line}".rstrip() for line in sbatch_preview(spec, n).strip().splitlines()))
     return rows
 
 

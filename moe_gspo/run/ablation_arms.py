@@ -9,10 +9,12 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from moe_gspo.run.ablation_spec import AblationSpec
 from moe_gspo.run.rundir import move_aside
+
+if TYPE_CHECKING:  # (the SLURM job imports this module: it stays light, without torch)
+    from moe_gspo.run.ablation_spec import AblationSpec
 
 
 @dataclass(frozen=True)

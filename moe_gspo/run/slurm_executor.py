@@ -212,11 +212,11 @@ def _wait(spec: AblationSpec, arms: list[Arm], pending: dict[int, str], resumed:
     while pending:
         states = queue_states(list(pending.values()))
         for i, jid in list(pending.items()):
+            state = states.get(jid)
+            if state in ACTIVE:  # a result file of a job SLURM requeued (time-out, preemption) is not its last
+                continue
             arm, outcome = arms[i], job_result(spec, jid)
             if outcome is None:
-                state = states.get(jid)
-                if state in ACTIVE:
-                    continue
                 gone[i] = gone.get(i, 0) + 1
                 if gone[i] < _GRACE_POLLS:
                     continue

@@ -25,8 +25,8 @@ SLURM_KEYS = ("partition", "account", "time", "nodes", "gpus_per_node", "cpus_pe
               "array_parallelism", "sbatch_flags", "setup")
 _TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 # flags that submitit sets itself, or that the section names
-_RESERVED_FLAGS = {"array", "output", "error", "open_mode", "signal", "job_name", "ntasks_per_node", "wckey",
-                   "ntasks", "chdir", "parsable"}
+_RESERVED_FLAGS = {"array", "output", "error", "open_mode", "signal", "job_name", "ntasks_per_node", "ntasks",
+                   "chdir", "parsable"}
 
 
 @dataclass(kw_only=True)

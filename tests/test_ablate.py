@@ -371,3 +371,19 @@ def test_bad_seed_keys_are_rejected(tmp_path, seed_keys, match):
         parse_spec(_spec_dict(tmp_path, seed_keys=seed_keys))
     with pytest.raises(ValueError, match="set per seed"):
         parse_spec(_spec_dict(tmp_path, seed_keys=["train.seed", "train.steps"]))
+
+
+def test_ablation_tiny_keeps_its_local_command_lines():
+    """Issue 50: `executor: local` stays the default, and configs/ablation_tiny.yaml gives the command lines it
+    gave before the SLURM executor (checked against commit 972fbf5's --dry-run)."""
+    spec = load_spec("ablation_tiny")
+    assert spec.executor == "local" and spec.parallel_arms == 1 and str(spec.base_config).endswith("configs/tiny_cpu.yaml")
+    arms = expand_arms(spec)
+    assert [a.name for a in arms] == [f"{g}-s{s}" for g in ("gspo-none", "gspo-r3", "gspo_token-none", "grpo-none",
+                                                            "grpo-r2", "grpo-r3") for s in (0, 1)]
+    assert build_command(spec, arms[3], resume=False) == [
+        sys.executable, "-m", "moe_gspo.launch", "--standalone", "--nproc-per-node", "2", "-m", "moe_gspo.train",
+        "--config", str(spec.base_config), "--algo", "gspo", "--routing-replay", "r3",
+        "--run-dir", "runs/ablation_tiny/gspo-r3-s1", "train.seed=1", "train.steps=200", "logging.trace_every=10"]
+    resumed = build_command(spec, arms[3], resume=True)
+    assert resumed[16] == "--resume" and resumed[:16] + resumed[17:] == build_command(spec, arms[3], resume=False)

@@ -35,6 +35,8 @@ ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEU
 ON_INTERRUPT = ("leave", "cancel")
 _GRACE_POLLS = 3
 """Polls a job may be out of the queue before its result file appears (a shared filesystem's delay)."""
+_SQUEUE_TRIES = 6
+"""Failed squeue calls in a row (one per poll) before the wait gives up (the jobs go on)."""
 
 
 def slurm_dir(spec: AblationSpec) -> Path:
@@ -104,7 +106,7 @@ def job_result(spec: AblationSpec, job_id: str) -> tuple[int | None, str] | None
             return None if time.time() - path.stat().st_mtime < 60 else (None, f"unreadable result {path}: {e}")
         if outcome != "success":
             lines = [l for l in str(value).strip().splitlines() if l.strip()]
-            return None, f"the SLURM job {job_id} raised: {lines[-1] if lines else outcome}"
+            return None, f"raised {lines[-1] if lines else outcome}"
         if code == 0 and value:
             code = int(value)
     return code, ""
@@ -162,12 +164,18 @@ def run_on_slurm(spec: AblationSpec, arms: list[Arm], *, on_result: Callable[[Ar
     try:
         if to_submit:
             _submit(spec, arms, to_submit, pending)
-        print(f"[ablate] {len(to_submit)} runs submitted to SLURM" + (f", {attached} already queued or running"
-              if attached else "") + f"; job ids in {jobs_file(spec)}; waiting (`python -m moe_gspo.ablate ... "
-              "--status` shows them)", file=sys.stderr, flush=True)
+        if pending:
+            print(f"[ablate] {len(to_submit)} runs submitted to SLURM" + (f", {attached} already queued or running"
+                  if attached else "") + f"; job ids in {jobs_file(spec)}; waiting (`python -m moe_gspo.ablate ... "
+                  "--status` shows them)", file=sys.stderr, flush=True)
         log.setdefault("started", []).extend(arms[i].name for i in pending)
         _wait(spec, arms, pending, resumed, results, on_result, log, poll_s, sleep)
-    except BaseException:
+    except ValueError as e:  # squeue kept failing: the jobs go on without this process
+        if pending:
+            raise ValueError(f"{e}. The {len(set(pending.values()))} submitted SLURM jobs were left queued or "
+                             "running: rerun the same command to wait for them") from e
+        raise
+    except KeyboardInterrupt:  # Ctrl-C / SIGTERM (moe_gspo.run.errors.interrupts_as_exceptions)
         ids = sorted(set(pending.values()))
         if not ids:
             raise
@@ -209,8 +217,18 @@ def _wait(spec: AblationSpec, arms: list[Arm], pending: dict[int, str], resumed:
           results: dict[int, ArmResult], on_result: Callable[[ArmResult], None], log: dict[str, Any],
           poll_s: float, sleep: Callable[[float], None]) -> None:
     gone: dict[int, int] = {}
+    failures = 0
     while pending:
-        states = queue_states(list(pending.values()))
+        try:
+            states = queue_states(list(pending.values()))
+            failures = 0
+        except ValueError as e:  # the controller busy or restarting: try again, up to _SQUEUE_TRIES polls
+            failures += 1
+            if failures >= _SQUEUE_TRIES:
+                raise
+            print(f"warning: {e}; trying again", file=sys.stderr, flush=True)
+            sleep(poll_s)
+            continue
         for i, jid in list(pending.items()):
             state = states.get(jid)
             if state in ACTIVE:  # a result file of a job SLURM requeued (time-out, preemption) is not its last
@@ -222,7 +240,7 @@ def _wait(spec: AblationSpec, arms: list[Arm], pending: dict[int, str], resumed:
                     continue
                 ended = f"ended ({state})" if state else "left the queue"
                 line = last_line(arm.run_dir / "train.log")
-                outcome = (None, f"SLURM job {jid} {ended} without a result" + (f"; train.log: {line}" if line else ""))
+                outcome = (None, f"{ended} without a result" + (f"; train.log: {line}" if line else ""))
             code, why = outcome
             res = finish(arm, code, "", resumed[i], why)
             line = last_line(arm.run_dir / "train.log") if res.status == "failed" and code is not None else ""

@@ -6,6 +6,7 @@ SlurmExecutor and sbatch. Skipped only where the SLURM binaries are missing (`.c
   a rerun attaches to them instead of submitting again, they run, the comparison report is written, and the
   runs' offline W&B files carry the ablation's group and tags;
 - Ctrl-C with `--on-interrupt cancel` cancels the submitted jobs, and `--status` says so;
+- a submission sbatch refuses (a partition that does not exist) is one error line, exit code 2;
 - a job SLURM requeues after a time-out resumes its run from the checkpoint (submitit's Checkpointable).
 """
 
@@ -84,7 +85,7 @@ def _queue(slurm: dict[str, str]) -> dict[str, str]:
     return dict(line.split("|", 1) for line in r.stdout.split())
 
 
-def test_a_two_arm_ablation_runs_through_slurm_and_reports(slurm, tmp_path):
+def test_a_two_arm_ablation_runs_through_a_real_slurm_and_reports(slurm, tmp_path):
     t0 = time.monotonic()
     err, jobs = _submit_and_interrupt(tmp_path, slurm)
     line = [l for l in err.splitlines() if l.startswith("interrupted")]
@@ -153,6 +154,18 @@ def test_ctrl_c_with_on_interrupt_cancel_cancels_the_jobs(slurm, tmp_path):
     for name, job in jobs.items():
         row = next(l for l in st.stdout.splitlines() if l.startswith(name))
         assert row.split()[1:4] == ["failed", "job", job] and ("CANCELLED" in row or "left the queue" in row), row
+    print(f"scheduler: {SCHEDULER}")
+
+
+def test_a_submission_sbatch_refuses_is_one_error_line(slurm, tmp_path):
+    spec = _spec(tmp_path, partition="no_such_partition")
+    r = subprocess.run(_ablate("--config", str(spec)), cwd=ROOT, env=_env(slurm), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    errors = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+    assert errors == ["error: sbatch refused the jobs: sbatch: error: Batch job submission failed: Invalid partition "
+                      "name specified"], r.stderr[-3000:]
+    assert not (tmp_path / "abl" / "slurm" / "jobs.json").exists() and not (tmp_path / "abl" / "gspo-none-s0").exists()
     print(f"scheduler: {SCHEDULER}")
 
 

@@ -191,13 +191,17 @@ def test_a_job_requeued_after_a_time_out_resumes_its_run(slurm, tmp_path, monkey
         time.sleep(0.2)
     time.sleep(1)
     job._interrupt(timeout=True)  # what SLURM sends before the time limit (USR2), as submitit's own tests do
-    released = False
+    deadline = time.monotonic() + 400
+    states = []
     while not (run / "done.json").exists() and time.monotonic() < deadline:
-        if not released and _queue(slurm).get(job.job_id) == "PENDING":  # requeued (SLURM delays its restart)
+        states.append(_queue(slurm).get(job.job_id))
+        if states[-1] == "PENDING":  # requeued: SLURM delays a requeued job's start (BeginTime); start it now
             subprocess.run(["scontrol", "update", f"JobId={job.job_id}", "StartTime=now"], env=_env(slurm),
                            capture_output=True, timeout=60)
-            released = True
-        time.sleep(0.5)
+        time.sleep(1)
+    while not job.paths.result_pickle.exists() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert job.paths.result_pickle.exists(), (sorted(set(map(str, states))), (run / "train.log").read_text())
     assert job.result() == 0
     log = (run / "train.log").read_text()
     assert log.count("$ ") == 2 and "fresh" in log and log.rstrip().endswith("resumed"), log

@@ -185,7 +185,7 @@ def test_dry_run_lists_arms_and_touches_nothing(tmp_path, capsys):
     out = capsys.readouterr().out
     for name in ("gspo-none-s0", "gspo-none-s1", "grpo-none-s0", "grpo-r2-s1"):
         assert name in out
-    assert "gspo-r2" not in out and "6 arms, 6 to run" in out
+    assert "gspo-r2" not in out and "6 runs (3 arms x 2 seeds), 6 to run" in out
     assert str(tmp_path / "other" / "grpo-r2-s1") in out
     assert runner.calls == [] and not (tmp_path / "other").exists()
 
@@ -289,7 +289,7 @@ def test_dry_run_reports_invalid_arm_configs(tmp_path, capsys):
     assert main([str(spec_path), "--dry-run"]) == 2
     out = capsys.readouterr().out
     assert "invalid config" in out and "algo.rollout_rs=geometric needs algo.rollout_rs_threshold" in out
-    assert "12 arms, 6 to run, 6 with an invalid config" in out
+    assert "12 runs (6 arms x 2 seeds), 6 to run, 6 with an invalid config" in out
 
 
 def test_shipped_rollout_correction_ablation_validates(capsys):
@@ -320,7 +320,7 @@ def test_shipped_paper_claims_ablation_validates(capsys):
                                        for v in ("base", "lr_high")}
     rows = dry_run(spec)
     assert all(action == "run" or action.startswith("skip") or action == "resume" for _, action, _ in rows)
-    assert "24 arms" in capsys.readouterr().out
+    assert "24 runs (8 arms x 3 seeds)" in capsys.readouterr().out
     cli = pytest.importorskip("moe_gspo.run.cli")
     base_lr = yaml.safe_load(spec.base_config.read_text())["train"]["lr"]
     for arm in arms:
@@ -343,7 +343,7 @@ def test_shipped_algorithms_ablation_validates(capsys):
         "grpo-r2", "grpo-r3"}
     rows = dry_run(spec)
     assert all(action == "run" or action.startswith("skip") or action == "resume" for _, action, _ in rows)
-    assert "24 arms" in capsys.readouterr().out
+    assert "24 runs (8 arms x 3 seeds)" in capsys.readouterr().out
     cli = pytest.importorskip("moe_gspo.run.cli")
     for arm in arms:
         cmd = build_command(spec, arm, resume=False)
@@ -371,3 +371,19 @@ def test_bad_seed_keys_are_rejected(tmp_path, seed_keys, match):
         parse_spec(_spec_dict(tmp_path, seed_keys=seed_keys))
     with pytest.raises(ValueError, match="set per seed"):
         parse_spec(_spec_dict(tmp_path, seed_keys=["train.seed", "train.steps"]))
+
+
+def test_ablation_tiny_keeps_its_local_command_lines():
+    """Issue 50: `executor: local` stays the default, and configs/ablation_tiny.yaml gives the command lines it
+    gave before the SLURM executor (checked against commit 972fbf5's --dry-run)."""
+    spec = load_spec("ablation_tiny")
+    assert spec.executor == "local" and spec.parallel_arms == 1 and str(spec.base_config).endswith("configs/tiny_cpu.yaml")
+    arms = expand_arms(spec)
+    assert [a.name for a in arms] == [f"{g}-s{s}" for g in ("gspo-none", "gspo-r3", "gspo_token-none", "grpo-none",
+                                                            "grpo-r2", "grpo-r3") for s in (0, 1)]
+    assert build_command(spec, arms[3], resume=False) == [
+        sys.executable, "-m", "moe_gspo.launch", "--standalone", "--nproc-per-node", "2", "-m", "moe_gspo.train",
+        "--config", str(spec.base_config), "--algo", "gspo", "--routing-replay", "r3",
+        "--run-dir", "runs/ablation_tiny/gspo-r3-s1", "train.seed=1", "train.steps=200", "logging.trace_every=10"]
+    resumed = build_command(spec, arms[3], resume=True)
+    assert resumed[16] == "--resume" and resumed[:16] + resumed[17:] == build_command(spec, arms[3], resume=False)

@@ -61,7 +61,7 @@ def test_from_tmp_train_help_and_ablate_dry_run(tmp_path):
                         "--out", str(tmp_path / "abl")], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "12 arms, 12 to run, 0 with an invalid config" in r.stdout
+    assert "12 runs (6 arms x 2 seeds), 12 to run, 0 with an invalid config" in r.stdout
 
 
 @pytest.mark.slow

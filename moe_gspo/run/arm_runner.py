@@ -18,7 +18,7 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -53,17 +53,20 @@ def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
 class SubprocessArmRunner:
     """Runs the command in its own process group, output appended to the log; on timeout, Ctrl-C or
     `stop_all()` the whole group is terminated, then killed. `env` entries are added to the
-    environment (e.g. OMP_NUM_THREADS when arms share the cores)."""
+    environment (e.g. OMP_NUM_THREADS when arms share the cores), and those `arm_env(arm)` gives for the
+    arm at hand (its W&B grouping)."""
 
-    def __init__(self, timeout_s: float | None = None, env: dict[str, str] | None = None):
+    def __init__(self, timeout_s: float | None = None, env: dict[str, str] | None = None,
+                 arm_env: Callable[[Any], dict[str, str]] | None = None):
         self.timeout_s = timeout_s
         self.env = dict(env or {})
+        self.arm_env = arm_env
         self._live: set[subprocess.Popen] = set()
         self._lock = threading.Lock()
         self._stopping = False
 
     def __call__(self, arm, command: list[str], log_path: Path) -> int:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, **(self.arm_env(arm) if self.arm_env else {})}
         with open(log_path, "ab") as log:
             log.write(f"$ {shlex.join(command)}\n".encode())
             log.flush()

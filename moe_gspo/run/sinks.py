@@ -4,13 +4,19 @@ Only rank 0 writes. `metrics.jsonl` holds one JSON object per step, appended and
 step (`eval.jsonl` one per evaluation, `samples.jsonl` one per saved sample); on resume, lines of steps
 at or after the resumed step are dropped first (atomically), so each file equals that of an
 uninterrupted run.
+
+W&B: the run's id is its name plus a digest of its directory (`wandb_run_id`), so that a resumed run continues
+its W&B run and two runs of one name (two ablations' `gspo-none-s0`) stay two. Its group, job type and tags are
+W&B's own variables (WANDB_RUN_GROUP, WANDB_JOB_TYPE, WANDB_TAGS), which `moe_gspo.ablate` sets per run.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +69,13 @@ def append_jsonl_line(path: Path, rec: dict[str, Any], what: str) -> None:
         os.close(fd)
 
 
+def wandb_run_id(run_dir: Path, run_name: str) -> str:
+    """`{run name}-{8 hex of the run directory's absolute path}` (W&B's id characters, at most 64): the same for
+    the same directory (a resume continues the W&B run), different for two directories of one run name."""
+    digest = hashlib.sha1(str(Path(os.path.abspath(run_dir))).encode()).hexdigest()[:8]
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', run_name)[:55]}-{digest}"
+
+
 class MetricsSink:
     """Rank 0's writer of metrics.jsonl (one row per step), eval.jsonl (one row per evaluation,
     `moe_gspo.run.evaluation`), samples.jsonl (saved samples, `moe_gspo.run.samples`) and wandb. On
@@ -86,7 +99,7 @@ class MetricsSink:
             import wandb
 
             self._wandb = wandb.init(project=project, name=run_name, dir=str(run_dir), config=config,
-                                     mode=wandb_mode, resume="allow", id=run_name.replace("/", "_"))
+                                     mode=wandb_mode, resume="allow", id=wandb_run_id(run_dir, run_name))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:

@@ -77,7 +77,7 @@ def test_ctrl_c_of_an_ablation_says_how_to_resume_and_leaves_a_clean_arm_log(tmp
     out = _interrupt_after_steps(p, arm / "metrics.jsonl", signal.SIGINT)
     assert p.returncode == 130, out[-3000:]
     lines = _interrupted_lines(out)
-    assert len(lines) == 1 and lines[0].startswith("interrupted by SIGINT; 0 of 1 arms finished (0 in this run, 0 "
+    assert len(lines) == 1 and lines[0].startswith("interrupted by SIGINT; 0 of 1 runs finished (0 in this run, 0 "
                                                     "before it); interrupted: gspo-none-s0. Rerun "
                                                     f"`python -m moe_gspo.ablate --config {spec}` to continue"), out
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]

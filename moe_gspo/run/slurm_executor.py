@@ -1,0 +1,256 @@
+"""`executor: slurm` for `moe_gspo.ablate`: every run of the matrix is one SLURM job, submitted through
+submitit as one job array (at most `slurm.array_parallelism` running at a time), each running the
+`moe_gspo.launch` command line it runs locally (`moe_gspo.run.slurm_job.ArmJob`).
+
+- Job ids are recorded in `{out_dir}/slurm/jobs.json` (run name -> its jobs, newest last) as soon as
+  sbatch answers; submitit's files (pickles, the job wrapper's stdout / stderr) are in `{out_dir}/slurm/<job id>/`.
+- Rerunning the matrix skips finished runs, waits for a recorded job still queued or running instead of
+  submitting it again, and submits the rest (a job resumes its run from the newest checkpoint itself).
+- Waiting polls `squeue` (one call for all jobs) and the jobs' result files; it needs no `sacct` (no
+  accounting database). A job that left the queue without a result failed (cancelled, killed, node failure):
+  its run is reported failed with its log's last line.
+- Ctrl-C / SIGTERM while waiting: `on_interrupt="leave"` (the default) leaves the submitted jobs queued and
+  running (rerun to wait for them), `"cancel"` cancels them (`scancel`).
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from moe_gspo.files import atomic_write_text
+from moe_gspo.run.ablation_arms import Arm, ArmResult, arm_state, build_command, finish, last_line, seed_order, wandb_env
+from moe_gspo.run.ablation_spec import AblationSpec
+from moe_gspo.run.slurm_spec import sbatch_parameters
+
+ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING",
+          "SUSPENDED", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD"}
+"""squeue states of a job that has not ended (its run may still finish)."""
+ON_INTERRUPT = ("leave", "cancel")
+_GRACE_POLLS = 3
+"""Polls a job may be out of the queue before its result file appears (a shared filesystem's delay)."""
+_SQUEUE_TRIES = 6
+"""Failed squeue calls in a row (one per poll) before the wait gives up (the jobs go on)."""
+
+
+def slurm_dir(spec: AblationSpec) -> Path:
+    return spec.out_dir / "slurm"
+
+
+def jobs_file(spec: AblationSpec) -> Path:
+    return slurm_dir(spec) / "jobs.json"
+
+
+def read_jobs(spec: AblationSpec) -> dict[str, list[dict[str, Any]]]:
+    """The recorded jobs: run name -> [{job_id, submitted, resume}, ...], oldest first."""
+    try:
+        return json.loads(jobs_file(spec).read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{jobs_file(spec)} is unreadable ({e}); move it aside to submit every unfinished run "
+                         "again (check `squeue` first for jobs still running)") from e
+
+
+def record_jobs(spec: AblationSpec, new: dict[str, dict[str, Any]]) -> None:
+    jobs = read_jobs(spec)
+    for name, job in new.items():
+        jobs.setdefault(name, []).append(job)
+    jobs_file(spec).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(jobs_file(spec), json.dumps(jobs, indent=1) + "\n")
+
+
+def require_slurm() -> None:
+    missing = [c for c in ("sbatch", "squeue", "scancel") if shutil.which(c) is None]
+    if missing:
+        raise ValueError(f"executor: slurm needs SLURM's {', '.join(missing)} on PATH (run ablate on a node that "
+                         "submits jobs, e.g. the cluster's login node); --dry-run works without them")
+
+
+def queue_states(job_ids: list[str]) -> dict[str, str]:
+    """job id -> its squeue state, for those of `job_ids` the controller still knows (one squeue call)."""
+    if not job_ids:
+        return {}
+    cmd = ["squeue", "--noheader", "--array", "--states=all", "--format=%i|%T", "--user", getpass.getuser()]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
+    except (subprocess.SubprocessError, OSError) as e:
+        err = getattr(e, "stderr", "") or str(e)
+        raise ValueError(f"`{' '.join(cmd)}` failed ({err.strip()[-300:]}); is the SLURM controller reachable?") from e
+    wanted, states = set(job_ids), {}
+    for line in out.splitlines():
+        jid, _, state = line.strip().partition("|")
+        if jid in wanted:
+            states[jid] = state.split()[0] if state else "UNKNOWN"
+    return states
+
+
+def job_result(spec: AblationSpec, job_id: str) -> tuple[int | None, str] | None:
+    """(exit code, "") once every task of the job wrote its result, (None, why) when the job raised; None before."""
+    from submitit.core.utils import JobPaths, pickle_load
+
+    code = 0
+    for task in range(spec.slurm.nodes):
+        path = JobPaths(slurm_dir(spec) / "%j", job_id=job_id, task_id=task).result_pickle
+        if not path.exists():
+            return None
+        try:
+            outcome, value = pickle_load(path)
+        except Exception as e:  # a torn file: read again next poll
+            return None if time.time() - path.stat().st_mtime < 60 else (None, f"unreadable result {path}: {e}")
+        if outcome != "success":
+            lines = [l for l in str(value).strip().splitlines() if l.strip()]
+            return None, f"raised {lines[-1] if lines else outcome}"
+        if code == 0 and value:
+            code = int(value)
+    return code, ""
+
+
+def job_env(spec: AblationSpec, arm: Arm) -> dict[str, str]:
+    env = wandb_env(spec, arm)
+    if spec.slurm.cpus_per_task:
+        env["OMP_NUM_THREADS"] = str(max(1, spec.slurm.cpus_per_task // spec.nproc))
+    return env
+
+
+def make_executor(spec: AblationSpec):
+    import submitit
+
+    executor = submitit.SlurmExecutor(folder=slurm_dir(spec) / "%j", max_num_timeout=3)
+    executor.update_parameters(**sbatch_parameters(spec.slurm, f"ablate-{spec.name}"))
+    return executor
+
+
+def sbatch_preview(spec: AblationSpec, num_jobs: int) -> str:
+    """The sbatch script every job of the array gets (as submitit writes it), for `--dry-run`."""
+    from submitit.slurm.slurm import _make_sbatch_string  # the text SlurmExecutor submits
+
+    params = sbatch_parameters(spec.slurm, f"ablate-{spec.name}")
+    command = f"{sys.executable} -u -m submitit.core._submit {slurm_dir(spec) / '%j'}"
+    return _make_sbatch_string(command=command, folder=slurm_dir(spec) / "%j", map_count=max(1, num_jobs), **params)
+
+
+def run_on_slurm(spec: AblationSpec, arms: list[Arm], *, on_result: Callable[[ArmResult], None],
+                 log: dict[str, Any], on_interrupt: str = "leave", poll_s: float = 10.0,
+                 sleep: Callable[[float], None] = time.sleep) -> list[ArmResult]:
+    """Submit (or attach to) one job per unfinished run and wait for all of them; results in `arms` order.
+    `log` gets "started" / "ended" run names and, when interrupted, "slurm" (what happened to the jobs)."""
+    require_slurm()
+    results: dict[int, ArmResult] = {}
+    records = read_jobs(spec)
+    recorded = {a.name: records[a.name][-1]["job_id"] for a in arms if records.get(a.name)}
+    live = queue_states(list(recorded.values()))
+    pending: dict[int, str] = {}  # arm index -> job id
+    resumed: dict[int, bool] = {}
+    to_submit: list[int] = []
+    for i in seed_order(spec, arms):
+        arm = arms[i]
+        state = arm_state(arm)
+        if state == "done":
+            results[i] = ArmResult(arm, "skipped", arm.run_dir / "train.log", "done.json exists")
+            on_result(results[i])
+        elif live.get(recorded.get(arm.name, ""), "") in ACTIVE:
+            pending[i], resumed[i] = recorded[arm.name], state == "resume"
+        else:
+            to_submit.append(i)
+            resumed[i] = state == "resume"
+    attached = len(pending)
+    try:
+        if to_submit:
+            _submit(spec, arms, to_submit, pending)
+        if pending:
+            print(f"[ablate] {len(to_submit)} runs submitted to SLURM" + (f", {attached} already queued or running"
+                  if attached else "") + f"; job ids in {jobs_file(spec)}; waiting (`python -m moe_gspo.ablate ... "
+                  "--status` shows them)", file=sys.stderr, flush=True)
+        log.setdefault("started", []).extend(arms[i].name for i in pending)
+        _wait(spec, arms, pending, resumed, results, on_result, log, poll_s, sleep)
+    except ValueError as e:  # squeue kept failing: the jobs go on without this process
+        if pending:
+            raise ValueError(f"{e}. The {len(set(pending.values()))} submitted SLURM jobs were left queued or "
+                             "running: rerun the same command to wait for them") from e
+        raise
+    except KeyboardInterrupt:  # Ctrl-C / SIGTERM (moe_gspo.run.errors.interrupts_as_exceptions)
+        ids = sorted(set(pending.values()))
+        if not ids:
+            raise
+        if on_interrupt == "cancel":
+            subprocess.run(["scancel", *ids], capture_output=True, timeout=120)
+            log["slurm"] = (f"cancelled the {len(ids)} SLURM jobs still queued or running (--on-interrupt cancel): "
+                            f"{' '.join(ids)}")
+        else:
+            log["slurm"] = (f"left the {len(ids)} SLURM jobs still queued or running (--on-interrupt leave, the "
+                            f"default; `scancel {' '.join(ids)}` cancels them)")
+        raise
+    return [results[i] for i in range(len(arms))]
+
+
+def _submit(spec: AblationSpec, arms: list[Arm], order: list[int], pending: dict[int, str]) -> None:
+    from moe_gspo.run.slurm_job import ArmJob
+
+    executor = make_executor(spec)
+    jobs_ = []
+    try:
+        with executor.batch():
+            for i in order:
+                arm = arms[i]
+                jobs_.append(executor.submit(ArmJob(
+                    command=build_command(spec, arm, resume=False), resume_command=build_command(spec, arm, resume=True),
+                    run_dir=str(arm.run_dir), cwd=str(Path.cwd()), env=job_env(spec, arm),
+                    node_log_dir=str(slurm_dir(spec) / "nodes"), timeout_s=spec.arm_timeout_s)))
+    except Exception as e:  # sbatch refused the array (a partition that does not exist, a time over the limit)
+        text = (getattr(e, "stderr", None) or getattr(e, "output", None) or str(e))
+        text = text.decode(errors="replace") if isinstance(text, bytes) else str(text)
+        raise ValueError(f"sbatch refused the jobs: {text.strip().splitlines()[-1] if text.strip() else e}") from e
+    now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    record_jobs(spec, {arms[i].name: {"job_id": job.job_id, "submitted": now} for i, job in zip(order, jobs_)})
+    for i, job in zip(order, jobs_):
+        pending[i] = job.job_id
+
+
+def _wait(spec: AblationSpec, arms: list[Arm], pending: dict[int, str], resumed: dict[int, bool],
+          results: dict[int, ArmResult], on_result: Callable[[ArmResult], None], log: dict[str, Any],
+          poll_s: float, sleep: Callable[[float], None]) -> None:
+    gone: dict[int, int] = {}
+    failures = 0
+    while pending:
+        try:
+            states = queue_states(list(pending.values()))
+            failures = 0
+        except ValueError as e:  # the controller busy or restarting: try again, up to _SQUEUE_TRIES polls
+            failures += 1
+            if failures >= _SQUEUE_TRIES:
+                raise
+            print(f"warning: {e}; trying again", file=sys.stderr, flush=True)
+            sleep(poll_s)
+            continue
+        for i, jid in list(pending.items()):
+            state = states.get(jid)
+            if state in ACTIVE:  # a result file of a job SLURM requeued (time-out, preemption) is not its last
+                continue
+            arm, outcome = arms[i], job_result(spec, jid)
+            if outcome is None:
+                gone[i] = gone.get(i, 0) + 1
+                if gone[i] < _GRACE_POLLS:
+                    continue
+                ended = f"ended ({state})" if state else "left the queue"
+                line = last_line(arm.run_dir / "train.log")
+                outcome = (None, f"{ended} without a result" + (f"; train.log: {line}" if line else ""))
+            code, why = outcome
+            res = finish(arm, code, "", resumed[i], why)
+            line = last_line(arm.run_dir / "train.log") if res.status == "failed" and code is not None else ""
+            res.message = f"SLURM job {jid}" + (f", {res.message}" if res.message else "") + (
+                f"; train.log: {line}" if line else "")
+            results[i] = res
+            del pending[i]
+            log.setdefault("ended", []).append(arm.name)
+            if results[i].status == "finished":
+                log.setdefault("finished_now", []).append(arm.name)
+            on_result(results[i])
+        if pending:
+            sleep(poll_s)

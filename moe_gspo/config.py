@@ -455,6 +455,10 @@ class TrainConfig:
     with TRL")."""
     grad_clip: float = 1.0
     """Global gradient-norm clip (0 = off)."""
+    max_consecutive_skips: int = 8
+    """Stop the run (one line naming the loss and what was NaN/Inf, exit code 2) after this many consecutive
+    optimizer steps skipped by the NaN/Inf guard (the weights did not change over them): 8 = two RL steps of the
+    default 4 mini-batches; a loss that is always NaN used to "train" and exit 0. 0 = never stop."""
     num_minibatches: int = 4
     """Optimizer steps per rollout batch (the GSPO paper splits each batch into 4)."""
     shuffle_minibatches: bool = False

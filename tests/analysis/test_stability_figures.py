@@ -61,7 +61,8 @@ def test_comparison_draws_one_curve_per_arm(tmp_path):
                 for arm in ("gspo-none", "grpo-r3") for seed in (0, 1)]
     paths = build_comparison(arm_runs, tmp_path / "cmp")
     assert_real_png(tmp_path / "cmp" / "cmp_extreme_frac_curve.png")
-    from analysis.compare import fig_extreme_frac_curve, load_arms
+    from analysis.compare_arms import load_arms
+    from analysis.compare_figures import fig_extreme_frac_curve
 
     fig = fig_extreme_frac_curve(load_arms(arm_runs))
     labels = [l.get_label() for l in fig.axes[0].get_lines()]

@@ -35,7 +35,8 @@ class ModelConfig:
     path: str | None = None
     """Local Hugging Face Qwen3-MoE checkpoint directory; null builds the tiny random model."""
     tiny: dict = field(default_factory=dict)
-    """Overrides of `moe_gspo.tiny.TINY_DEFAULTS` (Qwen3MoeConfig fields) when `path` is null."""
+    """Overrides of `moe_gspo.tiny.TINY_DEFAULTS` (Qwen3MoeConfig fields) when `path` is null; keys, types and
+    bounds are checked like a section's (`moe_gspo/config_sizes.py`)."""
     init_seed: int = 0
     """Seed of the tiny model's random initialisation."""
     router_scale: float = 4.0

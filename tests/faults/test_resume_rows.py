@@ -53,19 +53,22 @@ def test_a_cut_off_last_row_is_produced_again_from_the_checkpoint_before_it(run4
     assert torn.count(b"\n") == 1 and whole.startswith(torn[:-1]) and len(torn) - 1 == len(whole) + 1 - len(tail)
 
 
-def test_a_damaged_middle_row_resumes_from_the_checkpoint_at_it(run4, finished4, capsys):
+@pytest.mark.parametrize("row, source", [(1, "checkpoint step_000001"),
+                                         (0, "the initial policy (no checkpoint is that old)")])
+def test_a_damaged_row_resumes_from_the_checkpoint_at_or_before_it(run4, finished4, capsys, row, source):
     metrics = run4 / "metrics.jsonl"
     lines = metrics.read_text().splitlines()
-    lines[1] = lines[1][:40] + "\x00garbage" + lines[1][40:]
+    lines[row] = lines[row][:40] + "\x00garbage" + lines[row][40:]
     metrics.write_text("".join(l + "\n" for l in lines))
     assert train(run4, "--resume", "train.steps=4", "train.keep_checkpoints=4") == 0
     out, err = capsys.readouterr()
     notes = warnings_of(err)
-    assert len(notes) == 1 and "no intact row of step 1" in notes[0] and "step_000001 instead of step_000004" in notes[0]
+    assert len(notes) == 1 and f"no intact row of step {row}" in notes[0], err
+    assert f"resuming from {source} instead of step_000004" in notes[0]
     got = rows(run4)
     assert [r["step"] for r in got] == [0, 1, 2, 3]
-    assert [steady(r) for r in got] == [steady(r) for r in rows(finished4)]
-    assert (run4 / "metrics.jsonl.damaged").read_text() == lines[1] + "\n"  # kept as it was
+    assert [steady(r) for r in got] == [steady(r) for r in rows(finished4)]  # produced again, exactly
+    assert (run4 / "metrics.jsonl.damaged").read_text() == lines[row] + "\n"  # kept as it was
     assert json.loads((run4 / "done.json").read_text())["step"] == 4
 
 

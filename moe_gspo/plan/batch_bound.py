@@ -114,7 +114,7 @@ def check_batch_fits_host(cfg, *, world_size: int | None = None, local_ranks: in
     if total <= host:
         return
     names = {"batch": "batch", "kv_cache": "rollout KV cache", "model": "model", "activations": "activations"}
-    parts = " + ".join(f"{v / 2**30:.1f} GiB {names[k]}" for k, v in need.items() if v)
+    parts = " + ".join(f"{v / 2**30:.1f} GiB {names[k]}" for k, v in need.items() if v >= 0.05 * 2**30)
     what, needs, fix = _fix(cfg, need, local_ranks)
     if what.startswith("rollout."):
         field, value = what.split("=")

@@ -5,8 +5,8 @@ setting, run with several seeds): the report the ablation runner writes at the e
 
 groups run directories named `<arm>-s<seed>` by `<arm>` (as `python -m moe_gspo.ablate` names them;
 `analysis.compare_arms`: a RUN_DIR that does not exist, or is given twice, is an error naming it) and
-writes `report.html`, `report.md` and the PNGs into OUT_DIR. Figures (`analysis.compare_figures`): reward per arm (mean over
-seeds with a min/max band across seeds), binding and out-of-range clip fractions (for CISPO the
+writes `report.html`, `report.md` and the PNGs into OUT_DIR. Figures (`analysis.compare_figures`): reward per
+arm (mean over seeds with a min/max band across seeds), binding and out-of-range clip fractions (for CISPO the
 out-of-range fraction is the share of truncated weights, its binding fraction 0), SAPO's gate (mean gate
 weight, share of tokens whose gradient it more than halves), token and sequence ratio variances, routing drift (rollout-vs-learner any-layer flip, old→new expert change after the
 first optimizer step), train-inference mismatch with natural routing (`mismatch/*`) next to the
@@ -63,7 +63,8 @@ TABLE_COLUMNS = ["arm", "seeds", "steps", f"{FINAL_REWARD_LABEL}: IQM over seeds
                  "reward/frac_zero_std", "gen batches/step"]
 MISMATCH_COLUMNS = ["arm", "k3 KL natural", "k3 KL replayed", "|Δ log p| > ln 2 natural",
                     "|Δ log p| > ln 2 replayed", "mean |Δ log p| natural", "mean |Δ log p| replayed",
-                    "rollout/learner mismatch_ratio/token_var natural", "rollout/learner mismatch_ratio/seq_var natural",
+                    "rollout/learner mismatch_ratio/token_var natural",
+                    "rollout/learner mismatch_ratio/seq_var natural",
                     "R3 replay mismatch (max over steps; 0 = replay held)", "R3 fallback token frac"]
 _MISMATCH_KEYS = ["mismatch/k3_kl", "mismatch_replayed/k3_kl", "mismatch/extreme_frac_ln2",
                   "mismatch_replayed/extreme_frac_ln2", "mismatch/logp_abs_diff_mean",

@@ -92,7 +92,8 @@ def _fix(cfg, need: dict[str, float], local_ranks: int) -> tuple[str, str]:
                 "layer inputs)", "set train.micro_batch_size to fewer sequences, or raise train.num_minibatches")
     field, value = (("rollout.samples_per_prompt", r.samples_per_prompt) if r.samples_per_prompt >= r.prompts_per_step
                     else ("rollout.prompts_per_step", r.prompts_per_step))
-    return f"{field}={value}", f"a step of {r.prompts_per_step} prompts x {r.samples_per_prompt} samples", f"lower {field}"
+    step = f"a step of {r.prompts_per_step} prompts x {r.samples_per_prompt} samples"
+    return f"{field}={value}", step, f"lower {field}"
 
 
 def check_batch_fits_host(cfg, *, world_size: int | None = None, local_ranks: int | None = None,

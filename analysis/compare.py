@@ -3,9 +3,10 @@ setting, run with several seeds): the report the ablation runner writes at the e
 
     python -m analysis.compare OUT_DIR RUN_DIR [RUN_DIR ...]
 
-groups run directories named `<arm>-s<seed>` by `<arm>` (as `python -m moe_gspo.ablate` names them)
-and writes `report.html`, `report.md` and the PNGs into OUT_DIR. Figures: reward per arm (mean over
-seeds with a min/max band across seeds), binding and out-of-range clip fractions (for CISPO the
+groups run directories named `<arm>-s<seed>` by `<arm>` (as `python -m moe_gspo.ablate` names them;
+`analysis.compare_arms`: a RUN_DIR that does not exist, or is given twice, is an error naming it) and
+writes `report.html`, `report.md` and the PNGs into OUT_DIR. Figures (`analysis.compare_figures`): reward per
+arm (mean over seeds with a min/max band across seeds), binding and out-of-range clip fractions (for CISPO the
 out-of-range fraction is the share of truncated weights, its binding fraction 0), SAPO's gate (mean gate
 weight, share of tokens whose gradient it more than halves), token and sequence ratio variances, routing drift (rollout-vs-learner any-layer flip, old→new expert change after the
 first optimizer step), train-inference mismatch with natural routing (`mismatch/*`) next to the
@@ -25,8 +26,9 @@ given); per-seed means
 over steps of the drift / clip / gate / variance metrics, of the policy entropy and the share of groups
 without signal (`actor/entropy`, `reward/frac_zero_std`) and of the generation rounds per step
 (`sampling/num_gen_batches`, > 1 with dynamic sampling), averaged over seeds; mismatch vs mismatch_replayed
-side by side, with the rollout/learner token- and sequence-ratio variances (`mismatch_ratio/*`); the
-per-layer routing change. Steps where a metric is null/NaN (e.g. a variance share
+side by side, with the rollout/learner token- and sequence-ratio variances (`mismatch_ratio/*`) and, for
+R3 arms, whether the replay held (`r3/replay_mismatch_frac`, max over steps) and its fallback share
+(`r3/fallback_token_frac`); the per-layer routing change. Steps where a metric is null/NaN (e.g. a variance share
 of an empty subset) are left out of its means. A figure whose inputs no run has is listed under
 "Skipped" with the reason.
 """
@@ -35,400 +37,24 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import sys
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import seaborn as sns
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
 
-from analysis.arm_stats import arm_length_variance, layer_means
-from analysis.figure_kit import (
-    FigureSpec, SkipFigure, layer_axis_label, layer_labels, positive_or_nan, render_figures,
-)
-from analysis.figures import logprob_trace_paths, read_logprob_sets
+from analysis.compare_arms import ArmRun, Arms, arm_runs_from_dirs, check_run_dirs, load_arms
+from analysis.compare_figures import COMPARE_FIGURES, COMPARE_STABILITY_FIGURES, all_layer_means, arm_layer_labels
+from analysis.figure_kit import render_figures
 from analysis.load import (
-    FINAL_REWARD_LABEL, ReportInputError, RunData, RunDataWarning, finite_mean, headline_numbers, load_run, series,
+    FINAL_REWARD_LABEL, ReportInputError, RunData, RunDataWarning, finite_mean, headline_numbers, series,
 )
 from analysis.report import Page, ReportPaths, Table, fmt_number, write_page
 from analysis.seed_report import arm_seed_statistics, fmt_estimate, seed_notes, seed_tables
 from analysis.seed_stats import DEFAULT_COLLAPSE_DROP, DEFAULT_REPS, DEFAULT_REWARD_THRESHOLD, SeedStatistics
-from analysis.stability_figures import (
-    CURVE_KEY, CURVE_KEY_REPLAYED, DEAD_KEY, EXTREME_TAUS, LOAD_KEYS, draw_load_steps, load_steps, mean_curve,
-    shown_layers, tau_axis,
-)
 
+__all__ = ["ArmRun", "Arms", "arm_runs_from_dirs", "build_comparison", "comparison_tables", "load_arms", "main"]
 
-@dataclass
-class ArmRun:
-    """One run of the matrix: which arm it belongs to, its seed and directory."""
-
-    arm: str
-    seed: int
-    run_dir: Path
-
-
-@dataclass
-class Arms:
-    """Loaded runs per arm, in the order the arms were first given."""
-
-    runs: dict[str, list[tuple[int, RunData]]]
-    expected: dict[str, int]
-    """Number of seeds each arm was meant to have (including runs that could not be read)."""
-    notes: list[str]
-
-
-def load_arms(arm_runs: list[ArmRun]) -> Arms:
-    """Read every run leniently; runs without usable metrics are noted and left out."""
-    runs: dict[str, list[tuple[int, RunData]]] = {}
-    expected: dict[str, int] = {}
-    notes: list[str] = []
-    for ar in arm_runs:
-        expected[ar.arm] = expected.get(ar.arm, 0) + 1
-        runs.setdefault(ar.arm, [])
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RunDataWarning)
-                run = load_run(ar.run_dir)
-        except ReportInputError as e:
-            notes.append(f"{ar.arm} seed {ar.seed}: left out ({e})")
-            continue
-        notes += [f"{ar.arm} seed {ar.seed}: {w}" for w in run.warnings]
-        if not run.records:
-            notes.append(f"{ar.arm} seed {ar.seed}: left out (no metric records)")
-            continue
-        if run.done is None:
-            notes.append(f"{ar.arm} seed {ar.seed}: unfinished (no done.json); included as far as it got")
-        runs[ar.arm].append((ar.seed, run))
-    return Arms(runs, expected, notes)
-
-
-def seed_band(runs: list[tuple[int, RunData]], key: str
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(steps, mean, min, max) across seeds of a scalar metric, on the union of logged steps
-    (each step aggregates the seeds that logged a finite value there)."""
-    per_seed = [dict(zip(*(a.tolist() for a in series(run.records, key)))) for _, run in runs]
-    steps = np.asarray(sorted(set().union(*per_seed)) if per_seed else [], np.int64)
-    if steps.size == 0:
-        empty = np.zeros(0)
-        return steps, empty, empty, empty
-    vals = np.asarray([[d.get(s, math.nan) for s in steps.tolist()] for d in per_seed], np.float64)
-    vals[~np.isfinite(vals)] = np.nan
-    keep = np.isfinite(vals).any(axis=0)
-    vals, steps = vals[:, keep], steps[keep]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return steps, np.nanmean(vals, 0), np.nanmin(vals, 0), np.nanmax(vals, 0)
-
-
-def _arm_panel(ax, arms: Arms, key: str, ylabel: str, logy: bool = False) -> bool:
-    drawn = False
-    palette = sns.color_palette("tab10", n_colors=max(len(arms.runs), 1))
-    bands = {arm: seed_band(runs, key) for arm, runs in arms.runs.items()}
-    logy = logy and any(np.any(b[1] > 0) for b in bands.values())
-    for color, (arm, runs) in zip(palette, arms.runs.items()):
-        steps, mean, lo, hi = bands[arm]
-        if steps.size == 0:
-            continue
-        if logy:
-            mean, lo, hi = positive_or_nan(mean), positive_or_nan(lo), positive_or_nan(hi)
-        ax.plot(steps, mean, color=color, label=f"{arm} (n={len(runs)})")
-        if len(runs) > 1:
-            ax.fill_between(steps, lo, hi, color=color, alpha=0.2, linewidth=0)
-        drawn = True
-    if drawn:
-        if logy:
-            ax.set_yscale("log")
-        ax.legend(fontsize="x-small")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    else:
-        ax.text(0.5, 0.5, f"'{key}' not logged", ha="center", va="center", transform=ax.transAxes)
-    ax.set(title=key, xlabel="training step", ylabel=ylabel)
-    return drawn
-
-
-def _panels(arms: Arms, panels: list[tuple[str, str, bool]], title: str) -> Figure:
-    keys = [p[0] for p in panels]
-    if not any(k in r for runs in arms.runs.values() for _, run in runs for r in run.records
-               for k in keys):
-        raise SkipFigure(f"metric(s) {', '.join(keys)} missing from all runs")
-    fig = Figure(figsize=(5.2 * len(panels), 3.6), dpi=100, layout="constrained")
-    axes = fig.subplots(1, len(panels), squeeze=False)[0]
-    for ax, (key, ylabel, logy) in zip(axes, panels):
-        _arm_panel(ax, arms, key, ylabel, logy)
-    fig.suptitle(title)
-    return fig
-
-
-
-def _palette(arms: Arms) -> dict[str, tuple]:
-    return dict(zip(arms.runs, sns.color_palette("tab10", n_colors=max(len(arms.runs), 1))))
-
-
-def fig_ratio_variance_length(arms: Arms) -> Figure:
-    """Per arm, learner/rollout token-ratio and length-normalised sequence-ratio variance per
-    response-length bin (bins shared by all arms), from the seeds' logprob traces pooled."""
-    arm_sets = {}
-    for arm, runs in arms.runs.items():
-        per_seed = []
-        for seed, run in runs:
-            num_warnings = len(run.warnings)
-            sets = read_logprob_sets(run)
-            arms.notes += [f"{arm} seed {seed}: {w}" for w in run.warnings[num_warnings:]]
-            if sets:
-                per_seed.append(sets)
-        if per_seed:
-            arm_sets[arm] = per_seed
-    if not arm_sets:
-        what = ("every step_*_logprobs.npz file was unreadable"
-                if any(logprob_trace_paths(run) for runs in arms.runs.values() for _, run in runs)
-                else "no run has traces/step_*_logprobs.npz files (logging.trace_every 0 or traces missing)")
-        raise SkipFigure(what)
-    try:
-        edges, per_arm = arm_length_variance(arm_sets)
-    except ValueError as e:
-        raise SkipFigure(str(e)) from e
-    if not any(np.isfinite(v.pooled["token_var"]).any() for v in per_arm.values()):
-        raise SkipFigure("fewer than 2 responses per length bin in every arm's logprob traces")
-    fig = Figure(figsize=(10.4, 3.8), dpi=100, layout="constrained")
-    axes = fig.subplots(1, 2)
-    colors = _palette(arms)
-    panels = (("token_var", "token ratio exp(d_t)"),
-              ("seq_norm_var", "length-normalised sequence ratio exp(mean_t d_t)"))
-    for ax, (key, title) in zip(axes, panels):
-        for arm, v in per_arm.items():
-            ok = np.isfinite(v.pooled[key])
-            x = v.pooled["len_mid"][ok]
-            ax.plot(x, positive_or_nan(v.pooled[key][ok]), marker="o", markersize=3, color=colors[arm],
-                    label=f"{arm} (n={v.num_seeds})")
-            if v.num_seeds > 1:
-                ax.fill_between(x, positive_or_nan(v.seed_min[key][ok]), positive_or_nan(v.seed_max[key][ok]),
-                                color=colors[arm], alpha=0.2, linewidth=0)
-        if any(np.nanmax(v.pooled[key], initial=0) > 0 for v in per_arm.values()):
-            ax.set_yscale("log")
-        ax.legend(fontsize="x-small")
-        ax.set(title=title, xlabel="response length (tokens, arm's bin mean)", ylabel="variance (unitless)")
-    bins = ", ".join(f"[{edges[i]:g}, {edges[i + 1]:g}{']' if i == edges.size - 2 else ')'}"
-                     for i in range(edges.size - 1))
-    fig.suptitle(f"Learner/rollout ratio variance vs response length; bins {bins}", fontsize="medium")
-    return fig
-
-
-_LAYER_KEYS = (("update/layer_change", "old→new policy change (update/layer_change)"),
-               ("routing/layer_disagree", "rollout vs learner (routing/layer_disagree)"))
-
-
-def _arm_layer_labels(arms: Arms, num_layers: int) -> list[str]:
-    for runs in arms.runs.values():
-        for _, run in runs:
-            if run.traces:
-                return layer_labels(run, num_layers)
-    return [str(i) for i in range(num_layers)]
-
-
-def _all_layer_means(arms: Arms) -> tuple[dict[str, dict], int]:
-    means = {key: {arm: layer_means(runs, key) for arm, runs in arms.runs.items()} for key, _ in _LAYER_KEYS}
-    num_layers = max((m.mean_L.size for per_arm in means.values() for m in per_arm.values() if m), default=0)
-    return means, num_layers
-
-
-def fig_layer_change(arms: Arms) -> Figure:
-    """Grouped bars: per MoE layer and arm, the mean over steps then seeds (error bar: seed min/max)."""
-    means, num_layers = _all_layer_means(arms)
-    if num_layers == 0:
-        raise SkipFigure(f"per-layer metrics {', '.join(k for k, _ in _LAYER_KEYS)} missing from all runs")
-    labels = _arm_layer_labels(arms, num_layers)
-    width = min(20.0, 1.6 * max(5.0, 0.25 * num_layers * len(arms.runs) + 2.5))
-    fig = Figure(figsize=(width, 3.8), dpi=100, layout="constrained")
-    axes = fig.subplots(1, 2)
-    colors, width = _palette(arms), 0.8 / max(len(arms.runs), 1)
-    for ax, (key, title) in zip(axes, _LAYER_KEYS):
-        drawn = False
-        for i, (arm, m) in enumerate(means[key].items()):
-            if m is None:
-                continue
-            x = np.arange(m.mean_L.size) - 0.4 + width * (i + 0.5)
-            err = (np.stack([m.mean_L - m.min_L, m.max_L - m.mean_L]) if m.num_seeds > 1 else None)
-            ax.bar(x, m.mean_L, width, yerr=err, capsize=2, color=colors[arm], label=f"{arm} (n={m.num_seeds})")
-            drawn = True
-        if drawn:
-            ax.legend(fontsize="x-small")
-        else:
-            ax.text(0.5, 0.5, f"'{key}' not logged", ha="center", va="center", transform=ax.transAxes)
-        ax.set_xticks(np.arange(num_layers), labels)
-        ax.set(title=title, xlabel=layer_axis_label(labels), ylabel="fraction of tokens")
-    fig.suptitle("Routing change per MoE layer (mean over steps, then seeds; bars: seed min/max)")
-    return fig
-
-
-COMPARE_FIGURES: list[FigureSpec] = [
-    FigureSpec("cmp_reward", "Reward per arm",
-               "reward/mean: line = mean over seeds, band = min/max across seeds.",
-               lambda a: _panels(a, [("reward/mean", "reward (task units)", False)], "Reward")),
-    FigureSpec("cmp_collapse", "Entropy and zero-variance groups per arm",
-               "actor/entropy (mean token entropy of the old-policy pass over response tokens) and "
-               "reward/frac_zero_std (share of prompt groups whose rewards are all equal, i.e. no learning "
-               "signal): line = mean over seeds, band = min/max across seeds.",
-               lambda a: _panels(a, [("actor/entropy", "nats per response token", False),
-                                     ("reward/frac_zero_std", "fraction of groups", False)],
-                                 "Entropy and zero-variance groups")),
-    FigureSpec("cmp_clip", "Clip fractions per arm",
-               "Binding clip fractions of tokens and sequences (the clip takes the gradient away) and "
-               "the out-of-range token fraction whatever the sign of A (mean over seeds, min/max band).",
-               lambda a: _panels(a, [("clip/token_frac", "fraction of tokens (binding)", False),
-                                     ("clip/seq_frac", "fraction of sequences (binding)", False),
-                                     ("clip/out_of_range_frac", "fraction of tokens (out of range)", False)],
-                                 "Clip fractions")),
-    FigureSpec("cmp_gate", "SAPO gate per arm",
-               "SAPO's soft gate (no hard clip): mean gate weight g = sech^2(tau (w - 1) / 2) over tokens (1 = the "
-               "token keeps its full unclipped gradient) and the share of tokens with g < 0.5 (mean over seeds, "
-               "min/max band). Only SAPO arms log it.",
-               lambda a: _panels(a, [("gate/weight_mean", "mean gate weight", False),
-                                     ("gate/token_frac_below_half", "fraction of tokens (g < 0.5)", False)],
-                                 "SAPO gate")),
-    FigureSpec("cmp_ratio_var", "Ratio variances per arm",
-               "New/old policy token- and sequence-ratio variance inside the update (log scale).",
-               lambda a: _panels(a, [("ratio/token_var", "variance (unitless)", True),
-                                     ("ratio/seq_var", "variance (unitless)", True)],
-                                 "Token vs sequence ratio variance")),
-    FigureSpec("cmp_routing", "Routing drift per arm",
-               "Rollout-vs-learner share of tokens routed differently in ≥1 layer, and the old→new "
-               "policy expert change per update.",
-               lambda a: _panels(a, [("routing/any_layer_flip", "fraction of tokens", False),
-                                     ("update/expert_change_frac", "fraction of experts", False)],
-                                 "Routing drift")),
-    FigureSpec("cmp_mismatch", "Train-inference mismatch per arm: natural vs replayed routing",
-               "k3 KL and |Δ log p| > ln 2 token fraction between rollout-engine and learner log-probs: "
-               "learner with its natural routing (mismatch/*, every arm) and replaying the rollout "
-               "engine's routes (mismatch_replayed/*, R3 arms: the log-probs their loss uses).",
-               lambda a: _panels(a, [("mismatch/k3_kl", "k3 KL, natural (nats/token)", True),
-                                     ("mismatch_replayed/k3_kl", "k3 KL, replayed (nats/token)", True),
-                                     ("mismatch/extreme_frac_ln2", "tokens, natural", False),
-                                     ("mismatch_replayed/extreme_frac_ln2", "tokens, replayed", False)],
-                                 "Mismatch: natural vs replayed routing")),
-    FigureSpec("cmp_ratio_var_length", "Ratio variance vs response length per arm",
-               "Learner/rollout log-ratio d_t from the traced steps' logprob traces, each arm's seeds "
-               "pooled: variance of the token ratios exp(d_t) and of the length-normalised sequence ratio "
-               "exp(mean_t d_t) per response-length bin (quantile bins of all arms' responses, the same "
-               "for every arm; x = the arm's mean length in the bin), log scale. Band: min/max of the "
-               "per-seed values. GSPO's claim: the sequence ratio's variance stays far below the token "
-               "ratio's and does not grow with length.", fig_ratio_variance_length),
-    FigureSpec("cmp_layer_change", "Routing change per layer per arm",
-               "Per MoE layer, over the token rows that produce response log-probs: share whose learner "
-               "top-k set changes over the first optimizer step (update/layer_change) and whose "
-               "rollout-engine and learner (natural routing) top-k sets differ (routing/layer_disagree); "
-               "per seed the mean over steps, bar = mean over seeds, error bar = seed min/max.",
-               fig_layer_change),
-]
-
-def _any_logged(arms: Arms, key: str) -> bool:
-    return any(key in r for runs in arms.runs.values() for _, run in runs for r in run.records)
-
-
-def fig_extreme_frac_curve(arms: Arms) -> Figure:
-    """F(tau) per arm, one line each: per seed the mean over its steps, then the mean over seeds (band: seed
-    min/max); R3 arms' pass replaying the rollout routes dashed."""
-    fig = Figure(figsize=(7.2, 4.0), dpi=100, layout="constrained")
-    ax = fig.subplots()
-    colors, lines = _palette(arms), []
-    for arm, runs in arms.runs.items():
-        for key, style, what in ((CURVE_KEY, "-", "natural"), (CURVE_KEY_REPLAYED, "--", "replayed")):
-            per_seed = [c for c in (mean_curve(run.records, key) for _, run in runs) if c is not None]
-            if not per_seed:
-                continue
-            c = np.asarray(per_seed)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                lines.append((arm, style, f"{arm}, {what} (n={len(per_seed)})", len(per_seed),
-                              np.nanmean(c, 0), np.nanmin(c, 0), np.nanmax(c, 0)))
-    if not lines:
-        raise SkipFigure(f"'{CURVE_KEY}' has no step with one value per τ in any run")
-    positive = any(np.nanmax(mean, initial=0) > 0 for *_, mean, _, _ in lines)  # all zeros: a linear axis at 0
-    show = positive_or_nan if positive else (lambda v: v)
-    for arm, style, label, n, mean, lo, hi in lines:
-        ax.plot(EXTREME_TAUS, show(mean), marker="o", markersize=3, linestyle=style, color=colors[arm], label=label)
-        if n > 1:
-            ax.fill_between(EXTREME_TAUS, show(lo), show(hi), color=colors[arm], alpha=0.15, linewidth=0)
-    if positive:
-        ax.set_yscale("log")
-    tau_axis(ax)
-    ax.legend(fontsize="x-small")
-    ax.set(ylabel="F(τ): share of response tokens", title="Extreme-token fraction F(τ) per arm")
-    return fig
-
-
-def arm_load_steps(runs: list[tuple[int, RunData]], key: str) -> tuple[np.ndarray, np.ndarray]:
-    """(steps, loads [S, L, E]) of an expert-load key averaged over an arm's seeds, on the steps every seed
-    that logged it has (empty when none did)."""
-    per_seed = [load_steps(run.records, key) for _, run in runs]
-    per_seed = [(st, v) for st, v in per_seed if st.size]
-    if not per_seed or len({v.shape[1:] for _, v in per_seed}) != 1:
-        return np.zeros(0, np.int64), np.zeros((0, 0, 0))
-    common = sorted(set.intersection(*(set(st.tolist()) for st, _ in per_seed)))
-    if not common:
-        return np.zeros(0, np.int64), np.zeros((0, 0, 0))
-    stack = [v[np.searchsorted(st, common)] for st, v in per_seed]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return np.asarray(common, np.int64), np.nanmean(np.stack(stack), 0)
-
-
-def fig_expert_load_steps(arms: Arms) -> Figure:
-    """Per arm (rows) and side (columns), the expert load per layer against the step, seeds averaged."""
-    cells = {(arm, name): arm_load_steps(runs, key) for arm, runs in arms.runs.items() for key, name in LOAD_KEYS}
-    shapes = {v.shape[1:] for st, v in cells.values() if st.size}
-    if not shapes:
-        raise SkipFigure("no run logged routing/expert_load_rollout or routing/expert_load_learner per layer")
-    num_layers = max(sh[0] for sh in shapes)
-    layers = shown_layers(num_layers, 4)
-    labels = _arm_layer_labels(arms, num_layers)
-    vmax = max(float(np.nanmax(v)) if np.isfinite(v).any() else 0.0 for st, v in cells.values() if st.size) or 1.0
-    arm_names = list(arms.runs)
-    fig = Figure(figsize=(10.4, float(np.clip((0.5 * len(layers) + 1.2) * len(arm_names), 3.0, 24.0))), dpi=100,
-                 layout="constrained")
-    axes = fig.subplots(len(arm_names), len(LOAD_KEYS), squeeze=False)
-    im = None
-    for r, arm in enumerate(arm_names):
-        for c, (_, name) in enumerate(LOAD_KEYS):
-            ax = axes[r][c]
-            steps, vals = cells[(arm, name)]
-            if not steps.size or vals.shape[1] != num_layers:
-                ax.text(0.5, 0.5, f"{arm}: {name} load not logged", ha="center", va="center", transform=ax.transAxes)
-                ax.set_axis_off()
-                continue
-            im = draw_load_steps(ax, steps, vals, layers, labels, vmax=vmax, title=f"{arm}: {name}", ylabel=False)
-            if c == 0:
-                ax.set_ylabel(f"MoE layer ({vals.shape[2]} experts each)", fontsize="small")
-    if im is not None:
-        fig.colorbar(im, ax=axes, label="share of the layer's top-k slots (mean over seeds)")
-    shown = "" if len(layers) == num_layers else f", {len(layers)} of {num_layers} layers shown"
-    fig.suptitle(f"Expert load per layer over training, per arm{shown}")
-    return fig
-
-
-COMPARE_STABILITY_FIGURES: list[FigureSpec] = [
-    FigureSpec("cmp_extreme_frac_curve", "Extreme-token fraction curve F(τ) per arm",
-               "F(τ) = share of response tokens with |log p_learner − log p_rollout| > ln τ "
-               "(mismatch/extreme_frac_curve; the R3 paper's curve): per seed the mean over steps, line = mean "
-               "over seeds, band = seed min/max; dashed: R3 arms' pass replaying the rollout routes "
-               "(mismatch_replayed/extreme_frac_curve). Its points at τ = 2 and 5 are mismatch/extreme_frac_ln2 "
-               "and _ln5.", fig_extreme_frac_curve, applies=lambda a: _any_logged(a, CURVE_KEY)),
-    FigureSpec("cmp_dead_experts", "Dead experts per arm",
-               "router/dead_experts: (MoE layer, expert) pairs to which the learner's old-policy pass routed no "
-               "response row in the last logging.dead_expert_window steps; line = mean over seeds, band = min/max.",
-               lambda a: _panels(a, [(DEAD_KEY, "(layer, expert) pairs", False)], "Dead experts (learner)"),
-               applies=lambda a: _any_logged(a, DEAD_KEY)),
-    FigureSpec("cmp_expert_load_steps", "Expert load per layer over training, per arm",
-               "Each expert's share of its layer's top-k slots on the response rows (routing/expert_load_rollout, "
-               "routing/expert_load_learner) against the step, the arm's seeds averaged on their common steps; "
-               "layers stacked (white lines), at most 4 shown.", fig_expert_load_steps,
-               applies=lambda a: _any_logged(a, DEAD_KEY)),
-]
-"""Figures of issue 41's stability metrics; left out silently when no run logged their metric (older runs)."""
 
 TABLE_COLUMNS = ["arm", "seeds", "steps", f"{FINAL_REWARD_LABEL}: IQM over seeds [95% CI]",
                  f"{FINAL_REWARD_LABEL}: seed range (min–max)", "any-layer flip", "update expert change",
@@ -437,7 +63,9 @@ TABLE_COLUMNS = ["arm", "seeds", "steps", f"{FINAL_REWARD_LABEL}: IQM over seeds
                  "reward/frac_zero_std", "gen batches/step"]
 MISMATCH_COLUMNS = ["arm", "k3 KL natural", "k3 KL replayed", "|Δ log p| > ln 2 natural",
                     "|Δ log p| > ln 2 replayed", "mean |Δ log p| natural", "mean |Δ log p| replayed",
-                    "rollout/learner mismatch_ratio/token_var natural", "rollout/learner mismatch_ratio/seq_var natural"]
+                    "rollout/learner mismatch_ratio/token_var natural",
+                    "rollout/learner mismatch_ratio/seq_var natural",
+                    "R3 replay mismatch (max over steps; 0 = replay held)", "R3 fallback token frac"]
 _MISMATCH_KEYS = ["mismatch/k3_kl", "mismatch_replayed/k3_kl", "mismatch/extreme_frac_ln2",
                   "mismatch_replayed/extreme_frac_ln2", "mismatch/logp_abs_diff_mean",
                   "mismatch_replayed/logp_abs_diff_mean", "mismatch_ratio/token_var", "mismatch_ratio/seq_var"]
@@ -466,8 +94,14 @@ def arm_summary(runs: list[tuple[int, RunData]]) -> dict[str, float]:
         }
         row.update({k: finite_mean(series(run.records, key)[1]) for k, key in _MEAN_KEYS.items()})
         row.update({k: finite_mean(series(run.records, k)[1]) for k in _MISMATCH_KEYS})
+        r3 = series(run.records, "r3/replay_mismatch_frac")[1]
+        row["r3_mismatch_max"] = float(np.nanmax(r3)) if np.isfinite(r3).any() else math.nan
+        row["r3_fallback"] = finite_mean(series(run.records, "r3/fallback_token_frac")[1])
         per_seed.append(row)
     out = {k: finite_mean(np.asarray([s[k] for s in per_seed])) for k in _SUMMARY_KEYS}
+    r3 = np.asarray([s["r3_mismatch_max"] for s in per_seed], np.float64)
+    out["r3_mismatch_max"] = float(np.nanmax(r3)) if np.isfinite(r3).any() else math.nan  # the worst seed
+    out["r3_fallback"] = finite_mean(np.asarray([s["r3_fallback"] for s in per_seed]))
     finals = np.asarray([s["final_reward"] for s in per_seed], np.float64)
     finals = finals[np.isfinite(finals)]
     out["final_reward_min"] = float(finals.min()) if finals.size else math.nan
@@ -497,7 +131,7 @@ def comparison_tables(arms: Arms, stats: SeedStatistics | None = None) -> list[T
                      _range(s["num_steps_min"], s["num_steps_max"], integer=True), reward,
                      _range(s["final_reward_min"], s["final_reward_max"])]
                     + [fmt_number(s[k]) for k in _ROW_KEYS])
-        mismatch_rows.append([arm] + [fmt_number(s[k]) for k in _MISMATCH_KEYS])
+        mismatch_rows.append([arm] + [fmt_number(s[k]) for k in (*_MISMATCH_KEYS, "r3_mismatch_max", "r3_fallback")])
     return ([Table("Arms (means over steps, then over seeds)", TABLE_COLUMNS, rows)] + seed_tables(stats)
             + [Table("Train-inference mismatch: learner with natural routing vs replaying the rollout routes "
                      "(R3 arms; n/a elsewhere)", MISMATCH_COLUMNS, mismatch_rows)] + layer_table(arms))
@@ -511,10 +145,10 @@ the mean over layers and the most-changed layer (the figure shows every layer)."
 def layer_table(arms: Arms) -> list[Table]:
     """Per arm, `update/layer_change` and `routing/layer_disagree` per MoE layer (mean over steps,
     then over seeds); no table when neither metric was logged."""
-    means, num_layers = _all_layer_means(arms)
+    means, num_layers = all_layer_means(arms)
     if num_layers == 0:
         return []
-    labels = _arm_layer_labels(arms, num_layers)
+    labels = arm_layer_labels(arms, num_layers)
     names = {"update/layer_change": "update change", "routing/layer_disagree": "rollout/learner disagree"}
     per_layer = num_layers <= MAX_TABLE_LAYERS
     columns = ["arm"]
@@ -566,7 +200,7 @@ def build_comparison(arm_runs: list[ArmRun], out_dir: str | Path,
     `analysis.seed_stats` (`pairs` None: `arm_pairs`). Raises `ReportInputError` when no run has
     metric records or `pairs` names an arm without a readable run. Runs of different lengths: a
     `RunDataWarning` and a note at the top of the report (`step_count_warning`)."""
-    arms = load_arms(arm_runs)
+    arms = load_arms(arm_runs)  # a directory given twice: ReportInputError (analysis.compare_arms)
     if not any(arms.runs.values()):
         raise ReportInputError("no run of the comparison has metric records; nothing to compare")
     lengths_differ = step_count_warning(arms)
@@ -581,18 +215,6 @@ def build_comparison(arm_runs: list[ArmRun], out_dir: str | Path,
     page.figures = render_figures(COMPARE_FIGURES + COMPARE_STABILITY_FIGURES, arms)
     page.notes = arms.notes
     return write_page(page, out_dir)
-
-
-_SEED_RE = re.compile(r"^(?P<arm>.+)-s(?P<seed>\d+)$")
-
-
-def arm_runs_from_dirs(run_dirs: list[str | Path]) -> list[ArmRun]:
-    """Group directories named `<arm>-s<seed>` by arm; other names become one-seed arms."""
-    out = []
-    for d in map(Path, run_dirs):
-        m = _SEED_RE.match(d.name)
-        out.append(ArmRun(m["arm"], int(m["seed"]), d) if m else ArmRun(d.name, 0, d))
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -618,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     if pairs and any(len(p) != 2 for p in pairs):
         parser.error("--pair takes ARM_A,ARM_B")
     try:
+        check_run_dirs(args.run_dirs)  # a missing or repeated RUN_DIR: one line, exit 2, before anything is read
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RunDataWarning)
             paths = build_comparison(arm_runs_from_dirs(args.run_dirs), args.out_dir,

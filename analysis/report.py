@@ -36,6 +36,7 @@ from analysis.eval_report import EVAL_FIGURES, last_eval_rows
 from analysis.figure_kit import RenderedFigure, SkippedFigure, render_figures
 from analysis.figures import ROLLOUT_CORR_PANELS, RUN_FIGURES, rollout_corrections_used
 from analysis.probe_figures import PROBE_FIGURES
+from analysis.r3_report import r3_rows
 from analysis.router_figures import ROUTER_FIGURES
 from analysis.stability_figures import STABILITY_FIGURES
 from analysis.samples import PER_STEP, pick_samples, read_samples, samples_html, samples_markdown
@@ -287,6 +288,14 @@ def rollout_corr_table(run: RunData) -> Table | None:
     return Table("Rollout corrections (mean over steps)", ["metric", "value"], rows) if rows else None
 
 
+def r3_table(run: RunData) -> Table | None:
+    """R3's replay contract and fallback over the run (`analysis.r3_report`); None when not an R3 run."""
+    rows = r3_rows(run.records)
+    return Table("Routing replay (R3): did the replayed pass use the rollout routes?",
+                 ["metric", "mean over steps (counts: total)", "max over steps", "steps with a value"],
+                 rows) if rows else None
+
+
 def rollout_corr_line(run: RunData) -> str:
     """The header's 'Rollout corrections: ...' line: those config.yaml turns on, or 'not used'."""
     used = rollout_corrections_used(run.config)
@@ -403,9 +412,9 @@ def prompt_encoding_line(run: RunData) -> str:
 def build_run_page(run: RunData, probe: dict | None = None) -> Page:
     page = Page(title=f"Expert-drift report: {run.name}", intro=_config_summary(run), summary=run_verdicts(run))
     page.tables.append(headline_table(run))
-    corr = rollout_corr_table(run)
-    if corr is not None:
-        page.tables.append(corr)
+    for extra in (rollout_corr_table(run), r3_table(run)):
+        if extra is not None:
+            page.tables.append(extra)
     page.figures = render_figures(RUN_REPORT_FIGURES, run)
     samples = samples_section(run)
     if isinstance(samples, Section):

@@ -70,6 +70,17 @@ def tau_axis(ax) -> None:
     ax.set_xlabel("τ (probability ratio bound)")
 
 
+def f_tau_y_axis(ax, *, positive: bool) -> None:
+    """The y axis of an F(tau) plot: log when some point is positive; else (no extreme token at any tau) a linear
+    axis from 0 to 1 with a note, not matplotlib's +-0.04 around a flat line at 0 (issue 49)."""
+    if positive:
+        ax.set_yscale("log")
+        return
+    ax.set_ylim(0.0, 1.0)
+    ax.text(0.5, 0.5, "F(τ) = 0 at every τ: no response token's |Δ log p| exceeded ln τ", ha="center", va="center",
+            transform=ax.transAxes, fontsize="small", color="0.3")
+
+
 def fig_extreme_frac_curve(run: RunData) -> Figure:
     curves = [(CURVE_KEY, None, "natural routing, all steps", "C0", "-"),
               (CURVE_KEY, 0.1, "natural routing, last 10% of steps", "C0", "--"),
@@ -84,8 +95,7 @@ def fig_extreme_frac_curve(run: RunData) -> Figure:
     for y, (label, color, style) in drawn:
         ax.plot(EXTREME_TAUS, positive_or_nan(y) if logy else y, marker="o", markersize=3, color=color,
                 linestyle=style, label=label)
-    if logy:
-        ax.set_yscale("log")
+    f_tau_y_axis(ax, positive=logy)
     tau_axis(ax)
     for t in (2.0, 5.0):
         ax.axvline(t, color="0.6", linewidth=0.8, linestyle=":")
@@ -166,8 +176,8 @@ STABILITY_FIGURES: list[FigureSpec] = [
                "F(τ) = share of response tokens with |log p_learner − log p_rollout| > ln τ (the R3 paper's "
                "extreme-token curve; mismatch/extreme_frac_curve), mean over steps (each step weighs the same) "
                "and over the last 10% of steps; under R3 also for the pass replaying the rollout routes. "
-               "Dotted: τ = 2 and 5, the points logged as mismatch/extreme_frac_ln2 and _ln5. Points at 0 are "
-               "left out of the log scale.", fig_extreme_frac_curve, applies=lambda run: logged(run, CURVE_KEY)),
+               "Dotted: τ = 2 and 5, the points logged as mismatch/extreme_frac_ln2 and _ln5. Log y when a point is "
+               "positive (points at 0 are then left out), else a linear axis from 0.", fig_extreme_frac_curve, applies=lambda run: logged(run, CURVE_KEY)),
     FigureSpec("expert_load_steps", "Expert load per layer over training",
                "Each expert's share of its layer's top-k slots on the response rows (routing/expert_load_rollout, "
                "routing/expert_load_learner) against the step, layers stacked (white lines), at most 8 layers "

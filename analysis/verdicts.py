@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from analysis.load import RunData, finite_mean, matrix_series, ratio_of_means, series, trace_layer_ids
+from analysis.r3_report import r3_sentence
 
 
 def _pct(fraction: float) -> str:
@@ -181,9 +182,10 @@ def drift_verdicts(records: list[dict[str, Any]]) -> list[str]:
 
 
 def run_verdicts(run: RunData) -> list[str]:
-    """The report's verdict sentences, in order: whether drift mattered (`drift_verdicts`), routing,
-    rollout/learner ratio, new/old ratio."""
-    return [*drift_verdicts(run.records), routing_sentence(run.records, trace_layer_ids(run)),
+    """The report's verdict sentences, in order: whether drift mattered (`drift_verdicts`), whether routing
+    replay worked (R3 runs, `analysis.r3_report`), routing, rollout/learner ratio, new/old ratio."""
+    r3 = r3_sentence(run.records)  # R3 runs: did the replay work (issue 49)
+    return [*drift_verdicts(run.records), *([r3] if r3 else []), routing_sentence(run.records, trace_layer_ids(run)),
             variance_sentence(run.records, "mismatch_ratio",
                               "Rollout/learner ratio (learner before the update vs rollout engine, natural routing)"),
             variance_sentence(run.records, "ratio", "New/old policy ratio (inside the update)")]

@@ -3,7 +3,7 @@ bit for bit once the MoE block computes in Megatron's order?
 
 `python -m benchmarks.bitwise_moe_order [--model DIR] [--seqs 12,20,31,40]`
 
-Runs the divergence localiser (`moe_gspo.routing.localize`, hooks of `moe_gspo.routing.localize_capture`) on
+Runs the divergence localiser (`moe_gspo.routing.localize`, hooks of `moe_gspo.probe_localize`) on
 teacher-forced forwards of random token sequences (positions 0..T-1, one sequence per forward) twice: with
 transformers' Qwen3-MoE block as shipped (router weights = softmax over all experts, top-k, renormalised;
 each expert's output multiplied by its weight after the down projection), then with that block replaced by
@@ -60,7 +60,7 @@ def compare(model_dir, seq_lens=(12, 20, 31, 40), seed: int = 0) -> dict:
     from moe_gspo.mcore.checkpoint import load_hf_config, load_megatron_from_hf_dir
     from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
     from moe_gspo.routing.localize import concat_sequences, localize
-    from moe_gspo.routing.localize_capture import hf_capture, mcore_capture, response_logp
+    from moe_gspo.probe_localize import hf_capture, mcore_capture, response_logp
 
     hc = load_hf_config(model_dir)
     init_distributed(ep_size=1, num_experts=hc.num_experts, seed=seed)

@@ -31,7 +31,8 @@ class ModelConfig:
     path: str | None = None
     """Local Hugging Face Qwen3-MoE checkpoint directory; null builds the tiny random model."""
     tiny: dict = field(default_factory=dict)
-    """Overrides of `moe_gspo.tiny.TINY_DEFAULTS` (Qwen3MoeConfig fields) when `path` is null."""
+    """Overrides of `moe_gspo.tiny.TINY_DEFAULTS` (Qwen3MoeConfig fields) when `path` is null; keys, types and
+    bounds are checked like a section's (`moe_gspo/config_sizes.py`)."""
     init_seed: int = 0
     """Seed of the tiny model's random initialisation."""
     router_scale: float = 4.0
@@ -300,6 +301,10 @@ class TrainConfig:
     with TRL")."""
     grad_clip: float = 1.0
     """Global gradient-norm clip (0 = off)."""
+    max_consecutive_skips: int = 8
+    """Stop the run (one line naming the loss and what was NaN/Inf, exit code 2) after this many consecutive
+    optimizer steps skipped by the NaN/Inf guard (the weights did not change over them): 8 = two RL steps of the
+    default 4 mini-batches; a loss that is always NaN used to "train" and exit 0. 0 = never stop."""
     num_minibatches: int = 4
     """Optimizer steps per rollout batch (the GSPO paper splits each batch into 4)."""
     shuffle_minibatches: bool = False

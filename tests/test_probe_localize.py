@@ -45,7 +45,7 @@ def test_bf16_localize_names_the_first_diverging_layer_and_tensor(ckpt, tmp_path
     alone = json.loads((tmp_path / "loc.json").read_text())
     assert alone["localize/first_divergence"] == first
     printed = capsys.readouterr().out
-    assert "first divergence layer" in printed and "p95 / p99" in printed
+    assert "first divergence layer" in printed and "p95 / p99" in printed and "only the top-k ids" not in printed
 
 
 def test_fp32_localize_is_below_tolerance_and_names_the_first_bitwise_difference(ckpt, tmp_path):
@@ -79,7 +79,7 @@ def test_vllm_branch_compares_routes_and_log_probs_only(ckpt):
     from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
     from moe_gspo.rollout.base import SamplingParams
     from moe_gspo.rollout.hf_engine import HFEngine
-    from moe_gspo.routing.localize_capture import VLLM_NOTE, probe_localize
+    from moe_gspo.probe_localize import VLLM_NOTE, probe_localize
 
     model_dir = ckpt / "model"
     hf_config = load_hf_config(model_dir)
@@ -100,6 +100,11 @@ def test_vllm_branch_compares_routes_and_log_probs_only(ckpt):
     finally:
         destroy_distributed()
     assert res["compared"] == ["topk_ids"] and res["note"] == VLLM_NOTE
+    from moe_gspo.routing.localize import summary_lines
+
+    # issue 49: the console line says what was compared ("first bitwise difference ... topk_ids" alone misled)
+    assert summary_lines(res)[0].endswith("(only the top-k ids and log-probs were compared: the engine returns no "
+                                          "hidden states, router logits or expert outputs)")
     assert res["rel_err"] == {"topk_ids": [None, 0.0, 0.0]}
     assert res["first_divergence"] is None
     assert res["logp"]["max"] <= 1e-5 and res["logp"]["num_tokens"] == sum(len(s.response_ids) for s in samples)

@@ -64,6 +64,7 @@ import torch
 from moe_gspo.algos import aggregation as agg
 from moe_gspo.algos.kl import KL_ESTIMATORS, kl_estimate
 from moe_gspo.algos.loss_common import prepare
+from moe_gspo.algos.plugin_terms import call_terms
 from moe_gspo.algos.ratios import check_max_log_ratio, check_token_tensors, ratio_stats
 from moe_gspo.algos.registry import BUILTIN_ALGOS, AlgoSpec, algo_names, get_algo
 
@@ -181,7 +182,7 @@ def policy_loss(
 
     inp = prepare(logp_BT, old_logp_BT, advantages, mask_BT, is_weights_BT=is_weights_BT,
                   max_log_ratio=max_log_ratio)
-    terms = spec.terms(inp, clip_low=clip_low, clip_high=clip_high, **own)
+    terms = call_terms(spec, inp, clip_low=clip_low, clip_high=clip_high, **own)  # a plug-in: one-line errors
 
     def aggregate(values_BT: torch.Tensor) -> torch.Tensor:
         return agg.aggregate(values_BT, inp.mask, mode, loss_scale_factor=loss_scale_factor)

@@ -62,6 +62,12 @@ def get_algo(name: str) -> AlgoSpec:
     raise ValueError(f"algo.name={name!r} is not one of {list(_SPECS)}; or give a loss of your own as {PLUGIN_FORM}")
 
 
+def plugin_ref(spec: AlgoSpec) -> str | None:
+    """The `module:Spec` / `file.py:Spec` reference `spec` was loaded from (its errors name it); None for a
+    built-in or a spec registered in code."""
+    return next((ref for ref, s in _PLUGINS.items() if s is spec), None)
+
+
 def _load_plugin(ref: str) -> AlgoSpec:
     where, _, attr = ref.partition(":")
     if not where or not attr.isidentifier():

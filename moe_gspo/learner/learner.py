@@ -66,6 +66,20 @@ from moe_gspo.routing.align import build_replay_topk
 from moe_gspo.routing.expert_usage import ExpertUsageWindow
 
 
+def skip_stop_message(algo_name: str, metrics: dict[str, float], limit: int) -> str:
+    """The one line that stops a run whose last `limit` optimizer steps were all skipped by the NaN/Inf guard,
+    naming the loss and the non-finite values of the last one (`metrics`: its `loss/*` and `grad/norm`)."""
+    bad = [f"{k}={v}" for k, v in metrics.items() if k.startswith("loss/") and not math.isfinite(v)]
+    norm = metrics.get("grad/norm")
+    if norm is not None and not math.isfinite(norm):
+        bad.append(f"grad/norm={norm}")
+    what = ", ".join(bad) or "the loss on another rank"
+    return (f"train.max_consecutive_skips={limit}: the last {limit} optimizer steps were all skipped by the NaN/Inf "
+            f"guard, so the weights did not change; the loss algo.name={algo_name} was not finite ({what}). Fix the "
+            "loss (or what makes it NaN/Inf: lower train.lr, set train.grad_clip > 0), or raise "
+            "train.max_consecutive_skips (0 = never stop)")
+
+
 class Learner:
     """Megatron `GPTModel` + DDP + optimizer + routing replay for GSPO / GRPO updates."""
 
@@ -118,6 +132,8 @@ class Learner:
         self.num_experts = self.recorder.num_experts
         self.layer_ids = moe_layer_ids(hf_config)
         self.skipped_steps = 0
+        self.consecutive_skips = 0
+        """Optimizer steps skipped by the NaN/Inf guard since the last one applied (`train.max_consecutive_skips`)."""
         self.num_updates = 0
         self.r3_fallback_warned = False
         """Whether this run warned about R3 fallback rows (`moe_gspo.run.learner_passes.warn_r3_fallback`)."""
@@ -326,6 +342,9 @@ class Learner:
             results.append(self._train_minibatch(batch.select(idx), old_BS[t_idx], *rows, mini_routes,
                                                  fused=fused if i == 0 else None, idx=idx))
             fused = None  # the kept graph is freed after its backward
+            limit = self.train.max_consecutive_skips
+            if limit and self.consecutive_skips >= limit:  # every rank: the skip is agreed on
+                raise ValueError(skip_stop_message(self.algo.name, results[-1][0], limit))
             if after_optimizer_step is not None:
                 after_optimizer_step(i, not results[-1][1])
         self.offload.release_grads()
@@ -375,10 +394,12 @@ class Learner:
         skip = any_rank(not (finite and math.isfinite(norm)), self.device)
         if skip:
             self.skipped_steps += 1
+            self.consecutive_skips += 1
         else:
             self.optimizer.clip(norm)
             self.optimizer.step()
             self.num_updates += 1
+            self.consecutive_skips = 0
         self.optimizer.zero_grad()
         if m_all is None:  # the loss was computed in pieces (ranks, micro-batches): recompute on the whole
             with torch.no_grad():
@@ -478,7 +499,8 @@ class Learner:
         if self.optimizer is None:
             raise ValueError("an inference-only Learner (train=None) has no training state to save")
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "skipped_steps": self.skipped_steps, "num_updates": self.num_updates,
+                "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips,
+                "num_updates": self.num_updates,
                 "num_train_steps": self.num_train_steps, "expert_usage": self.expert_usage.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -488,6 +510,7 @@ class Learner:
         self.optimizer.load_state_dict(state["optimizer"],
                                        load_weights=lambda: self.model.load_state_dict(state["model"]))
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.consecutive_skips = int(state.get("consecutive_skips", 0))
         self.num_updates = int(state.get("num_updates", 0))
         self.num_train_steps = int(state.get("num_train_steps", self.num_updates // self.train.num_minibatches))
         self.expert_usage.load_state_dict(state.get("expert_usage"))  # absent in older checkpoints: empty

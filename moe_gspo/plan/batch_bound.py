@@ -14,12 +14,21 @@ this machine's physical memory with one ValueError naming the field and the fix:
   (`LOCAL_WORLD_SIZE`) each hold one;
 - on a CPU machine, the transformers engine also generates its whole share (`N / world`) in one batch,
   with a KV cache of `2 x layers x kv_heads x head_dim` values per token in `rollout.dtype`.
-It is a floor, not a plan (activations, weights, logits and Python objects come on top), so it only
-stops configs that cannot possibly run; `python -m moe_gspo.plan` counts the GPU side in full.
+- the model (issue 49: `model.tiny={hidden_size: 1048576}` ran 174 s into the OOM killer, `vocab_size: 1e10`
+  into an allocation traceback), counted from the geometry (`moe_gspo.plan.params.megatron_counts`): on a CPU
+  every rank holds its learner's parameters, gradients and two Adam moments (at least 4 x the parameter dtype's
+  bytes per parameter, experts split over `parallel.expert_parallel_size`) and its rollout engine's whole copy
+  in `rollout.dtype`; the tiny model is built in fp32 on the host first, on a GPU machine too;
+- on a CPU, the learner's activations of one micro-batch (`train.micro_batch_size` sequences, or this rank's
+  share of a mini-batch): the fp32 logits (`4 V` bytes per token) and every layer's saved input (`L h` values
+  per token in the parameter dtype).
+It is a floor, not a plan (weights, logits and Python objects come on top), so it only stops configs that
+cannot possibly run; `python -m moe_gspo.plan` counts the GPU side in full.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 PACKED_BYTES_PER_TOKEN = 17
@@ -34,29 +43,62 @@ def physical_memory_bytes() -> int | None:
 
 
 def batch_floor_bytes(cfg, *, world_size: int, local_ranks: int, on_cuda: bool) -> dict[str, float]:
-    """The node's host bytes (lower bound) of one step's batch: {"batch": ..., "kv_cache": ...}."""
+    """The node's host bytes (lower bound) of one step: {"batch", "kv_cache", "model", "activations"}."""
     from moe_gspo.plan.from_config import resolve_hf_config, sequence_length
     from moe_gspo.plan.host_routes import learner_kept_bytes_per_token, rollout_bytes_per_token
-    from moe_gspo.plan.params import Geometry
+    from moe_gspo.plan.params import Geometry, megatron_counts
     from moe_gspo.rollout.engine_spec import engine_spec
 
-    r = cfg.rollout
+    r, tr, m = cfg.rollout, cfg.train, cfg.model
     geom = Geometry.from_hf(resolve_hf_config(cfg)[0])
     seq_len, _ = sequence_length(cfg)
-    tokens = float(r.prompts_per_step) * float(r.samples_per_prompt) * seq_len
+    seqs = float(r.prompts_per_step) * float(r.samples_per_prompt)
+    tokens = seqs * seq_len
+    ranks = max(1, local_ranks)
     per_token = (PACKED_BYTES_PER_TOKEN + rollout_bytes_per_token(geom, record_routes=r.record_routes)
                  + learner_kept_bytes_per_token(geom))
-    out = {"batch": tokens * per_token * max(1, local_ranks), "kv_cache": 0.0}
+    out = {"batch": tokens * per_token * ranks, "kv_cache": 0.0, "model": 0.0, "activations": 0.0}
+    rollout_bytes = 2 if r.dtype == "bfloat16" else 4
     if not engine_spec(r.engine).kv_budget and not on_cuda:  # the whole share's KV cache at once
-        dtype_bytes = 2 if r.dtype == "bfloat16" else 4
-        kv = 2 * geom.num_layers * geom.num_kv_heads * geom.head_dim * dtype_bytes
-        out["kv_cache"] = tokens / max(1, world_size) * kv * max(1, local_ranks)
+        kv = 2 * geom.num_layers * geom.num_kv_heads * geom.head_dim * rollout_bytes
+        out["kv_cache"] = tokens / max(1, world_size) * kv * ranks
+    counts = megatron_counts(geom, vocab_pad_multiple=m.vocab_pad_multiple)
+    param_bytes = 2 if m.params_dtype == "bfloat16" or (m.params_dtype == "auto" and on_cuda) else 4
+    tiny_build = 4.0 * counts.total if m.path is None else 0.0  # build_tiny_model: fp32, on the host
+    if on_cuda:
+        out["model"] = tiny_build * ranks
+        return out
+    ep = max(1, cfg.parallel.expert_parallel_size)
+    learner = 4.0 * param_bytes * counts.per_rank(ep)  # parameters, gradients, two Adam moments
+    out["model"] = (learner + max(rollout_bytes * float(counts.total), tiny_build)) * ranks
+    dp = max(1, world_size // ep)
+    mb_seqs = tr.micro_batch_size or math.ceil(seqs / max(1, tr.num_minibatches) / dp)
+    v_pad = counts.embedding // max(1, geom.hidden)
+    out["activations"] = mb_seqs * seq_len * (4.0 * v_pad + geom.num_layers * geom.hidden * param_bytes) * ranks
     return out
+
+
+def _fix(cfg, need: dict[str, float], local_ranks: int) -> tuple[str, str]:
+    """(what needs the memory, the fix) for the largest part of `need`."""
+    r, m, tr = cfg.rollout, cfg.model, cfg.train
+    part = max(need, key=need.get)
+    if part == "model":
+        model = (f"model.tiny={m.tiny or {}}" if m.path is None else f"model.path={m.path}")
+        fix = ("shrink model.tiny (hidden_size, num_experts, vocab_size, num_hidden_layers, ...)" if m.path is None
+               else "run it on GPUs, or on more nodes with parallel.expert_parallel_size > 1")
+        return model, f"the model's weights, gradients and optimizer state on {local_ranks} rank(s)", fix
+    if part == "activations":
+        return (f"train.micro_batch_size={tr.micro_batch_size}", "one micro-batch's activations (logits and saved "
+                "layer inputs)", "set train.micro_batch_size to fewer sequences, or raise train.num_minibatches")
+    field, value = (("rollout.samples_per_prompt", r.samples_per_prompt) if r.samples_per_prompt >= r.prompts_per_step
+                    else ("rollout.prompts_per_step", r.prompts_per_step))
+    step = f"a step of {r.prompts_per_step} prompts x {r.samples_per_prompt} samples"
+    return f"{field}={value}", step, f"lower {field}"
 
 
 def check_batch_fits_host(cfg, *, world_size: int | None = None, local_ranks: int | None = None,
                           on_cuda: bool | None = None, host_bytes: int | None = None) -> None:
-    """Raise ValueError when one step's batch cannot fit this machine's memory (see the module docstring)."""
+    """Raise ValueError when one step cannot fit this machine's memory (see the module docstring)."""
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if local_ranks is None:
@@ -72,14 +114,11 @@ def check_batch_fits_host(cfg, *, world_size: int | None = None, local_ranks: in
     total = sum(need.values())
     if total <= host:
         return
-    r = cfg.rollout
-    n = r.prompts_per_step * r.samples_per_prompt
-    field, value = (("rollout.samples_per_prompt", r.samples_per_prompt) if r.samples_per_prompt >= r.prompts_per_step
-                    else ("rollout.prompts_per_step", r.prompts_per_step))
-    fits = max(1, int(value * host / total))
-    parts = f"{need['batch'] / 2**30:.1f} GiB batch" + (f" + {need['kv_cache'] / 2**30:.1f} GiB rollout KV cache"
-                                                         if need["kv_cache"] else "")
-    raise ValueError(f"{field}={value}: a step of {r.prompts_per_step} prompts x {r.samples_per_prompt} samples = "
-                     f"{n} sequences needs at least {total / 2**30:.1f} GiB of host memory on this node ({parts}, "
-                     f"{local_ranks} rank(s)), and this machine has {host / 2**30:.1f} GiB; lower {field} "
-                     f"(this floor alone allows at most {fits})")
+    names = {"batch": "batch", "kv_cache": "rollout KV cache", "model": "model", "activations": "activations"}
+    parts = " + ".join(f"{v / 2**30:.1f} GiB {names[k]}" for k, v in need.items() if v >= 0.05 * 2**30)
+    what, needs, fix = _fix(cfg, need, local_ranks)
+    if what.startswith("rollout."):
+        field, value = what.split("=")
+        fix += f" (this floor alone allows at most {max(1, int(int(value) * host / total))})"
+    raise ValueError(f"{what}: {needs} needs at least {total / 2**30:.1f} GiB of host memory on this node ({parts}, "
+                     f"{local_ranks} rank(s)), and this machine has {host / 2**30:.1f} GiB; {fix}")

@@ -97,7 +97,7 @@ class EngineSpec:
     """A weight sync materializes a copy of one whole module in the engine (vLLM's layer-wise reload),
     on top of the sync's stream (`moe_gspo.plan.transients.sync_transient_bytes`)."""
     layer_capture: bool = False
-    """The probe's localiser can run its model layer by layer (`moe_gspo.routing.localize_capture`: the
+    """The probe's localiser can run its model layer by layer (`moe_gspo.probe_localize`: the
     transformers model's hidden states, attention and router outputs); False: it compares routes only."""
     machine_check: str | None = None
     """`module:function` checking a rollout config against THIS machine's engine (installed version, CPU

@@ -1,5 +1,5 @@
 """Divergence localiser (issue 41): where, layer by layer, do the rollout engine's and the learner's numbers of
-the same tokens part? Pure comparison of tensors already collected (`moe_gspo.routing.localize_capture`
+the same tokens part? Pure comparison of tensors already collected (`moe_gspo.probe_localize`
 collects them with forward hooks; `python -m moe_gspo.probe --localize` runs both).
 
 Input: for each side a list over decoder layers of `{name: tensor}` (one sequence's [T, ...] tensors, or
@@ -162,7 +162,11 @@ def summary_lines(loc: dict) -> list[str]:
         if f is None:
             return "none"
         return f"layer {f['layer']} {f['tensor']} (max |d| {f['max_abs']:.3g}, rel {f['rel_err']:.3g})"
-    lines = [f"localiser (rel. tol {loc['tol']:g}): first divergence {where(loc.get('first_divergence'))}",
+    compared = loc.get("compared")
+    only = ("" if not compared or set(compared) - {"topk_ids"} else
+            " (only the top-k ids and log-probs were compared: the engine returns no hidden states, router logits "
+            "or expert outputs)")
+    lines = [f"localiser (rel. tol {loc['tol']:g}): first divergence {where(loc.get('first_divergence'))}{only}",
              f"  first bitwise difference {where(loc.get('first_difference'))}"]
     s = loc.get("logp")
     if s and s.get("max") is not None:

@@ -17,7 +17,8 @@ Resuming (`resume`): candidates are the checkpoint `latest` names, then older on
 Every rank checks a candidate (meta present and readable, its own rank file complete and loadable,
 weights finite) and the ranks agree; an unusable candidate is skipped with a one-line warning naming
 the reason, and an incompatible run (another algorithm, routing replay, world size, EP size or model
-geometry) stops with an error naming both values. Only once a checkpoint has loaded does the caller
+geometry) stops with an error naming both values. `max_step` leaves out the checkpoints past the first step
+whose metrics row is missing (`moe_gspo.run.resume_rows`). Only once a checkpoint has loaded does the caller
 drop later metrics rows. No intact checkpoint: an error, never a silent restart from step 0.
 """
 
@@ -96,7 +97,8 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _gather(obj: Any) -> list[Any]:
+def gather_objects(obj: Any) -> list[Any]:
+    """`obj` of every rank, in rank order (`[obj]` at world size 1)."""
     rank, world = _world()
     if world == 1:
         return [obj]
@@ -110,7 +112,7 @@ def agree(local: BaseException | None, what: str) -> None:
     rank its own exception, the others a ValueError / RankFailure with the same message), so no rank
     is left waiting in a later collective."""
     known = None if local is None else (user_message(local) or (1, f"{type(local).__name__}: {local}"))
-    failures = [(r, m) for r, m in enumerate(_gather(known)) if m is not None]
+    failures = [(r, m) for r, m in enumerate(gather_objects(known)) if m is not None]
     if not failures:
         return
     if local is not None:
@@ -216,7 +218,7 @@ def save_checkpoint(run_dir: Path, state: TrainState, learner_state: dict, *, ra
         size = _write_rank_file(tmp / f"rank_{rank:05d}.pt", payload)
     except Exception as e:
         err = e
-    sizes = _gather(size)
+    sizes = gather_objects(size)
     try:
         agree(err, f"writing checkpoint {name}")
     except BaseException:
@@ -331,15 +333,21 @@ def _read_candidate(path: Path, rank: int) -> tuple[str | None, dict | None, dic
 
 
 def resume(run_dir: Path, *, learner, fingerprint: dict, params_finite: Callable[[], bool],
-           warn: Callable[[str], None]) -> TrainState | None:
+           warn: Callable[[str], None], max_step: int | None = None) -> TrainState | None:
     """Load the newest intact checkpoint of `run_dir` into `learner` and the RNGs (every rank).
 
-    Returns its `TrainState`, or None when the run directory has no checkpoint at all. Raises
-    ValueError for an incompatible run or when no candidate is intact (see the module docstring).
-    `params_finite()` (collective) checks the loaded weights; `warn` prints one line on rank 0.
+    Returns its `TrainState`, or None when the run directory has no checkpoint at all, or none at or before
+    `max_step` (the first step whose metrics row is missing, `moe_gspo.run.resume_rows`: the run then starts
+    again from the initial policy). Raises ValueError for an incompatible run or when no candidate is intact
+    (see the module docstring). `params_finite()` (collective) checks the loaded weights; `warn` prints one
+    line on rank 0.
     """
     rank, world = _world()
     candidates = checkpoint_candidates(run_dir)
+    if candidates and max_step is not None:
+        candidates = [p for p in candidates if int(_STEP_RE.match(p.name).group(1)) <= max_step]
+        if not candidates:
+            return None
     if not candidates:
         dirs = step_dirs(run_dir)
         if not dirs:
@@ -356,7 +364,7 @@ def resume(run_dir: Path, *, learner, fingerprint: dict, params_finite: Callable
             unsafe = str(e)
         else:
             unsafe = None
-        unsafe_all = [u for u in _gather(unsafe) if u is not None]
+        unsafe_all = [u for u in gather_objects(unsafe) if u is not None]
         if unsafe_all:
             raise ValueError(unsafe_all[0])
         if meta is not None:
@@ -373,7 +381,7 @@ def resume(run_dir: Path, *, learner, fingerprint: dict, params_finite: Callable
                 first = str(e).strip().splitlines()
                 problem = (f"rank_{rank:05d}.pt does not fit this model ({' '.join(first[:2])[:200]}); it was "
                            f"written for another model geometry or code version")
-        problems = [(r, p) for r, p in enumerate(_gather(problem)) if p is not None]
+        problems = [(r, p) for r, p in enumerate(gather_objects(problem)) if p is not None]
         if not problems and not params_finite():
             problems = [(None, "its weights contain NaN/Inf (bit rot or a diverged run)")]
         if not problems:

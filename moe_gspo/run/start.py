@@ -17,7 +17,9 @@ import torch.distributed as dist
 import yaml
 
 from moe_gspo.config import Config
-from moe_gspo.run.checkpoint import TrainState, agree, latest_checkpoint, resume, run_fingerprint
+from moe_gspo.run.checkpoint import (TrainState, gather_objects, agree, checkpoint_candidates, latest_checkpoint, resume,
+                                     run_fingerprint)
+from moe_gspo.run.resume_rows import keep_damaged, resume_note, scan_rows
 from moe_gspo.run.errors import warn_once
 from moe_gspo.run.rundir import RunDirPlan, move_contents_aside
 from moe_gspo.files import atomic_write_text
@@ -86,10 +88,12 @@ def start_run(cfg: Config, plan: RunDirPlan, info, policy, *, resume_asked: bool
         prev = _previous_config(run_dir)
         _check_same_algorithm(prev, cfg)
         learner = policy.learner
+        rows = gather_objects(scan_rows(run_dir / "metrics.jsonl") if info.is_main else None)[0]  # rank 0's view
         loaded = resume(run_dir, learner=learner, fingerprint=fingerprint(cfg, policy, info),
                         params_finite=lambda: params_finite(learner.model.parameters(), info.device),
-                        warn=lambda m: warn_once(m, is_main=info.is_main))
+                        warn=lambda m: warn_once(m, is_main=info.is_main), max_step=rows.first_missing)
         state = loaded if loaded is not None else state
+        _keep_damaged_rows(run_dir, rows, info, resumed=state.step)
         if state.step > cfg.train.steps:
             raise ValueError(f"--resume: the checkpoint is at step {state.step}, past train.steps={cfg.train.steps}; "
                              f"set train.steps={state.step} or more")
@@ -115,6 +119,23 @@ def start_run(cfg: Config, plan: RunDirPlan, info, policy, *, resume_asked: bool
         print(config_summary(cfg, info, run_dir) if state.step == 0 else f"resuming at step {state.step} from {run_dir}",
               flush=True)
     return state
+
+
+def _keep_damaged_rows(run_dir: Path, rows, info, *, resumed: int) -> None:
+    """After the checkpoint has loaded: the one line about metrics.jsonl's missing or damaged rows, and the
+    damaged lines moved to their sidecars (rank 0; `moe_gspo.run.resume_rows`)."""
+    err = None
+    if info.is_main:
+        try:
+            candidates = checkpoint_candidates(run_dir)
+            newest = int(candidates[0].name.removeprefix("step_")) if candidates else None
+            note = resume_note(rows, newest=newest, resumed=resumed)
+            keep_damaged(run_dir)
+            if note:
+                warn_once(note, is_main=True)
+        except Exception as e:
+            err = e
+    agree(err, f"keeping the damaged rows of {run_dir}")
 
 
 def config_summary(cfg: Config, info, run_dir: Path) -> str:

@@ -73,11 +73,37 @@ def max_token_chars(tokenizer) -> int:
     return cached
 
 
+def kept_whitespace(tokenizer) -> str:
+    """The whitespace characters `tokenizer` keeps as text (each stands for part of a token, so a run of them
+    costs tokens): measured once per tokenizer on a run of each character between two letters. A tokenizer
+    whose normalizer drops or collapses a whitespace character (SentencePiece's "remove extra whitespaces")
+    turns a run of it into at most a token or two, so that character is not counted (issue 49: a line of 20 M
+    spaces was tokenized for 2 min 50 s before its length was refused)."""
+    cached = getattr(tokenizer, "_moe_gspo_kept_whitespace", None)
+    if cached is None:
+        run = 8 * max(1, max_token_chars(tokenizer))  # kept: at least 8 tokens; dropped or collapsed: one or two
+        cached = ""
+        for c in _WHITESPACE:
+            try:
+                extra = (len(tokenizer(f"a{c * run}a", add_special_tokens=False)["input_ids"])
+                         - len(tokenizer("aa", add_special_tokens=False)["input_ids"]))
+            except Exception:  # noqa: BLE001 - a tokenizer that cannot encode it: count it (a floor either way)
+                extra = run
+            if extra >= 8:
+                cached += c
+        try:
+            tokenizer._moe_gspo_kept_whitespace = cached
+        except Exception:  # noqa: BLE001
+            pass
+    return cached
+
+
 def check_prompt_chars(prompts: Sequence[Prompt], tokenizer, longest: int, *, context: str) -> None:
     """Refuse, without tokenizing, a prompt that cannot fit `longest` tokens whatever its tokenization:
     one token stands for at most `max_token_chars(tokenizer)` characters, so a prompt with more
-    non-whitespace characters than `longest` times that needs more tokens (whitespace is not counted, as
-    some tokenizers' normalizers drop it). Tokenizing a 20 MB line first took minutes and gigabytes."""
+    countable characters than `longest` times that needs more tokens. Whitespace counts where the tokenizer
+    keeps it (`kept_whitespace`), not where its normalizer drops it. Tokenizing a 20 MB line first took
+    minutes and gigabytes."""
     per_token = max_token_chars(tokenizer)
     if per_token <= 0:
         return
@@ -85,12 +111,14 @@ def check_prompt_chars(prompts: Sequence[Prompt], tokenizer, longest: int, *, co
     for i, p in enumerate(prompts):
         if len(p.text) <= limit:
             continue
-        chars = len(p.text) - sum(p.text.count(c) for c in _WHITESPACE)
+        dropped = [c for c in _WHITESPACE if c not in kept_whitespace(tokenizer)]
+        chars = len(p.text) - sum(p.text.count(c) for c in dropped)
         if chars > limit:
             where = p.where or f"prompt {i}"
+            skipped = " (not counting the whitespace this tokenizer drops)" if dropped else ""
             raise ValueError(f"{where}: the prompt has {len(p.text)} characters, which cannot fit the {longest} tokens of "
                              f"{context}: this tokenizer's tokens are at most {per_token} characters long, so a prompt "
-                             f"needs at most {limit} characters (not counting whitespace); shorten the prompt")
+                             f"needs at most {limit} characters{skipped}; shorten the prompt")
 
 
 def check_prompt_lengths(prompts: Sequence[Prompt], tokenizer, hf_config, rollout, *,
@@ -112,6 +140,12 @@ def check_prompt_lengths(prompts: Sequence[Prompt], tokenizer, hf_config, rollou
                        f"{max_new_tokens_flag}={room} for the response)")
     ids = encode_prompts(tokenizer, [p.text for p in prompts], chat_template=chat_template, system_prompt=system_prompt)
     counts = [len(x) for x in ids]
+    if 0 in counts:  # the engines refuse a prompt of no token (issue 49: after the run directory was written)
+        empty = [i for i, n in enumerate(counts) if n == 0]
+        shown = ", ".join(prompts[i].where or f"prompt {i}" for i in empty[:3]) + (", ..." if len(empty) > 3 else "")
+        raise ValueError(f"{shown}: {len(empty)} prompt(s) encode to no token at all (an empty prompt): the rollout "
+                         "engine needs at least one token to start from; remove those lines or give them a prompt "
+                         "(task.chat_template=tokenizer adds the template's tokens)")
     bad = [i for i, n in enumerate(counts) if n > longest]
     if not bad:
         return max(counts)

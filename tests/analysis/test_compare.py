@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analysis.compare import (
-    COMPARE_FIGURES, MAX_TABLE_LAYERS, ArmRun, arm_runs_from_dirs, build_comparison, main, seed_band,
-)
+from analysis.compare import MAX_TABLE_LAYERS, build_comparison, main
+from analysis.compare_arms import ArmRun, arm_runs_from_dirs
+from analysis.compare_figures import COMPARE_FIGURES, seed_band
 from analysis.load import ReportInputError, RunData
 from analysis.stats import Estimate, fmt_ci
 from synth_run import NUM_STEPS, assert_real_png, write_degenerate_run, write_synthetic_run

@@ -63,10 +63,10 @@ def test_rollout_learner_variances_in_the_comparison_mismatch_table(tmp_path):
                 for i, t in enumerate(tok)]
         runs.append(ArmRun("a", seed, _write_metrics(tmp_path / f"a-s{seed}", recs)))
     rows = _table_rows(build_comparison(runs, tmp_path / "cmp").markdown.read_text(), "Train-inference mismatch")
-    # the last two columns (the '|Δ log p|' headers hold escaped pipes, so count from the end)
-    assert rows["header"][-2:] == ["rollout/learner mismatch_ratio/token_var natural",
-                                   "rollout/learner mismatch_ratio/seq_var natural"]
-    assert rows["a"][-2:] == ["0.003", "0.0003"]
+    # the columns before the two R3 ones (the '|Δ log p|' headers hold escaped pipes, so count from the end)
+    assert rows["header"][-4:-2] == ["rollout/learner mismatch_ratio/token_var natural",
+                                     "rollout/learner mismatch_ratio/seq_var natural"]
+    assert rows["a"][-4:] == ["0.003", "0.0003", "n/a", "n/a"]  # no r3/* metric: not an R3 arm
 
 
 # --------------------------------------------------------------------------- header

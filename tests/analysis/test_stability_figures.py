@@ -61,7 +61,8 @@ def test_comparison_draws_one_curve_per_arm(tmp_path):
                 for arm in ("gspo-none", "grpo-r3") for seed in (0, 1)]
     paths = build_comparison(arm_runs, tmp_path / "cmp")
     assert_real_png(tmp_path / "cmp" / "cmp_extreme_frac_curve.png")
-    from analysis.compare import fig_extreme_frac_curve, load_arms
+    from analysis.compare_arms import load_arms
+    from analysis.compare_figures import fig_extreme_frac_curve
 
     fig = fig_extreme_frac_curve(load_arms(arm_runs))
     labels = [l.get_label() for l in fig.axes[0].get_lines()]
@@ -73,6 +74,26 @@ def test_comparison_draws_one_curve_per_arm(tmp_path):
     replayed = np.asarray(fig.axes[0].get_lines()[2].get_ydata(), float)
     np.testing.assert_allclose(replayed, np.where(want > 0, want / 2, np.nan))
     assert "cmp_extreme_frac_curve" in {p.stem for p in paths.figures}
+
+
+def test_an_all_zero_f_tau_sits_on_an_axis_from_0_to_1_with_a_note(tmp_path):
+    """Issue 49: with no extreme token F(tau) was a flat line at 0 on matplotlib's +-0.04 axis, under a caption
+    that named a log scale. Now: a linear axis from 0 to 1 and a note; the captions name both cases."""
+    from analysis.compare_arms import load_arms
+    from analysis.compare_figures import COMPARE_STABILITY_FIGURES, fig_extreme_frac_curve
+    from analysis.stability_figures import fig_extreme_frac_curve as run_f_tau
+
+    zeros = [[0.0] * 7]
+    run_dir = _with_curves(write_synthetic_run(tmp_path / "a-s0", with_traces=False), curves=zeros)
+    for fig in (run_f_tau(load_run(run_dir)), fig_extreme_frac_curve(load_arms([ArmRun("a", 0, run_dir)]))):
+        ax = fig.axes[0]
+        assert ax.get_yscale() == "linear" and ax.get_ylim() == (0.0, 1.0)
+        assert [t.get_text() for t in ax.texts] == ["F(τ) = 0 at every τ: no response token's |Δ log p| exceeded ln τ"]
+    positive = _with_curves(write_synthetic_run(tmp_path / "b-s0", with_traces=False))
+    assert run_f_tau(load_run(positive)).axes[0].get_yscale() == "log"
+    for spec in (*STABILITY_FIGURES, *COMPARE_STABILITY_FIGURES):
+        if "extreme_frac_curve" in spec.name:
+            assert "else a linear axis from 0" in spec.caption, spec.name
 
 
 def _with_dead(run_dir: Path) -> Path:

@@ -9,7 +9,12 @@ from moe_gspo.mcore.parallel import validate_parallel_sizes
 
 def test_valid_grids_pass():
     for world, ep, experts in ((1, 1, 8), (2, 2, 8), (4, 2, 8), (8, 8, 128)):
-        validate_parallel_sizes(world_size=world, ep_size=ep, num_experts=experts)
+        assert validate_parallel_sizes(world_size=world, ep_size=ep, num_experts=experts) is None
+        if ep > 1:  # and their neighbours fail: the check is not vacuous on these sizes
+            with pytest.raises(ValueError, match="world size"):
+                validate_parallel_sizes(world_size=world + 1, ep_size=ep, num_experts=experts)
+            with pytest.raises(ValueError, match="num_experts"):
+                validate_parallel_sizes(world_size=world, ep_size=ep, num_experts=experts + 1)
 
 
 @pytest.mark.parametrize(("world", "ep", "experts", "match"), [

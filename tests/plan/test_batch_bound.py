@@ -29,9 +29,13 @@ def test_a_batch_that_cannot_fit_names_the_field(field):
 def test_the_shipped_sizes_pass_and_the_floor_scales_with_the_batch():
     cfg = Config()
     check_batch_fits_host(cfg, world_size=2, local_ranks=2, on_cuda=False, host_bytes=1 << 30)
-    small = sum(batch_floor_bytes(cfg, world_size=2, local_ranks=2, on_cuda=False).values())
+    def step_part(c):  # the batch and the KV cache scale with the step's sequences; the model does not
+        need = batch_floor_bytes(c, world_size=2, local_ranks=2, on_cuda=False)
+        return need["batch"] + need["kv_cache"], need["model"]
+
+    small, model = step_part(cfg)
     cfg.rollout.samples_per_prompt *= 10
-    assert sum(batch_floor_bytes(cfg, world_size=2, local_ranks=2, on_cuda=False).values()) == pytest.approx(10 * small)
+    assert step_part(cfg) == (pytest.approx(10 * small), model)
     # on a GPU the transformers engine's KV cache is not host memory
     assert batch_floor_bytes(cfg, world_size=2, local_ranks=2, on_cuda=True)["kv_cache"] == 0
 

@@ -1,5 +1,5 @@
-"""Issue 43.10: an empty (or whitespace-only) prompt trains, but with one warning from rank 0 naming its
-file and line."""
+"""Issue 43.10: a whitespace-only prompt trains, but with one warning from rank 0 naming its file and line. An
+empty one, which encodes to no token, is an error at start-up (issue 49; tests/faults/test_prompts.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from moe_gspo.tasks import make_task
 @pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
 def test_an_empty_prompt_is_warned_about_once_naming_file_and_line(tmp_path, capsys, monkeypatch, rank, printed):
     f = tmp_path / "data.jsonl"
-    f.write_text("\n".join(json.dumps(o) for o in ({"prompt": "2+3=", "answer": "5"}, {"prompt": "", "answer": "1"},
+    f.write_text("\n".join(json.dumps(o) for o in ({"prompt": "2+3=", "answer": "5"}, {"prompt": " ", "answer": "1"},
                                                      {"prompt": "7*6=", "answer": "42"}, {"prompt": "  ", "answer": "0"}))
                  + "\n")
     monkeypatch.setenv("RANK", rank)

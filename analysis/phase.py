@@ -148,8 +148,8 @@ def phase_page(runs: list[PhaseRun], reps: int = st.DEFAULT_REPS, seed: int = 0)
         f"{reps} resamples, each cell its own stream from seed {seed}]; rates: k/n with the exact Clopper–Pearson CI.",
         "",
         f"Final reward: mean reward/mean over the last 10% of steps; reward AUC: over all steps. Entropy collapse: "
-        f"the trailing {ENTROPY_WINDOW}-step mean of actor/entropy below {ENTROPY_FLOOR:g} nats while the trailing "
-        f"reward is below 0.9. Failed: the pre-registered collapse/stall detector of experiments 1–2 plus a run "
+        f"the first step at which the trailing {ENTROPY_WINDOW}-step mean of actor/entropy is below {ENTROPY_FLOOR:g} "
+        f"nats and the trailing reward stays below 0.9 to the end. Failed: the pre-registered collapse/stall detector of experiments 1–2 plus a run "
         f"that ends with its trailing reward ≤ {c.dead_reward:g} (`moe_gspo.algos.collapse`, `dead_reward`).", "",
         "### Arms", ""] + arm_table(by_method, reps, seed)
     lines += ["### Critical mismatch per method", "",

@@ -194,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from moe_gspo.files import atomic_write_text
 
-    atomic_write_text(Path(args.out), text + "\n")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, text + "\n")
     print(args.out)
     return 0
 

@@ -160,6 +160,7 @@ def load_runs(source: str | Path) -> list[RunData]:
 def save_metrics(runs: list[RunData], path: str | Path) -> None:
     """One gzip'd JSON line per run with the `PHASE_KEYS` of its records (temp file, then rename)."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with gzip.open(tmp, "wt") as f:
         for run in runs:

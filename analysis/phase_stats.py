@@ -206,7 +206,17 @@ def ols_slope(method_arms: Mapping[str, Mapping[int, PhaseRun]]) -> tuple[float,
 
 # --------------------------------------------------------------------------- pre-registered tests
 
+def _common(a: Mapping[int, PhaseRun], b: Mapping[int, PhaseRun]) -> tuple[dict, dict]:
+    """Both arms on the seeds both finished (a stopped matrix: the pre-registered family on those seeds, paired);
+    both whole when they share none."""
+    both = a.keys() & b.keys()
+    if not both:
+        return dict(a), dict(b)
+    return {s: a[s] for s in sorted(both)}, {s: b[s] for s in sorted(both)}
+
+
 def _paired(a: Mapping[int, PhaseRun], b: Mapping[int, PhaseRun], key: str) -> tuple[dict, dict]:
+    a, b = _common(a, b)
     return ({s: r.scores[key] for s, r in a.items()}, {s: r.scores[key] for s, r in b.items()})
 
 
@@ -224,6 +234,7 @@ def _compare(section: str, label: str, a, b, key: str, *, a_better: bool, reps: 
 
 def _collapse_test(section: str, label: str, a, b) -> ClaimTest:
     """Log-rank on time to entropy collapse; the claim: arm a collapses earlier (or more often)."""
+    a, b = _common(a, b)
     sa = st.survival([r.collapse_step for r in a.values()], [r.collapsed for r in a.values()])
     sb = st.survival([r.collapse_step for r in b.values()], [r.collapsed for r in b.values()])
     lr = st.logrank(sa, sb)

@@ -130,3 +130,13 @@ def test_reference_arms_are_described_not_fitted(matrix, tmp_path):
     assert fit.doses == ["p0", "p5", "p20", "p80"] and fit.critical.value == pytest.approx(0.1173, abs=1e-4)
     text = phase_page(load_phase(root), reps=100)
     assert "| grpo-none | bf16 | 3 |" in text and "| bf16 |" in text
+
+
+def test_a_stopped_matrix_pairs_each_test_on_the_seeds_both_arms_finished(matrix):
+    """The pre-registered stopping rule: every arm with the seeds it completed, and the family on the seeds both
+    arms of a test share, still paired (a seed-major matrix stopped after seed 4 of p80 but 6 of p0)."""
+    by = arms(load_phase(matrix))
+    by["grpo-none"]["p80"] = {s: r for s, r in by["grpo-none"]["p80"].items() if s < 4}
+    drop = phase_family(by, reps=200, seed=0)[0]
+    assert drop.test == "Wilcoxon signed-rank (paired by seed)" and drop.num_seeds == 4
+    assert drop.p == pytest.approx(0.125)  # exact two-sided Wilcoxon, 4 pairs all lower: 2/2^4

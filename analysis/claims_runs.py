@@ -8,8 +8,6 @@ none / r2 / r3, variant a drift level (fp32 < bf16 < fp8 < w8a8) optionally with
 
 from __future__ import annotations
 
-import gzip
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -17,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.load import ReportInputError, RunData, finite_mean, load_run, matrix_series, series
+from analysis.load import (ReportInputError, RunData, finite_mean, load_run, load_saved_records, matrix_series, save_records,
+                           series)
 from analysis.seed_report import reward_and_zero_std, run_quantities
 from moe_gspo.algos.collapse import FailureCriteria, FailureEvent, detect_failure
 
@@ -60,18 +59,13 @@ def _finished_runs(runs_dir: Path) -> list[RunData]:
             if RUN_RE.match(d.name) and (d / "done.json").is_file()]
 
 
-def _saved_runs(path: Path) -> list[RunData]:
-    with gzip.open(path, "rt") as f:
-        return [RunData(source=Path(row["run"]), records=row["records"], traces={}) for row in map(json.loads, f)]
-
-
 def load_runs(source: str | Path) -> list[RunData]:
     """The finished runs (with done.json) of a matrix directory, or those saved by `save_metrics`."""
     source = Path(source)
     if not source.exists():
         raise ReportInputError(f"{str(source)!r} does not exist; pass the matrix's out_dir or a .jsonl.gz file "
                                "written by --save-metrics")
-    runs = _saved_runs(source) if source.is_file() else _finished_runs(source)
+    runs = load_saved_records(source) if source.is_file() else _finished_runs(source)
     if not runs:
         raise ReportInputError(f"no finished run named <algo>-<replay>-<variant>-s<seed> under {source}")
     return runs
@@ -79,13 +73,7 @@ def load_runs(source: str | Path) -> list[RunData]:
 
 def save_metrics(runs: list[RunData], path: str | Path) -> None:
     """One gzip'd JSON line per run with the `CLAIM_KEYS` of its records (temp file, then rename)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with gzip.open(tmp, "wt") as f:
-        for run in runs:
-            recs = [{k: r[k] for k in CLAIM_KEYS if k in r} for r in run.records]
-            f.write(json.dumps({"run": run.source.name, "records": recs}) + "\n")
-    tmp.replace(path)
+    save_records(runs, path, CLAIM_KEYS)
 
 
 # --------------------------------------------------------------------------- per run

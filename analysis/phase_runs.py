@@ -23,8 +23,6 @@ Numbers per run come from `metrics.jsonl` only (`PHASE_KEYS`), so the saved metr
 
 from __future__ import annotations
 
-import gzip
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -32,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.load import ReportInputError, RunData, finite_mean, load_run, matrix_series, series
+from analysis.load import (ReportInputError, RunData, finite_mean, load_run, load_saved_records, matrix_series, save_records,
+                           series)
 from moe_gspo.algos.collapse import FailureCriteria, detect_failure, trailing_mean
 
 RUN_RE = re.compile(r"^(?P<algo>[a-z_]+)-(?P<replay>none|r2|r3)-(?P<variant>[A-Za-z0-9_.]+)-s(?P<seed>\d+)$")
@@ -146,11 +145,7 @@ def load_runs(source: str | Path) -> list[RunData]:
     if not source.exists():
         raise ReportInputError(f"{str(source)!r} does not exist; pass the phase matrix's out_dir or a .jsonl.gz file "
                                "written by --save-metrics")
-    if source.is_file():
-        with gzip.open(source, "rt") as f:
-            runs = [RunData(source=Path(row["run"]), records=row["records"], traces={}) for row in map(json.loads, f)]
-    else:
-        runs = _finished(source)
+    runs = load_saved_records(source) if source.is_file() else _finished(source)
     if not runs:
         raise ReportInputError(f"no finished run named <algo>-<replay>-<dose>[_<fix>]-s<seed> under {source} "
                                "(a run is finished when its done.json exists)")
@@ -159,14 +154,7 @@ def load_runs(source: str | Path) -> list[RunData]:
 
 def save_metrics(runs: list[RunData], path: str | Path) -> None:
     """One gzip'd JSON line per run with the `PHASE_KEYS` of its records (temp file, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with gzip.open(tmp, "wt") as f:
-        for run in runs:
-            recs = [{k: r[k] for k in PHASE_KEYS if k in r} for r in run.records]
-            f.write(json.dumps({"run": run.source.name, "records": recs}) + "\n")
-    tmp.replace(path)
+    save_records(runs, path, PHASE_KEYS)
 
 
 def load_phase(source: str | Path | list[RunData]) -> list[PhaseRun]:

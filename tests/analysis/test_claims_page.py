@@ -18,8 +18,10 @@ PAGE = ROOT / "docs" / "paper_claims.md"
 TABLES = ROOT / "reports" / "unstable" / "claims.md"
 
 
-def _quoted_tables(text: str, name: str = "") -> list[str]:
-    begin, end = "<!-- analysis.claims:begin" + (f" {name}" if name else "") + " -->", "<!-- analysis.claims:end -->"
+def _quoted_tables(text: str, name: str = "", tool: str = "claims") -> list[str]:
+    """The Markdown tables the page quotes between `<!-- analysis.<tool>:begin[ name] -->` and its end marker."""
+    begin = f"<!-- analysis.{tool}:begin" + (f" {name}" if name else "") + " -->"
+    end = f"<!-- analysis.{tool}:end -->"
     blocks, inside, cur = [], False, []
     for line in text.splitlines():
         if line.strip() == begin:

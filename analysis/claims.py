@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Mapping
-from pathlib import Path
 
 from analysis import stats as st
 from analysis.claims_runs import (
@@ -40,6 +39,7 @@ from analysis.claims_stats import (
     strongest_level,
 )
 from analysis.load import ReportInputError
+from analysis.matrix_runs import emit_page
 from moe_gspo.algos.collapse import FailureCriteria
 
 __all__ = ["CLAIM_KEYS", "claims_page", "load_arms", "main"]
@@ -208,14 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ReportInputError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.out is None:
-        print(text)
-        return 0
-    from moe_gspo.files import atomic_write_text
-
-    atomic_write_text(Path(args.out), text)
-    print(args.out)
-    return 0
+    return emit_page(text, args.out)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.load import (ReportInputError, RunData, finite_mean, load_run, load_saved_records, matrix_series, save_records,
-                           series)
+from analysis.load import RunData, finite_mean, matrix_series, series
+from analysis.matrix_runs import load_matrix_runs, save_records
 from analysis.seed_report import reward_and_zero_std, run_quantities
 from moe_gspo.algos.collapse import FailureCriteria, FailureEvent, detect_failure
 
@@ -54,21 +54,9 @@ def arm_level(arm: str) -> str:
 
 # --------------------------------------------------------------------------- loading
 
-def _finished_runs(runs_dir: Path) -> list[RunData]:
-    return [load_run(d) for d in sorted(runs_dir.iterdir())
-            if RUN_RE.match(d.name) and (d / "done.json").is_file()]
-
-
 def load_runs(source: str | Path) -> list[RunData]:
     """The finished runs (with done.json) of a matrix directory, or those saved by `save_metrics`."""
-    source = Path(source)
-    if not source.exists():
-        raise ReportInputError(f"{str(source)!r} does not exist; pass the matrix's out_dir or a .jsonl.gz file "
-                               "written by --save-metrics")
-    runs = load_saved_records(source) if source.is_file() else _finished_runs(source)
-    if not runs:
-        raise ReportInputError(f"no finished run named <algo>-<replay>-<variant>-s<seed> under {source}")
-    return runs
+    return load_matrix_runs(source, RUN_RE, matrix="the matrix's out_dir", names="<algo>-<replay>-<variant>-s<seed>")
 
 
 def save_metrics(runs: list[RunData], path: str | Path) -> None:

@@ -19,7 +19,6 @@ User errors (missing run dir, nothing to report on) raise `ReportInputError` (a 
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import re
@@ -486,22 +485,3 @@ def probe_value(probe: dict[str, Any], key: str) -> float:
 def probe_headline(probe: dict[str, Any]) -> dict[str, float]:
     """Scalar numbers of a probe JSON for the keys of PROBE_LABELS (NaN where absent)."""
     return {k: probe_value(probe, k) for k in PROBE_LABELS}
-
-
-def save_records(runs: list[RunData], path: str | Path, keys) -> None:
-    """One gzip'd JSON line per run, `{"run": <run dir name>, "records": [<its metrics rows, only `keys`>]}`,
-    written to a temp file, then renamed (the committed metrics a report page regenerates from)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with gzip.open(tmp, "wt") as f:
-        for run in runs:
-            recs = [{k: r[k] for k in keys if k in r} for r in run.records]
-            f.write(json.dumps({"run": run.source.name, "records": recs}) + "\n")
-    tmp.replace(path)
-
-
-def load_saved_records(path: str | Path) -> list[RunData]:
-    """The runs `save_records` wrote (no traces)."""
-    with gzip.open(path, "rt") as f:
-        return [RunData(source=Path(row["run"]), records=row["records"], traces={}) for row in map(json.loads, f)]

@@ -17,15 +17,13 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from pathlib import Path
-
-import numpy as np
 
 from analysis import stats as st
 from analysis.load import ReportInputError
+from analysis.matrix_runs import emit_page
 from analysis.phase_runs import ENTROPY_FLOOR, ENTROPY_WINDOW, FAILURE_V2, PhaseRun, load_phase, load_runs, save_metrics
 from analysis.phase_stats import (
-    GRPO, POSITIVE, REWARD_DROP, ZERO_DOSE, MethodFit, arms, dose_x, fit_method, ladder, ols_slope, phase_family,
+    GRPO, REWARD_DROP, ZERO_DOSE, MethodFit, arms, fit_method, ladder, ols_slope, phase_family,
     shared_boot_seeds, shift,
 )
 
@@ -189,16 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ReportInputError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.out is None:
-        print(text)
-        return 0
-    from moe_gspo.files import atomic_write_text
-
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out, text + "\n")
-    print(args.out)
-    return 0
+    return emit_page(text if args.out is None else text + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.load import (ReportInputError, RunData, finite_mean, load_run, load_saved_records, matrix_series, save_records,
-                           series)
+from analysis.load import ReportInputError, RunData, finite_mean, matrix_series, series
+from analysis.matrix_runs import load_matrix_runs, save_records
 from moe_gspo.algos.collapse import FailureCriteria, detect_failure, trailing_mean
 
 RUN_RE = re.compile(r"^(?P<algo>[a-z_]+)-(?P<replay>none|r2|r3)-(?P<variant>[A-Za-z0-9_.]+)-s(?P<seed>\d+)$")
@@ -135,21 +135,10 @@ def phase_run(run: RunData) -> PhaseRun | None:
 
 # --------------------------------------------------------------------------- loading, saving
 
-def _finished(runs_dir: Path) -> list[RunData]:
-    return [load_run(d) for d in sorted(runs_dir.iterdir()) if RUN_RE.match(d.name) and (d / "done.json").is_file()]
-
-
 def load_runs(source: str | Path) -> list[RunData]:
     """The finished runs (with done.json) of a matrix directory, or those saved by `save_metrics`."""
-    source = Path(source)
-    if not source.exists():
-        raise ReportInputError(f"{str(source)!r} does not exist; pass the phase matrix's out_dir or a .jsonl.gz file "
-                               "written by --save-metrics")
-    runs = load_saved_records(source) if source.is_file() else _finished(source)
-    if not runs:
-        raise ReportInputError(f"no finished run named <algo>-<replay>-<dose>[_<fix>]-s<seed> under {source} "
-                               "(a run is finished when its done.json exists)")
-    return runs
+    return load_matrix_runs(source, RUN_RE, matrix="the phase matrix's out_dir",
+                            names="<algo>-<replay>-<dose>[_<fix>]-s<seed> (a run is finished when its done.json exists)")
 
 
 def save_metrics(runs: list[RunData], path: str | Path) -> None:

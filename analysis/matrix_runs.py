@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -34,16 +35,24 @@ def load_matrix_runs(source: str | Path, run_re: re.Pattern, *, matrix: str, nam
 
 def save_records(runs: list[RunData], path: str | Path, keys: Iterable[str]) -> None:
     """One gzip'd JSON line per run, `{"run": <run dir name>, "records": [<its metrics rows, only `keys`>]}`,
-    written to a temp file, then renamed (the committed metrics a report page regenerates from)."""
+    written to this process's own temp file, then renamed (the committed metrics a report page regenerates from):
+    a failed or concurrent write never leaves a half-written `path` or another writer's temp file behind."""
+    from moe_gspo.files import writing
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     keys = tuple(keys)
-    tmp = path.with_name(path.name + ".tmp")
-    with gzip.open(tmp, "wt") as f:
-        for run in runs:
-            recs = [{k: r[k] for k in keys if k in r} for r in run.records]
-            f.write(json.dumps({"run": run.source.name, "records": recs}) + "\n")
-    tmp.replace(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with writing(path, "file"):
+            with gzip.open(tmp, "wt") as f:
+                for run in runs:
+                    recs = [{k: r[k] for k in keys if k in r} for r in run.records]
+                    f.write(json.dumps({"run": run.source.name, "records": recs}) + "\n")
+            os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def load_saved_records(path: str | Path) -> list[RunData]:

@@ -30,6 +30,8 @@ from typing import Any, Iterator
 import numpy as np
 import yaml
 
+from moe_gspo.yaml_limits import load_capped
+
 
 class ReportInputError(ValueError):
     """The run directory / probe file given to the report cannot be used (message says why)."""
@@ -161,7 +163,7 @@ def load_run(run_dir: str | Path) -> RunData:
                 else "there is no metrics.jsonl")
         raise ReportInputError(f"nothing to report in {str(run_dir)!r}: {what} and there are no "
                                "traces/step_*.npz files; is this a training run directory?")
-    config = _read_optional(run_dir / "config.yaml", yaml.safe_load, notes)
+    config = _read_optional(run_dir / "config.yaml", lambda f: load_capped(f.read(), what="config.yaml"), notes)
     done = _read_optional(run_dir / "done.json", json.load, notes)
     run_info = _read_optional(run_dir / "run.json", json.load, notes)
     evals: list[dict[str, Any]] = []

@@ -39,7 +39,7 @@ RUN_RE = re.compile(r"^(?P<algo>[a-z_]+)-(?P<replay>none|r2|r3)-(?P<variant>[A-Z
 PHASE_KEYS = ("step", "reward/mean", "reward/frac_zero_std", "actor/entropy", "mismatch/k3_kl",
               "mismatch_replayed/k3_kl", "routing/layer_disagree", "routing/any_layer_flip", "routing/dial_flip_frac",
               "routing/dial_flip_prob", "routing/dial_noise_std", "r3/replay_mismatch_frac",
-              "update/expert_change_frac", "train/lr", "eval/accuracy")
+              "update/expert_change_frac", "update_all_minibatches/expert_change_frac", "train/lr", "eval/accuracy")
 """The metrics the phase page reads: `--save-metrics` keeps only these."""
 
 ENTROPY_WINDOW = 10
@@ -127,6 +127,7 @@ def phase_run(run: RunData) -> PhaseRun | None:
         "replay_mismatch": _series_mean(run, "r3/replay_mismatch_frac"),
         "final_entropy": finite_mean(series(run.records, "actor/entropy")[1][-n10:]),
         "expert_change": _series_mean(run, "update/expert_change_frac"),
+        "expert_change_all": _series_mean(run, "update_all_minibatches/expert_change_frac"),
         "num_steps": float(reward.size),
     }
     return PhaseRun(run.source.name, method_of(m["algo"], m["replay"], fix), dose, int(m["seed"]), scores,

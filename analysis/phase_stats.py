@@ -220,7 +220,7 @@ def _paired(a: Mapping[int, PhaseRun], b: Mapping[int, PhaseRun], key: str) -> t
     return ({s: r.scores[key] for s, r in a.items()}, {s: r.scores[key] for s, r in b.items()})
 
 
-def _compare(section: str, label: str, a, b, key: str, *, a_better: bool, reps: int, seed: int,
+def paired_compare(section: str, label: str, a, b, key: str, *, a_better: bool, reps: int, seed: int,
              null_claim: bool = False) -> ClaimTest:
     """Paired (by seed) Wilcoxon of `key`; `a_better`: the claim is that arm a scores higher."""
     va, vb = _paired(a, b, key)
@@ -274,9 +274,9 @@ def phase_family(by_method: Mapping[str, Mapping[str, Mapping[int, PhaseRun]]], 
     top = doses[-1] if len(doses) >= 2 else None
     if top is not None:
         a, b = grpo[top], grpo[ZERO_DOSE]
-        tests.append(_compare("drift", f"{GRPO}: final reward, {top} vs {ZERO_DOSE}", a, b, "final_reward",
+        tests.append(paired_compare("drift", f"{GRPO}: final reward, {top} vs {ZERO_DOSE}", a, b, "final_reward",
                               a_better=False, reps=reps, seed=seed))
-        tests.append(_compare("drift", f"{GRPO}: reward AUC, {top} vs {ZERO_DOSE}", a, b, "reward_auc",
+        tests.append(paired_compare("drift", f"{GRPO}: reward AUC, {top} vs {ZERO_DOSE}", a, b, "reward_auc",
                               a_better=False, reps=reps, seed=seed))
         tests.append(_collapse_test("drift", f"{GRPO}: time to entropy collapse, {top} vs {ZERO_DOSE}", a, b))
         trend = _trend_test(grpo)
@@ -284,13 +284,13 @@ def phase_family(by_method: Mapping[str, Mapping[str, Mapping[int, PhaseRun]]], 
             tests.append(trend)
         for fix in FIXES:
             if top in by_method.get(fix, {}):
-                tests.append(_compare("fixes", f"{fix} vs {GRPO} at {top}: final reward", by_method[fix][top], a,
+                tests.append(paired_compare("fixes", f"{fix} vs {GRPO} at {top}: final reward", by_method[fix][top], a,
                                       "final_reward", a_better=True, reps=reps, seed=seed))
     if POSITIVE in grpo and ZERO_DOSE in grpo:
-        tests.append(_compare("controls", f"positive control: {GRPO} {POSITIVE} vs {ZERO_DOSE}: final reward",
+        tests.append(paired_compare("controls", f"positive control: {GRPO} {POSITIVE} vs {ZERO_DOSE}: final reward",
                               grpo[POSITIVE], grpo[ZERO_DOSE], "final_reward", a_better=False, reps=reps, seed=seed))
     if ZERO_DOSE in by_method.get("grpo-r3", {}) and ZERO_DOSE in grpo:
-        tests.append(_compare("controls", f"zero mismatch: grpo-r3 vs {GRPO} at {ZERO_DOSE}: final reward",
+        tests.append(paired_compare("controls", f"zero mismatch: grpo-r3 vs {GRPO} at {ZERO_DOSE}: final reward",
                               by_method["grpo-r3"][ZERO_DOSE], grpo[ZERO_DOSE], "final_reward", a_better=True,
                               reps=reps, seed=seed, null_claim=True))
     return apply_holm(tests)

@@ -24,7 +24,7 @@ from analysis.matrix_runs import emit_page
 from analysis.phase_runs import ENTROPY_FLOOR, ENTROPY_WINDOW, FAILURE_V2, PhaseRun, load_phase, load_runs, save_metrics
 from analysis.phase_stats import (
     GRPO, REWARD_DROP, ZERO_DOSE, MethodFit, arms, fit_method, ladder, ols_slope, phase_family,
-    shared_boot_seeds, shift,
+    shared_boot_seeds, shift, tolerated_by_ci,
 )
 
 PAPERS = "the papers' Qwen3-30B-A3B: ~10% per-layer flips, k3 ~1.5e-3 (R3 paper)"
@@ -47,7 +47,7 @@ def fmt_critical(fit: MethodFit) -> str:
     c = fit.critical
     if c.kind == "not_reached":
         upper = f"> {_pct(fit.x.max())}"
-        return f"not reached: tolerates every dose tested ({upper}; largest dose tolerated {_pct(fit.largest_tolerated)})"
+        return f"not reached: the fitted drop stays above −{REWARD_DROP:g} at every dose tested ({upper})"
     lo, hi = fit.ci_log10
     ci = (f"[{_pct(10 ** lo)}, {_pct(10 ** hi)}]" if math.isfinite(lo) else "[n/a]")
     if fit.not_reached_share > 0.025:
@@ -82,19 +82,28 @@ def fits(by_method, reps: int, seed: int) -> dict[str, MethodFit]:
     return out
 
 
-def critical_table(fitted: dict[str, MethodFit], by_method) -> list[str]:
+def _drop(e: st.Estimate) -> str:
+    if not math.isfinite(e.point):
+        return "n/a"
+    return f"{e.point:+.2f}" + (f" [{e.lo:+.2f}, {e.hi:+.2f}]" if math.isfinite(e.lo) else " [n/a]")
+
+
+def critical_table(fitted: dict[str, MethodFit], by_method, reps: int, seed: int) -> list[str]:
     rows = []
     for method, f in fitted.items():
         slope, lo, hi, p = ols_slope(by_method[method])
-        drops = ", ".join(f"{_pct(x)}: {d:+.2f}" for x, d in zip(f.x, f.drop) if math.isfinite(d))
+        largest, per_dose = tolerated_by_ci(by_method[method], reps=reps, seed=seed, method=method)
+        drops = ", ".join(f"{_pct(x)}: {_drop(e)}" for x, e in per_dose)
         cf = f.critical_fail
         fail = ("not reached" if cf.kind == "not_reached" else
                 f"{'≤ ' if cf.kind == 'at_or_below_first' else ''}{_pct(cf.value)}")
         ols = "n/a" if not math.isfinite(slope) else f"{slope:+.3f} [{lo:+.3f}, {hi:+.3f}] (p {st.fmt_p(p)})"
-        rows.append([method, fmt_critical(f), fail, ols, drops])
+        shown = _pct(largest) if math.isfinite(largest) else "none shown (the CI reaches it at the first dose)"
+        rows.append([method, fmt_critical(f), shown, fail, ols, drops])
     return _table(["method", f"critical mismatch x* (final reward −{REWARD_DROP:g}), 95% CI",
+                   f"largest dose tolerated (drop's 95% CI above −{REWARD_DROP:g} there and below)",
                    "failure rate ≥ 50% at", "OLS: final reward per decade of flips, seed effects",
-                   "mean drop vs own zero dose, by realised flips"], rows)
+                   "mean paired drop vs own zero dose [95% CI], by realised flips"], rows)
 
 
 def shift_table(fitted: dict[str, MethodFit]) -> list[str]:
@@ -153,8 +162,11 @@ def phase_page(runs: list[PhaseRun], reps: int = st.DEFAULT_REPS, seed: int = 0)
     lines += ["### Critical mismatch per method", "",
               f"The dose at which the isotonic (non-increasing) fit of the paired final-reward drop against the "
               f"method's own {ZERO_DOSE} arm first reaches −{REWARD_DROP:g}, interpolated in log10(dose); CI: cluster "
-              f"bootstrap over seeds ({reps} resamples, shared by all methods so that shifts pair).", ""]
-    lines += critical_table(fitted, by_method) if fitted else ["No method has a zero-dose arm and a dosed one.", ""]
+              f"bootstrap over seeds ({reps} resamples, shared by all methods so that shifts pair). The largest dose "
+              f"tolerated is the pre-registered rule: the largest realised dose at which the mean paired drop's 95% "
+              f"percentile bootstrap CI (over the seeds, {reps} resamples) lies above −{REWARD_DROP:g}, as it does "
+              f"at every lower dose.", ""]
+    lines += critical_table(fitted, by_method, reps, seed) if fitted else ["No method has a zero-dose arm and a dosed one.", ""]
     lines += ["### Each fix's shift of the critical mismatch", ""] + shift_table(fitted)
     lines += ["### Where real precisions and the papers fall on the same axis", ""] + reference_points(by_method, reps, seed)
     lines += ["### Pre-registered tests (one Holm family)", ""] + _tests_table(tests)

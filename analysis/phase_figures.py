@@ -15,9 +15,10 @@ import seaborn as sns
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 
-from analysis import stats as st
 from analysis.phase_runs import PhaseRun
-from analysis.phase_stats import GRPO, REWARD_DROP, ZERO_DOSE, arms, dose_x, fit_method, ladder, shared_boot_seeds
+from analysis.phase_stats import (
+    GRPO, REWARD_DROP, ZERO_DOSE, arms, dose_x, drop_ci, fit_method, ladder, shared_boot_seeds,
+)
 
 PAPER_FLIPS = 0.10
 PRECISIONS = ("bf16", "fp8", "w8a8")
@@ -46,8 +47,7 @@ def phase_figure(runs: list[PhaseRun], *, reps: int = 2000, seed: int = 0) -> Fi
         xs, ys, lo, hi = [], [], [], []
         for d in fit.doses:
             arm = marms[d]
-            diffs = [arm[s].scores["final_reward"] - zero[s].scores["final_reward"] for s in arm if s in zero]
-            e = st.bootstrap_ci(diffs, how="mean", reps=reps, seed=st.stream_seed(seed, "fig", method, d))
+            e = drop_ci(arm, zero, reps=reps, seed=seed, method=method, dose=d)
             x = x0 if d == ZERO_DOSE else dose_x(arm)
             xs.append(x), ys.append(e.point), lo.append(e.lo), hi.append(e.hi)
             fails = sum(r.failed for r in arm.values())

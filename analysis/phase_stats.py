@@ -164,6 +164,31 @@ def fit_method(method: str, method_arms: Mapping[str, Mapping[int, PhaseRun]], *
                      float(tolerated.max()) if tolerated.size else math.nan)
 
 
+def drop_ci(arm: Mapping[int, PhaseRun], zero: Mapping[int, PhaseRun], *, reps: int, seed: int, method: str,
+            dose: str) -> st.Estimate:
+    """The mean paired (by seed) final-reward drop of `arm` against the method's zero-dose arm, with its 95%
+    percentile bootstrap CI over the seeds both have (its own stream; the figure draws the same)."""
+    diffs = [arm[s].scores["final_reward"] - zero[s].scores["final_reward"] for s in arm if s in zero]
+    return st.bootstrap_ci(diffs, how="mean", reps=reps, seed=st.stream_seed(seed, "fig", method, dose))
+
+
+def tolerated_by_ci(method_arms: Mapping[str, Mapping[int, PhaseRun]], *, reps: int, seed: int, method: str
+                    ) -> tuple[float, list[tuple[float, st.Estimate]]]:
+    """The pre-registered "largest dose tolerated" (docs/paper_claims.md, experiment 3, "What counts"): the largest
+    realised dose p such that the drop's 95% CI (`drop_ci`) lies above −`REWARD_DROP` at p and at every lower dose;
+    NaN when it does not at the first dose. Also (dose, drop estimate) per dosed arm, weakest first."""
+    doses = [d for d in ladder(method_arms) if d != ZERO_DOSE] if ZERO_DOSE in method_arms else []
+    zero = method_arms.get(ZERO_DOSE, {})
+    per_dose = [(dose_x(method_arms[d]), drop_ci(method_arms[d], zero, reps=reps, seed=seed, method=method, dose=d))
+                for d in doses]
+    largest = math.nan
+    for x, e in per_dose:
+        if not (math.isfinite(e.lo) and e.lo > -REWARD_DROP):
+            break
+        largest = x
+    return largest, per_dose
+
+
 def shared_boot_seeds(by_method: Mapping[str, Mapping[str, Mapping[int, PhaseRun]]], reps: int, seed: int) -> np.ndarray:
     """Resampled seed lists over the seeds every method's zero-dose arm has (so fixes and GRPO pair)."""
     pools = [set(m[ZERO_DOSE]) for m in by_method.values() if ZERO_DOSE in m]

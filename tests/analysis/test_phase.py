@@ -13,7 +13,7 @@ import pytest
 
 from analysis.phase import main, phase_page
 from analysis.phase_runs import entropy_collapse, load_phase, phase_run
-from analysis.phase_stats import arms, crossing, fit_method, phase_family, shift
+from analysis.phase_stats import arms, crossing, fit_method, phase_family, shift, tolerated_by_ci
 from analysis.load import load_run
 
 T = 40
@@ -105,7 +105,7 @@ def test_page_regenerates_from_saved_metrics_and_draws_the_diagram(matrix, tmp_p
     assert main([str(saved), "--out", str(out_b), "--bootstrap-reps", "200"]) == 0
     assert out_a.read_text() == out_b.read_text()
     text = out_a.read_text()
-    assert "| grpo-none | p80 | 6 |" in text and "not reached: tolerates every dose tested" in text
+    assert "| grpo-none | p80 | 6 |" in text and "not reached: the fitted drop stays above −0.1 at every dose tested" in text
     assert (tmp_path / "fig" / "phase_diagram.png").stat().st_size > 10_000
 
 
@@ -140,3 +140,24 @@ def test_a_stopped_matrix_pairs_each_test_on_the_seeds_both_arms_finished(matrix
     drop = phase_family(by, reps=200, seed=0)[0]
     assert drop.test == "Wilcoxon signed-rank (paired by seed)" and drop.num_seeds == 4
     assert drop.p == pytest.approx(0.125)  # exact two-sided Wilcoxon, 4 pairs all lower: 2/2^4
+
+
+def test_largest_dose_tolerated_is_the_pre_registered_ci_rule(matrix, tmp_path):
+    """The largest dose at which the paired drop's 95% CI lies above -0.1, as at every lower dose."""
+    by = arms(load_phase(matrix))
+    largest, per_dose = tolerated_by_ci(by["grpo-none"], reps=300, seed=0, method="grpo-none")
+    assert largest == pytest.approx(0.05)  # p5 drops 0.02 exactly in every seed; p20 drops 0.15
+    assert [round(x, 6) for x, _ in per_dose] == [0.05, 0.2, 0.8]
+    assert [e.point for _, e in per_dose] == pytest.approx([-0.02, -0.15, -0.4])
+    assert tolerated_by_ci(by["grpo-r3"], reps=300, seed=0, method="grpo-r3")[0] == pytest.approx(0.8)
+    # a mean drop of 0.05 whose seeds spread from -0.25 to +0.15: the point is above -0.1, its CI is not
+    for seed in range(6):
+        _write(tmp_path / f"grpo-none-p0-s{seed}", 0.7, 0.0)
+        _write(tmp_path / f"grpo-none-p5-s{seed}", 0.7 + (-0.25 if seed % 2 else 0.15), 0.05)
+        _write(tmp_path / f"grpo-none-p20-s{seed}", 0.7, 0.2)
+    noisy = arms(load_phase(tmp_path))["grpo-none"]
+    largest, per_dose = tolerated_by_ci(noisy, reps=500, seed=0, method="grpo-none")
+    assert per_dose[0][1].point == pytest.approx(-0.05) and per_dose[0][1].lo < -0.1
+    assert math.isnan(largest)  # not shown at the first dose, so at none (p20's zero drop does not count)
+    assert fit_method("grpo-none", noisy, reps=100, seed=0).largest_tolerated == pytest.approx(0.2)  # the point fit
+    assert "none shown" in phase_page(load_phase(tmp_path), reps=200)

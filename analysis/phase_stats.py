@@ -16,7 +16,8 @@ bootstrap CI, each fix's shift of it, and the pre-registered test family. Pure: 
   not reached (an upper bound "> largest dose" when that share exceeds 2.5%).
 - **Shift** of a fix: x*_fix / x*_GRPO per resample (both from the same resampled seeds), percentile CI.
 - Descriptive, per method: statsmodels OLS of final reward on log10(dose) with seed fixed effects over the
-  dosed arms (slope per decade, 95% CI), and a binomial GLM of failure on log10(dose) when failures vary.
+  dosed arms (slope per decade, 95% CI), and a binomial GLM (logit link) of failure on log10(dose) over the same
+  runs, without seed effects (a binary outcome per seed would separate), when failures vary and do not separate.
 """
 
 from __future__ import annotations
@@ -227,6 +228,47 @@ def ols_slope(method_arms: Mapping[str, Mapping[int, PhaseRun]]) -> tuple[float,
     res = smf.ols(formula, data=df).fit()
     lo, hi = res.conf_int().loc["logx"].tolist()
     return float(res.params["logx"]), float(lo), float(hi), float(res.pvalues["logx"])
+
+
+@dataclass
+class FailureFit:
+    slope: float
+    """Log-odds of failure per decade of realised flips (NaN when not fitted)."""
+    lo: float
+    hi: float
+    p: float
+    why_not: str = ""
+    """Why no fit (empty when fitted)."""
+
+
+def failure_glm(method_arms: Mapping[str, Mapping[int, PhaseRun]]) -> FailureFit:
+    """statsmodels binomial GLM `failed ~ log10(x)` over the method's dosed dial arms (each run at its own realised
+    per-layer flip rate x): the slope per decade with its 95% Wald CI and p; not fitted (NaNs and the reason) when
+    the failures do not vary or separate perfectly by dose."""
+    import warnings
+
+    import pandas as pd
+    import statsmodels.api as sm
+    import statsmodels.formula.api as smf
+
+    rows = [{"failed": float(r.failed), "logx": math.log10(r.scores["layer_disagree"])}
+            for d, arm in method_arms.items() if DIAL_DOSE.match(d) and d != ZERO_DOSE for r in arm.values()
+            if math.isfinite(r.scores["layer_disagree"]) and r.scores["layer_disagree"] > 0]
+    df = pd.DataFrame(rows)
+    nan = (math.nan,) * 4
+    if df.empty or df["logx"].nunique() < 2:
+        return FailureFit(*nan, why_not="fewer than two doses")
+    k, n = int(df["failed"].sum()), len(df)
+    if k in (0, n):
+        return FailureFit(*nan, why_not=f"failures do not vary ({k}/{n})")
+    failed_x, ok_x = df.loc[df["failed"] == 1, "logx"], df.loc[df["failed"] == 0, "logx"]
+    if failed_x.min() > ok_x.max() or failed_x.max() < ok_x.min():
+        return FailureFit(*nan, why_not=f"failures separate perfectly by dose ({k}/{n})")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # convergence chatter on near-separated data: the CI says how sure it is
+        res = smf.glm("failed ~ logx", data=df, family=sm.families.Binomial()).fit()
+    lo, hi = res.conf_int().loc["logx"].tolist()
+    return FailureFit(float(res.params["logx"]), float(lo), float(hi), float(res.pvalues["logx"]))
 
 
 # --------------------------------------------------------------------------- pre-registered tests

@@ -13,7 +13,10 @@ import pytest
 
 from analysis.phase import main, phase_page
 from analysis.phase_runs import entropy_collapse, load_phase, phase_run
-from analysis.phase_stats import arms, crossing, fit_method, phase_family, shift, tolerated_by_ci
+from analysis.phase_runs import PhaseRun
+from analysis.phase_stats import (
+    arms, crossing, failure_glm, fit_method, phase_family, shift, tolerated_by_ci,
+)
 from analysis.load import load_run
 
 T = 40
@@ -161,3 +164,32 @@ def test_largest_dose_tolerated_is_the_pre_registered_ci_rule(matrix, tmp_path):
     assert math.isnan(largest)  # not shown at the first dose, so at none (p20's zero drop does not count)
     assert fit_method("grpo-none", noisy, reps=100, seed=0).largest_tolerated == pytest.approx(0.2)  # the point fit
     assert "none shown" in phase_page(load_phase(tmp_path), reps=200)
+
+
+def _runs(dose: str, x: float, fails: list[bool]) -> dict[int, PhaseRun]:
+    return {i: PhaseRun(f"grpo-none-{dose}-s{i}", "grpo-none", dose, i, {"layer_disagree": x, "final_reward": 1.0},
+                        0.0, False, 0.0, f) for i, f in enumerate(fails)}
+
+
+def test_failure_glm_against_newton_by_hand_and_when_it_is_not_fitted():
+    arms_ = {"p0": _runs("p0", 0.0, [True] * 4), "p1": _runs("p1", 0.01, [False, False, False, True]),
+             "p10": _runs("p10", 0.1, [False, True, False, True]), "p100": _runs("p100", 1.0, [True, True, True, False]),
+             "bf16": _runs("bf16", 0.005, [True] * 4)}  # p0 and the reference arm are not fitted
+    g = failure_glm(arms_)
+    # logistic regression of (0,0,0,1 | 0,1,0,1 | 1,1,1,0) on log10 x = -2, -1, 0 by Newton's method
+    x = np.repeat([-2.0, -1.0, 0.0], 4)
+    y = np.array([0, 0, 0, 1, 0, 1, 0, 1, 1, 1, 1, 0], float)
+    X = np.column_stack([np.ones_like(x), x])
+    beta = np.zeros(2)
+    for _ in range(50):
+        mu = 1 / (1 + np.exp(-X @ beta))
+        beta += np.linalg.solve(X.T @ (X * (mu * (1 - mu))[:, None]), X.T @ (y - mu))
+    se = math.sqrt(np.linalg.inv(X.T @ (X * (mu * (1 - mu))[:, None]))[1, 1])
+    assert g.why_not == "" and g.slope == pytest.approx(beta[1], rel=1e-6)
+    assert (g.lo, g.hi) == pytest.approx((beta[1] - 1.959964 * se, beta[1] + 1.959964 * se), rel=1e-4)
+    assert 0 < g.p < 1
+    none = failure_glm({"p1": _runs("p1", 0.01, [False] * 3), "p10": _runs("p10", 0.1, [False] * 3)})
+    assert math.isnan(none.slope) and none.why_not == "failures do not vary (0/6)"
+    sep = failure_glm({"p1": _runs("p1", 0.01, [False] * 3), "p10": _runs("p10", 0.1, [True] * 3)})
+    assert math.isnan(sep.slope) and "separate" in sep.why_not
+    assert failure_glm({"p1": _runs("p1", 0.01, [False, True])}).why_not == "fewer than two doses"

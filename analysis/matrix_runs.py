@@ -1,16 +1,17 @@
-"""An ablation matrix's runs as a report page reads them (`analysis.claims`, `analysis.phase`): the finished runs
-of its output directory, or the metrics a page saved to regenerate itself from (`--save-metrics`), and the page
-written to stdout or to a file."""
+"""An ablation matrix's runs as a report page reads them (`analysis.claims`, `analysis.phase`,
+`analysis.staleness`): the finished runs of its output directory, or the metrics a page saved to regenerate itself
+from (`--save-metrics`), the page written to stdout or to a file, and the pages' shared command line and tables."""
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import os
 import re
 import sys
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from analysis.load import ReportInputError, RunData, load_run
 
@@ -73,3 +74,58 @@ def emit_page(text: str, out: str | None) -> int:
     atomic_write_text(path, text)
     print(out, file=sys.stdout)
     return 0
+
+
+# --------------------------------------------------------------------------- the pages' shared parts
+
+def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A Markdown table's lines, then a blank line."""
+    return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+            + ["| " + " | ".join(r) + " |" for r in rows] + [""])
+
+
+def tests_table(tests, empty: str) -> list[str]:
+    """The Holm family's table (`analysis.claims_stats.ClaimTest`s), or `empty` when there is no test."""
+    import analysis.stats as st
+
+    if not tests:
+        return [empty, ""]
+    return md_table(["test", "statistic", "estimate", "p", "Holm-adjusted p", "verdict"],
+                    [[t.label, t.test, t.estimate, st.fmt_p(t.p), st.fmt_p(t.p_holm), t.verdict] for t in tests])
+
+
+def page_parser(prog: str, description: str, *, matrix: str, figure: str) -> argparse.ArgumentParser:
+    """The command line of a matrix page: RUNS_DIR|METRICS.jsonl.gz [--out] [--figures] [--save-metrics]
+    [--bootstrap-reps] [--seed]; `matrix` names the directory, `figure` what --figures draws."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("runs_dir", help=f"{matrix}, or a .jsonl.gz written by --save-metrics")
+    p.add_argument("--out", default=None, help="write the Markdown here (temp file, then rename); else stdout")
+    p.add_argument("--figures", default=None, metavar="DIR", help=f"write {figure} (PNG) here")
+    p.add_argument("--save-metrics", default=None, metavar="FILE.jsonl.gz",
+                   help="also save the metrics the page reads, per finished run (to regenerate the page)")
+    p.add_argument("--bootstrap-reps", type=int, default=2000, help="bootstrap resamples per CI (default 2000)")
+    p.add_argument("--seed", type=int, default=0, help="base seed of the bootstrap streams (default 0)")
+    return p
+
+
+def run_page(p: argparse.ArgumentParser, argv: list[str] | None, *, load_raw: Callable, parse: Callable,
+             page: Callable, save: Callable, figures: Callable) -> int:
+    """Parse `argv` with `p` and make the page: `load_raw(source)` -> runs, `parse(runs)` -> the page's runs,
+    `page(runs, reps=, seed=)` -> text; then `save(raw, path)` (--save-metrics) and `figures(runs, dir, reps=,
+    seed=)` (--figures), so that nothing is written when the input cannot make a page; a bad input is one line on
+    stderr and exit 2."""
+    args = p.parse_args(argv)
+    if args.bootstrap_reps < 100:
+        p.error(f"--bootstrap-reps={args.bootstrap_reps}: use at least 100")
+    try:
+        raw = load_raw(args.runs_dir)
+        runs = parse(raw)
+        text = page(runs, reps=args.bootstrap_reps, seed=args.seed)
+        if args.save_metrics:
+            save(raw, args.save_metrics)
+        if args.figures:
+            figures(runs, args.figures, reps=args.bootstrap_reps, seed=args.seed)
+    except (ReportInputError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return emit_page(text if args.out is None else text + "\n", args.out)

@@ -14,13 +14,11 @@ the same page.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 
 from analysis import stats as st
-from analysis.load import ReportInputError
-from analysis.matrix_runs import emit_page
+from analysis.matrix_runs import md_table, page_parser, run_page, tests_table
 from analysis.phase_runs import ENTROPY_FLOOR, ENTROPY_WINDOW, FAILURE_V2, PhaseRun, load_phase, load_runs, save_metrics
 from analysis.phase_stats import (
     GRPO, REWARD_DROP, ZERO_DOSE, MethodFit, arms, failure_glm, fit_method, ladder, ols_slope, phase_family,
@@ -29,10 +27,6 @@ from analysis.phase_stats import (
 
 PAPERS = "the papers' Qwen3-30B-A3B: ~10% per-layer flips, k3 ~1.5e-3 (R3 paper)"
 PRECISIONS = ("bf16", "fp8", "w8a8")
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows] + [""]
 
 
 def _est(values, reps: int, seed: int, *names) -> str:
@@ -68,7 +62,7 @@ def arm_table(by_method, reps: int, seed: int) -> list[str]:
                          _est(sc("k3"), reps, seed, method, dose, "k3"),
                          _est(sc("final_reward"), reps, seed, method, dose, "final"),
                          _est(sc("reward_auc"), reps, seed, method, dose, "auc"), st.fmt_rate(fails), st.fmt_rate(coll)])
-    return _table(["method", "dose", "seeds", "per-layer flips (realised)", "k3 KL", "final reward", "reward AUC",
+    return md_table(["method", "dose", "seeds", "per-layer flips (realised)", "k3 KL", "final reward", "reward AUC",
                    "failed", "entropy collapses"], rows)
 
 
@@ -103,7 +97,7 @@ def critical_table(fitted: dict[str, MethodFit], by_method, reps: int, seed: int
         glm = (f"not fitted: {g.why_not}" if g.why_not else
                f"{g.slope:+.2f} [{g.lo:+.2f}, {g.hi:+.2f}] (p {st.fmt_p(g.p)})")
         rows.append([method, fmt_critical(f), shown, fail, glm, ols, drops])
-    return _table(["method", f"critical mismatch x* (final reward −{REWARD_DROP:g}), 95% CI",
+    return md_table(["method", f"critical mismatch x* (final reward −{REWARD_DROP:g}), 95% CI",
                    f"largest dose tolerated (drop's 95% CI above −{REWARD_DROP:g} there and below)",
                    "failure rate ≥ 50% at", "binomial GLM: log-odds of failure per decade of flips",
                    "OLS: final reward per decade of flips, seed effects",
@@ -126,7 +120,7 @@ def shift_table(fitted: dict[str, MethodFit]) -> list[str]:
         else:
             ci = f"[{lo:.3g}, {hi:.3g}]" if math.isfinite(lo) else "[n/a]"
             rows.append([method, f"{point:.3g}× {ci}", f"{100 * both:.0f}%"])
-    return _table(["method", "x*(method) / x*(GRPO), 95% CI", "resamples where both are reached"], rows)
+    return md_table(["method", "x*(method) / x*(GRPO), 95% CI", "resamples where both are reached"], rows)
 
 
 def reference_points(by_method, reps: int, seed: int) -> list[str]:
@@ -135,14 +129,7 @@ def reference_points(by_method, reps: int, seed: int) -> list[str]:
              _est([r.scores["k3"] for r in grpo[d].values()], reps, seed, "ref", d, "k3")]
             for d in PRECISIONS if d in grpo]
     rows.append(["papers (Qwen3-30B-A3B)", "~10% (R3 paper)", "~1.5e-3 (R3 paper)"])
-    return _table(["rollout precision (GRPO-none, no dial)", "per-layer flips", "k3 KL"], rows)
-
-
-def _tests_table(tests) -> list[str]:
-    if not tests:
-        return ["No test: their arms are not in this matrix.", ""]
-    return _table(["test", "statistic", "estimate", "p", "Holm-adjusted p", "verdict"],
-                  [[t.label, t.test, t.estimate, st.fmt_p(t.p), st.fmt_p(t.p_holm), t.verdict] for t in tests])
+    return md_table(["rollout precision (GRPO-none, no dial)", "per-layer flips", "k3 KL"], rows)
 
 
 def phase_page(runs: list[PhaseRun], reps: int = st.DEFAULT_REPS, seed: int = 0) -> str:
@@ -176,37 +163,22 @@ def phase_page(runs: list[PhaseRun], reps: int = st.DEFAULT_REPS, seed: int = 0)
     lines += critical_table(fitted, by_method, reps, seed) if fitted else ["No method has a zero-dose arm and a dosed one.", ""]
     lines += ["### Each fix's shift of the critical mismatch", ""] + shift_table(fitted)
     lines += ["### Where real precisions and the papers fall on the same axis", ""] + reference_points(by_method, reps, seed)
-    lines += ["### Pre-registered tests (one Holm family)", ""] + _tests_table(tests)
+    lines += ["### Pre-registered tests (one Holm family)", ""] + tests_table(
+        tests, "No test: their arms are not in this matrix.")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m analysis.phase", description=__doc__.split("\n\n")[0])
-    p.add_argument("runs_dir", help="the phase matrix's out_dir, or a .jsonl.gz written by --save-metrics")
-    p.add_argument("--out", default=None, help="write the Markdown here (temp file, then rename); else stdout")
-    p.add_argument("--figures", default=None, metavar="DIR", help="write the phase diagram (PNG) here")
-    p.add_argument("--save-metrics", default=None, metavar="FILE.jsonl.gz",
-                   help="also save the metrics the page reads, per finished run (to regenerate the page)")
-    p.add_argument("--bootstrap-reps", type=int, default=2000,
-                   help="bootstrap resamples per CI and for the critical mismatch (default 2000)")
-    p.add_argument("--seed", type=int, default=0, help="base seed of the bootstrap streams (default 0)")
-    args = p.parse_args(argv)
-    if args.bootstrap_reps < 100:
-        p.error(f"--bootstrap-reps={args.bootstrap_reps}: use at least 100")
-    try:
-        raw = load_runs(args.runs_dir)
-        if args.save_metrics:
-            save_metrics(raw, args.save_metrics)
-        runs = load_phase(raw)
-        text = phase_page(runs, reps=args.bootstrap_reps, seed=args.seed)
-        if args.figures:
-            from analysis.phase_figures import write_figures
+def _write_figures(runs, out_dir, *, reps: int, seed: int):
+    from analysis.phase_figures import write_figures
 
-            write_figures(runs, args.figures, reps=args.bootstrap_reps, seed=args.seed)
-    except (ReportInputError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return emit_page(text if args.out is None else text + "\n", args.out)
+    return write_figures(runs, out_dir, reps=reps, seed=seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = page_parser("python -m analysis.phase", __doc__.split("\n\n")[0], matrix="the phase matrix's out_dir",
+                    figure="the phase diagram")
+    return run_page(p, argv, load_raw=load_runs, parse=load_phase, page=phase_page, save=save_metrics,
+                    figures=_write_figures)
 
 
 if __name__ == "__main__":

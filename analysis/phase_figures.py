@@ -15,6 +15,7 @@ import seaborn as sns
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 
+from analysis.figure_kit import save_png
 from analysis.phase_runs import PhaseRun
 from analysis.phase_stats import (
     GRPO, REWARD_DROP, ZERO_DOSE, arms, dose_x, drop_ci, fit_method, ladder, shared_boot_seeds,
@@ -83,10 +84,4 @@ def phase_figure(runs: list[PhaseRun], *, reps: int = 2000, seed: int = 0) -> Fi
 
 
 def write_figures(runs: list[PhaseRun], out_dir: str | Path, *, reps: int = 2000, seed: int = 0) -> list[Path]:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "phase_diagram.png"
-    tmp = out / ".phase_diagram.png.tmp"
-    phase_figure(runs, reps=reps, seed=seed).savefig(tmp, format="png")
-    tmp.replace(path)
-    return [path]
+    return [save_png(phase_figure(runs, reps=reps, seed=seed), out_dir, "phase_diagram.png")]

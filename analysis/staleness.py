@@ -21,7 +21,6 @@ final reward and experts changed against N (`analysis.staleness_figures`).
 
 from __future__ import annotations
 
-import argparse
 import math
 import re
 import sys
@@ -30,7 +29,7 @@ from collections.abc import Mapping
 from analysis import stats as st
 from analysis.claims_stats import ClaimTest, apply_holm
 from analysis.load import ReportInputError
-from analysis.matrix_runs import emit_page
+from analysis.matrix_runs import md_table, page_parser, run_page, tests_table
 from analysis.phase_runs import PhaseRun, load_phase, load_runs, save_metrics
 from analysis.phase_stats import GRPO, arms, paired_compare
 
@@ -55,10 +54,6 @@ def staleness_arms(runs: list[PhaseRun]) -> StalenessArms:
     return out
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows] + [""]
-
-
 def _est(values, reps: int, seed: int, *names) -> str:
     vals = [v for v in values if math.isfinite(v)]
     if not vals:
@@ -78,7 +73,7 @@ def arm_table(by_method: StalenessArms, reps: int, seed: int) -> list[str]:
                          _est(sc("expert_change_all"), reps, seed, method, n, "change_all"),
                          st.fmt_rate(st.rate(sum(r.failed for r in runs), len(runs))),
                          st.fmt_rate(st.rate(sum(r.collapsed for r in runs), len(runs)))])
-    return _table(["method", "mini-batches per rollout N", "seeds", "final reward", "reward AUC",
+    return md_table(["method", "mini-batches per rollout N", "seeds", "final reward", "reward AUC",
                    "experts changed by the first update", "experts changed by all N updates", "failed",
                    "entropy collapses"], rows)
 
@@ -105,7 +100,7 @@ def slope_table(by_method: StalenessArms) -> list[str]:
         slope, lo, hi, p, seeds = reward_slope(by_n)
         rows.append([method, "n/a" if not math.isfinite(slope) else
                      f"{slope:+.3f} [{lo:+.3f}, {hi:+.3f}] (p {st.fmt_p(p)})", str(seeds)])
-    return _table(["method", "OLS: final reward per doubling of N, seed effects (95% CI)", "seeds"], rows)
+    return md_table(["method", "OLS: final reward per doubling of N, seed effects (95% CI)", "seeds"], rows)
 
 
 def staleness_family(by_method: StalenessArms, *, reps: int, seed: int) -> list[ClaimTest]:
@@ -121,13 +116,6 @@ def staleness_family(by_method: StalenessArms, *, reps: int, seed: int) -> list[
         tests.append(paired_compare("staleness", f"{fix} vs {GRPO} at N = {n}: final reward", by_method[fix][n],
                                     grpo[n], "final_reward", a_better=True, reps=reps, seed=seed))
     return apply_holm(tests)
-
-
-def _tests_table(tests: list[ClaimTest]) -> list[str]:
-    if not tests:
-        return ["No test: GRPO-none and a fix (grpo-r2, gspo-none) share no N in this matrix.", ""]
-    return _table(["test", "statistic", "estimate", "p", "Holm-adjusted p", "verdict"],
-                  [[t.label, t.test, t.estimate, st.fmt_p(t.p), st.fmt_p(t.p_holm), t.verdict] for t in tests])
 
 
 def staleness_page(runs: list[PhaseRun], reps: int = st.DEFAULT_REPS, seed: int = 0) -> str:
@@ -146,37 +134,23 @@ def staleness_page(runs: list[PhaseRun], reps: int = st.DEFAULT_REPS, seed: int 
         "logged it; 'n/a' where a run logged neither (`logging.update_drift_every` 0).", "",
         "### Arms", ""] + arm_table(by_method, reps, seed)
     lines += ["### Final reward against staleness (descriptive)", ""] + slope_table(by_method)
-    lines += ["### Pre-registered tests (one Holm family)", ""] + _tests_table(
-        staleness_family(by_method, reps=reps, seed=seed))
+    lines += ["### Pre-registered tests (one Holm family)", ""] + tests_table(
+        staleness_family(by_method, reps=reps, seed=seed),
+        "No test: GRPO-none and a fix (grpo-r2, gspo-none) share no N in this matrix.")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m analysis.staleness", description=__doc__.split("\n\n")[0])
-    p.add_argument("runs_dir", help="the staleness matrix's out_dir, or a .jsonl.gz written by --save-metrics")
-    p.add_argument("--out", default=None, help="write the Markdown here (temp file, then rename); else stdout")
-    p.add_argument("--figures", default=None, metavar="DIR", help="write the staleness figure (PNG) here")
-    p.add_argument("--save-metrics", default=None, metavar="FILE.jsonl.gz",
-                   help="also save the metrics the page reads, per finished run (to regenerate the page)")
-    p.add_argument("--bootstrap-reps", type=int, default=2000, help="bootstrap resamples per CI (default 2000)")
-    p.add_argument("--seed", type=int, default=0, help="base seed of the bootstrap streams (default 0)")
-    args = p.parse_args(argv)
-    if args.bootstrap_reps < 100:
-        p.error(f"--bootstrap-reps={args.bootstrap_reps}: use at least 100")
-    try:
-        raw = load_runs(args.runs_dir)
-        runs = load_phase(raw)
-        text = staleness_page(runs, reps=args.bootstrap_reps, seed=args.seed)
-        if args.save_metrics:
-            save_metrics(raw, args.save_metrics)
-        if args.figures:
-            from analysis.staleness_figures import write_figures
+def _write_figures(runs: list[PhaseRun], out_dir, *, reps: int, seed: int):
+    from analysis.staleness_figures import write_figures
 
-            write_figures(staleness_arms(runs), args.figures, reps=args.bootstrap_reps, seed=args.seed)
-    except (ReportInputError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return emit_page(text if args.out is None else text + "\n", args.out)
+    return write_figures(staleness_arms(runs), out_dir, reps=reps, seed=seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = page_parser("python -m analysis.staleness", __doc__.split("\n\n")[0],
+                    matrix="the staleness matrix's out_dir", figure="the staleness figure")
+    return run_page(p, argv, load_raw=load_runs, parse=load_phase, page=staleness_page, save=save_metrics,
+                    figures=_write_figures)
 
 
 if __name__ == "__main__":

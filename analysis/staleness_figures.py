@@ -15,6 +15,7 @@ import seaborn as sns
 from matplotlib.figure import Figure
 
 from analysis import stats as st
+from analysis.figure_kit import save_png
 from analysis.phase_runs import PhaseRun
 
 
@@ -57,10 +58,4 @@ def staleness_figure(by_method: Mapping[str, Mapping[int, Mapping[int, PhaseRun]
 
 def write_figures(by_method: Mapping[str, Mapping[int, Mapping[int, PhaseRun]]], out_dir: str | Path, *,
                   reps: int = 2000, seed: int = 0) -> list[Path]:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "staleness.png"
-    tmp = out / ".staleness.png.tmp"
-    staleness_figure(by_method, reps=reps, seed=seed).savefig(tmp, format="png")
-    tmp.replace(path)
-    return [path]
+    return [save_png(staleness_figure(by_method, reps=reps, seed=seed), out_dir, "staleness.png")]

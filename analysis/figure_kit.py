@@ -6,6 +6,7 @@ pyplot, so no GUI backend or global figure state is involved (rendering is Agg's
 from __future__ import annotations
 
 import io
+import os
 import textwrap
 import warnings
 from contextlib import contextmanager
@@ -162,11 +163,11 @@ def _finite_max(*arrays: np.ndarray) -> float:
 
 
 def save_png(fig: Figure, out_dir: str | Path, name: str) -> Path:
-    """`fig` saved as `out_dir/name` (the folder made) through a temporary sibling, then renamed; at the figure's
-    own dpi."""
+    """`fig` saved as `out_dir/name` (the folder made) through this process's own temporary sibling, then renamed
+    (two writers never share a temp file; a failed save leaves none); at the figure's own dpi."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path, tmp = out / name, out / f".{name}.tmp"
+    path, tmp = out / name, out / f".{name}.tmp-{os.getpid()}"
     try:
         fig.savefig(tmp, format="png")
         tmp.replace(path)

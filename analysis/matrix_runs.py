@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable
 
+from analysis import stats as st
 from analysis.load import ReportInputError, RunData, load_run
 
 
@@ -86,8 +87,6 @@ def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def tests_table(tests, empty: str) -> list[str]:
     """The Holm family's table (`analysis.claims_stats.ClaimTest`s), or `empty` when there is no test."""
-    import analysis.stats as st
-
     if not tests:
         return [empty, ""]
     return md_table(["test", "statistic", "estimate", "p", "Holm-adjusted p", "verdict"],

@@ -60,6 +60,8 @@ from typing import Iterator
 
 import torch
 
+from moe_gspo.rollout.vllm_gumbel import gumbel_argmax, token_logprobs, token_ranks
+
 
 # --------------------------------------------------------------------------------------------------
 # 1. Triton interpreter backend
@@ -218,8 +220,6 @@ class _TorchRanksKernel:
 
     def __getitem__(self, grid):
         def launch(output, logits, logits_stride, token_ids, vocab_size, **constexprs):
-            from moe_gspo.rollout.vllm_gumbel import token_ranks
-
             output.copy_(token_ranks(logits[:, :vocab_size], token_ids))
 
         return launch
@@ -229,8 +229,6 @@ def use_torch_sampling_ops() -> None:
     """Point V2's sampling, sampled-token log-probs and ranks at PyTorch (see the module docstring, 5). Call after
     ``import vllm``; a second call changes nothing."""
     from vllm.v1.worker.gpu.sample import logprob, prompt_logprob, sampler
-
-    from moe_gspo.rollout.vllm_gumbel import gumbel_argmax, token_logprobs
 
     original = sampler.gumbel_sample
     if not getattr(original, "moe_gspo_torch", False):

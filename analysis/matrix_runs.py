@@ -108,18 +108,20 @@ def page_parser(prog: str, description: str, *, matrix: str, figure: str) -> arg
 
 
 def run_page(p: argparse.ArgumentParser, argv: list[str] | None, *, load_raw: Callable, parse: Callable,
-             page: Callable, save: Callable, figures: Callable) -> int:
+             page: Callable, save: Callable, figures: Callable,
+             page_options: Callable[[argparse.Namespace], dict] | None = None) -> int:
     """Parse `argv` with `p` and make the page: `load_raw(source)` -> runs, `parse(runs)` -> the page's runs,
-    `page(runs, reps=, seed=)` -> text; then `save(raw, path)` (--save-metrics) and `figures(runs, dir, reps=,
-    seed=)` (--figures), so that nothing is written when the input cannot make a page; a bad input is one line on
-    stderr and exit 2."""
+    `page(runs, reps=, seed=, **page_options(args))` -> text (`page_options` maps a page's own flags to keyword
+    arguments); then `save(raw, path)` (--save-metrics) and `figures(runs, dir, reps=, seed=)` (--figures), so that
+    nothing is written when the input cannot make a page; a bad input is one line on stderr and exit 2."""
     args = p.parse_args(argv)
     if args.bootstrap_reps < 100:
         p.error(f"--bootstrap-reps={args.bootstrap_reps}: use at least 100")
+    extra = page_options(args) if page_options is not None else {}
     try:
         raw = load_raw(args.runs_dir)
         runs = parse(raw)
-        text = page(runs, reps=args.bootstrap_reps, seed=args.seed)
+        text = page(runs, reps=args.bootstrap_reps, seed=args.seed, **extra)
         if args.save_metrics:
             save(raw, args.save_metrics)
         if args.figures:

@@ -1,5 +1,5 @@
 """The stability phase diagram of a drift-dial matrix (issue 47): `python -m analysis.phase RUNS_DIR|METRICS.jsonl.gz
-[--out FILE.md] [--figures DIR] [--save-metrics FILE.jsonl.gz] [--bootstrap-reps N] [--seed S]`.
+[--out FILE.md] [--figures DIR] [--save-metrics FILE.jsonl.gz] [--bootstrap-reps N] [--seed S] [--tests N,N]`.
 
 RUNS_DIR is an ablation's out_dir whose runs are named `<algo>-<replay>-<dose>[_<fix>]-s<seed>`
 (`analysis.phase_runs`): e.g. `python -m moe_gspo.ablate --config configs/ablation_phase.yaml`. The page answers
@@ -14,14 +14,16 @@ the same page.
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
+from collections.abc import Sequence
 
 from analysis import stats as st
 from analysis.matrix_runs import md_table, page_parser, run_page, tests_table
 from analysis.phase_runs import ENTROPY_FLOOR, ENTROPY_WINDOW, FAILURE_V2, PhaseRun, load_phase, load_runs, save_metrics
 from analysis.phase_stats import (
-    GRPO, REWARD_DROP, ZERO_DOSE, MethodFit, arms, failure_glm, fit_method, ladder, ols_slope, phase_family,
+    FAMILY_TESTS, GRPO, REWARD_DROP, ZERO_DOSE, MethodFit, arms, failure_glm, fit_method, ladder, ols_slope, phase_family,
     shared_boot_seeds, shift, tolerated_by_ci,
 )
 
@@ -132,10 +134,13 @@ def reference_points(by_method, reps: int, seed: int) -> list[str]:
     return md_table(["rollout precision (GRPO-none, no dial)", "per-layer flips", "k3 KL"], rows)
 
 
-def phase_page(runs: list[PhaseRun], reps: int = st.DEFAULT_REPS, seed: int = 0) -> str:
+def phase_page(runs: list[PhaseRun], reps: int = st.DEFAULT_REPS, seed: int = 0,
+               tests: Sequence[int] | None = None) -> str:
+    """The page of a dial matrix; `tests`: the pre-registered tests to keep (their numbers in experiment 3's list),
+    all by default."""
     by_method = arms(runs)
     fitted = fits(by_method, reps, seed)
-    tests = phase_family(by_method, reps=reps, seed=seed)
+    family = phase_family(by_method, reps=reps, seed=seed, only=tests)
     c = FAILURE_V2
     n = sorted({len(a) for m in by_method.values() for a in m.values()})
     lines = [
@@ -163,8 +168,11 @@ def phase_page(runs: list[PhaseRun], reps: int = st.DEFAULT_REPS, seed: int = 0)
     lines += critical_table(fitted, by_method, reps, seed) if fitted else ["No method has a zero-dose arm and a dosed one.", ""]
     lines += ["### Each fix's shift of the critical mismatch", ""] + shift_table(fitted)
     lines += ["### Where real precisions and the papers fall on the same axis", ""] + reference_points(by_method, reps, seed)
-    lines += ["### Pre-registered tests (one Holm family)", ""] + tests_table(
-        tests, "No test: their arms are not in this matrix.")
+    head = ["### Pre-registered tests (one Holm family)", ""]
+    if tests is not None:
+        head += [f"The family: tests {', '.join(map(str, sorted(set(tests))))} of experiment 3's list "
+                 "(docs/paper_claims.md; `--tests`), those whose arms are in this matrix, Holm over them alone.", ""]
+    lines += head + tests_table(family, "No test: their arms are not in this matrix.")
     return "\n".join(lines)
 
 
@@ -177,8 +185,23 @@ def _write_figures(runs, out_dir, *, reps: int, seed: int):
 def main(argv: list[str] | None = None) -> int:
     p = page_parser("python -m analysis.phase", __doc__.split("\n\n")[0], matrix="the phase matrix's out_dir",
                     figure="the phase diagram")
+    p.add_argument("--tests", default=None, type=_test_numbers, metavar="N[,N...]",
+                   help="keep only these tests of the pre-registered family, by their number in experiment 3's "
+                        f"list on docs/paper_claims.md ({FAMILY_TESTS[0]}-{FAMILY_TESTS[-1]}; e.g. 3F: 1,7); "
+                        "Holm then adjusts over them alone (default: the whole family)")
     return run_page(p, argv, load_raw=load_runs, parse=load_phase, page=phase_page, save=save_metrics,
-                    figures=_write_figures)
+                    figures=_write_figures, page_options=lambda a: {"tests": a.tests})
+
+
+def _test_numbers(text: str) -> tuple[int, ...]:
+    try:
+        numbers = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give test numbers separated by commas, e.g. 1,7") from None
+    bad = [n for n in numbers if n not in FAMILY_TESTS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad}: the family's tests are numbered {FAMILY_TESTS[0]}-{FAMILY_TESTS[-1]}")
+    return numbers
 
 
 if __name__ == "__main__":

@@ -331,33 +331,51 @@ def _trend_test(grpo: Mapping[str, Mapping[int, PhaseRun]]) -> ClaimTest | None:
                      num_seeds=df["seed"].nunique())
 
 
-def phase_family(by_method: Mapping[str, Mapping[str, Mapping[int, PhaseRun]]], *, reps: int, seed: int
-                 ) -> list[ClaimTest]:
+# Each fix's test number in experiment 3's pre-registered list (docs/paper_claims.md); GRPO+R2 at the top dose was
+# not in that list: it is test 10 when a matrix has it.
+FIX_TEST_NUMBER = {"grpo-r3": 5, "grpo-none+tis": 6, "gspo-none": 7, "grpo-r2": 10}
+assert set(FIX_TEST_NUMBER) == set(FIXES)
+FAMILY_TESTS = tuple(range(1, 11))
+
+
+def phase_family(by_method: Mapping[str, Mapping[str, Mapping[int, PhaseRun]]], *, reps: int, seed: int,
+                 only: Iterable[int] | None = None) -> list[ClaimTest]:
     """The pre-registered Holm family (docs/paper_claims.md, experiment 3), in its listed order; tests whose arms
-    are missing are left out (and the page says so)."""
-    tests: list[ClaimTest] = []
+    are missing are left out (and the page says so). `only`: keep just these tests, by their number in that list
+    (1-9; 10 = GRPO+R2 vs GRPO at the top dose), before Holm's adjustment: a later experiment that pre-registered
+    a subset of the list (3F: tests 1 and 7) gets its own, smaller family."""
+    keep = set(FAMILY_TESTS if only is None else only)
+    numbered = _numbered_family(by_method, reps=reps, seed=seed)
+    return apply_holm([t for n, t in numbered if n in keep])
+
+
+def _numbered_family(by_method: Mapping[str, Mapping[str, Mapping[int, PhaseRun]]], *, reps: int, seed: int
+                     ) -> list[tuple[int, ClaimTest]]:
+    tests: list[tuple[int, ClaimTest]] = []
     grpo = by_method.get(GRPO, {})
     doses = ladder(grpo) if ZERO_DOSE in grpo else []
     top = doses[-1] if len(doses) >= 2 else None
     if top is not None:
         a, b = grpo[top], grpo[ZERO_DOSE]
-        tests.append(paired_compare("drift", f"{GRPO}: final reward, {top} vs {ZERO_DOSE}", a, b, "final_reward",
-                              a_better=False, reps=reps, seed=seed))
-        tests.append(paired_compare("drift", f"{GRPO}: reward AUC, {top} vs {ZERO_DOSE}", a, b, "reward_auc",
-                              a_better=False, reps=reps, seed=seed))
-        tests.append(_collapse_test("drift", f"{GRPO}: time to entropy collapse, {top} vs {ZERO_DOSE}", a, b))
+        tests.append((1, paired_compare("drift", f"{GRPO}: final reward, {top} vs {ZERO_DOSE}", a, b, "final_reward",
+                                        a_better=False, reps=reps, seed=seed)))
+        tests.append((2, paired_compare("drift", f"{GRPO}: reward AUC, {top} vs {ZERO_DOSE}", a, b, "reward_auc",
+                                        a_better=False, reps=reps, seed=seed)))
+        tests.append((3, _collapse_test("drift", f"{GRPO}: time to entropy collapse, {top} vs {ZERO_DOSE}", a, b)))
         trend = _trend_test(grpo)
         if trend is not None:
-            tests.append(trend)
+            tests.append((4, trend))
         for fix in FIXES:
             if top in by_method.get(fix, {}):
-                tests.append(paired_compare("fixes", f"{fix} vs {GRPO} at {top}: final reward", by_method[fix][top], a,
-                                      "final_reward", a_better=True, reps=reps, seed=seed))
+                tests.append((FIX_TEST_NUMBER[fix], paired_compare(
+                    "fixes", f"{fix} vs {GRPO} at {top}: final reward", by_method[fix][top], a, "final_reward",
+                    a_better=True, reps=reps, seed=seed)))
     if POSITIVE in grpo and ZERO_DOSE in grpo:
-        tests.append(paired_compare("controls", f"positive control: {GRPO} {POSITIVE} vs {ZERO_DOSE}: final reward",
-                              grpo[POSITIVE], grpo[ZERO_DOSE], "final_reward", a_better=False, reps=reps, seed=seed))
+        tests.append((8, paired_compare("controls", f"positive control: {GRPO} {POSITIVE} vs {ZERO_DOSE}: final reward",
+                                        grpo[POSITIVE], grpo[ZERO_DOSE], "final_reward", a_better=False, reps=reps,
+                                        seed=seed)))
     if ZERO_DOSE in by_method.get("grpo-r3", {}) and ZERO_DOSE in grpo:
-        tests.append(paired_compare("controls", f"zero mismatch: grpo-r3 vs {GRPO} at {ZERO_DOSE}: final reward",
-                              by_method["grpo-r3"][ZERO_DOSE], grpo[ZERO_DOSE], "final_reward", a_better=True,
-                              reps=reps, seed=seed, null_claim=True))
-    return apply_holm(tests)
+        tests.append((9, paired_compare("controls", f"zero mismatch: grpo-r3 vs {GRPO} at {ZERO_DOSE}: final reward",
+                                        by_method["grpo-r3"][ZERO_DOSE], grpo[ZERO_DOSE], "final_reward",
+                                        a_better=True, reps=reps, seed=seed, null_claim=True)))
+    return tests

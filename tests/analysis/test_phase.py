@@ -90,6 +90,26 @@ def test_family_on_the_synthetic_matrix(matrix):
     assert all(math.isfinite(t.p_holm) and t.p_holm >= t.p for t in tests)
 
 
+def test_a_subset_of_the_family_is_holm_adjusted_over_itself_alone(matrix, capsys):
+    by = arms(load_phase(matrix))
+    whole = {t.label: t for t in phase_family(by, reps=300, seed=0)}
+    sub = phase_family(by, reps=300, seed=0, only=(1, 5))  # 3F-style: the drop at the top dose and one fix
+    assert [t.label for t in sub] == ["grpo-none: final reward, p80 vs p0", "grpo-r3 vs grpo-none at p80: final reward"]
+    ps = sorted(t.p for t in sub)
+    for t in sub:  # the same test, the same raw p; Holm over 2: the smaller p doubled, the larger as is (at least)
+        assert t.p == whole[t.label].p
+        want = min(1.0, 2 * ps[0]) if t.p == ps[0] else min(1.0, max(2 * ps[0], ps[1]))
+        assert t.p_holm == pytest.approx(want)
+    assert len(whole) > 2 and whole["grpo-none: final reward, p80 vs p0"].p_holm >= sub[0].p_holm
+    assert phase_family(by, reps=300, seed=0, only=(8,)) == []  # no positive-control arm here: nothing left
+    assert main([str(matrix), "--tests", "1,5", "--bootstrap-reps", "200"]) == 0
+    page = capsys.readouterr().out
+    assert "The family: tests 1, 5 of experiment 3's list" in page and "reward AUC, p80 vs p0 |" not in page
+    with pytest.raises(SystemExit):
+        main([str(matrix), "--tests", "1,11"])
+    assert "numbered 1-10" in capsys.readouterr().err
+
+
 def test_entropy_collapse_needs_low_entropy_and_a_reward_never_solved_after(tmp_path):
     _write(tmp_path / "grpo-none-p0-s0", 0.5, 0.0, entropy_end=0.01)
     step, hit = entropy_collapse(load_run(tmp_path / "grpo-none-p0-s0"))

@@ -170,7 +170,7 @@ def phase_page(runs: list[PhaseRun], reps: int = st.DEFAULT_REPS, seed: int = 0,
     lines += ["### Where real precisions and the papers fall on the same axis", ""] + reference_points(by_method, reps, seed)
     head = ["### Pre-registered tests (one Holm family)", ""]
     if tests is not None:
-        head += [f"The family: tests {', '.join(map(str, sorted(set(tests))))} of experiment 3's list "
+        head += [f"The family: tests {', '.join(map(str, sorted(set(tests))))} of the numbered list "
                  "(docs/paper_claims.md; `--tests`), those whose arms are in this matrix, Holm over them alone.", ""]
     lines += head + tests_table(family, "No test: their arms are not in this matrix.")
     return "\n".join(lines)
@@ -186,9 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     p = page_parser("python -m analysis.phase", __doc__.split("\n\n")[0], matrix="the phase matrix's out_dir",
                     figure="the phase diagram")
     p.add_argument("--tests", default=None, type=_test_numbers, metavar="N[,N...]",
-                   help="keep only these tests of the pre-registered family, by their number in experiment 3's "
-                        f"list on docs/paper_claims.md ({FAMILY_TESTS[0]}-{FAMILY_TESTS[-1]}; e.g. 3F: 1,7); "
-                        "Holm then adjusts over them alone (default: the whole family)")
+                   help="the pre-registered tests to run, by their number on docs/paper_claims.md "
+                        f"({FAMILY_TESTS[0]}-{FAMILY_TESTS[-1]}: experiment 3's 1-9, 10 = GRPO+R2 at the top dose, "
+                        "11-12 = experiment 4's middle doses vs zero and vs the top; e.g. 3F: 1,7); Holm then "
+                        "adjusts over them alone (default: experiment 3's family, 1-10)")
     return run_page(p, argv, load_raw=load_runs, parse=load_phase, page=phase_page, save=save_metrics,
                     figures=_write_figures, page_options=lambda a: {"tests": a.tests})
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from scipy.optimize import isotonic_regression
@@ -332,19 +332,24 @@ def _trend_test(grpo: Mapping[str, Mapping[int, PhaseRun]]) -> ClaimTest | None:
 
 
 # Each fix's test number in experiment 3's pre-registered list (docs/paper_claims.md); GRPO+R2 at the top dose was
-# not in that list: it is test 10 when a matrix has it.
+# not in that list: it is test 10 when a matrix has it. Tests 11 and 12 are experiment 4's (the inverted U: GRPO's
+# mean final reward over the doses strictly between zero and the top one, vs zero and vs the top), kept only when
+# asked for by number.
 FIX_TEST_NUMBER = {"grpo-r3": 5, "grpo-none+tis": 6, "gspo-none": 7, "grpo-r2": 10}
 assert set(FIX_TEST_NUMBER) == set(FIXES)
-FAMILY_TESTS = tuple(range(1, 11))
+FAMILY_TESTS = tuple(range(1, 13))
+DEFAULT_FAMILY = tuple(range(1, 11))
+MIDDLE = "middle"
 
 
 def phase_family(by_method: Mapping[str, Mapping[str, Mapping[int, PhaseRun]]], *, reps: int, seed: int,
                  only: Iterable[int] | None = None) -> list[ClaimTest]:
     """The pre-registered Holm family (docs/paper_claims.md, experiment 3), in its listed order; tests whose arms
     are missing are left out (and the page says so). `only`: keep just these tests, by their number in that list
-    (1-9; 10 = GRPO+R2 vs GRPO at the top dose), before Holm's adjustment: a later experiment that pre-registered
-    a subset of the list (3F: tests 1 and 7) gets its own, smaller family."""
-    keep = set(FAMILY_TESTS if only is None else only)
+    (1-9; 10 = GRPO+R2 vs GRPO at the top dose; 11-12 = experiment 4's middle-dose tests, never in the default
+    family), before Holm's adjustment: a later experiment that pre-registered a subset of the list (3F: tests 1 and
+    7; experiment 4: 11 and 12) gets its own, smaller family."""
+    keep = set(DEFAULT_FAMILY if only is None else only)
     numbered = _numbered_family(by_method, reps=reps, seed=seed)
     return apply_holm([t for n, t in numbered if n in keep])
 
@@ -370,6 +375,13 @@ def _numbered_family(by_method: Mapping[str, Mapping[str, Mapping[int, PhaseRun]
                 tests.append((FIX_TEST_NUMBER[fix], paired_compare(
                     "fixes", f"{fix} vs {GRPO} at {top}: final reward", by_method[fix][top], a, "final_reward",
                     a_better=True, reps=reps, seed=seed)))
+        middle = middle_doses_arm(grpo)
+        if middle:
+            label = f"{GRPO}: final reward, mean over the middle doses ({', '.join(doses[1:-1])})"
+            tests.append((11, paired_compare("drift", f"{label} vs {ZERO_DOSE}", middle, b, "final_reward",
+                                             a_better=False, reps=reps, seed=seed)))
+            tests.append((12, paired_compare("drift", f"{label} vs {top}", middle, a, "final_reward",
+                                             a_better=False, reps=reps, seed=seed)))
     if POSITIVE in grpo and ZERO_DOSE in grpo:
         tests.append((8, paired_compare("controls", f"positive control: {GRPO} {POSITIVE} vs {ZERO_DOSE}: final reward",
                                         grpo[POSITIVE], grpo[ZERO_DOSE], "final_reward", a_better=False, reps=reps,
@@ -379,3 +391,17 @@ def _numbered_family(by_method: Mapping[str, Mapping[str, Mapping[int, PhaseRun]
                                         by_method["grpo-r3"][ZERO_DOSE], grpo[ZERO_DOSE], "final_reward",
                                         a_better=True, reps=reps, seed=seed, null_claim=True)))
     return tests
+
+
+def middle_doses_arm(method_arms: Mapping[str, Mapping[int, PhaseRun]]) -> dict[int, PhaseRun]:
+    """Per seed, the mean final reward over the method's doses strictly between zero and its top dose (the seeds
+    that finished every one of them), as one arm named `middle`; empty without a middle dose (experiment 4's
+    inverted U: is the middle worse than both ends?)."""
+    doses = ladder(method_arms) if ZERO_DOSE in method_arms else []
+    mids = doses[1:-1]
+    if not mids:
+        return {}
+    seeds = set.intersection(*(set(method_arms[d]) for d in mids))
+    return {s: replace(method_arms[mids[0]][s], dose=MIDDLE, name=f"{MIDDLE}-s{s}",
+                       scores={"final_reward": float(np.mean([method_arms[d][s].scores["final_reward"] for d in mids]))})
+            for s in sorted(seeds)}

@@ -104,10 +104,31 @@ def test_a_subset_of_the_family_is_holm_adjusted_over_itself_alone(matrix, capsy
     assert phase_family(by, reps=300, seed=0, only=(8,)) == []  # no positive-control arm here: nothing left
     assert main([str(matrix), "--tests", "1,5", "--bootstrap-reps", "200"]) == 0
     page = capsys.readouterr().out
-    assert "The family: tests 1, 5 of experiment 3's list" in page and "reward AUC, p80 vs p0 |" not in page
+    assert "The family: tests 1, 5 of the numbered list" in page and "reward AUC, p80 vs p0 |" not in page
     with pytest.raises(SystemExit):
-        main([str(matrix), "--tests", "1,11"])
-    assert "numbered 1-10" in capsys.readouterr().err
+        main([str(matrix), "--tests", "1,13"])
+    assert "numbered 1-12" in capsys.readouterr().err
+
+
+def test_the_middle_dose_tests_by_hand(matrix):
+    """Experiment 4's tests 11-12: per seed the mean final reward over the doses strictly between zero and the top
+    one, against each end; only when asked for (experiment 3's default family is 1-10)."""
+    from analysis.phase_stats import middle_doses_arm
+
+    by = arms(load_phase(matrix))
+    grpo = by["grpo-none"]
+    mid = middle_doses_arm(grpo)
+    assert sorted(mid) == list(range(6))
+    for s, r in mid.items():  # (p5 + p20) / 2 of the same seed, by hand
+        want = (grpo["p5"][s].scores["final_reward"] + grpo["p20"][s].scores["final_reward"]) / 2
+        assert r.scores["final_reward"] == pytest.approx(want) and r.dose == "middle"
+    assert middle_doses_arm({"p0": grpo["p0"], "p80": grpo["p80"]}) == {}  # no middle dose: no arm
+    t11, t12 = phase_family(by, reps=300, seed=0, only=(11, 12))
+    assert t11.label == "grpo-none: final reward, mean over the middle doses (p5, p20) vs p0"
+    assert t12.label.endswith("vs p80")
+    assert "-0.085" in t11.estimate and t11.agrees is True  # (-0.02 - 0.15) / 2 below p0 in every seed
+    assert "0.315" in t12.estimate and t12.agrees is False  # 0.4 - 0.085 above the top dose: no inverted U here
+    assert not any("middle" in t.label for t in phase_family(by, reps=300, seed=0))
 
 
 def test_entropy_collapse_needs_low_entropy_and_a_reward_never_solved_after(tmp_path):

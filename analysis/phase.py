@@ -93,7 +93,7 @@ def critical_table(fitted: dict[str, MethodFit], by_method, reps: int, seed: int
         cf = f.critical_fail
         fail = ("not reached" if cf.kind == "not_reached" else
                 f"{'≤ ' if cf.kind == 'at_or_below_first' else ''}{_pct(cf.value)}")
-        ols = "n/a" if not math.isfinite(slope) else f"{slope:+.3f} [{lo:+.3f}, {hi:+.3f}] (p {st.fmt_p(p)})"
+        ols = "not fitted (fewer than two dosed arms, or too few runs)" if not math.isfinite(slope) else f"{slope:+.3f} [{lo:+.3f}, {hi:+.3f}] (p {st.fmt_p(p)})"
         shown = _pct(largest) if math.isfinite(largest) else "none shown (the CI reaches it at the first dose)"
         g = failure_glm(by_method[method])
         glm = (f"not fitted: {g.why_not}" if g.why_not else

@@ -214,18 +214,22 @@ def shift(fix: MethodFit, base: MethodFit) -> tuple[float, float, float, float]:
 
 def ols_slope(method_arms: Mapping[str, Mapping[int, PhaseRun]]) -> tuple[float, float, float, float]:
     """Final reward on log10(realised dose) with seed fixed effects over the dosed arms (statsmodels OLS):
-    (slope per decade, CI low, CI high, p); NaNs when fewer than two dosed arms."""
+    (slope per decade, CI low, CI high, p); NaNs when fewer than two dosed arms (one arm's seeds differ in realised
+    dose only by sampling noise: no slope to read) or no residual degree of freedom."""
     import pandas as pd
     import statsmodels.formula.api as smf
 
-    rows = [{"reward": r.scores["final_reward"], "logx": math.log10(r.scores["layer_disagree"]), "seed": str(s)}
+    rows = [{"reward": r.scores["final_reward"], "logx": math.log10(r.scores["layer_disagree"]), "seed": str(s),
+             "arm": d}
             for d, arm in method_arms.items() if d not in (ZERO_DOSE, POSITIVE) for s, r in arm.items()
             if r.scores["layer_disagree"] > 0 and math.isfinite(r.scores["final_reward"])]
     df = pd.DataFrame(rows)
-    if df.empty or df["logx"].nunique() < 2:
+    if df.empty or df["arm"].nunique() < 2:
         return (math.nan,) * 4
     formula = "reward ~ logx + C(seed)" if df["seed"].nunique() > 1 else "reward ~ logx"
     res = smf.ols(formula, data=df).fit()
+    if res.df_resid < 1:
+        return (math.nan,) * 4
     lo, hi = res.conf_int().loc["logx"].tolist()
     return float(res.params["logx"]), float(lo), float(hi), float(res.pvalues["logx"])
 

@@ -131,6 +131,20 @@ def test_the_middle_dose_tests_by_hand(matrix):
     assert not any("middle" in t.label for t in phase_family(by, reps=300, seed=0))
 
 
+def test_the_ols_slope_needs_two_dosed_arms(matrix):
+    """One dosed arm's seeds differ in realised dose only by noise: no slope is read from that (3F's GSPO has p0
+    and p40 only); with two dosed arms it is fitted."""
+    from analysis.phase_stats import ols_slope
+
+    from dataclasses import replace
+
+    grpo = arms(load_phase(matrix))["grpo-none"]
+    jittered = {s: replace(r, scores={**r.scores, "layer_disagree": 0.8 + 0.001 * s}) for s, r in grpo["p80"].items()}
+    assert all(math.isnan(v) for v in ols_slope({"p0": grpo["p0"], "p80": jittered}))
+    slope, lo, hi, p = ols_slope({"p0": grpo["p0"], "p20": grpo["p20"], "p80": grpo["p80"]})
+    assert slope < 0 and lo <= slope <= hi and 0 <= p <= 1
+
+
 def test_entropy_collapse_needs_low_entropy_and_a_reward_never_solved_after(tmp_path):
     _write(tmp_path / "grpo-none-p0-s0", 0.5, 0.0, entropy_end=0.01)
     step, hit = entropy_collapse(load_run(tmp_path / "grpo-none-p0-s0"))

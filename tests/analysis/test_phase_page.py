@@ -1,14 +1,17 @@
-"""Experiment 3's and 3S's results on docs/paper_claims.md are what `python -m analysis.phase` and `python -m
+"""Experiment 3's, 3S's and 3F's results on docs/paper_claims.md are what `python -m analysis.phase` and `python -m
 analysis.staleness` make of the committed metrics, exactly (issue 47's done-when: the page's figures and tables
 regenerate from committed metrics with one command).
 
 The page quotes tables of reports/phase/phase.md between `<!-- analysis.phase:begin -->` and
-`<!-- analysis.phase:end -->` (and of reports/phase_staleness/staleness.md between `analysis.staleness` markers);
-both must come, byte for byte, from the saved metrics:
+`<!-- analysis.phase:end -->` (of reports/phase_staleness/staleness.md between `analysis.staleness` markers, of
+reports/phase_fine/phase.md between `<!-- analysis.phase:begin fine -->` and the end marker); all must come, byte
+for byte, from the saved metrics:
 
     python -m analysis.phase reports/phase/metrics.jsonl.gz --out reports/phase/phase.md --figures reports/phase
     python -m analysis.staleness reports/phase_staleness/metrics.jsonl.gz --out reports/phase_staleness/staleness.md \
         --figures reports/phase_staleness
+    python -m analysis.phase reports/phase_fine/metrics.jsonl.gz --tests 1,7 --out reports/phase_fine/phase.md \
+        --figures reports/phase_fine
 """
 
 from __future__ import annotations
@@ -22,30 +25,34 @@ from test_claims_page import _quoted_tables
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "paper_claims.md"
-# (the page's marker tool, its module's main, the report folder, the tables' file, the tables the page must quote)
-PAGES = [("phase", phase.main, ROOT / "reports" / "phase", "phase.md", 3),
-         ("staleness", staleness.main, ROOT / "reports" / "phase_staleness", "staleness.md", 2)]
-BY_TOOL = pytest.mark.parametrize("tool, main, folder, tables, num_quoted", PAGES, ids=[p[0] for p in PAGES])
+# (the page's marker tool and marker name, its module's main, the report folder, the tables' file, the tables the
+# page must quote, the command's own flags)
+PAGES = [("phase", "", phase.main, ROOT / "reports" / "phase", "phase.md", 3, []),
+         ("staleness", "", staleness.main, ROOT / "reports" / "phase_staleness", "staleness.md", 2, []),
+         ("phase", "fine", phase.main, ROOT / "reports" / "phase_fine", "phase.md", 2, ["--tests", "1,7"])]
+BY_TOOL = pytest.mark.parametrize("tool, name, main, folder, tables, num_quoted, flags", PAGES,
+                                  ids=[p[3].name for p in PAGES])
 
 
 @BY_TOOL
-def test_the_page_quotes_the_committed_tables(tool, main, folder, tables, num_quoted):
+def test_the_page_quotes_the_committed_tables(tool, name, main, folder, tables, num_quoted, flags):
     generated = (folder / tables).read_text()  # regenerated from the saved metrics by the test below
-    quoted = _quoted_tables(PAGE.read_text(), tool=tool)
+    quoted = _quoted_tables(PAGE.read_text(), name=name, tool=tool)
     assert len(quoted) >= num_quoted, f"the page quotes {num_quoted} or more tables of analysis.{tool}"
     for block in quoted:
         assert block in generated, f"a table on the page is not what analysis.{tool} makes:\n{block[:300]}"
 
 
 @BY_TOOL
-def test_the_tables_and_the_figures_regenerate_from_the_saved_metrics(tmp_path, tool, main, folder, tables,
-                                                                      num_quoted):
+def test_the_tables_and_the_figures_regenerate_from_the_saved_metrics(tmp_path, tool, name, main, folder, tables,
+                                                                      num_quoted, flags):
     """The committed tables, made again byte for byte; the committed diagram, drawn again with the same command: the same image up to font rendering (a
     different matplotlib/FreeType may move a glyph's anti-aliasing; compared pixel by pixel, not byte by byte)."""
     import matplotlib.image as mpimg
     import numpy as np
 
-    assert main([str(folder / "metrics.jsonl.gz"), "--out", str(tmp_path / tables), "--figures", str(tmp_path)]) == 0
+    assert main([str(folder / "metrics.jsonl.gz"), *flags, "--out", str(tmp_path / tables),
+                 "--figures", str(tmp_path)]) == 0
     assert (tmp_path / tables).read_text() == (folder / tables).read_text()
     committed = sorted(p.name for p in folder.glob("*.png"))
     assert committed and sorted(p.name for p in tmp_path.glob("*.png")) == committed

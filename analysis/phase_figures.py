@@ -14,6 +14,7 @@ import numpy as np
 import seaborn as sns
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
+from matplotlib.ticker import NullFormatter
 
 from analysis.figure_kit import save_png
 from analysis.phase_runs import PhaseRun
@@ -78,6 +79,7 @@ def phase_figure(runs: list[PhaseRun], *, reps: int = 2000, seed: int = 0) -> Fi
     heat.invert_yaxis()
     ticks = sorted({x0, *[x for x in all_x if x > 0]})
     heat.set_xticks(ticks, ["0" if t == x0 else f"{100 * t:.2g}%" for t in ticks], fontsize=7, rotation=45)
+    heat.xaxis.set_minor_formatter(NullFormatter())  # a range under a decade would label log minor ticks over these
     heat.set_xlabel("realised per-layer flip rate (rollout vs learner, log scale; '0' = no drift); cell colour = "
                     "drop (blue none, red worse), text = runs failed")
     return fig

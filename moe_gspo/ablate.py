@@ -54,7 +54,8 @@ arm's config (base file + flags + overrides) and reports the ones that do not va
 Every run is grouped in W&B: group = the ablation's name (out_dir's), job type = the arm, tags algo /
 replay / variant / seed (W&B's WANDB_RUN_GROUP / WANDB_JOB_TYPE / WANDB_TAGS in the run's environment).
 
-Resuming a matrix: a run whose `done.json` exists is skipped; an unfinished run with a checkpoint
+Resuming a matrix: a run whose `done.json` exists is skipped (a damaged one, not a JSON object, fails the
+run without running it: move it aside); an unfinished run with a checkpoint
 (`checkpoints/step_*`) is rerun with `--resume`; an unfinished run without one is started afresh
 after its old directory is moved aside to `<run_dir>.prev<k>` (nothing is deleted). A failing run is
 reported with its log path and the others still run; the exit code is 1 when any run failed.
@@ -197,7 +198,7 @@ def dry_run(spec: AblationSpec) -> list[tuple[Arm, str, list[str]]]:
     """(arm, action, command) for every arm, printing them; touches nothing. An arm whose config does
     not validate gets the action "invalid config" (and the reason printed under it)."""
     rows = []
-    actions = {"done": "skip (done)", "resume": "resume", "fresh": "run"}
+    actions = {"done": "skip (done)", "damaged": "skip (damaged done.json)", "resume": "resume", "fresh": "run"}
     check = spec.base_config.is_file()
     for arm in expand_arms(spec):
         state = arm_state(arm)
@@ -208,6 +209,10 @@ def dry_run(spec: AblationSpec) -> list[tuple[Arm, str, list[str]]]:
         print(f"{arm.name:<24} {action:<12} {shlex.join(cmd)}")
         if error:
             print(f"    error: {error}")
+        elif state == "damaged":  # not done, not run: the user moves it aside
+            from moe_gspo.run.ablation_arms import done_problem
+
+            print(f"    note: {done_problem(arm.run_dir)}; a run fails it without running: move it aside to run it")
     print(f"{count_runs([r[0] for r in rows])}, {sum(r[1] in ('run', 'resume') for r in rows)} to run"
           + (f", {sum(r[1] == 'invalid config' for r in rows)} with an invalid config" if check else
              " (configs not checked: base_config missing)"))
@@ -251,9 +256,11 @@ def main(argv: list[str] | None = None, arm_runner: ArmRunner | None = None) -> 
         if args.on_interrupt is not None and spec.executor != "slurm":
             raise ValueError("--on-interrupt is for executor: slurm (local runs are always stopped by Ctrl-C)")
         if spec.executor == "slurm":
+            from moe_gspo.run.slurm_executor import check_paths
             from moe_gspo.run.slurm_spec import sbatch_parameters
 
-            sbatch_parameters(spec.slurm, spec.name)  # slurm.time is required
+            sbatch_parameters(spec.slurm, spec.name)  # slurm.time is required, every value one line
+            check_paths(spec)
         if args.status:
             from moe_gspo.run.ablation_status import print_status
 

@@ -72,11 +72,39 @@ def seed_order(spec: AblationSpec, arms: list[Arm]) -> list[int]:
     return sorted(range(len(arms)), key=lambda i: (seed_rank[arms[i].seed], i))
 
 
+_MAX_DONE_BYTES = 1 << 20
+
+
+def done_problem(run_dir: Path) -> str:
+    """Why the run's done.json does not say "finished" ("" when it does; "no done.json" when it is absent). A
+    done.json counts when it is a JSON object (as training writes it) whose `step`, if present, is an int >= 0."""
+    path = Path(run_dir) / "done.json"
+    if not path.is_file():
+        return "no done.json"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_MAX_DONE_BYTES + 1)
+        if len(raw) > _MAX_DONE_BYTES:
+            return f"done.json is damaged: larger than {_MAX_DONE_BYTES} bytes"
+        done = json.loads(raw)
+    except OSError as e:
+        return f"done.json is unreadable: {e.strerror or e}"
+    except ValueError as e:  # UnicodeDecodeError included
+        return f"done.json is damaged: not JSON ({str(e)[:100]})"
+    if not isinstance(done, dict):
+        return f"done.json is damaged: not a JSON object (a {type(done).__name__})"
+    step = done.get("step", 0)
+    if type(step) is not int or step < 0:
+        return f"done.json is damaged: step {str(step)[:40]!r} is not a step number"
+    return ""
+
+
 def arm_state(arm: Arm | Path) -> str:
-    """"done" (done.json exists), "resume" (a checkpoint exists), or "fresh" (of an arm or a run directory)."""
+    """"done" (a valid done.json), "damaged" (a done.json that is not: `done_problem` says why; never counted
+    as done, never overwritten), "resume" (a checkpoint exists), or "fresh" (of an arm or a run directory)."""
     run_dir = arm.run_dir if isinstance(arm, Arm) else Path(arm)
     if (run_dir / "done.json").is_file():
-        return "done"
+        return "damaged" if done_problem(run_dir) else "done"
     ckpt = run_dir / "checkpoints"
     if ckpt.is_dir() and any(p.is_dir() and p.name.startswith("step_") and not p.name.endswith(".tmp")
                              for p in ckpt.iterdir()):
@@ -137,7 +165,7 @@ def prepare_run_dir(run_dir: Path) -> tuple[str, str]:
     note = ""
     if state == "fresh" and run_dir.exists() and any(run_dir.iterdir()):
         note = f"previous partial run moved to {move_aside(run_dir)}; "
-    if state != "done":
+    if state not in ("done", "damaged"):
         run_dir.mkdir(parents=True, exist_ok=True)
     return state, note
 
@@ -149,9 +177,17 @@ def finish(arm: Arm, code: int | None, note: str, resumed: bool, why: str = "") 
         return ArmResult(arm, "failed", log_path, note + why)
     if code != 0:
         return ArmResult(arm, "failed", log_path, f"{note}exit code {code}")
-    if not (arm.run_dir / "done.json").is_file():
-        return ArmResult(arm, "failed", log_path, f"{note}exited 0 but wrote no done.json")
+    problem = done_problem(arm.run_dir)
+    if problem:
+        return ArmResult(arm, "failed", log_path, f"{note}exited 0 but " + (
+            "wrote no done.json" if problem == "no done.json" else f"its {problem}"))
     return ArmResult(arm, "finished", log_path, note + ("resumed" if resumed else ""))
+
+
+def damaged_result(arm: Arm) -> ArmResult:
+    """A run whose done.json is damaged: failed, not run (its files are the user's to move aside)."""
+    return ArmResult(arm, "failed", arm.run_dir / "train.log", f"{done_problem(arm.run_dir)}; not run: move "
+                     f"{arm.run_dir / 'done.json'} aside to run it again (it resumes from its newest checkpoint)")
 
 
 def run_arm(spec: AblationSpec, arm: Arm, arm_runner: ArmRunner) -> ArmResult:
@@ -159,6 +195,8 @@ def run_arm(spec: AblationSpec, arm: Arm, arm_runner: ArmRunner) -> ArmResult:
     state, note = prepare_run_dir(arm.run_dir)
     if state == "done":
         return ArmResult(arm, "skipped", arm.run_dir / "train.log", "done.json exists")
+    if state == "damaged":
+        return damaged_result(arm)
     command = build_command(spec, arm, resume=(state == "resume"))
     try:
         code = arm_runner(arm, command, arm.run_dir / "train.log")

@@ -1,14 +1,16 @@
 """`python -m moe_gspo.ablate --config SPEC --status`: each run's state, read from its run directory and,
-under `executor: slurm`, from the recorded job (`{out_dir}/slurm/jobs.json`) and `squeue`. Touches nothing.
+under `executor: slurm`, from the recorded job (`{out_dir}/slurm/jobs.json`, checked entry by entry), `squeue`
+and the job's exit record (JSON; nothing is unpickled). Touches nothing. The local executor reads no SLURM file.
 
-States: done (done.json); running; pending (queued, or waiting for a local matrix still running); failed
+States: done (a valid done.json); damaged (a done.json that is not JSON or not an object: not counted as done,
+with why); running; pending (queued, or waiting for a local matrix still running); failed
 (its SLURM job ended without done.json), with its log's last line; unfinished (a local run that stopped
 before done.json: interrupted or failed, resumes from its newest checkpoint); not started.
 """
 
 from __future__ import annotations
 
-from moe_gspo.run.ablation_arms import Arm, arm_state, count_runs, last_line
+from moe_gspo.run.ablation_arms import Arm, arm_state, count_runs, done_problem, last_line
 from moe_gspo.run.ablation_spec import AblationSpec
 from moe_gspo.run.rundir import lock_state
 
@@ -24,9 +26,10 @@ def status_rows(spec: AblationSpec, arms: list[Arm]) -> list[tuple[Arm, str, str
     """(run, state, detail) for every run."""
     from moe_gspo.run.slurm_executor import ACTIVE, job_result, queue_states, read_jobs, require_slurm
 
-    jobs = {name: rec[-1]["job_id"] for name, rec in read_jobs(spec).items() if rec}
+    jobs = {name: rec[-1]["job_id"] for name, rec in read_jobs(spec).items() if rec} if spec.executor == "slurm" \
+        else {}
     queue: dict[str, str] | None = None
-    if spec.executor == "slurm" and jobs:
+    if jobs:
         require_slurm()
         queue = queue_states(list(jobs.values()))
     matrix_running = (lock_state(spec.out_dir) or ("",))[0] == "held"
@@ -36,6 +39,9 @@ def status_rows(spec: AblationSpec, arms: list[Arm]) -> list[tuple[Arm, str, str
         line = last_line(arm.run_dir / "train.log")
         if state == "done":
             rows.append((arm, "done", f"job {job}" if job else ""))
+        elif state == "damaged":
+            rows.append((arm, "damaged", f"{done_problem(arm.run_dir)}; not counted as done: move it aside to run it "
+                         "again"))
         elif queue is not None and job is not None:
             q = queue.get(job)
             if q in _QUEUED:
@@ -65,7 +71,7 @@ def print_status(spec: AblationSpec, arms: list[Arm]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for _, state, _ in rows:
         counts[state] = counts.get(state, 0) + 1
-    order = ("done", "running", "pending", "failed", "unfinished", "not started")
+    order = ("done", "damaged", "running", "pending", "failed", "unfinished", "not started")
     print(f"{count_runs(arms)}: " + ", ".join(f"{counts[s]} {s}" for s in order if s in counts)
           + f" (executor: {spec.executor})")
     return counts

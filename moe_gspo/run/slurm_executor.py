@@ -3,10 +3,13 @@ submitit as one job array (at most `slurm.array_parallelism` running at a time),
 `moe_gspo.launch` command line it runs locally (`moe_gspo.run.slurm_job.ArmJob`).
 
 - Job ids are recorded in `{out_dir}/slurm/jobs.json` (run name -> its jobs, newest last) as soon as
-  sbatch answers; submitit's files (pickles, the job wrapper's stdout / stderr) are in `{out_dir}/slurm/<job id>/`.
+  sbatch answers; submitit's files (pickles, the job wrapper's stdout / stderr) are in `{out_dir}/slurm/<job id>/`;
+  each job's exit record (JSON, written by the job: `moe_gspo.run.slurm_record`) in `{out_dir}/slurm/results/`.
+- Data only: jobs.json is checked entry by entry (a job id is a SLURM id, never a path), and a job's outcome is
+  read from its exit record; nothing in the directory is unpickled (it may come from someone else).
 - Rerunning the matrix skips finished runs, waits for a recorded job still queued or running instead of
   submitting it again, and submits the rest (a job resumes its run from the newest checkpoint itself).
-- Waiting polls `squeue` (one call for all jobs) and the jobs' result files; it needs no `sacct` (no
+- Waiting polls `squeue` (one call for all jobs) and the jobs' exit records; it needs no `sacct` (no
   accounting database). A job that left the queue without a result failed (cancelled, killed, node failure):
   its run is reported failed with its log's last line.
 - Ctrl-C / SIGTERM while waiting: `on_interrupt="leave"` (the default) leaves the submitted jobs queued and
@@ -25,16 +28,19 @@ from pathlib import Path
 from typing import Any, Callable
 
 from moe_gspo.files import atomic_write_text
-from moe_gspo.run.ablation_arms import Arm, ArmResult, arm_state, build_command, finish, last_line, seed_order, wandb_env
+from moe_gspo.run.ablation_arms import (
+    Arm, ArmResult, arm_state, build_command, damaged_result, finish, last_line, seed_order, wandb_env,
+)
 from moe_gspo.run.ablation_spec import AblationSpec
-from moe_gspo.run.slurm_spec import sbatch_parameters
+from moe_gspo.run.slurm_record import check_job_id, exit_record_path, read_exit_record
+from moe_gspo.run.slurm_spec import check_one_line, sbatch_parameters
 
 ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING",
           "SUSPENDED", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD"}
 """squeue states of a job that has not ended (its run may still finish)."""
 ON_INTERRUPT = ("leave", "cancel")
 _GRACE_POLLS = 3
-"""Polls a job may be out of the queue before its result file appears (a shared filesystem's delay)."""
+"""Polls a job may be out of the queue before its exit record appears (a shared filesystem's delay)."""
 _SQUEUE_TRIES = 6
 """Failed squeue calls in a row (one per poll) before the wait gives up (the jobs go on)."""
 
@@ -47,15 +53,35 @@ def jobs_file(spec: AblationSpec) -> Path:
     return slurm_dir(spec) / "jobs.json"
 
 
+def results_dir(spec: AblationSpec) -> Path:
+    """Where the jobs write their exit records (`moe_gspo.run.slurm_record`)."""
+    return slurm_dir(spec) / "results"
+
+
 def read_jobs(spec: AblationSpec) -> dict[str, list[dict[str, Any]]]:
-    """The recorded jobs: run name -> [{job_id, submitted, resume}, ...], oldest first."""
+    """The recorded jobs: run name -> [{job_id, submitted}, ...], oldest first; every entry checked (a
+    ValueError naming the file and what is wrong)."""
+    path = jobs_file(spec)
+    fix = ("; fix it or move it aside to submit every unfinished run again (check `squeue` first for jobs still "
+           "running)")
     try:
-        return json.loads(jobs_file(spec).read_text())
+        jobs = json.loads(path.read_text())
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as e:
-        raise ValueError(f"{jobs_file(spec)} is unreadable ({e}); move it aside to submit every unfinished run "
-                         "again (check `squeue` first for jobs still running)") from e
+        raise ValueError(f"{path} is unreadable ({str(e)[:200]}){fix}") from e
+    if not isinstance(jobs, dict):
+        raise ValueError(f"{path}: expected a JSON object of run name -> list of jobs, got a {type(jobs).__name__}"
+                         + fix)
+    for name, records in jobs.items():
+        if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+            raise ValueError(f"{path}: run {name[:80]!r}: expected a list of jobs ({{\"job_id\": ...}}), got "
+                             f"{str(records)[:60]}" + fix)
+        for k, record in enumerate(records):
+            if "job_id" not in record:
+                raise ValueError(f"{path}: run {name[:80]!r} job {k} has no job_id" + fix)
+            check_job_id(record["job_id"], f"{path}: run {name[:80]!r} job {k}")
+    return jobs
 
 
 def record_jobs(spec: AblationSpec, new: dict[str, dict[str, Any]]) -> None:
@@ -92,23 +118,16 @@ def queue_states(job_ids: list[str]) -> dict[str, str]:
 
 
 def job_result(spec: AblationSpec, job_id: str) -> tuple[int | None, str] | None:
-    """(exit code, "") once every task of the job wrote its result, (None, why) when the job raised; None before."""
-    from submitit.core.utils import JobPaths, pickle_load
-
+    """(exit code, "") once every task of the job wrote its exit record, (None, why) when the job raised or a
+    record is damaged; None before. Reads JSON only (`moe_gspo.run.slurm_record`)."""
+    check_job_id(job_id, str(jobs_file(spec)))
     code = 0
     for task in range(spec.slurm.nodes):
-        path = JobPaths(slurm_dir(spec) / "%j", job_id=job_id, task_id=task).result_pickle
-        if not path.exists():
-            return None
-        try:
-            outcome, value = pickle_load(path)
-        except Exception as e:  # a torn file: read again next poll
-            return None if time.time() - path.stat().st_mtime < 60 else (None, f"unreadable result {path}: {e}")
-        if outcome != "success":
-            lines = [l for l in str(value).strip().splitlines() if l.strip()]
-            return None, f"raised {lines[-1] if lines else outcome}"
-        if code == 0 and value:
-            code = int(value)
+        outcome = read_exit_record(exit_record_path(results_dir(spec), job_id, task), job_id, task)
+        if outcome is None or outcome[0] is None:
+            return outcome
+        if code == 0 and outcome[0]:
+            code = outcome[0]
     return code, ""
 
 
@@ -119,9 +138,16 @@ def job_env(spec: AblationSpec, arm: Arm) -> dict[str, str]:
     return env
 
 
+def check_paths(spec: AblationSpec) -> None:
+    """The paths the job script carries (out_dir, this Python) hold no newline or other control character."""
+    check_one_line("out_dir", str(slurm_dir(spec).resolve()))
+    check_one_line("the Python running ablate", sys.executable)
+
+
 def make_executor(spec: AblationSpec):
     import submitit
 
+    check_paths(spec)
     executor = submitit.SlurmExecutor(folder=slurm_dir(spec) / "%j", max_num_timeout=3)
     executor.update_parameters(**sbatch_parameters(spec.slurm, f"ablate-{spec.name}"))
     return executor
@@ -131,6 +157,7 @@ def sbatch_preview(spec: AblationSpec, num_jobs: int) -> str:
     """The sbatch script every job of the array gets (as submitit writes it), for `--dry-run`."""
     from submitit.slurm.slurm import _make_sbatch_string  # the text SlurmExecutor submits
 
+    check_paths(spec)
     params = sbatch_parameters(spec.slurm, f"ablate-{spec.name}")
     command = f"{sys.executable} -u -m submitit.core._submit {slurm_dir(spec) / '%j'}"
     return _make_sbatch_string(command=command, folder=slurm_dir(spec) / "%j", map_count=max(1, num_jobs), **params)
@@ -152,8 +179,9 @@ def run_on_slurm(spec: AblationSpec, arms: list[Arm], *, on_result: Callable[[Ar
     for i in seed_order(spec, arms):
         arm = arms[i]
         state = arm_state(arm)
-        if state == "done":
-            results[i] = ArmResult(arm, "skipped", arm.run_dir / "train.log", "done.json exists")
+        if state in ("done", "damaged"):  # a damaged done.json: failed, not submitted (the user moves it aside)
+            results[i] = (ArmResult(arm, "skipped", arm.run_dir / "train.log", "done.json exists") if state == "done"
+                          else damaged_result(arm))
             on_result(results[i])
         elif live.get(recorded.get(arm.name, ""), "") in ACTIVE:
             pending[i], resumed[i] = recorded[arm.name], state == "resume"
@@ -202,7 +230,8 @@ def _submit(spec: AblationSpec, arms: list[Arm], order: list[int], pending: dict
                 jobs_.append(executor.submit(ArmJob(
                     command=build_command(spec, arm, resume=False), resume_command=build_command(spec, arm, resume=True),
                     run_dir=str(arm.run_dir), cwd=str(Path.cwd()), env=job_env(spec, arm),
-                    node_log_dir=str(slurm_dir(spec) / "nodes"), timeout_s=spec.arm_timeout_s)))
+                    node_log_dir=str(slurm_dir(spec) / "nodes"), timeout_s=spec.arm_timeout_s,
+                    result_dir=str(results_dir(spec)))))
     except Exception as e:  # sbatch refused the array (a partition that does not exist, a time over the limit)
         text = (getattr(e, "stderr", None) or getattr(e, "output", None) or str(e))
         text = text.decode(errors="replace") if isinstance(text, bytes) else str(text)
@@ -231,7 +260,7 @@ def _wait(spec: AblationSpec, arms: list[Arm], pending: dict[int, str], resumed:
             continue
         for i, jid in list(pending.items()):
             state = states.get(jid)
-            if state in ACTIVE:  # a result file of a job SLURM requeued (time-out, preemption) is not its last
+            if state in ACTIVE:  # an exit record of a job SLURM requeued (time-out, preemption) is not its last
                 continue
             arm, outcome = arms[i], job_result(spec, jid)
             if outcome is None:

@@ -6,6 +6,11 @@ whether to resume (a checkpoint exists: `--resume`), to skip (done.json exists) 
 partial run without a checkpoint is moved aside first), so a job requeued by SLURM after a time-out or a
 preemption resumes from the newest checkpoint (submitit's `Checkpointable`: the same call, requeued).
 
+Each task (node) of the job ends by writing its exit record, `{result_dir}/<job id>_<task>.json`
+(`moe_gspo.run.slurm_record`): the command's exit code, or the last line of what the job raised. The
+submitting side (`--status`, a rerun waiting for the job) reads that JSON, never submitit's result pickle.
+A requeued attempt (SLURM's time-out or preemption signal) writes none: the attempt that ends does.
+
 On several nodes (one task per node) every node runs torchrun with the rendezvous taken from the job
 (submitit's `JobEnvironment`, from SLURM's variables): `--standalone` becomes `--nnodes N --rdzv-backend c10d
 --rdzv-endpoint <first node>:<port> --rdzv-id <job id>` (docs/multinode.md), the port derived from the job id.
@@ -20,8 +25,9 @@ from pathlib import Path
 
 from submitit.helpers import Checkpointable
 
-from moe_gspo.run.ablation_arms import arm_state, prepare_run_dir
+from moe_gspo.run.ablation_arms import arm_state, done_problem, prepare_run_dir
 from moe_gspo.run.arm_runner import SubprocessArmRunner
+from moe_gspo.run.slurm_record import write_exit_record
 
 
 def rendezvous_port(job_id: str) -> int:
@@ -58,12 +64,26 @@ class ArmJob(Checkpointable):
     """Where nodes other than the first append their output (the run directory is the first node's)."""
     timeout_s: float | None = None
     """The spec's arm_timeout_s: the command is stopped after this long."""
+    result_dir: str = ""
+    """Where each task writes its exit record (`moe_gspo.run.slurm_record`); "" writes none."""
 
     def __call__(self) -> int:
         import submitit
 
-        os.chdir(self.cwd)
         env = submitit.JobEnvironment()
+        try:
+            code = self._run(env)
+        except Exception as e:  # submitit's "not requeued" error included; a requeue (SystemExit) writes nothing
+            if self.result_dir:
+                write_exit_record(Path(self.result_dir), str(env.job_id), env.global_rank, None,
+                                  f"{type(e).__name__}: {e}")
+            raise
+        if self.result_dir:
+            write_exit_record(Path(self.result_dir), str(env.job_id), env.global_rank, code)
+        return code
+
+    def _run(self, env) -> int:
+        os.chdir(self.cwd)
         run_dir = Path(self.run_dir)
         if env.node == 0:
             state, note = prepare_run_dir(run_dir)
@@ -74,6 +94,11 @@ class ArmJob(Checkpointable):
             log.parent.mkdir(parents=True, exist_ok=True)
         if state == "done":
             return 0
+        if state == "damaged":  # not counted as done, not overwritten: the user decides
+            with open(log, "a") as f:
+                f.write(f"[ablate] SLURM job {env.job_id}: {done_problem(run_dir)}; not run (move done.json aside "
+                        "to run it again)\n")
+            return 2
         command = self.resume_command if state == "resume" else self.command
         command = multinode_command(command, num_nodes=env.num_nodes, first_host=env.hostnames[0],
                                     job_id=str(env.job_id))

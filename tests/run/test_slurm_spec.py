@@ -24,7 +24,7 @@ def _raw(tmp_path: Path, **changes) -> dict:
     d = {"base_config": str(base), "algos": ["gspo", "grpo"], "routing_replay": ["none"], "seeds": [0, 1],
          "nproc": 2, "out_dir": str(tmp_path / "phase"), "executor": "slurm",
          "slurm": {"partition": "gpu", "account": "proj", "time": "04:00:00", "gpus_per_node": 8, "mem": "64G",
-                   "cpus_per_task": 16, "array_parallelism": 3, "sbatch_flags": {"qos": "high", "exclusive": True},
+                   "cpus_per_task": 16, "array_parallelism": 3, "sbatch_flags": {"qos": "high", "exclusive": True, "reservation": "r1"},
                    "setup": ["module load cuda"]}}
     d.update(changes)
     return d
@@ -42,7 +42,8 @@ def test_the_slurm_section_maps_to_submitit_parameters(tmp_path):
     assert sbatch_parameters(spec.slurm, "ablate-phase") == {
         "job_name": "ablate-phase", "time": 240, "nodes": 1, "ntasks_per_node": 1, "partition": "gpu",
         "account": "proj", "gpus_per_node": 8, "cpus_per_task": 16, "mem": "64G", "array_parallelism": 3,
-        "additional_parameters": {"qos": "high", "exclusive": True}, "setup": ["module load cuda"]}
+        "qos": "high", "exclusive": True,  # submitit's own parameters; the others pasted as #SBATCH lines
+        "additional_parameters": {"reservation": "r1"}, "setup": ["module load cuda"]}
     local = parse_spec(_raw(tmp_path, executor="local", slurm=None))
     assert local.executor == "local" and local.slurm.time is None
 
@@ -92,7 +93,8 @@ def test_dry_run_prints_the_sbatch_parameters_without_slurm(tmp_path, capsys, mo
     for line in ("#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --time=240",
                  "#SBATCH --gpus-per-node=8", "#SBATCH --cpus-per-task=16", "#SBATCH --mem=64G",
                  "#SBATCH --array=0-3%3", "#SBATCH --job-name=ablate-phase", "#SBATCH --nodes=1",
-                 "#SBATCH --ntasks-per-node=1", "#SBATCH --qos=high", "#SBATCH --exclusive", "module load cuda",
+                 "#SBATCH --ntasks-per-node=1", "#SBATCH --qos=high", "#SBATCH --exclusive",
+                 "#SBATCH --reservation=r1", "module load cuda",
                  f"-u -m submitit.core._submit {tmp_path / 'phase' / 'slurm' / '%j'}"):
         assert line in script, (line, script)
     assert not (tmp_path / "phase").exists()  # touched nothing

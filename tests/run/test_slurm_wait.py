@@ -9,10 +9,10 @@ import os
 from pathlib import Path
 
 import pytest
-from submitit.core.utils import JobPaths, cloudpickle_dump
 
 from moe_gspo.ablate import expand_arms, parse_spec
 from moe_gspo.run import slurm_executor as se
+from moe_gspo.run.slurm_record import write_exit_record
 
 
 class FakeQueue:
@@ -44,9 +44,8 @@ def _setup(tmp_path: Path):
 
 
 def _result(spec, job_id: str, value: int) -> None:
-    path = JobPaths(se.slurm_dir(spec) / "%j", job_id=job_id, task_id=0).result_pickle
-    path.parent.mkdir(parents=True, exist_ok=True)
-    cloudpickle_dump(("success", value), path)
+    """What the job (`ArmJob`) writes when its command returns `value`."""
+    write_exit_record(se.results_dir(spec), job_id, 0, value)
 
 
 def test_results_count_only_once_the_job_left_the_queue(tmp_path, monkeypatch, capsys):

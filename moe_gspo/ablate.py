@@ -256,11 +256,12 @@ def main(argv: list[str] | None = None, arm_runner: ArmRunner | None = None) -> 
         if args.on_interrupt is not None and spec.executor != "slurm":
             raise ValueError("--on-interrupt is for executor: slurm (local runs are always stopped by Ctrl-C)")
         if spec.executor == "slurm":
-            from moe_gspo.run.slurm_executor import check_paths
+            from moe_gspo.run.slurm_executor import check_paths, read_jobs
             from moe_gspo.run.slurm_spec import sbatch_parameters
 
             sbatch_parameters(spec.slurm, spec.name)  # slurm.time is required, every value one line
             check_paths(spec)
+            read_jobs(spec)  # a malformed jobs.json stops here, before anything starts
         if args.status:
             from moe_gspo.run.ablation_status import print_status
 

@@ -181,3 +181,72 @@ def test_status_of_a_local_matrix(tmp_path, capsys):
     assert out[2].startswith("grpo-none-s0") and "unfinished" in out[2] and "resumes from step_000010" in out[2] \
         and out[2].endswith("train.log: error: rank 1 failed")
     assert out[-1] == "4 runs (2 arms x 2 seeds): 1 done, 1 unfinished, 2 not started (executor: local)"
+
+
+@pytest.mark.parametrize("slurm,field", [
+    ({"time": "10", "partition": "gpu\necho INJECTED > FILE\n#"}, "slurm.partition holds a control character"),
+    ({"time": "10", "account": "a\rb"}, "slurm.account holds a control character"),
+    ({"time": "10", "mem": "8G\necho INJECTED > FILE"}, "slurm.mem holds a control character"),
+    ({"time": "10\necho INJECTED > FILE"}, "slurm.time holds a control character"),
+    ({"time": "10", "sbatch_flags": {"qos": "high\necho INJECTED > FILE\n#"}},
+     "slurm.sbatch_flags.qos holds a control character"),
+    ({"time": "10", "sbatch_flags": {"reservation": "r\x00"}}, "slurm.sbatch_flags.reservation holds a control"),
+    ({"time": "10", "setup": ["module load x\necho INJECTED > FILE"]}, "slurm.setup[0] holds a control character"),
+    ({"time": "10", "nodes": 10 ** 20}, "slurm.nodes must be a positive int, at most 10000, got '100000000000000000000'"),
+    ({"time": "10", "nodes": "1e20"}, "slurm.nodes must be a positive int"),
+    ({"time": "10", "nodes": 1e20}, "slurm.nodes must be a positive int"),
+    ({"time": "10", "gpus_per_node": 100_000}, "slurm.gpus_per_node must be a positive int, at most 1024"),
+    ({"time": "10", "mem": -5}, "slurm.mem '-5' is not a memory size from 1K to 128T"),
+    ({"time": "10", "mem": "0"}, "slurm.mem '0' is not a memory size"),
+    ({"time": "10", "mem": "129T"}, "slurm.mem '129T' is not a memory size"),
+    ({"time": "10", "mem": "8 G"}, "slurm.mem '8 G' is not a memory size"),
+    ({"time": 10 ** 23}, "slurm.time '100000000000000000000000' is over 365 days"),
+    ({"time": "366-00:00:00"}, "slurm.time '366-00:00:00' is over 365 days"),
+    ({"time": "1e23"}, "slurm.time '1e23' is not a SLURM time"),
+    ({"time": "10", "sbatch_flags": {"nice": float("nan")}}, "slurm.sbatch_flags.nice must be a string, a number or"),
+])
+def test_a_value_that_would_not_stay_a_value_in_the_job_script_is_refused(tmp_path, capsys, monkeypatch, slurm, field):
+    """A newline in any value would end its `#SBATCH` comment line: the rest ran as a shell line of the job (the
+    partition's echo under bash, with every later #SBATCH line ignored). Refused by --dry-run, one line, nothing
+    written."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    raw = _raw(tmp_path, slurm=slurm)
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.dump(raw))  # (yaml.dump keeps the newlines and the NUL as escapes)
+    assert main(["--config", str(spec), "--dry-run"]) == 2
+    captured = capsys.readouterr()
+    err = [l for l in captured.err.splitlines() if l.strip()]
+    assert len(err) == 1 and err[0].startswith(f"error: ablation spec: {field}"), err
+    assert "INJECTED" not in captured.out and not (tmp_path / "phase").exists() and not (tmp_path / "FILE").exists()
+
+
+def test_the_values_in_range_still_pass(tmp_path):
+    ok = parse_slurm({"time": "365-00:00:00", "nodes": 10_000, "mem": "128T", "sbatch_flags": {"nice": 10.5,
+                      "comment": "a comment, with spaces"}})
+    assert (ok.nodes, ok.mem, time_minutes(ok.time)) == (10_000, "128T", 365 * 24 * 60)
+    for mem in ("64G", "64GB", "512m", "8000", "1K", "3t"):
+        assert parse_slurm({"time": "1", "mem": mem}).mem == mem
+
+
+def test_an_out_dir_with_a_newline_is_refused_before_the_script(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    raw = _raw(tmp_path, out_dir=str(tmp_path / "x\necho INJECTED > FILE"))
+    assert main(["--config", str(_write(tmp_path, raw)), "--dry-run"]) == 2
+    err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert len(err) == 1 and err[0].startswith("error: ablation spec: the job name (out_dir's name) holds a control "
+                                               "character ('\\n' at 1)"), err
+
+
+def test_the_flags_submitit_has_go_to_it_as_its_own_parameters():
+    import inspect
+
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    from moe_gspo.run.slurm_spec import SUBMITIT_FLAGS
+
+    assert set(SUBMITIT_FLAGS) <= set(inspect.signature(_make_sbatch_string).parameters)
+    params = sbatch_parameters(parse_slurm({"time": "1", "sbatch_flags": {"qos": "q", "mail-type": "END",
+                                                                          "reservation": "r"}}), "j")
+    assert params["qos"] == "q" and params["mail_type"] == "END"
+    assert params["additional_parameters"] == {"reservation": "r"}

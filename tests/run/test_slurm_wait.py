@@ -89,3 +89,73 @@ def test_jobs_are_recorded_and_a_rerun_attaches_to_live_ones(tmp_path, monkeypat
                                                                            {"job_id": "4_0", "submitted": "t2"}]}
     FakeQueue(tmp_path, monkeypatch, ["3_0|CANCELLED\n4_0|PENDING\n9_9|RUNNING\n"])
     assert se.queue_states(["3_0", "4_0", "8_0"]) == {"3_0": "CANCELLED", "4_0": "PENDING"}
+
+
+class FakeSubmitit:
+    """submitit's SlurmExecutor as `run_on_slurm` uses it (monkeypatched in): `batch()` gives the jobs their ids
+    when it closes, as sbatch's answer does (array job `first_id`, one `_k` per job in submission order)."""
+
+    def __init__(self, first_id: str):
+        self.first_id, self.submitted, self.params = first_id, [], {}
+
+    def __call__(self, folder, max_num_timeout):  # submitit.SlurmExecutor(folder=..., max_num_timeout=...)
+        return self
+
+    def update_parameters(self, **params):
+        self.params.update(params)
+
+    def batch(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            start = len(self.submitted)
+            yield
+            for k, job in enumerate(self.submitted[start:]):
+                job.job_id = f"{self.first_id}_{k}"
+        return ctx()
+
+    def submit(self, fn):
+        from types import SimpleNamespace
+
+        job = SimpleNamespace(fn=fn, job_id=None)
+        self.submitted.append(job)
+        return job
+
+
+@pytest.mark.parametrize("arm0", ["done", "attached"])
+def test_only_the_arm_to_submit_is_submitted_and_reads_its_own_jobs_result(tmp_path, monkeypatch, arm0):
+    """Arm 0 is done (or its recorded job 5_0 is still queued: attached to), arm 1 is to submit. Exactly one job is
+    submitted, arm 1's, and arm 1's result is read from its own job id (6_0), not arm 0's; jobs.json names it
+    under arm 1. (Fails if the executor paired arms and jobs by `enumerate` instead of submission order, or
+    submitted an arm that is done or already queued.)"""
+    import submitit
+
+    spec, arms = _setup(tmp_path)
+    gspo, grpo = arms
+    fake = FakeSubmitit("6")
+    monkeypatch.setattr(submitit, "SlurmExecutor", fake)
+    for name in ("sbatch", "scancel"):  # require_slurm: present, never called
+        stub = tmp_path / "stubs" / name
+        stub.parent.mkdir(exist_ok=True)
+        stub.write_text("#!/bin/sh\nexit 1\n")
+        stub.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'stubs'}:{os.environ['PATH']}")
+    if arm0 == "done":
+        (gspo.run_dir / "done.json").write_text('{"step": 3}')
+        FakeQueue(tmp_path, monkeypatch, [""])
+    else:
+        se.record_jobs(spec, {gspo.name: {"job_id": "5_0", "submitted": "t"}})
+        FakeQueue(tmp_path, monkeypatch, ["5_0|RUNNING\n", ""])  # live at the start, then both jobs ended
+        _result(spec, "5_0", 0)  # arm 0's job: exit 0, but no done.json
+    _result(spec, "6_0", 3)  # arm 1's job: exit code 3
+    results = se.run_on_slurm(spec, arms, on_result=lambda r: None, log={}, poll_s=0.0, sleep=lambda s: None)
+    assert [job.fn.run_dir for job in fake.submitted] == [str(grpo.run_dir)]  # exactly one job: arm 1's
+    assert results[1].status == "failed" and results[1].message.startswith("SLURM job 6_0, exit code 3"), results[1]
+    if arm0 == "done":
+        assert results[0].status == "skipped"
+    else:
+        assert results[0].status == "failed" and results[0].message == (
+            "SLURM job 5_0, exited 0 but wrote no done.json"), results[0]
+    jobs = {name: [r["job_id"] for r in recs] for name, recs in se.read_jobs(spec).items()}
+    assert jobs == ({grpo.name: ["6_0"]} if arm0 == "done" else {gspo.name: ["5_0"], grpo.name: ["6_0"]})

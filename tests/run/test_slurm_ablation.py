@@ -3,8 +3,8 @@ started by the fixture, stopped by pid). Scheduler used: real SLURM (Debian's sl
 SlurmExecutor and sbatch. Skipped only where the SLURM binaries are missing (`.ci/run` installs them).
 
 - a 2-arm x 1-seed x 3-step ablation: submitted (held), Ctrl-C leaves the jobs queued, `--status` shows them,
-  a rerun attaches to them instead of submitting again, they run, the comparison report is written, and the
-  runs' offline W&B files carry the ablation's group and tags;
+  a rerun attaches to them instead of submitting again, they run (each job writes its JSON exit record), the
+  comparison report is written, and the runs' offline W&B files carry the ablation's group and tags;
 - Ctrl-C with `--on-interrupt cancel` cancels the submitted jobs, and `--status` says so;
 - a submission sbatch refuses (a partition that does not exist) is one error line, exit code 2;
 - a job SLURM requeues after a time-out resumes its run from the checkpoint (submitit's Checkpointable).
@@ -133,7 +133,9 @@ def test_a_two_arm_ablation_runs_through_a_real_slurm_and_reports(slurm, tmp_pat
         arm = name.rsplit("-s", 1)[0]
         assert (rec.run_group, rec.job_type) == ("abl", arm), rec
         assert set(rec.tags) == {f"algo={arm.split('-')[0]}", "replay=none", "seed=0"}, rec.tags
-        assert (tmp_path / "abl" / "slurm" / job / f"{job}_0_result.pkl").is_file()  # submitit's result
+        assert (tmp_path / "abl" / "slurm" / job / f"{job}_0_result.pkl").is_file()  # submitit's result (unread)
+        record = tmp_path / "abl" / "slurm" / "results" / f"{job}_0.json"  # the job's own exit record, read
+        assert json.loads(record.read_text()) == {"job_id": job, "task": 0, "exit_code": 0}
     st = subprocess.run(_ablate("--config", str(_spec(tmp_path)), "--status"), cwd=ROOT, env=_env(slurm),
                         capture_output=True, text=True, timeout=120)
     assert "2 runs (2 arms x 1 seed): 2 done (executor: slurm)" in st.stdout, st.stdout

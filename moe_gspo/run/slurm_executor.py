@@ -3,7 +3,8 @@ submitit as one job array (at most `slurm.array_parallelism` running at a time),
 `moe_gspo.launch` command line it runs locally (`moe_gspo.run.slurm_job.ArmJob`).
 
 - Job ids are recorded in `{out_dir}/slurm/jobs.json` (run name -> its jobs, newest last) as soon as
-  sbatch answers; submitit's files (pickles, the job wrapper's stdout / stderr) are in `{out_dir}/slurm/<job id>/`;
+  sbatch answers; submitit's files (pickles, the job wrapper's stdout / stderr) are in
+  `{out_dir}/slurm/submitted-<time>-<random>/<job id>/`, a new folder per submission;
   each job's exit record (JSON, written by the job: `moe_gspo.run.slurm_record`) in `{out_dir}/slurm/results/`.
 - Data only: jobs.json is checked entry by entry (a job id is a SLURM id, never a path), and a job's outcome is
   read from its exit record; nothing in the directory is unpickled (it may come from someone else).
@@ -144,11 +145,23 @@ def check_paths(spec: AblationSpec) -> None:
     check_one_line("the Python running ablate", sys.executable)
 
 
-def make_executor(spec: AblationSpec):
+def new_submission_dir(spec: AblationSpec) -> Path:
+    """A folder of its own for one submission's submitit files, named by the time and 8 random hex digits and
+    created here (never one that exists): a job loads its submitted pickle from it, so no file planted in a copied
+    or shared directory (at a job id the scheduler is about to hand out) can be where a new job looks."""
+    import secrets
+
+    path = slurm_dir(spec) / f"submitted-{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(4)}"
+    path.mkdir(parents=True, exist_ok=False)
+    return path
+
+
+def make_executor(spec: AblationSpec, folder: Path):
+    """submitit's executor, its files in `folder`/<job id>/."""
     import submitit
 
     check_paths(spec)
-    executor = submitit.SlurmExecutor(folder=slurm_dir(spec) / "%j", max_num_timeout=3)
+    executor = submitit.SlurmExecutor(folder=folder / "%j", max_num_timeout=3)
     executor.update_parameters(**sbatch_parameters(spec.slurm, f"ablate-{spec.name}"))
     return executor
 
@@ -159,8 +172,9 @@ def sbatch_preview(spec: AblationSpec, num_jobs: int) -> str:
 
     check_paths(spec)
     params = sbatch_parameters(spec.slurm, f"ablate-{spec.name}")
-    command = f"{sys.executable} -u -m submitit.core._submit {slurm_dir(spec) / '%j'}"
-    return _make_sbatch_string(command=command, folder=slurm_dir(spec) / "%j", map_count=max(1, num_jobs), **params)
+    folder = slurm_dir(spec) / "submitted-<time>-<random>" / "%j"  # made at submission (`new_submission_dir`)
+    command = f"{sys.executable} -u -m submitit.core._submit {folder}"
+    return _make_sbatch_string(command=command, folder=folder, map_count=max(1, num_jobs), **params)
 
 
 def run_on_slurm(spec: AblationSpec, arms: list[Arm], *, on_result: Callable[[ArmResult], None],
@@ -221,7 +235,7 @@ def run_on_slurm(spec: AblationSpec, arms: list[Arm], *, on_result: Callable[[Ar
 def _submit(spec: AblationSpec, arms: list[Arm], order: list[int], pending: dict[int, str]) -> None:
     from moe_gspo.run.slurm_job import ArmJob
 
-    executor = make_executor(spec)
+    executor = make_executor(spec, new_submission_dir(spec))
     jobs_ = []
     try:
         with executor.batch():

@@ -133,7 +133,8 @@ def test_a_two_arm_ablation_runs_through_a_real_slurm_and_reports(slurm, tmp_pat
         arm = name.rsplit("-s", 1)[0]
         assert (rec.run_group, rec.job_type) == ("abl", arm), rec
         assert set(rec.tags) == {f"algo={arm.split('-')[0]}", "replay=none", "seed=0"}, rec.tags
-        assert (tmp_path / "abl" / "slurm" / job / f"{job}_0_result.pkl").is_file()  # submitit's result (unread)
+        pickles = list((tmp_path / "abl" / "slurm").glob(f"submitted-*/{job}/{job}_0_result.pkl"))
+        assert len(pickles) == 1  # submitit's result, in the submission's own folder (never read by ablate)
         record = tmp_path / "abl" / "slurm" / "results" / f"{job}_0.json"  # the job's own exit record, read
         assert json.loads(record.read_text()) == {"job_id": job, "task": 0, "exit_code": 0}
     st = subprocess.run(_ablate("--config", str(_spec(tmp_path)), "--status"), cwd=ROOT, env=_env(slurm),

@@ -86,7 +86,7 @@ def test_a_rerun_waiting_for_the_job_never_unpickles_its_crafted_result(tmp_path
     grpo.run_dir.mkdir(parents=True)
     (grpo.run_dir / "done.json").write_text('{"step": 3}')
     sbatch = _stub_slurm(tmp_path, monkeypatch, ["12345|RUNNING\n", ""])  # attached, then it ends
-    monkeypatch.setattr(se, "make_executor", lambda spec: pytest.fail("nothing is to be submitted"))
+    monkeypatch.setattr(se, "make_executor", lambda spec, folder: pytest.fail("nothing is to be submitted"))
     results = run_ablation(spec, progress=False, compare=False, poll_s=0.0)
     assert not target.exists()
     assert [r.status for r in results] == ["failed", "skipped"]

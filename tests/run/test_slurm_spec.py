@@ -95,7 +95,7 @@ def test_dry_run_prints_the_sbatch_parameters_without_slurm(tmp_path, capsys, mo
                  "#SBATCH --array=0-3%3", "#SBATCH --job-name=ablate-phase", "#SBATCH --nodes=1",
                  "#SBATCH --ntasks-per-node=1", "#SBATCH --qos=high", "#SBATCH --exclusive",
                  "#SBATCH --reservation=r1", "module load cuda",
-                 f"-u -m submitit.core._submit {tmp_path / 'phase' / 'slurm' / '%j'}"):
+                 f"-u -m submitit.core._submit {tmp_path / 'phase' / 'slurm' / 'submitted-<time>-<random>' / '%j'}"):
         assert line in script, (line, script)
     assert not (tmp_path / "phase").exists()  # touched nothing
 

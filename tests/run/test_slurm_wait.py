@@ -99,6 +99,7 @@ class FakeSubmitit:
         self.first_id, self.submitted, self.params = first_id, [], {}
 
     def __call__(self, folder, max_num_timeout):  # submitit.SlurmExecutor(folder=..., max_num_timeout=...)
+        self.folder = Path(folder)
         return self
 
     def update_parameters(self, **params):
@@ -157,5 +158,9 @@ def test_only_the_arm_to_submit_is_submitted_and_reads_its_own_jobs_result(tmp_p
     else:
         assert results[0].status == "failed" and results[0].message == (
             "SLURM job 5_0, exited 0 but wrote no done.json"), results[0]
+    # submitit's files go to a new folder of this submission (a job loads its pickle from there, never from a
+    # planted {out_dir}/slurm/6_0/)
+    assert fake.folder.name == "%j" and fake.folder.parent.parent == se.slurm_dir(spec)
+    assert fake.folder.parent.name.startswith("submitted-") and list(fake.folder.parent.iterdir()) == []
     jobs = {name: [r["job_id"] for r in recs] for name, recs in se.read_jobs(spec).items()}
     assert jobs == ({grpo.name: ["6_0"]} if arm0 == "done" else {gspo.name: ["5_0"], grpo.name: ["6_0"]})

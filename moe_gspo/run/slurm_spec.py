@@ -108,7 +108,8 @@ def check_one_line(field: str, value: str) -> str:
 def mem_mib(text: str) -> int:
     """sbatch's --mem (a number with an optional K, M, G or T; plain numbers are MB) in MiB, checked."""
     m = _MEM_RE.match(text)
-    kib = int(m.group(1)) * {"K": 1, "": 1024, "M": 1024, "G": 1024 ** 2, "T": 1024 ** 3}[m.group(2).upper()] if m else 0
+    unit_kib = {"K": 1, "": 1024, "M": 1024, "G": 1024 ** 2, "T": 1024 ** 3}
+    kib = int(m.group(1)) * unit_kib[m.group(2).upper()] if m else 0
     if not 0 < kib <= MAX_MEM_MIB * 1024:
         raise ValueError(f"ablation spec: slurm.mem {text[:40]!r} is not a memory size from 1K to 128T; write e.g. "
                          "64G (suffix K, M, G or T; a plain number is MB)")

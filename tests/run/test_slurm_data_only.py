@@ -102,8 +102,9 @@ def test_a_job_id_that_is_not_a_slurm_id_is_refused_with_one_line(tmp_path, monk
     for args in (["--status"], []):  # --status, and a rerun
         assert main(["--config", str(spec), *args]) == 2
         err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
-        assert len(err) == 1 and err[0].startswith(f"error: {tmp_path / 'abl' / 'slurm' / 'jobs.json'}: run "
-                                                   f"'gspo-none-s0' job 0: job_id {job_id!r} is not a SLURM job id"), err
+        assert len(err) == 1 and err[0].startswith(
+            f"error: {tmp_path / 'abl' / 'slurm' / 'jobs.json'}: run 'gspo-none-s0' job 0: job_id {job_id!r} is not "
+            "a SLURM job id"), err
     assert not target.exists() and not sbatch.exists()
     assert not (tmp_path / "abl" / "gspo-none-s0").exists()  # nothing started
 

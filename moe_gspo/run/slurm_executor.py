@@ -81,7 +81,10 @@ def read_jobs(spec: AblationSpec) -> dict[str, list[dict[str, Any]]]:
         for k, record in enumerate(records):
             if "job_id" not in record:
                 raise ValueError(f"{path}: run {name[:80]!r} job {k} has no job_id" + fix)
-            check_job_id(record["job_id"], f"{path}: run {name[:80]!r} job {k}")
+            try:
+                check_job_id(record["job_id"], f"{path}: run {name[:80]!r} job {k}")
+            except ValueError as e:
+                raise ValueError(f"{e}{fix}") from None
     return jobs
 
 

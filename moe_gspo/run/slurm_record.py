@@ -39,7 +39,7 @@ def is_job_id(value: object) -> bool:
 def check_job_id(value: object, where: str) -> str:
     """`value` when it is a SLURM job id; else a ValueError naming `where`."""
     if not is_job_id(value):
-        raise ValueError(f"{where}: job_id {value!r} is not a SLURM job id (digits with an optional array suffix "
+        raise ValueError(f"{where}: job_id {repr(value)[:60]} is not a SLURM job id (digits with an optional array suffix "
                          "_N, e.g. 4711 or 4711_3)")
     return value  # type: ignore[return-value]
 

@@ -81,6 +81,7 @@ OVERRIDES_HELP = ("dotted overrides of the config fields listed below (others ar
 
 
 def build_parser(*, add_help: bool = True):
+    from analysis.phase_gate import CRITICAL_FRAC_RULE
     from moe_gspo.run.cli import OnceArgumentParser, add_config_arguments
 
     p = OnceArgumentParser(prog=PROG, description=__doc__, add_help=add_help)
@@ -116,8 +117,8 @@ def build_parser(*, add_help: bool = True):
     g.add_argument("--max-k3", type=float, default=None, help="fail when mismatch/k3_kl exceeds this")
     g.add_argument("--max-flip", type=float, default=None,
                    help="fail when the per-layer flip rate (mean over MoE layers of routing/layer_disagree) exceeds this")
-    g.add_argument("--max-critical-frac", type=float, default=None,
-                   help="fail when the flip rate exceeds this fraction of --phase-method's critical mismatch (needs --phase)")
+    g.add_argument("--max-critical-frac", type=float, default=None, metavar="F",
+                   help="(needs --phase) " + CRITICAL_FRAC_RULE.replace("%", "%%"))
     return p
 
 
@@ -345,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
         exit_with_launcher()  # kill -9 of torchrun must not leave this worker writing
         args = parse_args(argv)
         out_path.append(args.out)
-        from analysis.phase_gate import Thresholds, check_thresholds, load_fits, phase_keys, phase_lines, violations
+        from analysis.phase_gate import (
+            Thresholds, check_thresholds, gate_notes, load_fits, phase_keys, phase_lines, violations,
+        )
 
         gate = Thresholds(max_k3=args.max_k3, max_flip=args.max_flip, max_critical_frac=args.max_critical_frac,
                           phase_method=args.phase_method)
@@ -375,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                 write_localize_outputs(res, out, args.localize_out)
             print(f"wrote {out}")
             if fits is not None:
-                print("\n".join(phase_lines(res, fits)))
+                print("\n".join(phase_lines(res, fits) + gate_notes(gate, fits)))
             for line in failed:
                 print(line, file=sys.stderr)
         return 1 if failed else 0

@@ -29,10 +29,10 @@ from analysis.phase_stats import (
     REWARD_DROP, MethodFit, ZERO_DOSE, arms, fit_method, shared_boot_seeds, tolerated_text,
 )
 
-CRITICAL_FRAC_RULE = (f"fail when the per-layer flip rate exceeds F x the critical mismatch x* of --phase-method; when "
-                      f"x* was not reached at any dose tested, F x its largest dose tolerated (the largest dose whose "
-                      f"paired final-reward drop has its 95% CI above -{REWARD_DROP:g} there and at every lower dose); "
-                      "when neither exists the gate fails: the matrix cannot place the checkpoint")
+CRITICAL_FRAC_RULE = (f"fail when the per-layer flip rate exceeds F x --phase-method's critical mismatch x*; if x* "
+                      f"was not reached, F x its largest dose tolerated (the largest dose whose final-reward drop has "
+                      f"its 95% CI above -{REWARD_DROP:g} there and below); if neither exists, fail (the matrix cannot "
+                      "place the checkpoint)")
 """`--max-critical-frac F`'s rule, as `--help` and the README state it."""
 
 

@@ -28,7 +28,10 @@ without signal (`actor/entropy`, `reward/frac_zero_std`) and of the generation r
 (`sampling/num_gen_batches`, > 1 with dynamic sampling), averaged over seeds; mismatch vs mismatch_replayed
 side by side, with the rollout/learner token- and sequence-ratio variances (`mismatch_ratio/*`) and, for
 R3 arms, whether the replay held (`r3/replay_mismatch_frac`, max over steps) and its fallback share
-(`r3/fallback_token_frac`); the per-layer routing change. Steps where a metric is null/NaN (e.g. a variance share
+(`r3/fallback_token_frac`); the per-layer routing change. When an arm ran with the routing-drift dial
+(`rollout.router_flip_prob` / `router_noise_std`), a header line names those arms and a table gives each arm's
+dial, its injected drift (`routing/dial_flip_frac`), the total and the natural drift (`analysis.dial_report`);
+without the dial neither appears. Steps where a metric is null/NaN (e.g. a variance share
 of an empty subset) are left out of its means. A figure whose inputs no run has is listed under
 "Skipped" with the reason.
 """
@@ -45,6 +48,7 @@ import numpy as np
 
 from analysis.compare_arms import ArmRun, Arms, arm_runs_from_dirs, check_run_dirs, load_arms
 from analysis.compare_figures import COMPARE_FIGURES, COMPARE_STABILITY_FIGURES, all_layer_means, arm_layer_labels
+from analysis.dial_report import ARM_COLUMNS, ARM_TABLE_TITLE, arm_dial_row, arms_intro_line
 from analysis.figure_kit import render_figures
 from analysis.load import (
     FINAL_REWARD_LABEL, ReportInputError, RunData, RunDataWarning, finite_mean, headline_numbers, series,
@@ -132,9 +136,23 @@ def comparison_tables(arms: Arms, stats: SeedStatistics | None = None) -> list[T
                      _range(s["final_reward_min"], s["final_reward_max"])]
                     + [fmt_number(s[k]) for k in _ROW_KEYS])
         mismatch_rows.append([arm] + [fmt_number(s[k]) for k in (*_MISMATCH_KEYS, "r3_mismatch_max", "r3_fallback")])
-    return ([Table("Arms (means over steps, then over seeds)", TABLE_COLUMNS, rows)] + seed_tables(stats)
+    dial, _ = dial_table(arms)
+    return ([Table("Arms (means over steps, then over seeds)", TABLE_COLUMNS, rows)] + ([dial] if dial else [])
+            + seed_tables(stats)
             + [Table("Train-inference mismatch: learner with natural routing vs replaying the rollout routes "
                      "(R3 arms; n/a elsewhere)", MISMATCH_COLUMNS, mismatch_rows)] + layer_table(arms))
+
+
+def dial_table(arms: Arms) -> tuple[Table | None, list[str]]:
+    """The routing-drift dial per arm (`analysis.dial_report`): (its table, the arms that ran with it); (None, [])
+    when no arm did, so an undialled comparison reads as before."""
+    rows, dialled = [], []
+    for arm, runs in arms.runs.items():
+        row, on = arm_dial_row(arm, [(run.config, run.records) for _, run in runs], fmt_number)
+        rows.append(row)
+        if on:
+            dialled.append(arm)
+    return (Table(ARM_TABLE_TITLE, ARM_COLUMNS, rows), dialled) if dialled else (None, [])
 
 
 MAX_TABLE_LAYERS = 12
@@ -208,7 +226,9 @@ def build_comparison(arm_runs: list[ArmRun], out_dir: str | Path,
         warnings.warn(lengths_differ, RunDataWarning, stacklevel=2)
     stats = arm_seed_statistics(arms.runs, reward_threshold=reward_threshold, collapse_drop=collapse_drop,
                                 pairs=pairs, reps=reps)
+    dialled = dial_table(arms)[1]
     page = Page(title=title, intro=[f"{sum(map(len, arms.runs.values()))} runs in {len(arms.runs)} arms",
+                                    *([arms_intro_line(dialled, len(arms.runs))] if dialled else []),
                                     *([f"Warning: {lengths_differ}."] if lengths_differ else []),
                                     *seed_notes(stats, reward_threshold, collapse_drop)])
     page.tables += comparison_tables(arms, stats)

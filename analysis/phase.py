@@ -24,7 +24,7 @@ from analysis.matrix_runs import md_table, page_parser, run_page, tests_table
 from analysis.phase_runs import ENTROPY_FLOOR, ENTROPY_WINDOW, FAILURE_V2, PhaseRun, load_phase, load_runs, save_metrics
 from analysis.phase_stats import (
     FAMILY_TESTS, GRPO, REWARD_DROP, ZERO_DOSE, MethodFit, arms, failure_glm, fit_method, ladder, ols_slope, phase_family,
-    shared_boot_seeds, shift, tolerated_by_ci,
+    shared_boot_seeds, shift, tolerated_by_ci, tolerated_text,
 )
 
 PAPERS = "the papers' Qwen3-30B-A3B: ~10% per-layer flips, k3 ~1.5e-3 (R3 paper)"
@@ -94,7 +94,7 @@ def critical_table(fitted: dict[str, MethodFit], by_method, reps: int, seed: int
         fail = ("not reached" if cf.kind == "not_reached" else
                 f"{'≤ ' if cf.kind == 'at_or_below_first' else ''}{_pct(cf.value)}")
         ols = "not fitted (fewer than two dosed arms, or too few runs)" if not math.isfinite(slope) else f"{slope:+.3f} [{lo:+.3f}, {hi:+.3f}] (p {st.fmt_p(p)})"
-        shown = _pct(largest) if math.isfinite(largest) else "none shown (the CI reaches it at the first dose)"
+        shown = tolerated_text(largest)  # the probe and its gate word it the same (analysis.phase_gate)
         g = failure_glm(by_method[method])
         glm = (f"not fitted: {g.why_not}" if g.why_not else
                f"{g.slope:+.2f} [{g.lo:+.2f}, {g.hi:+.2f}] (p {st.fmt_p(g.p)})")

@@ -2,14 +2,18 @@
 diagram, and thresholds that fail the probe (`python -m moe_gspo.probe ... --phase DIR --max-k3 X --max-flip X
 --max-critical-frac F`).
 
-- `--phase DIR|FILE.jsonl.gz`: a phase matrix (`analysis.phase`); for every method with a critical mismatch x* the
-  probe reports its per-layer flip rate as a fraction of x* (with x*'s CI), or says the method tolerated every
-  dose tested (then the fraction of the largest dose tolerated, a lower bound on x*).
+- `--phase DIR|FILE.jsonl.gz`: a phase matrix (`analysis.phase`); for every method the probe reports its per-layer
+  flip rate as a fraction of the critical mismatch x* (with x*'s CI) when x* was reached, or says that it was not
+  reached at any dose tested; and the method's largest dose tolerated with the page's one meaning
+  (`analysis.phase_stats.tolerated_by_ci`: the largest dose at which the paired final-reward drop's 95% CI lies above
+  −0.1, as at every lower dose; "none shown" when the CI reaches −0.1 at the first dose).
 - `--max-k3 X`: fail when `mismatch/k3_kl` > X (prime-rl asks new models for mismatch KL < 0.015).
 - `--max-flip X`: fail when the per-layer flip rate (mean over MoE layers of `routing/layer_disagree`, the phase
   diagram's axis) > X (Miles fails CI above 1% replay mismatch).
-- `--max-critical-frac F` (needs --phase): fail when the flip rate exceeds F x the critical mismatch of
-  `--phase-method` (default grpo-none); a method that tolerated every dose cannot fail this check.
+- `--max-critical-frac F` (needs --phase), `CRITICAL_FRAC_RULE`: fail when the flip rate exceeds F x the critical
+  mismatch x* of `--phase-method` (default grpo-none). When x* was not reached at any dose tested, the reference is
+  the method's largest dose tolerated instead (one line says so; the gate fails above F x it); when no dose is
+  tolerated either, the matrix cannot place the checkpoint and the gate fails with one line saying why.
 One line per violated threshold; the probe then exits 1 (after writing its JSON).
 """
 
@@ -21,7 +25,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from analysis.phase_runs import load_phase
-from analysis.phase_stats import MethodFit, arms, fit_method, shared_boot_seeds, ZERO_DOSE
+from analysis.phase_stats import (
+    REWARD_DROP, MethodFit, ZERO_DOSE, arms, fit_method, shared_boot_seeds, tolerated_text,
+)
+
+CRITICAL_FRAC_RULE = (f"fail when the per-layer flip rate exceeds F x --phase-method's critical mismatch x*; if x* "
+                      f"was not reached, F x its largest dose tolerated (the largest dose whose final-reward drop has "
+                      f"its 95% CI above -{REWARD_DROP:g} there and below); if neither exists, fail (the matrix cannot "
+                      "place the checkpoint)")
+"""`--max-critical-frac F`'s rule, as `--help` and the README state it."""
 
 
 @dataclass(frozen=True)
@@ -78,23 +90,43 @@ def phase_keys(res: dict, fits: dict[str, MethodFit]) -> dict:
         lo, hi = f.ci_log10
         out[f"phase/{m}/critical_flip"] = f.critical.value if reached else None
         out[f"phase/{m}/critical_flip_ci"] = [10 ** lo, 10 ** hi] if reached and math.isfinite(lo) else None
-        out[f"phase/{m}/largest_tolerated"] = f.largest_tolerated
+        tolerated = math.isfinite(f.largest_tolerated)
+        out[f"phase/{m}/largest_tolerated"] = f.largest_tolerated if tolerated else None
         out[f"phase/{m}/fraction_of_critical"] = x / f.critical.value if reached else None
+        out[f"phase/{m}/fraction_of_largest_tolerated"] = x / f.largest_tolerated if tolerated and f.largest_tolerated > 0 else None
     return out
+
+
+def _not_reached(f: MethodFit) -> str:
+    return f"critical mismatch not reached at any dose tested (up to {100 * float(np.max(f.x)):.3g}%)"
 
 
 def phase_lines(res: dict, fits: dict[str, MethodFit]) -> list[str]:
     x = flip_rate(res)
     lines = [f"on the phase diagram (per-layer flips {100 * x:.3g}%):"]
     for m, f in fits.items():
+        tolerated = f"largest dose tolerated {tolerated_text(f.largest_tolerated)}"
+        if math.isfinite(f.largest_tolerated) and f.largest_tolerated > 0:
+            tolerated += f" ({x / f.largest_tolerated:.2f} of it)"
         if math.isfinite(f.critical.value):
             lo, hi = f.ci_log10
             ci = f" [{100 * 10 ** lo:.3g}%, {100 * 10 ** hi:.3g}%]" if math.isfinite(lo) else ""
-            lines.append(f"  {m}: {x / f.critical.value:.2f} of its critical mismatch {100 * f.critical.value:.3g}%{ci}")
+            lines.append(f"  {m}: {x / f.critical.value:.2f} of its critical mismatch {100 * f.critical.value:.3g}%{ci}; "
+                         + tolerated)
         else:
-            lines.append(f"  {m}: tolerated every dose tested; this is {x / f.largest_tolerated:.2f} of the largest "
-                         f"({100 * f.largest_tolerated:.3g}%)" if f.largest_tolerated > 0 else f"  {m}: no dose")
+            lines.append(f"  {m}: {_not_reached(f)}; {tolerated}")
     return lines
+
+
+def gate_notes(t: Thresholds, fits: dict[str, MethodFit] | None) -> list[str]:
+    """One line when `--max-critical-frac` does not scale x* (`CRITICAL_FRAC_RULE`): what it scales instead."""
+    if t.max_critical_frac is None or fits is None or math.isfinite(fits[t.phase_method].critical.value):
+        return []
+    f = fits[t.phase_method]
+    if not math.isfinite(f.largest_tolerated):
+        return []  # a violation then (`violations`), with its own line
+    return [f"gate: {t.phase_method}'s {_not_reached(f)}: --max-critical-frac scales its largest dose tolerated, "
+            f"{tolerated_text(f.largest_tolerated)}, instead"]
 
 
 def violations(res: dict, t: Thresholds, fits: dict[str, MethodFit] | None) -> list[str]:
@@ -105,9 +137,18 @@ def violations(res: dict, t: Thresholds, fits: dict[str, MethodFit] | None) -> l
         out.append(f"gate: mismatch/k3_kl {k3:.3e} > --max-k3 {t.max_k3:g}")
     if t.max_flip is not None and x > t.max_flip:
         out.append(f"gate: per-layer flip rate {x:.4f} > --max-flip {t.max_flip:g}")
-    if t.max_critical_frac is not None and fits is not None:
-        f = fits[t.phase_method]
-        if math.isfinite(f.critical.value) and x > t.max_critical_frac * f.critical.value:
-            out.append(f"gate: per-layer flip rate {x:.4f} > --max-critical-frac {t.max_critical_frac:g} x "
-                       f"{t.phase_method}'s critical mismatch {f.critical.value:.4f}")
+    if t.max_critical_frac is not None and fits is not None:  # CRITICAL_FRAC_RULE
+        f, frac = fits[t.phase_method], t.max_critical_frac
+        if math.isfinite(f.critical.value):
+            if x > frac * f.critical.value:
+                out.append(f"gate: per-layer flip rate {x:.4f} > --max-critical-frac {frac:g} x "
+                           f"{t.phase_method}'s critical mismatch {f.critical.value:.4f}")
+        elif math.isfinite(f.largest_tolerated):
+            if x > frac * f.largest_tolerated:
+                out.append(f"gate: per-layer flip rate {x:.4f} > --max-critical-frac {frac:g} x {t.phase_method}'s "
+                           f"largest dose tolerated {f.largest_tolerated:.4f} (its {_not_reached(f)})")
+        else:
+            out.append(f"gate: --max-critical-frac cannot place this checkpoint: {t.phase_method}'s {_not_reached(f)}, "
+                       f"and no dose is tolerated by the pre-registered rule (the drop's 95% CI reaches -{REWARD_DROP:g} "
+                       "at the first dose); add seeds or doses to the matrix, or gate with --max-flip")
     return out

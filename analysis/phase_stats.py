@@ -10,7 +10,11 @@ bootstrap CI, each fix's shift of it, and the pre-registered test family. Pure: 
 - **Critical mismatch** x*: the dose at which the fitted drop first reaches `REWARD_DROP` (0.1), linearly
   interpolated in log10(dose) between the two doses around the crossing; "not reached" when the fitted drop
   stays above it over every dose tested (then the answer is the largest dose tolerated); "at or below the first
-  dose" when it is reached there. The same for the failure rate crossing 50% (isotonic non-decreasing).
+  dose" when it is reached there.
+- **Largest dose tolerated** (one meaning on the page, in the probe and in its gate: `tolerated_by_ci`,
+  `MethodFit.largest_tolerated`, worded by `tolerated_text`): the pre-registered rule, the largest realised dose
+  at which the mean paired drop's 95% bootstrap CI lies above −`REWARD_DROP`, as it does at every lower dose;
+  none when the CI reaches it at the first dose (even where the point fit never reaches x*). The same for the failure rate crossing 50% (isotonic non-decreasing).
 - **CI**: a cluster bootstrap over seeds (a resampled seed brings all its arms), `reps` resamples from one seeded
   stream per quantity; percentiles of log10 x* over the resamples, with the share of resamples in which x* was
   not reached (an upper bound "> largest dose" when that share exceeds 2.5%).
@@ -127,7 +131,8 @@ class MethodFit:
     boot_log10: np.ndarray
     """log10 x* per resample (NaN where not reached), in resample order: the shifts pair them."""
     largest_tolerated: float
-    """The largest realised dose whose fitted drop stays above -REWARD_DROP."""
+    """The pre-registered largest dose tolerated (`tolerated_by_ci`: the drop's 95% CI above -REWARD_DROP there and
+    at every lower dose); NaN when the CI reaches it at the first dose."""
 
 
 def _seed_pool(method_arms: Mapping[str, Mapping[int, PhaseRun]]) -> list[int]:
@@ -158,11 +163,9 @@ def fit_method(method: str, method_arms: Mapping[str, Mapping[int, PhaseRun]], *
             boot[i] = math.log10(c.value)
     reached = boot[np.isfinite(boot)]
     ci = tuple(np.percentile(reached, [2.5, 97.5]).tolist()) if reached.size >= 2 else (math.nan, math.nan)
-    fit = isotonic_regression(drop[np.isfinite(drop)], increasing=False).x
-    xs_ok = x[np.isfinite(drop)]
-    tolerated = xs_ok[fit > -REWARD_DROP]
+    tolerated = tolerated_by_ci(method_arms, reps=reps, seed=seed, method=method)[0]  # the page's rule, not the fit's
     return MethodFit(method, doses, x, drop, fail, crit, crit_fail, ci, float(np.mean(~np.isfinite(boot))), boot,
-                     float(tolerated.max()) if tolerated.size else math.nan)
+                     tolerated)
 
 
 def drop_ci(arm: Mapping[int, PhaseRun], zero: Mapping[int, PhaseRun], *, reps: int, seed: int, method: str,
@@ -188,6 +191,14 @@ def tolerated_by_ci(method_arms: Mapping[str, Mapping[int, PhaseRun]], *, reps: 
             break
         largest = x
     return largest, per_dose
+
+
+NONE_TOLERATED = "none shown (the CI reaches it at the first dose)"
+
+
+def tolerated_text(largest: float) -> str:
+    """The one wording of the largest dose tolerated (`tolerated_by_ci`): '2.6%', or `NONE_TOLERATED`."""
+    return f"{100 * largest:.3g}%" if math.isfinite(largest) else NONE_TOLERATED
 
 
 def shared_boot_seeds(by_method: Mapping[str, Mapping[str, Mapping[int, PhaseRun]]], reps: int, seed: int) -> np.ndarray:

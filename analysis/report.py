@@ -12,7 +12,11 @@ verdict sentence per question (`analysis.verdicts`), then a table of headline nu
 (`analysis.figures`, the eval figure of `analysis.eval_report`), a handful of samples with their
 routing-flipped tokens marked (`analysis.samples`, from samples.jsonl), then a "Skipped" section naming
 each figure or section that could not be drawn and why (metric never logged, traces or file missing),
-then notes about input lines that were skipped. HTML and Markdown are written atomically.
+then notes about input lines that were skipped. A run (or probe) with the routing-drift dial on
+(`rollout.router_flip_prob`, `rollout.router_noise_std`) gets a header line with its settings and realised rate
+(`routing/dial_flip_frac`), a first summary sentence and a table that split its routing drift into the injected
+and the rest (`analysis.dial_report`); a run without the dial reads as before. HTML and Markdown are written
+atomically.
 
 Exit codes: 0 built, 2 bad input (missing run dir, nothing to report on).
 """
@@ -32,6 +36,9 @@ from pathlib import Path
 
 import yaml
 
+from analysis.dial_report import (
+    DRIFT_TABLE_TITLE, DialDrift, drift_rows, header_line, probe_dial, run_dial, with_dial_summary,
+)
 from analysis.eval_report import EVAL_FIGURES, last_eval_rows
 from analysis.figure_kit import RenderedFigure, SkippedFigure, render_figures
 from analysis.figures import ROLLOUT_CORR_PANELS, RUN_FIGURES, rollout_corrections_used
@@ -44,7 +51,7 @@ from analysis.verdicts import run_verdicts
 from moe_gspo.rollout.fp8 import rollout_precision
 from analysis.load import (
     HEADLINE_LABELS, PROBE_LABELS, ReportInputError, RunData, RunDataWarning, finite_mean, headline_numbers,
-    load_probe, load_run, probe_headline, series,
+    load_probe, load_run, probe_headline, probe_value, series,
 )
 
 assert RUN_FIGURES[0].name == "reward"
@@ -271,10 +278,14 @@ def write_page(page: Page, out_dir: str | Path) -> ReportPaths:
 
 # --------------------------------------------------------------------------- run / probe pages
 
-def headline_table(run: RunData) -> Table:
-    """The headline numbers of the run's metrics, then the last evaluation's (when eval.jsonl has one)."""
+def headline_table(run: RunData, dial: DialDrift | None = None) -> Table:
+    """The headline numbers of the run's metrics, then the last evaluation's (when eval.jsonl has one); with the
+    routing-drift dial on, the any-layer flip's label says that it counts the injected drift."""
     nums = headline_numbers(run.records)
-    rows = [[HEADLINE_LABELS[k], fmt_number(v, integer=k.startswith("num_"))] for k, v in nums.items()]
+    labels = dict(HEADLINE_LABELS)
+    if dial is not None:
+        labels["any_layer_flip_mean"] += " (injected by the dial and natural together)"
+    rows = [[labels[k], fmt_number(v, integer=k.startswith("num_"))] for k, v in nums.items()]
     rows += [[label, fmt_number(v, integer=integer)] for label, v, integer in last_eval_rows(run.evals)]
     return Table("Headline numbers", ["quantity", "value"], rows)
 
@@ -318,6 +329,10 @@ def probe_setup_rows(probe: dict) -> list[list[str]]:
                 probe["dtype"], probe.get("quantization"), probe.get("fp8_scale"), probe["engine"])
              if "engine" in probe else None),
             ("learner side", f"Megatron-core, {learner}"), ("processes", probe.get("world_size"))]
+    dial = probe_dial(probe)
+    if dial is not None:
+        rows.append(("routing-drift dial", f"ON, {dial.settings}: injected drift (realised "
+                                           f"{fmt_number(dial.injected)} of the (token, MoE layer) routes)"))
     return [[k, str(v)] for k, v in rows if v is not None]
 
 
@@ -326,10 +341,15 @@ def probe_tables(probe: dict, heading: str = "Probe") -> list[Table]:
     nums = probe_headline(probe)
     rows = [[PROBE_LABELS[k], fmt_number(v, integer=k.startswith("num_"))] for k, v in nums.items()]
     tables = [Table(f"{heading}: setup", ["field", "value"], info)] if info else []
-    return tables + [Table(f"{heading}: headline numbers", ["quantity", "value"], rows)]
+    tables.append(Table(f"{heading}: headline numbers", ["quantity", "value"], rows))
+    dial = probe_dial(probe)
+    if dial is not None:  # the routing-drift dial was on: its injected drift apart (analysis.dial_report)
+        tables.append(Table(f"{heading}: {DRIFT_TABLE_TITLE[0].lower()}{DRIFT_TABLE_TITLE[1:]}", ["quantity", "value"],
+                            drift_rows(dial, fmt_number, probe_value(probe, "routing/any_layer_flip"))))
+    return tables
 
 
-def _config_summary(run: RunData) -> list[str]:
+def _config_summary(run: RunData, dial: DialDrift | None = None) -> list[str]:
     lines = [f"Run directory: {run.source}"]
     cfg = run.config or {}
     algo = cfg.get("algo") if isinstance(cfg.get("algo"), dict) else {}
@@ -339,6 +359,8 @@ def _config_summary(run: RunData) -> list[str]:
     sides = _sides(cfg, run.run_info)
     if sides:
         lines.append(sides)
+    if dial is not None:  # injected drift must not read as the engine's or the precision's (issue 60)
+        lines.append(header_line(dial))
     lines.append(rollout_corr_line(run))
     info = run.run_info or {}
     if info.get("device") is not None or info.get("world_size") is not None:
@@ -409,9 +431,19 @@ def prompt_encoding_line(run: RunData) -> str:
             + ("none" if system is None else repr(system)) + f" ({source}).")
 
 
+def dial_table(run: RunData, dial: DialDrift) -> Table:
+    """The drift table of a dialled run: the dial's settings, its injected drift, the total and the rest."""
+    return Table(DRIFT_TABLE_TITLE, ["quantity", "value"],
+                 drift_rows(dial, fmt_number, finite_mean(series(run.records, "routing/any_layer_flip")[1])))
+
+
 def build_run_page(run: RunData, probe: dict | None = None) -> Page:
-    page = Page(title=f"Expert-drift report: {run.name}", intro=_config_summary(run), summary=run_verdicts(run))
-    page.tables.append(headline_table(run))
+    dial = run_dial(run.config, run.records)  # None without the routing-drift dial: the page reads as before
+    page = Page(title=f"Expert-drift report: {run.name}", intro=_config_summary(run, dial),
+                summary=with_dial_summary(run_verdicts(run), dial))
+    page.tables.append(headline_table(run, dial))
+    if dial is not None:
+        page.tables.append(dial_table(run, dial))
     for extra in (rollout_corr_table(run), r3_table(run)):
         if extra is not None:
             page.tables.append(extra)

@@ -18,6 +18,13 @@ rollout.max_model_len=4096 rollout.kv_cache_gib=2 model.tokenizer=DIR`; `--model
 `--quantization`, `--max-new-tokens`, `--temperature` and `--seed` are shortcuts for model.path,
 rollout.engine, rollout.dtype, rollout.quantization, rollout.max_new_tokens, rollout.temperature and train.seed. Every prompt plus
 rollout.max_new_tokens must fit the engine's context (checked before any model is loaded).
+
+The routing-drift dial (`rollout.router_flip_prob`, `rollout.router_noise_std`; hf engine) is honoured, from the
+command line or from `--config` (a dialled run's config.yaml probes with its dial, and the probe says so before it
+loads anything): its settings and realised rate are written as `routing/dial_*` (the names of metrics.jsonl) and
+printed apart from the rest of the drift, the dial's injected flips counted inside the engine; the natural drift
+(the learner against the undialled routes) is not measured under the dial, only bounded below by total − injected
+(`analysis.dial_report`): probe without the dial to measure it.
 """
 
 from __future__ import annotations
@@ -65,7 +72,8 @@ PROBE_KEYS = ("model.path", "model.tokenizer", "model.params_dtype", "model.voca
               "parallel.collective_timeout_s", "rollout.engine", "rollout.dtype", "rollout.quantization",
               "rollout.fp8_scale", "rollout.fp8_router", "rollout.fp8_activations", "rollout.temperature",
               "rollout.top_p", "rollout.max_new_tokens", "rollout.gpu_memory_utilization", "rollout.max_model_len",
-              "rollout.kv_cache_gib", "train.seed", "logging.progress")
+              "rollout.kv_cache_gib", "rollout.router_flip_prob", "rollout.router_noise_std", "train.seed",
+              "logging.progress")
 """The config fields the probe uses; an override of any other is refused (it would have no effect)."""
 OVERRIDES_HELP = ("dotted overrides of the config fields listed below (others are refused), e.g. "
                   "rollout.max_new_tokens=64 rollout.dtype=float32")
@@ -73,6 +81,7 @@ OVERRIDES_HELP = ("dotted overrides of the config fields listed below (others ar
 
 
 def build_parser(*, add_help: bool = True):
+    from analysis.phase_gate import CRITICAL_FRAC_RULE
     from moe_gspo.run.cli import OnceArgumentParser, add_config_arguments
 
     p = OnceArgumentParser(prog=PROG, description=__doc__, add_help=add_help)
@@ -108,8 +117,8 @@ def build_parser(*, add_help: bool = True):
     g.add_argument("--max-k3", type=float, default=None, help="fail when mismatch/k3_kl exceeds this")
     g.add_argument("--max-flip", type=float, default=None,
                    help="fail when the per-layer flip rate (mean over MoE layers of routing/layer_disagree) exceeds this")
-    g.add_argument("--max-critical-frac", type=float, default=None,
-                   help="fail when the flip rate exceeds this fraction of --phase-method's critical mismatch (needs --phase)")
+    g.add_argument("--max-critical-frac", type=float, default=None, metavar="F",
+                   help="(needs --phase) " + CRITICAL_FRAC_RULE.replace("%", "%%"))
     return p
 
 
@@ -191,7 +200,7 @@ def probe(args: argparse.Namespace, cfg=None) -> dict:
     from moe_gspo.routing.drift_metrics import rollout_vs_learner
     from moe_gspo.files import check_output_file
     from moe_gspo.run.setup import build_engine, check_tokenizer_fits, derive_seed, learner_dtype, quiet_progress_bars
-    from moe_gspo.run.steps import gather_samples
+    from moe_gspo.run.steps import dial_metrics, gather_samples
     from moe_gspo.tasks import Prompt
     from moe_gspo.tasks.encoding import check_chat_template, encode_prompts
     from moe_gspo.tasks.lengths import check_prompt_lengths
@@ -245,6 +254,7 @@ def probe(args: argparse.Namespace, cfg=None) -> dict:
     m["num_tokens"] = int(batch.response_mask_BS.sum())
     m["num_routed_tokens"] = int(sum(min(len(a), len(b)) for a, b in zip(batch.rollout_routes, learner_routes)))
     m["num_sequences"] = len(samples)
+    m.update(dial_metrics(samples, r))  # routing/dial_* when the routing-drift dial is on (its injected flips)
     out = {"model": str(model_dir), "engine": r.engine, "dtype": r.dtype, "quantization": r.quantization,
            "fp8_scale": r.fp8_scale, "fp8_activations": r.fp8_activations,
            "learner_dtype": str(learner_dtype(cfg)).replace("torch.", ""), "world_size": info.world_size,
@@ -267,14 +277,47 @@ def _num(v) -> str:
     return "n/a" if v is None or (isinstance(v, float) and v != v) else f"{v:.3f}"
 
 
+def dial_note(cfg, args: argparse.Namespace) -> str | None:
+    """The line that says the routing-drift dial is on, and where it came from; None when it is off."""
+    r = cfg.rollout
+    if not (r.router_flip_prob > 0 or r.router_noise_std > 0):
+        return None
+    on_cli = any(o.split("=", 1)[0].strip() in ("rollout.router_flip_prob", "rollout.router_noise_std")
+                 for o in args.overrides)
+    where = "the command line" if on_cli or not args.config else f"--config {args.config}"
+    return (f"note: the routing-drift dial is on (rollout.router_flip_prob={r.router_flip_prob:g}, "
+            f"rollout.router_noise_std={r.router_noise_std:g}, from {where}): the rollout engine's routes are "
+            "perturbed on purpose, and the flips below count that injected drift; add rollout.router_flip_prob=0 "
+            "rollout.router_noise_std=0 to measure the checkpoint's natural drift alone")
+
+
+def dial_lines(res: dict) -> list[str]:
+    """The summary's block on the routing-drift dial (`analysis.dial_report`): settings, injected, total and the
+    natural drift's lower bound; [] without the dial."""
+    from analysis.dial_report import probe_dial
+
+    d = probe_dial(res)
+    if d is None:
+        return []
+    return [f"routing-drift dial ON ({d.settings}): its injected drift, apart from the rest",
+            f"  injected: routes the dial changed        {_num(d.injected)} of the rollout's (token, MoE layer) routes "
+            "(routing/dial_flip_frac)",
+            f"  total: routes rollout vs learner differ {_num(d.total)} (mean over MoE layers of routing/layer_disagree)",
+            f"  natural (learner vs undialled routes)   not measured under the dial; at least "
+            f"{_num(d.natural_lower_bound)} (total - injected); probe without the dial to measure it"]
+
+
 def summary_text(res: dict) -> str:
     from moe_gspo.rollout.fp8 import rollout_precision
 
     precision = rollout_precision(res["dtype"], res.get("quantization"), res.get("fp8_scale"), res["engine"],
                                   bool(res.get("fp8_activations")))
+    dial = dial_lines(res)
     lines = [f"probe of {res['model']}  (rollout: {res['engine']} engine in {precision}; learner: Megatron-core in "
              f"{res.get('learner_dtype', '?')}; {res['num_sequences']} sequences, {res['num_tokens']} response tokens)",
-             "routing disagreement rollout vs learner (fraction of tokens whose top-k set differs):"]
+             *dial,
+             "routing disagreement rollout vs learner (fraction of tokens whose top-k set differs"
+             + ("; the dial's injected drift included):" if dial else "):")]
     for lid, v in zip(res["layer_ids"], res["routing/layer_disagree"]):
         lines.append(f"  layer {lid:3d}: {v:.4f}")
     lines += [f"any-layer flip fraction     {res['routing/any_layer_flip']:.4f}",
@@ -303,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
         exit_with_launcher()  # kill -9 of torchrun must not leave this worker writing
         args = parse_args(argv)
         out_path.append(args.out)
-        from analysis.phase_gate import Thresholds, check_thresholds, load_fits, phase_keys, phase_lines, violations
+        from analysis.phase_gate import (
+            Thresholds, check_thresholds, gate_notes, load_fits, phase_keys, phase_lines, violations,
+        )
 
         gate = Thresholds(max_k3=args.max_k3, max_flip=args.max_flip, max_critical_frac=args.max_critical_frac,
                           phase_method=args.phase_method)
@@ -314,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
             if int(os.environ.get("RANK", "0")) != 0:  # every rank loads the same config: warn once, on rank 0
                 warnings.simplefilter("ignore", UserWarning)
             cfg = probe_config(args)
+        note = dial_note(cfg, args)
+        if note and int(os.environ.get("RANK", "0")) == 0:
+            print(note, flush=True)  # before any model loads: a dialled config does not pass for a plain one
         res = probe(args, cfg)
         if fits is not None:
             res.update(phase_keys(res, fits))
@@ -330,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                 write_localize_outputs(res, out, args.localize_out)
             print(f"wrote {out}")
             if fits is not None:
-                print("\n".join(phase_lines(res, fits)))
+                print("\n".join(phase_lines(res, fits) + gate_notes(gate, fits)))
             for line in failed:
                 print(line, file=sys.stderr)
         return 1 if failed else 0

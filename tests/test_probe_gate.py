@@ -4,6 +4,7 @@ phase diagram's critical mismatch scales the measured flip rate, bad gate flags 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -62,7 +63,9 @@ def test_phase_places_the_checkpoint_on_the_diagram(ckpt, tmp_path, capsys):
     flips = sum(res["routing/layer_disagree"]) / len(res["routing/layer_disagree"])
     assert res["phase/grpo-none/fraction_of_critical"] == pytest.approx(flips / crit)
     assert res["phase/grpo-r3/critical_flip"] is None and res["phase/grpo-r3/largest_tolerated"] == pytest.approx(0.8)
-    assert "of its critical mismatch" in out and "tolerated every dose tested" in out
+    assert res["phase/grpo-none/largest_tolerated"] == pytest.approx(0.05)  # the page's rule (test_phase.py)
+    assert "of its critical mismatch" in out and "largest dose tolerated 5%" in out
+    assert "  grpo-r3: critical mismatch not reached at any dose tested (up to 80%); largest dose tolerated 80% (" in out
     assert rc == 1 and "critical mismatch" in err  # any flip is above 1e-9 of it
 
 
@@ -85,3 +88,53 @@ def test_violations_by_hand():
     with pytest.raises(ValueError, match="needs --phase"):
         check_thresholds(Thresholds(max_critical_frac=1.0), have_phase=False)
     assert phase_keys(res, {}) == {}
+
+
+def _matrix(d, drops: dict[str, list[float]]):
+    """grpo-none arms with per-seed final-reward drops against p0 (final 0.7 at p0)."""
+    for dose, per_seed in drops.items():
+        for seed, drop in enumerate(per_seed):
+            _write(d / f"grpo-none-{dose}-s{seed}", 0.7 + drop, X[dose])
+    return d
+
+
+def test_max_critical_frac_names_its_rule_when_x_star_is_not_reached(tmp_path):
+    """Issue 60: with x* not reached the gate used to pass without a word. Its rule (CRITICAL_FRAC_RULE, --help, README):
+    it scales the largest dose tolerated instead, saying so in one line; with no dose tolerated either it fails."""
+    from analysis.phase_gate import CRITICAL_FRAC_RULE, gate_notes, load_fits
+
+    # the drop stays near 0 up to 20%: x* not reached, 20% tolerated by the CI rule
+    safe = _matrix(tmp_path / "safe", {"p0": [0.0] * 6, "p5": [0.0, 0.01] * 3, "p20": [-0.01, 0.0] * 3})
+    gate = Thresholds(max_critical_frac=0.5)
+    fits = load_fits(str(safe), gate, reps=200)
+    assert math.isnan(fits["grpo-none"].critical.value) and fits["grpo-none"].largest_tolerated == pytest.approx(0.2)
+    assert gate_notes(gate, fits) == ["gate: grpo-none's critical mismatch not reached at any dose tested (up to 20%): "
+                                      "--max-critical-frac scales its largest dose tolerated, 20%, instead"]
+    assert violations({"routing/layer_disagree": [0.09, 0.09]}, gate, fits) == []  # 0.09 <= 0.5 x 0.2
+    assert violations({"routing/layer_disagree": [0.11, 0.11]}, gate, fits) == [
+        "gate: per-layer flip rate 0.1100 > --max-critical-frac 0.5 x grpo-none's largest dose tolerated 0.2000 (its "
+        "critical mismatch not reached at any dose tested (up to 20%))"]
+    # the seeds spread: the point fit never reaches x*, but the CI reaches -0.1 at the first dose (the page's "none
+    # shown"): nothing to scale, so the gate fails with one line, whatever the flip rate
+    noisy = _matrix(tmp_path / "noisy", {"p0": [0.0] * 6, "p5": [0.15, -0.25] * 3, "p20": [0.0] * 6})
+    fits = load_fits(str(noisy), gate, reps=200)
+    assert math.isnan(fits["grpo-none"].critical.value) and math.isnan(fits["grpo-none"].largest_tolerated)
+    assert gate_notes(gate, fits) == []
+    lines = violations({"routing/layer_disagree": [0.0, 0.0]}, gate, fits)
+    assert len(lines) == 1 and lines[0].startswith("gate: --max-critical-frac cannot place this checkpoint: grpo-none's "
+                                                   "critical mismatch not reached at any dose tested (up to 20%), and no "
+                                                   "dose is tolerated by the pre-registered rule")
+    assert phase_keys({"routing/layer_disagree": [0.0, 0.0]}, fits)["phase/grpo-none/largest_tolerated"] is None
+    assert "largest dose tolerated" in CRITICAL_FRAC_RULE and "not reached" in CRITICAL_FRAC_RULE
+
+
+def test_the_rule_is_in_help_and_readme(capsys):
+    from pathlib import Path
+
+    from analysis.phase_gate import CRITICAL_FRAC_RULE
+
+    with pytest.raises(SystemExit):
+        probe.parse_args(["--help"])
+    assert "".join(CRITICAL_FRAC_RULE.split()) in "".join(capsys.readouterr().out.split())  # argparse wraps at hyphens
+    readme = " ".join((Path(__file__).resolve().parent.parent / "README.md").read_text().split())
+    assert CRITICAL_FRAC_RULE in readme

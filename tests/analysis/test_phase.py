@@ -217,8 +217,12 @@ def test_largest_dose_tolerated_is_the_pre_registered_ci_rule(matrix, tmp_path):
     largest, per_dose = tolerated_by_ci(noisy, reps=500, seed=0, method="grpo-none")
     assert per_dose[0][1].point == pytest.approx(-0.05) and per_dose[0][1].lo < -0.1
     assert math.isnan(largest)  # not shown at the first dose, so at none (p20's zero drop does not count)
-    assert fit_method("grpo-none", noisy, reps=100, seed=0).largest_tolerated == pytest.approx(0.2)  # the point fit
-    assert "none shown" in phase_page(load_phase(tmp_path), reps=200)
+    # issue 60: one meaning everywhere: the fit the probe and its gate read says none too (its point fit, which
+    # never reaches x* here, used to say 0.2: "tolerated every dose tested" against the page's "none shown")
+    fit = fit_method("grpo-none", noisy, reps=100, seed=0)
+    assert fit.critical.kind == "not_reached" and math.isnan(fit.largest_tolerated)
+    assert fit_method("grpo-r3", by["grpo-r3"], reps=300, seed=0).largest_tolerated == pytest.approx(0.8)
+    assert "none shown (the CI reaches it at the first dose)" in phase_page(load_phase(tmp_path), reps=200)
 
 
 def _runs(dose: str, x: float, fails: list[bool]) -> dict[int, PhaseRun]:

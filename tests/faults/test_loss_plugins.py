@@ -11,7 +11,6 @@ exited 0 with no done.json; a plug-in's KeyboardInterrupt read "interrupted by S
 
 from __future__ import annotations
 
-import json
 import textwrap
 
 import pytest

@@ -304,7 +304,8 @@ class TrainConfig:
     max_consecutive_skips: int = 8
     """Stop the run (one line naming the loss and what was NaN/Inf, exit code 2) after this many consecutive
     optimizer steps skipped by the NaN/Inf guard (the weights did not change over them): 8 = two RL steps of the
-    default 4 mini-batches; a loss that is always NaN used to "train" and exit 0. 0 = never stop."""
+    default 4 mini-batches; a loss that is always NaN used to "train" and exit 0. 0 = never stop early (a run
+    whose every optimizer step was skipped still ends with an error at its end: nothing was trained)."""
     num_minibatches: int = 4
     """Optimizer steps per rollout batch (the GSPO paper splits each batch into 4)."""
     shuffle_minibatches: bool = False

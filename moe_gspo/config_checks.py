@@ -69,6 +69,10 @@ def validate(cfg: Config) -> Config:
     _check_positive("model.vocab_pad_multiple", m.vocab_pad_multiple)
     _check_positive("model.router_scale", m.router_scale)
     check_tiny(m.tiny)  # known keys, types and bounds of the tiny model's mapping (moe_gspo/config_sizes.py)
+    if m.tiny and m.path:
+        raise ValueError(f"model.tiny={dict(m.tiny)} is set together with model.path={m.path!r}: model.tiny shapes only "
+                         "the tiny random model (model.path: null), the checkpoint's config.json gives its geometry; "
+                         "drop model.tiny (model.tiny={} on the command line) or set model.path=null")
     _check_positive("parallel.expert_parallel_size", p.expert_parallel_size)
     for k in ("prompts_per_step", "samples_per_prompt", "max_new_tokens"):
         _check_positive(f"rollout.{k}", getattr(r, k))

@@ -94,7 +94,8 @@ def is_disk_full(exc: BaseException) -> bool:
     return False
 
 
-def disk_full_message(path: str | os.PathLike, what: str) -> str:
+def disk_full_message(path: str | os.PathLike, what: str, *, outcome: str = "the partial file was removed") -> str:
+    """The one line of a full disk while writing `path`; `outcome`: what became of the file."""
     where = Path(path)
     probe = where if where.exists() else where.parent
     free = ""
@@ -105,7 +106,7 @@ def disk_full_message(path: str | os.PathLike, what: str) -> str:
     except OSError:
         pass
     return (f"disk full while writing {what} {str(where)!r}{free}: No space left on device; free space "
-            f"or choose another directory (the partial file was removed)")
+            f"or choose another directory ({outcome})")
 
 
 @contextmanager
@@ -135,6 +136,30 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+# ----------------------------------------------------------------------------------------------- input files
+
+
+def not_a_file(path: str | os.PathLike) -> str | None:
+    """None when `path` is a regular file (symlinks followed); else what it is, for a message: "does not exist",
+    "is a directory", "is a named pipe (FIFO), not a file", "is a character device (such as /dev/zero), not a
+    file", ... Only `stat`: a FIFO is never opened (opening one waits for a writer)."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "does not exist"
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    for test, what in ((stat.S_ISREG, None), (stat.S_ISDIR, "is a directory"),
+                       (stat.S_ISFIFO, "is a named pipe (FIFO), not a file"),
+                       (stat.S_ISCHR, "is a character device (such as /dev/zero), not a file"),
+                       (stat.S_ISBLK, "is a block device, not a file"), (stat.S_ISSOCK, "is a socket, not a file")):
+        if test(mode):
+            return what
+    return "is not a regular file"
 
 
 # ----------------------------------------------------------------------------------------------- output paths

@@ -19,15 +19,20 @@ from pathlib import Path
 from moe_gspo.config import Config
 
 
-def train(cfg: Config, run_dir: Path, resume: bool = False, *, overwrite: bool = False) -> dict:
-    """Run (or continue) a training run in `run_dir`; see `moe_gspo.run.rundir` for what may happen to it."""
+def train(cfg: Config, run_dir: Path, resume: bool = False, *, overwrite: bool = False,
+          allow_config_change: bool = False) -> dict:
+    """Run (or continue) a training run in `run_dir`; see `moe_gspo.run.rundir` for what may happen to it.
+    `allow_config_change`: `--resume` may change a key that defines the experiment (`moe_gspo.run.start`)."""
     from moe_gspo.plan.batch_bound import check_batch_fits_host
     from moe_gspo.run.evaluation import eval_prompts
     from moe_gspo.run.rundir import plan_run_dir
     from moe_gspo.run.setup import check_prompts_fit, init_run
+    from moe_gspo.run.start import check_resume_config
     from moe_gspo.tasks import make_task
 
     plan = plan_run_dir(run_dir, resume=resume, overwrite=overwrite)  # output path: before any compute
+    if plan.mode == "resume":  # the same experiment (dial, seed, loss) unless --allow-config-change
+        check_resume_config(plan.path, cfg, allow_config_change=allow_config_change)
     task = make_task(cfg.task, holdout=cfg.eval.holdout)  # data errors: before any compute
     evals = eval_prompts(cfg, task)  # the held-out eval set (eval.*); [] when off
     check_prompts_fit(cfg, task, evals)  # prompt + max_new_tokens within the engine's context; <unk> warning
@@ -96,7 +101,7 @@ def loop(cfg: Config, run_dir: Path, info, policy, task, evals, state, act, refe
     from moe_gspo.run.learner_passes import learner_update
     from moe_gspo.run.samples import sample_rows
     from moe_gspo.run.sinks import MetricsSink
-    from moe_gspo.run.start import check_updated_policy, fingerprint
+    from moe_gspo.run.start import check_trained, check_updated_policy, fingerprint
     from moe_gspo.run.timing import PhaseTimer
 
     learner, engine = policy.learner, policy.engine
@@ -168,6 +173,7 @@ def loop(cfg: Config, run_dir: Path, info, policy, task, evals, state, act, refe
             print(f"step {state.step}/{cfg.train.steps}: reward {metrics['reward/mean']:.3f}, entropy "
                   f"{metrics.get('actor/entropy', 0):.3f}, {dt:.2f} s/step", flush=True)
         del drawn, samples, batch, passes  # the step's routes go now, not when the next step rebinds the names
+    check_trained(learner, cfg, is_main=info.is_main)  # every optimizer step skipped: an error, no done.json
     act("final evaluation")
     maybe_evaluate(cfg, policy, task, evals, info, sink, state.step, timer=None)  # the final policy: eval.jsonl
     sink.close()
@@ -215,6 +221,17 @@ def learning_summary(metrics_path: Path) -> dict:
     return {"num_steps": len(rows), "reward_first10": sum(rewards[:k]) / k, "reward_last10": sum(rewards[-k:]) / k}
 
 
+def stopped_by_exit(e: SystemExit, run_dir: str) -> str:
+    """The one line of a run that code inside it ended with `sys.exit()` / `exit()` (a plug-in: `algo.name`,
+    `task.reward`) before it wrote `done.json`."""
+    from moe_gspo.plugins import user_frame
+    from moe_gspo.run.rundir import resume_hint
+
+    return (f"the run stopped before it finished: code inside it raised SystemExit({e.code!r}) (sys.exit() or "
+            f"exit(){user_frame(e)}; a plug-in's, algo.name or task.reward?), so no done.json was written; remove "
+            f"that call (raise an exception to stop with an error), then {resume_hint(run_dir)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done, 2 a user error (one line, printed once), 3 a rank failure, 128 + N
     interrupted by signal N (one line saying how to resume; see `moe_gspo.run.errors`), 1 a bug.
@@ -237,7 +254,12 @@ def main(argv: list[str] | None = None) -> int:
         exit_with_launcher()  # kill -9 of torchrun must not leave this worker writing
         args, cfg = parse_train_args(argv)  # CLI and config errors: SystemExit(2), printed once
         run_dir.append(args.run_dir)
-        return train(cfg, Path(args.run_dir), args.resume, overwrite=args.overwrite) and 0
+        try:
+            train(cfg, Path(args.run_dir), args.resume, overwrite=args.overwrite,
+                  allow_config_change=args.allow_config_change)
+        except SystemExit as e:  # sys.exit() in user code (a plug-in): the run did not finish, never exit 0
+            raise ValueError(stopped_by_exit(e, args.run_dir)) from None
+        return 0
 
     def how_to_resume() -> str:
         from moe_gspo.run.rundir import resume_hint

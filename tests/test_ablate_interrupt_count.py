@@ -5,6 +5,9 @@ written, its runner not yet returned) is one of this invocation's, not "before i
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from pathlib import Path
 
 from moe_gspo import ablate
@@ -22,6 +25,14 @@ def _spec(tmp_path: Path) -> tuple[Path, Path]:
     return spec, out
 
 
+def _ctrl_c() -> None:
+    """A real SIGINT to this process (a KeyboardInterrupt raised by code is not an interruption:
+    `moe_gspo.run.errors.raised_without_signal`); the handler raises during the sleep."""
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+    raise AssertionError("SIGINT did not interrupt")
+
+
 def _interrupted_line(capsys) -> str:
     lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("interrupted")]
     assert len(lines) == 1, lines
@@ -33,7 +44,7 @@ def test_the_interruption_line_counts_finished_runs_and_names_the_cut_one(tmp_pa
 
     def runner(arm, command, log_path):
         if arm.name == "grpo-none-s0":
-            raise KeyboardInterrupt  # Ctrl-C while this arm runs
+            _ctrl_c()  # Ctrl-C while this arm runs
         (arm.run_dir / "done.json").write_text("{}")
         return 0
 
@@ -50,7 +61,7 @@ def test_a_run_finished_as_the_interrupt_came_counts_as_this_invocations(tmp_pat
     def runner(arm, command, log_path):
         (arm.run_dir / "done.json").write_text("{}")
         if arm.name == "grpo-none-s0":
-            raise KeyboardInterrupt  # the run wrote done.json; Ctrl-C before its runner returned
+            _ctrl_c()  # the run wrote done.json; Ctrl-C before its runner returned
         return 0
 
     assert ablate.main(["--config", str(spec)], arm_runner=runner) == 130

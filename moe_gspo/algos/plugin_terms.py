@@ -6,9 +6,17 @@ return no objective, one of the wrong shape, or one cut off from the log-probs' 
 run in a raw traceback (exit code 1). Here each is one ValueError naming `algo.name` and, for a raise, the
 exception and the line of the user's file (`moe_gspo.plugins.user_frame`), as `task.reward` does
 (`moe_gspo.tasks.plugin`): exit code 2 at the entry points.
+
+A plug-in's metrics live in its own namespace: each key is logged as `<AlgoSpec.name>/<key>` (a key that
+already starts with `<AlgoSpec.name>/` is kept as it is), so a metric named `step`, `reward/mean` or
+`loss/policy` cannot change the row's own keys (`moe_gspo.algos.registry` refuses a plug-in named after one of
+the run's namespaces, `RUN_NAMESPACES`). A value must be a real number: a 0-dim (or one-element) tensor or a
+Python int / float; anything else (a string, a list) is one ValueError naming `algo.name` and the key.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -49,4 +57,36 @@ def call_terms(spec: AlgoSpec, inp: LossInputs, **kwargs) -> PolicyTerms:
                          "update would not change the policy; build it from inp's tensors without .detach()")
     if not isinstance(terms.metrics, dict):
         raise ValueError(f"{where} returned metrics as {_shape(terms.metrics)}; it must be a dict of 0-dim tensors")
-    return terms
+    return dataclasses.replace(terms, metrics=namespaced_metrics(spec.name, terms.metrics, where))
+
+
+def _metric_value(value) -> torch.Tensor | None:
+    """`value` as a detached 0-dim float64 tensor, or None when it is not one real number."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex():
+            return None
+        return value.detach().reshape(()).double()
+    if isinstance(value, (int, float)):  # bool is an int
+        return torch.tensor(float(value), dtype=torch.float64)
+    return None
+
+
+def namespaced_metrics(name: str, metrics: dict, where: str) -> dict[str, torch.Tensor]:
+    """A plug-in's `metrics` under its own namespace `<name>/` (see the module docstring), values as detached
+    0-dim float64 tensors; ValueError (`where` ...) for a key that is not a non-empty string, a value that is not
+    one real number, or two keys that name the same metric once namespaced."""
+    out: dict[str, torch.Tensor] = {}
+    prefix = f"{name}/"
+    for key, value in metrics.items():
+        if not (isinstance(key, str) and key.strip()):
+            raise ValueError(f"{where} returned a metric keyed {key!r}; metric keys must be non-empty strings")
+        v = _metric_value(value)
+        if v is None:
+            raise ValueError(f"{where} returned metric {key!r} as {_shape(value) if isinstance(value, torch.Tensor) else repr(value)[:60]}; "
+                             "a metric must be one real number (a 0-dim tensor or a Python int / float)")
+        full = key if key.startswith(prefix) else prefix + key
+        if full in out:
+            raise ValueError(f"{where} returned metrics {key!r} and {full!r}, which are both logged as {full!r} "
+                             f"(a plug-in's metrics are namespaced as '{prefix}...'); drop one")
+        out[full] = v
+    return out

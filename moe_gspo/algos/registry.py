@@ -28,6 +28,12 @@ __all__ = ["AlgoOption", "AlgoSpec", "BUILTIN_ALGOS", "algo_names", "get_algo", 
 _SPECS: dict[str, AlgoSpec] = {}
 _PLUGINS: dict[str, AlgoSpec] = {}
 """`module:Spec` / `file.py:Spec` references already loaded, and the spec each named."""
+RUN_NAMESPACES = ("step", "num_sequences", "reward", "response", "advantage", "eval", "actor", "loss", "clip", "gate",
+                  "sampling", "ratio", "mismatch", "mismatch_replayed", "mismatch_ratio", "routing", "routing_prompt",
+                  "router", "update", "update_all_minibatches", "rollout_corr", "r3", "grad", "train", "perf")
+"""The first parts of the keys a run's metrics rows hold (docs/metrics.md, "What a step logs"): a loss plug-in's
+metrics are logged under its `AlgoSpec.name` (`moe_gspo.algos.plugin_terms`), so a plug-in may not take one of
+these names (`tests/algos/test_registry.py` holds the tuple against the page)."""
 PLUGIN_FORM = "package.module:Spec or path/to/file.py:Spec (an AlgoSpec; docs/architecture.md, \"Adding a loss\")"
 
 
@@ -80,6 +86,10 @@ def _load_plugin(ref: str) -> AlgoSpec:
         raise ValueError(f"algo.name={ref!r}: {where!r} {what}; its AlgoSpecs: {', '.join(specs) or 'none'} "
                          "(build one: AlgoSpec(name=..., doc=..., terms=..., level=..., clip=...) from "
                          "moe_gspo.algos.registry)")
+    if obj.name in RUN_NAMESPACES:
+        raise ValueError(f"algo.name={ref!r}: its AlgoSpec.name {obj.name!r} is a namespace of the run's own metrics "
+                         f"(a plug-in's metrics are logged as '<AlgoSpec.name>/...', so they would mix with the "
+                         f"run's '{obj.name}/...'); give it another name")
     try:
         register_algo(obj)
     except ValueError as e:

@@ -201,7 +201,12 @@ def build_parser(prog: str, description: str, *, raise_errors: bool = False,
                    help="output directory (metrics.jsonl, traces, checkpoints); default runs/<algo>-<replay>")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --run-dir from its newest intact checkpoint (same algorithm, "
-                        "replay, model and process count; other settings, e.g. train.steps, may change)")
+                        "replay, model and process count; the same dial, train.seed and algo.options unless "
+                        "--allow-config-change; other settings, e.g. train.steps, may change)")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="with --resume: continue although the command changes a key that defines the experiment "
+                        "(the routing-drift dial, train.seed, algo.options); the new config is kept beside the old "
+                        "one as RUN_DIR/config.resume-N.yaml")
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh although --run-dir holds a run: the old directory is first moved to "
                         "RUN_DIR.prev<k> (nothing is deleted)")

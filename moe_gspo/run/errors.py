@@ -139,9 +139,9 @@ EXIT_INTERRUPTED = 128
 @contextmanager
 def interrupts_as_exceptions() -> Iterator[dict]:
     """SIGINT and SIGTERM raise KeyboardInterrupt (SIGTERM's default would end the process without a
-    word); the dict yielded records the first signal received under "signum". A no-op outside the
-    main thread (only it may install handlers)."""
-    received: dict = {"signum": None}
+    word); the dict yielded records the first signal received under "signum" and the handler installed
+    under "handler" (None outside the main thread, where this is a no-op: only it may install handlers)."""
+    received: dict = {"signum": None, "handler": None}
     if threading.current_thread() is not threading.main_thread():
         yield received
         return
@@ -153,6 +153,7 @@ def interrupts_as_exceptions() -> Iterator[dict]:
         # a second signal while the first one unwinds: let the unwinding finish
 
     old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    received["handler"] = handler
     try:
         yield received
     finally:
@@ -167,6 +168,22 @@ def report_interrupt(signum: int, how_to_resume: str) -> int:
     return EXIT_INTERRUPTED + signum
 
 
+def raised_without_signal(exc: BaseException, received: dict) -> bool:
+    """True for a KeyboardInterrupt that no signal caused: code raised it (`raise KeyboardInterrupt` in a
+    plug-in, say) while `interrupts_as_exceptions`' handler was still installed and had received nothing.
+    (When something replaced the handler, Python's own SIGINT handler may have raised it: a signal.)"""
+    handler = received.get("handler")
+    return (isinstance(exc, KeyboardInterrupt) and received.get("signum") is None and handler is not None
+            and signal.getsignal(signal.SIGINT) is handler)
+
+
+def _raised_at(exc: BaseException) -> str:
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
 def run_entry(fn: Callable[[], int | None], *, how_to_resume: Callable[[], str] | None = None) -> int:
     """Run an entry point's body: user errors and rank failures become one printed line and exit
     code 2 / 3; SIGINT / SIGTERM become one line saying how to resume (`how_to_resume()`) and exit
@@ -176,6 +193,12 @@ def run_entry(fn: Callable[[], int | None], *, how_to_resume: Callable[[], str] 
         try:
             return fn() or 0
         except BaseException as e:
+            if raised_without_signal(e, received):
+                message = (f"KeyboardInterrupt raised{_raised_at(e)} without a signal (no SIGINT or SIGTERM reached "
+                           "this process): code of the run raised it (a plug-in's, algo.name or task.reward?), so "
+                           f"the run stopped; {how_to_resume() if how_to_resume else 'rerun the same command'}")
+                report(message, exitcode=EXIT_USER_ERROR)
+                return EXIT_USER_ERROR
             signum = received["signum"] or (signal.SIGINT if isinstance(e, KeyboardInterrupt) else None)
             if signum is not None:
                 return report_interrupt(signum, how_to_resume() if how_to_resume else "rerun the same command")

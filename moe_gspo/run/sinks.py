@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from moe_gspo.files import atomic_write_text, writing
+from moe_gspo.files import atomic_write_text, disk_full_message, is_disk_full
 
 
 def _jsonable(v: Any) -> Any:
@@ -50,20 +50,25 @@ def truncate_metrics(path: Path, keep_before_step: int) -> None:
 
 def append_jsonl_line(path: Path, rec: dict[str, Any], what: str) -> None:
     """Append one JSON line and fsync it; on any failure (a full disk, an interrupt) the file is cut
-    back to where it was, so no torn line is left behind."""
+    back to where it was, so no torn line is left behind and every complete row before it is kept (a full
+    disk: one ValueError saying so)."""
     data = memoryview((json.dumps({k: _jsonable(v) for k, v in rec.items()}, ensure_ascii=False) + "\n").encode())
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)  # no descriptor held between steps
     end = os.lseek(fd, 0, os.SEEK_END)
     try:
-        with writing(path, what):
-            while data:
-                data = data[os.write(fd, data):]
-            os.fsync(fd)
-    except BaseException:
+        while data:
+            data = data[os.write(fd, data):]
+        os.fsync(fd)
+    except BaseException as e:
         try:
             os.ftruncate(fd, end)
+            outcome = (f"the row was not written: {path.name} was cut back to its last complete row, and every row "
+                       "before it is kept")
         except OSError:
-            pass
+            outcome = (f"cutting {path.name} back to its last complete row failed too: its last line may be torn; "
+                       f"--resume moves a damaged line to {path.name}.damaged")
+        if isinstance(e, Exception) and is_disk_full(e):
+            raise ValueError(disk_full_message(path, what, outcome=outcome)) from e
         raise
     finally:
         os.close(fd)

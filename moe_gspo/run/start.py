@@ -43,20 +43,74 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _previous_config(run_dir: Path) -> dict:
-    try:
-        data = yaml.safe_load((run_dir / "config.yaml").read_text())
-        return _flat(data) if isinstance(data, dict) else {}
-    except (OSError, yaml.YAMLError):
-        return {}
+RESUME_CONFIG = "config.resume-{n}.yaml"
+"""The config a resumed segment ran under when it differs from the one before it (`config.yaml` stays the run's
+first config): `config.resume-1.yaml`, `-2`, ... in the order they were written."""
+
+EXPERIMENT_KEYS = ("rollout.router_flip_prob", "rollout.router_noise_std", "train.seed", "algo.options")
+"""Config keys that define the experiment a run directory holds (the routing-drift dial, the seed, the loss's
+options): `--resume` with another value is refused unless `--allow-config-change` (`check_resume_config`).
+`algo.name` and `algo.routing_replay` are refused always (the checkpoint's fingerprint names them)."""
 
 
-def _check_same_algorithm(prev: dict, cfg: Config) -> None:
+def resume_configs(run_dir: Path) -> list[Path]:
+    """The run's `config.resume-N.yaml` files, oldest first."""
+    found = []
+    for p in run_dir.glob("config.resume-*.yaml"):
+        n = p.name.removeprefix("config.resume-").removesuffix(".yaml")
+        if n.isdigit():
+            found.append((int(n), p))
+    return [p for _, p in sorted(found)]
+
+
+def _previous_config(run_dir: Path) -> tuple[dict, str]:
+    """The config the run's last segment ran under (flattened) and its file's name: the newest
+    `config.resume-N.yaml`, else `config.yaml`; ({}, "") when neither reads."""
+    for path in [*reversed(resume_configs(run_dir)), run_dir / "config.yaml"]:
+        try:
+            data = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError, UnicodeDecodeError):
+            continue
+        if isinstance(data, dict):
+            return _flat(data), path.name
+    return {}, ""
+
+
+def check_resume_config(run_dir: Path, cfg: Config, *, allow_config_change: bool) -> None:
+    """Before any compute, on `--resume`: a changed `algo.name` / `algo.routing_replay` is refused, and so is a
+    changed `EXPERIMENT_KEYS` key unless `allow_config_change` (one ValueError line naming every such key)."""
+    prev, source = _previous_config(run_dir)
+    now = _flat(cfg.to_dict())
     for key, flag in (("algo.name", "--algo"), ("algo.routing_replay", "--routing-replay")):
-        now = _flat(cfg.to_dict())[key]
-        if key in prev and prev[key] != now:
-            raise ValueError(f"--resume: this run was trained with {key}={prev[key]} (config.yaml), this command "
-                             f"has {key}={now}; resume with {flag} {prev[key]}, or start a new --run-dir")
+        if key in prev and prev[key] != now[key]:
+            raise ValueError(f"--resume: this run was trained with {key}={prev[key]} ({source}), this command "
+                             f"has {key}={now[key]}; resume with {flag} {prev[key]}, or start a new --run-dir")
+    changed = [f"{k}={prev[k]!r} -> {now[k]!r}" for k in EXPERIMENT_KEYS if k in prev and k in now and prev[k] != now[k]]
+    if changed and not allow_config_change:
+        raise ValueError(f"--resume: this command changes what defines the run's experiment ({', '.join(changed)}; the "
+                         f"run ran under {source}); resume with the old value, start a new --run-dir, or pass "
+                         "--allow-config-change to continue this run under the new one (the run keeps both configs: "
+                         f"config.yaml and config.resume-N.yaml)")
+
+
+def _write_config(run_dir: Path, cfg: Config, *, resumed_at: int | None, segment: int) -> None:
+    """`config.yaml` for a fresh run (or a resume that finds none); on a resume whose config differs from the
+    last one the run ran under, a new `config.resume-N.yaml` (temp then rename; `config.yaml` is never
+    rewritten, so the run keeps every config it ran under)."""
+    text = cfg.to_yaml()
+    if resumed_at is None or not (run_dir / "config.yaml").is_file():
+        atomic_write_text(run_dir / "config.yaml", text)
+        return
+    prev, source = _previous_config(run_dir)
+    changed = [k for k, v in _flat(cfg.to_dict()).items() if prev.get(k, v) != v or k not in prev]
+    if not changed:
+        return
+    n = len(resume_configs(run_dir)) + 1
+    while (run_dir / RESUME_CONFIG.format(n=n)).exists():
+        n += 1
+    head = (f"# segment {segment}, resumed at step {resumed_at} under this config; it differs from {source} in: "
+            f"{', '.join(changed)}\n")
+    atomic_write_text(run_dir / RESUME_CONFIG.format(n=n), head + text)
 
 
 def fingerprint(cfg: Config, policy, info) -> dict:
@@ -85,8 +139,7 @@ def start_run(cfg: Config, plan: RunDirPlan, info, policy, *, resume_asked: bool
         print(f"--overwrite: moved the previous run to {moved}", flush=True)
     state = TrainState()
     if plan.mode == "resume":
-        prev = _previous_config(run_dir)
-        _check_same_algorithm(prev, cfg)
+        prev, _ = _previous_config(run_dir)
         learner = policy.learner
         rows = gather_objects(scan_rows(run_dir / "metrics.jsonl") if info.is_main else None)[0]  # rank 0's view
         loaded = resume(run_dir, learner=learner, fingerprint=fingerprint(cfg, policy, info),
@@ -114,7 +167,8 @@ def start_run(cfg: Config, plan: RunDirPlan, info, policy, *, resume_asked: bool
         print(f"--resume: {run_dir} holds no run yet; starting at step 0", flush=True)
     state.segments += 1
     if info.is_main:
-        atomic_write_text(run_dir / "config.yaml", cfg.to_yaml())
+        _write_config(run_dir, cfg, resumed_at=state.step if plan.mode == "resume" else None,
+                      segment=state.segments)
         atomic_write_text(run_dir / "run.json", json.dumps(run_facts(cfg, info), indent=1))
         print(config_summary(cfg, info, run_dir) if state.step == 0 else f"resuming at step {state.step} from {run_dir}",
               flush=True)
@@ -165,6 +219,28 @@ def run_facts(cfg: Config, info) -> dict:
             "rollout": f"{r.engine} engine in {rollout_precision(r.dtype, r.quantization, r.fp8_scale, r.engine, r.fp8_activations)}",
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                          "megatron-core": megatron.core.__version__}}
+
+
+SKIPPED_WARN_FRAC = 0.1
+"""A finished run whose share of optimizer steps skipped by the NaN/Inf guard (`train/skipped_steps` over all the
+optimizer steps it ran, resumed segments included) is above this gets one `warning:` line (docs/runs.md)."""
+
+
+def check_trained(learner, cfg: Config, *, is_main: bool) -> None:
+    """At the end of the step loop (every rank alike: the NaN/Inf guard's skips are agreed on): a run whose every
+    optimizer step was skipped trained nothing, a ValueError (exit code 2, no done.json), whatever its length; one
+    that skipped more than `SKIPPED_WARN_FRAC` of them gets a warning line."""
+    skipped, applied = learner.skipped_steps, learner.num_updates
+    total = skipped + applied
+    if skipped and not applied:
+        raise ValueError(f"nothing was trained: all {skipped} optimizer steps of this run were skipped by the NaN/Inf "
+                         f"guard (train/skipped_steps), so the weights are the initial ones and the run is not marked "
+                         f"done (no done.json); the loss algo.name={cfg.algo.name} was never finite. Fix the loss (or "
+                         "what makes it NaN/Inf: lower train.lr, set train.grad_clip > 0), then rerun with --overwrite")
+    if total and skipped / total > SKIPPED_WARN_FRAC:
+        warn_once(f"{skipped} of {total} optimizer steps of this run ({skipped / total:.0%}) were skipped by the NaN/Inf "
+                  f"guard (train/skipped_steps), more than {SKIPPED_WARN_FRAC:.0%}: the loss algo.name={cfg.algo.name} "
+                  "was often not finite, and the run made that many fewer updates", is_main=is_main)
 
 
 def check_updated_policy(learner, new_logp_BS: torch.Tensor | None, response_mask_BS: torch.Tensor, *, cfg: Config,

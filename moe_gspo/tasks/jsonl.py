@@ -11,6 +11,7 @@ import json
 import random
 from pathlib import Path
 
+from moe_gspo.files import not_a_file
 from moe_gspo.tasks.base import Prompt, Task
 from moe_gspo.tasks.math_answer import math_reward
 
@@ -37,6 +38,9 @@ def iter_prompt_objects(p: Path):
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{p}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+        except ValueError as e:  # Python's int-string limit (sys.get_int_max_str_digits(), 4300 digits by default)
+            raise ValueError(f"{p}:{lineno}: a number too long to read ({e.args[0].split(';')[0]}); write it as a "
+                             'JSON string, e.g. "answer": "123..."') from None
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
             raise ValueError(f"{p}:{lineno}: needs a string field 'prompt'")
         yield lineno, obj
@@ -45,8 +49,8 @@ def iter_prompt_objects(p: Path):
 def read_prompt_file(path: str | Path, *, field: str = "task.path") -> list[Prompt]:
     """The prompts of a JSONL prompt/answer file; errors name `field` (the config key that gave it)."""
     p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"{field}={str(p)!r} does not exist; point it at a JSONL file of prompt/answer lines")
+    if (what := not_a_file(p)) is not None:  # a FIFO is never opened: it would wait for a writer
+        raise ValueError(f"{field}={str(p)!r} {what}; point it at a JSONL file of prompt/answer lines")
     items: list[Prompt] = []
     for lineno, obj in iter_prompt_objects(p):
         ans = obj.get("answer")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -261,3 +262,14 @@ def test_help_lists_the_options_of_the_chosen_algorithm(capsys):
     with pytest.raises(SystemExit):
         parse_train_args(["--help", "--algo", "grpo"])
     assert "algo.options.tau_pos = " not in capsys.readouterr().out  # another algorithm's options are not listed
+
+
+def test_the_run_namespaces_a_plugin_may_not_take_cover_every_documented_metric():
+    """Issue 59: a plug-in's metrics are logged as `<AlgoSpec.name>/...`; a plug-in named after a namespace of the
+    run's own rows (`reward`, `loss`, ...) is refused, so the tuple must hold the first part of every key the table
+    of docs/metrics.md, "What a step logs", lists (its first column)."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text(encoding="utf-8")
+    section = page.split("## What a step logs", 1)[1].split("\n## ", 1)[0]
+    cells = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    firsts = {k.split("/")[0] for cell in cells for k in re.findall(r"`([a-z_0-9]+(?:/[a-z_0-9*]+)?)`", cell)}
+    assert len(firsts) > 20 and firsts <= set(registry.RUN_NAMESPACES), sorted(firsts - set(registry.RUN_NAMESPACES))

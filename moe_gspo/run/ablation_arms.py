@@ -55,14 +55,16 @@ def _matches(arm: Arm, rule: dict[str, Any]) -> bool:
 
 
 def expand_arms(spec: AblationSpec, *, warn: bool = True) -> list[Arm]:
-    """All arms of the matrix (algo-major, then replay, then variant, then seed) minus the excluded ones."""
+    """All arms of the matrix (algo-major, then replay, then variant, then seed) minus the excluded ones (and
+    those not in `spec.only` when it names some)."""
     variants = list(spec.variants) or [""]
     arms = [Arm(a, r, s, spec.out_dir / (f"{a}-{r}-{v}-s{s}" if v else f"{a}-{r}-s{s}"), v)
             for a in spec.algos for r in spec.routing_replay for v in variants for s in spec.seeds]
     for rule in spec.exclude:
         if warn and not any(_matches(arm, rule) for arm in arms):
             print(f"warning: exclude rule {rule} matches no arm", file=sys.stderr)
-    return [arm for arm in arms if not any(_matches(arm, rule) for rule in spec.exclude)]
+    return [arm for arm in arms if not any(_matches(arm, rule) for rule in spec.exclude)
+            and (not spec.only or arm.group in spec.only)]  # `ablate --only`
 
 
 def seed_order(spec: AblationSpec, arms: list[Arm]) -> list[int]:

@@ -86,9 +86,9 @@ from tqdm import tqdm
 
 from moe_gspo.run.ablation_arms import (  # noqa: F401  (re-exported: the ablation's API, used by tests)
     Arm, ArmResult, ArmRunner, arm_overrides, arm_state, build_command, count_runs, expand_arms, format_override,
-    run_arm, seed_order, wandb_env,
+    run_arm, seed_order, select_runs, wandb_env,
 )
-from moe_gspo.run.ablation_spec import AblationSpec, load_spec, parse_spec, select_runs  # noqa: F401
+from moe_gspo.run.ablation_spec import AblationSpec, load_spec, parse_spec  # noqa: F401
 from moe_gspo.run.arm_runner import SubprocessArmRunner, run_concurrently
 
 

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from moe_gspo.ablate import main
-from moe_gspo.run.ablation_arms import expand_arms
-from moe_gspo.run.ablation_spec import load_spec, parse_spec, select_runs
+from moe_gspo.run.ablation_arms import expand_arms, select_runs
+from moe_gspo.run.ablation_spec import load_spec, parse_spec
 from moe_gspo.run.dose_names import check_variant_names
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -21,7 +21,9 @@ from collections.abc import Sequence
 
 from analysis import stats as st
 from analysis.matrix_runs import md_table, page_parser, run_page, tests_table
-from analysis.phase_runs import ENTROPY_FLOOR, ENTROPY_WINDOW, FAILURE_V2, PhaseRun, load_phase, load_runs, save_metrics
+from analysis.phase_runs import (
+    ENTROPY_FLOOR, ENTROPY_WINDOW, FAILURE_V2, PhaseRun, check_dose_names, load_phase, load_runs, save_metrics,
+)
 from analysis.phase_stats import (
     FAMILY_TESTS, GRPO, REWARD_DROP, ZERO_DOSE, MethodFit, arms, failure_glm, fit_method, ladder, ols_slope, phase_family,
     shared_boot_seeds, shift, tolerated_by_ci, tolerated_text,
@@ -138,6 +140,7 @@ def phase_page(runs: list[PhaseRun], reps: int = st.DEFAULT_REPS, seed: int = 0,
                tests: Sequence[int] | None = None) -> str:
     """The page of a dial matrix; `tests`: the pre-registered tests to keep (their numbers in experiment 3's list),
     all by default."""
+    check_dose_names(runs)  # no zero-dose and dosed arm: one line naming the dose-naming rule
     by_method = arms(runs)
     fitted = fits(by_method, reps, seed)
     family = phase_family(by_method, reps=reps, seed=seed, only=tests)

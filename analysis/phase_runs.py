@@ -2,7 +2,8 @@
 
 A phase matrix (`moe_gspo.ablate`, e.g. configs/ablation_phase.yaml) names its runs
 `<algo>-<replay>-<variant>-s<seed>`, the variant `<dose>[_<fix>]`: the dose a label of the drift it sets (the
-routing-drift dial `rollout.router_flip_prob` / `router_noise_std`, or a rollout precision such as bf16 or w8a8),
+routing-drift dial by the dose-naming rule of `moe_gspo.run.dose_names`: `p0` zero drift, `p<N>` flip probability
+N/100, `s<X>` noise std X, all on the realised-flip axis below; or a rollout precision such as bf16 or w8a8),
 the optional fix a method suffix (`tis`: token-level truncated importance sampling). A *method* is the arm
 without its dose (`grpo-none`, `grpo-r3`, `grpo-none+tis`, `gspo-none`). The dose axis is the **realised**
 mismatch each run measured, not the dial's setting: `routing/layer_disagree` (share of response tokens whose
@@ -33,6 +34,7 @@ import numpy as np
 from analysis.load import ReportInputError, RunData, finite_mean, matrix_series, series
 from analysis.matrix_runs import load_matrix_runs, save_records
 from moe_gspo.algos.collapse import FailureCriteria, detect_failure, trailing_mean
+from moe_gspo.run.dose_names import DIAL_DOSE, DOSE_RULE, ZERO_DOSE, split_variant  # noqa: F401 (split_variant: API)
 
 RUN_RE = re.compile(r"^(?P<algo>[a-z_]+)-(?P<replay>none|r2|r3)-(?P<variant>[A-Za-z0-9_.]+)-s(?P<seed>\d+)$")
 
@@ -50,10 +52,17 @@ FAILURE_V2 = FailureCriteria(dead_reward=0.1)
 """The pre-registered failure detector of experiments 1-2 with its end-of-run miss fixed (`dead_reward`)."""
 
 
-def split_variant(variant: str) -> tuple[str, str]:
-    """'p40_tis' -> ('p40', 'tis'); 'p40' -> ('p40', '')."""
-    dose, _, fix = variant.partition("_")
-    return dose, fix
+def check_dose_names(runs: list[PhaseRun]) -> None:
+    """ReportInputError naming the dose-naming rule (`moe_gspo.run.dose_names`) when no method has both a zero-dose
+    arm (`p0`) and a dosed one (`p<N>`, `s<X>`): nothing on the page could be fitted or tested."""
+    by_method: dict[str, set[str]] = {}
+    for r in runs:
+        by_method.setdefault(r.method, set()).add(r.dose)
+    if any(ZERO_DOSE in d and any(x != ZERO_DOSE and DIAL_DOSE.match(x) for x in d) for d in by_method.values()):
+        return
+    found = "; ".join(f"{m}: {', '.join(sorted(d))}" for m, d in sorted(by_method.items()))
+    raise ReportInputError(f"no method has a zero-dose arm ({ZERO_DOSE}) and a dosed one, so there is nothing to fit; "
+                           f"doses found: {found}. Name the variants by {DOSE_RULE}")
 
 
 def method_of(algo: str, replay: str, fix: str) -> str:

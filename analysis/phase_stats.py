@@ -27,7 +27,6 @@ bootstrap CI, each fix's shift of it, and the pre-registered test family. Pure: 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
@@ -37,6 +36,7 @@ from scipy.optimize import isotonic_regression
 from analysis import stats as st
 from analysis.claims_stats import ClaimTest, apply_holm
 from analysis.phase_runs import PhaseRun
+from moe_gspo.run import dose_names
 
 ZERO_DOSE = "p0"
 REWARD_DROP = 0.1
@@ -62,8 +62,8 @@ def dose_x(arm: Mapping[int, PhaseRun], seeds: Iterable[int] | None = None) -> f
     return float(np.median(vals)) if vals else math.nan
 
 
-DIAL_DOSE = re.compile(r"^p\d+(\.\d+)?$")
-"""A dial dose label (`p0`, `p2.5`, `p40`): the arms the fits and tests use. Other labels (the rollout precisions
+DIAL_DOSE = dose_names.DIAL_DOSE
+"""A dial dose label (`p0`, `p2.5`, `p40`, noise `s0.25`; `moe_gspo.run.dose_names`): the arms the fits and tests use. Other labels (the rollout precisions
 bf16 / fp8 / w8a8, the positive control) are reference points: described, not fitted or tested."""
 
 

@@ -22,7 +22,6 @@ final reward and experts changed against N (`analysis.staleness_figures`).
 from __future__ import annotations
 
 import math
-import re
 import sys
 from collections.abc import Mapping
 
@@ -32,8 +31,10 @@ from analysis.load import ReportInputError
 from analysis.matrix_runs import md_table, page_parser, run_page, tests_table
 from analysis.phase_runs import PhaseRun, load_phase, load_runs, save_metrics
 from analysis.phase_stats import GRPO, arms, paired_compare
+from moe_gspo.run.dose_names import STALENESS_DOSE
 
-MB_RE = re.compile(r"^mb(?P<n>\d+)$")
+MB_RE = STALENESS_DOSE
+"""`mb<N>`, N = train.num_minibatches >= 1 without a leading zero (`moe_gspo.run.dose_names`)."""
 FIXES = ("grpo-r2", "gspo-none")
 """The pre-registered comparisons against `GRPO` at the largest N, in their listed order."""
 
@@ -44,6 +45,11 @@ StalenessArms = dict[str, dict[int, dict[int, PhaseRun]]]
 def staleness_arms(runs: list[PhaseRun]) -> StalenessArms:
     """The runs whose dose label is `mb<N>`, by method, N and seed (methods and N sorted)."""
     out: StalenessArms = {}
+    bad = sorted({r.name for r in runs if r.dose.startswith("mb") and not MB_RE.match(r.dose)})
+    if bad:  # mb0 (log2 0), mb01 (a second name for mb1), ...
+        raise ReportInputError(f"run {bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "") + ": a "
+                               "staleness dose is mb<N> with N = train.num_minibatches >= 1 written without a leading "
+                               "zero (mb1, mb4, mb16)")
     for method, marms in arms(runs).items():
         by_n = {int(m["n"]): arm for dose, arm in marms.items() if (m := MB_RE.match(dose))}
         if by_n:

@@ -1,7 +1,8 @@
 """Ablation runner: train every run of an algorithm × routing-replay [× variant] × seed matrix, then compare.
 
     python -m moe_gspo.ablate --config configs/ablation_tiny.yaml [--out DIR] [--dry-run] [--status]
-        [--executor local|slurm] [--on-interrupt leave|cancel] [section.key=value ...]
+        [--executor local|slurm] [--on-interrupt leave|cancel] [--seeds S[,S...]] [--only ARM[,ARM...]]
+        [section.key=value ...]
 
 (The spec may also be the first positional argument, as in earlier versions.) An arm is one algorithm ×
 replay [× variant]; a run is an arm at one seed (ablation_tiny: 6 arms × 2 seeds = 12 runs).
@@ -36,6 +37,11 @@ The ablation YAML:
                                          # moe_gspo/run/slurm_spec.py)
 
 Dotted overrides on the command line (anywhere among the flags) are added to `overrides`.
+`--seeds` and `--only` shrink the matrix without editing the spec: only those seeds (of `seeds`) and arms
+(`<algo>-<replay>[-<variant>]`, as the run directories name them); the runs keep the full matrix's directories.
+A variant that sets the routing-drift dial is named by the dose-naming rule (`moe_gspo/run/dose_names.py`):
+`p0` (zero drift), `p<N>` (rollout.router_flip_prob = N/100), `s<X>` (rollout.router_noise_std = X), with an
+optional `_<fix>` suffix (`p10_tis`); a variant named against it is refused.
 The spec and base_config may name shipped files from any directory (`ablation_tiny`, `configs/tiny_cpu.yaml`);
 other relative paths, out_dir among them, are resolved against the current directory.
 Before any arm runs (and in `--dry-run`), every arm's full train command line is validated like the
@@ -81,7 +87,7 @@ from tqdm import tqdm
 
 from moe_gspo.run.ablation_arms import (  # noqa: F401  (re-exported: the ablation's API, used by tests)
     Arm, ArmResult, ArmRunner, arm_overrides, arm_state, build_command, count_runs, expand_arms, format_override,
-    run_arm, seed_order, wandb_env,
+    run_arm, seed_order, select_runs, wandb_env,
 )
 from moe_gspo.run.ablation_spec import AblationSpec, load_spec, parse_spec  # noqa: F401
 from moe_gspo.run.arm_runner import SubprocessArmRunner, run_concurrently
@@ -243,6 +249,10 @@ def main(argv: list[str] | None = None, arm_runner: ArmRunner | None = None) -> 
     parser.add_argument("--status", action="store_true", help="show each run's state (done, running, pending, "
                         "failed with its log's last line, ...) and exit; touches nothing")
     parser.add_argument("--executor", choices=("local", "slurm"), default=None, help="overrides the spec's executor")
+    parser.add_argument("--seeds", default=None, metavar="S[,S...]", help="run only these of the spec's seeds "
+                        "(e.g. 1000 or 1000,1001), without editing it")
+    parser.add_argument("--only", default=None, metavar="ARM[,ARM...]", help="run only these arms of the spec, named "
+                        "<algo>-<replay>[-<variant>] as the run directories are (e.g. grpo-none-p0,grpo-none-p10)")
     parser.add_argument("--on-interrupt", choices=ON_INTERRUPT, default=None,
                         help="executor: slurm: what Ctrl-C / SIGTERM of this process does with the submitted jobs: "
                              "leave them queued and running (the default; rerun to wait for them) or cancel them")
@@ -253,6 +263,7 @@ def main(argv: list[str] | None = None, arm_runner: ArmRunner | None = None) -> 
             raise ValueError("give the ablation spec: python -m moe_gspo.ablate --config FILE "
                              "(e.g. configs/ablation_tiny.yaml)")
         spec = load_spec(args.config, args.out, args.overrides, executor=args.executor)
+        spec = select_runs(spec, args.seeds, args.only)
         if args.on_interrupt is not None and spec.executor != "slurm":
             raise ValueError("--on-interrupt is for executor: slurm (local runs are always stopped by Ctrl-C)")
         if spec.executor == "slurm":

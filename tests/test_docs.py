@@ -283,20 +283,58 @@ def _python_name_problem(name: str, names: set[str], members: dict[str, set[str]
     return f"no class {parts[0]} in the code"
 
 
+NOT_CONFIG_KEYS = {"model.generate", "model.layers", "model.norm"}
+"""`section.key` look-alikes that are attributes of a transformers model object (`model.generate(...)`)."""
+
+
+def _algo_option_names() -> set[str]:
+    """The options of every registered algorithm (`AlgoSpec.options`)."""
+    from moe_gspo.algos.registry import algo_names, get_algo
+
+    return {o.name for name in algo_names() for o in get_algo(name).options}
+
+
+def _span_config_key_problems(span: str, page_code: str) -> list[str]:
+    """Each config key in the code span `span` (anywhere in it: `algo.kl_coef > 0`, `eval.every: N`,
+    `algo.options.tau_pos=1`) that is not one, with the reason. A three-part key's entry is checked too:
+    `algo.options.<name>` must be an option of a registered algorithm or of the page's own example plug-in (a name
+    its fenced code, `page_code`, defines)."""
+    sections = "|".join(_config_fields())
+    problems = []
+    for m in re.finditer(r"(?<![\w./-])(" + sections + r")\.([a-z_][a-z_0-9]*)(?:\.([a-z_]\w*|<\w+>|\*))?"
+                         r"(?![\w/-])(?!\.\w)", span):
+        if m.group(2) in {s.lstrip(".") for s in FILE_SUFFIXES}:  # eval.jsonl, train.py, train.log: files
+            continue
+        if f"{m.group(1)}.{m.group(2)}" in NOT_CONFIG_KEYS:
+            continue
+        why = _config_key_problem(*m.groups())
+        entry = m.group(3)
+        if why is None and (m.group(1), m.group(2)) == ("algo", "options") and entry and entry[0] not in "<*":
+            if entry not in _algo_option_names() and not re.search(rf"\b{entry}\b", page_code):
+                why = f"no registered algorithm has the option {entry}"
+        if why:
+            problems.append(f"`{span}`: {m.group(0)}: {why}")
+    return problems
+
+
+def _fenced_code(page: Path) -> str:
+    return "\n".join(re.findall(r"^```[^\n]*\n(.*?)^```", page.read_text(encoding="utf-8"), flags=re.S | re.M))
+
+
+def config_key_problems(page: Path) -> list[str]:
+    """Each backticked config key of `page` (two- or three-part) that does not exist, with the reason."""
+    code = _fenced_code(page)
+    return [p for span in _code_spans(page) for p in _span_config_key_problems(span, code)]
+
+
 def named_things_problems(page: Path) -> list[str]:
     """Each backticked file, function or config key of `page` that does not exist, with the reason."""
     sections = "|".join(_config_fields())
     names, members = _name_index()
     problems = []
+    code = _fenced_code(page)
     for span in _code_spans(page):
-        # config keys, anywhere in a span (`algo.kl_coef > 0`, `eval.every: N`, `algo.options.tau_pos=1`)
-        for m in re.finditer(r"(?<![\w./-])(" + sections + r")\.([a-z_][a-z_0-9]*)(?:\.([a-z_]\w*|<\w+>|\*))?"
-                             r"(?![\w/-])(?!\.\w)", span):
-            if m.group(2) in {s.lstrip(".") for s in FILE_SUFFIXES}:  # eval.jsonl, train.py, train.log: files
-                continue
-            why = _config_key_problem(*m.groups())
-            if why:
-                problems.append(f"`{span}`: {m.group(0)}: {why}")
+        problems += _span_config_key_problems(span, code)
         if re.fullmatch(r"[\w.*{},<>/-]+", span) and (span.endswith(FILE_SUFFIXES) or span.endswith("/")):
             if (why := _file_problem(span)) is not None:
                 problems.append(f"`{span}`: {why}")
@@ -332,6 +370,23 @@ def test_the_name_check_sees_a_missing_file_a_missing_function_and_a_missing_key
         "`algo.no_such_key`: algo.no_such_key: no such config field",
         "`train.lr.x`: train.lr.x: train.lr is not a mapping field",
         "`moe_gspo.algos.mismatch.NO_SUCH`: moe_gspo.algos.mismatch has no NO_SUCH",
+    ]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_config_key_a_page_names_exists(page):
+    """Issue 60: on every page (not only the two of issue 52), each backticked config key exists, three-part keys
+    too (`algo.options.tau_pos`: an option of a registered algorithm)."""
+    assert config_key_problems(page) == []
+
+
+def test_the_key_check_sees_a_wrong_three_part_key(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("`algo.options.tau_pos`, `algo.options.tau_poz=1`, `algo.options.<name>`, `model.norm`, "
+                    "`algo.options.my_own`, `rollout.no_such`\n\n```python\nOption(\"my_own\", 0.5)\n```\n")
+    assert config_key_problems(page) == [
+        "`algo.options.tau_poz=1`: algo.options.tau_poz: no registered algorithm has the option tau_poz",
+        "`rollout.no_such`: rollout.no_such: no such config field",
     ]
 
 

@@ -207,13 +207,29 @@ def test_the_layering_test_sees_an_upward_import():
     assert seen == {"b", "c"}
 
 
+def routing_imports_of_rollout_or_analysis(graph: dict[str, set[str]]) -> list[str]:
+    """"a -> b" for every import of `routing/` that names `rollout/` or `analysis/`."""
+    return [f"{a} -> {b}" for a in sorted(graph) if a == "moe_gspo.routing" or a.startswith("moe_gspo.routing.")
+            for b in sorted(graph[a]) if b.startswith(("analysis", "moe_gspo.rollout"))]
+
+
 def test_routing_imports_neither_analysis_nor_rollout():
-    """Issue 49: `routing/` is pure maths; its localiser's capture (hooks into the engines' models, figures of
-    `analysis/`) lives beside the probe. (`routing/trace.py` names `RolloutSample` for type checkers only.)"""
-    g = import_graph(runtime_only=True)
-    up = [f"{a} -> {b}" for a in sorted(g) if a.startswith("moe_gspo.routing") for b in sorted(g[a])
-          if b.startswith(("analysis", "moe_gspo.rollout"))]
+    """Issues 49 and 60: `routing/` is pure maths; its localiser's capture (hooks into the engines' models, figures
+    of `analysis/`) lives beside the probe, and rollout samples become traces on the rollout side
+    (`moe_gspo.rollout.traces`). Type-only imports (`if TYPE_CHECKING:`) count too: routing/ names nothing of
+    rollout/ or analysis/, not even for types."""
+    up = routing_imports_of_rollout_or_analysis(import_graph())
     assert not up, up
+
+
+def test_the_routing_check_sees_a_type_only_import(tmp_path):
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from moe_gspo.rollout.base import X\n")
+    names = {n.module for n in _walk(tree, runtime_only=False) if isinstance(n, ast.ImportFrom)}
+    assert "moe_gspo.rollout.base" in names  # the full graph (not runtime_only) walks TYPE_CHECKING blocks
+    g = {"moe_gspo.routing.trace": {"moe_gspo.rollout.base", "moe_gspo.files"}, "moe_gspo.routing": {"analysis.load"},
+         "moe_gspo.routing_x": {"moe_gspo.rollout.base"}}
+    assert routing_imports_of_rollout_or_analysis(g) == ["moe_gspo.routing -> analysis.load",
+                                                         "moe_gspo.routing.trace -> moe_gspo.rollout.base"]
 
 
 def test_the_architecture_page_states_these_layers():

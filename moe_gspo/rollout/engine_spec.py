@@ -43,7 +43,7 @@ class EngineSpec:
     name: str
     """The `rollout.engine` value and registry key."""
     doc: str
-    """One line: what the engine is and where it runs (as `RolloutConfig.engine`'s doc, which `--help` prints)."""
+    """One line: what the engine is and where it runs (the train CLI's `--help` lists it under `rollout.engine`)."""
     title: str
     """How messages and reports name the engine ("vLLM", "transformers engine")."""
     factory: str

@@ -19,14 +19,13 @@ from moe_gspo.routing.trace import (
     FORMAT_VERSION,
     RoutingTrace,
     bytes_per_token,
-    from_rollout_samples,
     ids_dtype,
     load_trace,
     save_trace,
 )
 
 __all__ = [
-    "FORMAT_VERSION", "RoutingTrace", "bytes_per_token", "common_rows", "expert_load", "from_rollout_samples",
+    "FORMAT_VERSION", "RoutingTrace", "bytes_per_token", "common_rows", "expert_load",
     "ids_dtype", "load_trace", "per_token_flip_mask", "per_token_layer_diff", "routing_drift", "save_trace",
     "topk_prob_l1", "trace_drift",
 ]

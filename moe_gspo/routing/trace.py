@@ -63,12 +63,10 @@ import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-if TYPE_CHECKING:  # pragma: no cover
-    from moe_gspo.rollout.base import RolloutSample
 
 FORMAT_VERSION = 1
 """Version written into every trace file; `load_trace` refuses files with a larger version."""
@@ -269,29 +267,6 @@ class RoutingTrace:
                    response_lens=np.asarray(response_lens, dtype=np.int32), num_experts=int(num_experts),
                    layer_ids=np.asarray(layer_ids, dtype=np.int32), router_probs=probs_arr,
                    meta=dict(meta or {}), router_margin=margin_arr)
-
-
-def from_rollout_samples(samples: Sequence["RolloutSample"], num_experts: int, layer_ids: Sequence[int],
-                         meta: dict | None = None, *, top_k: int | None = None) -> RoutingTrace:
-    """A trace of the routes recorded in rollout samples (all must carry `routes_TLK`).
-
-    Router probabilities are stored when every sample has `router_probs_TLK`, and refused when only
-    some have them; router margins (`router_margin_TL`) when every sample has them.
-    """
-    missing = [i for i, s in enumerate(samples) if s.routes_TLK is None]
-    if missing:
-        raise ValueError(f"samples {missing[:5]} have no routes_TLK; use an engine with "
-                         f"records_routes=True (or drop those samples)")
-    have_probs = [s.router_probs_TLK is not None for s in samples]
-    if any(have_probs) and not all(have_probs):
-        raise ValueError(f"only {sum(have_probs)} of {len(samples)} samples carry router_probs_TLK; "
-                         f"record probabilities for all samples or for none")
-    probs = [s.router_probs_TLK for s in samples] if samples and all(have_probs) else None
-    margins = [getattr(s, "router_margin_TL", None) for s in samples]
-    return RoutingTrace.from_samples(
-        [s.routes_TLK for s in samples], [len(s.prompt_ids) for s in samples],
-        [len(s.response_ids) for s in samples], num_experts, layer_ids, probs=probs, meta=meta,
-        top_k=top_k, margins=margins if samples and all(m is not None for m in margins) else None)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -55,14 +55,48 @@ def _matches(arm: Arm, rule: dict[str, Any]) -> bool:
 
 
 def expand_arms(spec: AblationSpec, *, warn: bool = True) -> list[Arm]:
-    """All arms of the matrix (algo-major, then replay, then variant, then seed) minus the excluded ones."""
+    """All arms of the matrix (algo-major, then replay, then variant, then seed) minus the excluded ones (and
+    those not in `spec.only` when it names some)."""
     variants = list(spec.variants) or [""]
     arms = [Arm(a, r, s, spec.out_dir / (f"{a}-{r}-{v}-s{s}" if v else f"{a}-{r}-s{s}"), v)
             for a in spec.algos for r in spec.routing_replay for v in variants for s in spec.seeds]
     for rule in spec.exclude:
         if warn and not any(_matches(arm, rule) for arm in arms):
             print(f"warning: exclude rule {rule} matches no arm", file=sys.stderr)
-    return [arm for arm in arms if not any(_matches(arm, rule) for rule in spec.exclude)]
+    return [arm for arm in arms if not any(_matches(arm, rule) for rule in spec.exclude)
+            and (not spec.only or arm.group in spec.only)]  # `ablate --only`
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} {text}: give comma-separated integers, e.g. {flag} 1000,1001") from None
+
+
+def select_runs(spec: AblationSpec, seeds: str | None = None, only: str | None = None) -> AblationSpec:
+    """The spec shrunk without editing it (`ablate --seeds S[,S...] --only ARM[,ARM...]`): only those of its seeds
+    and arms (`Arm.group`: `<algo>-<replay>[-<variant>]`). Run directories stay those of the whole matrix, so a
+    shrunk run is the same run as the full spec's. ValueError (one line) for a seed or an arm not in the spec."""
+    from dataclasses import replace
+
+    if seeds is not None:
+        wanted = _int_list(seeds, "--seeds")
+        bad = [s for s in wanted if s not in spec.seeds]
+        if bad:
+            raise ValueError(f"--seeds: {', '.join(map(str, bad))} not among the spec's seeds "
+                             f"{', '.join(map(str, spec.seeds))}")
+        kept = [s for s in spec.seeds if s in wanted]  # exclude rules of the other seeds match nothing now: dropped
+        spec = replace(spec, seeds=kept, exclude=[r for r in spec.exclude if r.get("seed", kept[0]) in kept])
+    if only is not None:
+        names = [n.strip() for n in only.split(",") if n.strip()]
+        groups = list(dict.fromkeys(a.group for a in expand_arms(spec, warn=False)))
+        bad = [n for n in names if n not in groups]
+        if bad or not names:
+            raise ValueError(f"--only: {', '.join(bad) or repr(only)} not an arm of the spec (<algo>-<replay>"
+                             f"[-<variant>]); its arms: {', '.join(groups)}")
+        spec = replace(spec, only=names)
+    return spec
 
 
 def seed_order(spec: AblationSpec, arms: list[Arm]) -> list[int]:

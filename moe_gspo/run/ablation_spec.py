@@ -12,6 +12,7 @@ from typing import Any
 
 from moe_gspo.algos.registry import algo_names
 from moe_gspo.config import REPLAYS
+from moe_gspo.run.dose_names import check_variant_names
 from moe_gspo.run.slurm_spec import SlurmSpec, parse_slurm
 
 _SPEC_KEYS = {"base_config", "algos", "routing_replay", "seeds", "overrides", "nproc", "out_dir",
@@ -50,6 +51,9 @@ class AblationSpec:
     per run through submitit, `moe_gspo.run.slurm_executor`)."""
     slurm: SlurmSpec = field(default_factory=SlurmSpec)
     """The sbatch parameters of every job under `executor: slurm` (`moe_gspo.run.slurm_spec`)."""
+    only: list[str] = field(default_factory=list)
+    """The arms (`Arm.group`, e.g. `grpo-none-p10`) kept from the matrix; empty: every arm. Not a YAML key: set
+    by `ablate --only` (`moe_gspo.run.ablation_arms.select_runs`)."""
 
     @property
     def name(self) -> str:
@@ -103,6 +107,7 @@ def parse_spec(raw: Any, out_dir: str | Path | None = None) -> AblationSpec:
         if not isinstance(val, int) or isinstance(val, bool) or val < 1:
             raise ValueError(f"ablation spec: '{key}' must be a positive int, got {val!r}")
     variants = _parse_variants(raw.get("variants"))
+    check_variant_names(variants, overrides)  # the dose-naming rule of a phase matrix
     algo_overrides = _parse_variants(raw.get("algo_overrides"), what="algo_overrides")
     algos = _str_list(raw, "algos", algo_names())
     stray = sorted(set(algo_overrides) - set(algos))

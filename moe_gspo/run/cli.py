@@ -150,6 +150,8 @@ def config_fields_help(cfg: Config, source: str, *, keys: Callable[[str], bool] 
             rows.append(f"    {key} = {_fmt(value)}{differs}: {docs.get(f.name, '')}")
             if isinstance(now, AlgoConfig) and f.name == "options":
                 rows += _algo_option_rows(now)
+            if key == "rollout.engine":
+                rows += _engine_rows()
         if rows:
             lines += [f"  [{sec.name}] {cls.__doc__.strip().splitlines()[0]}", *rows]
     return "\n".join(lines)
@@ -161,6 +163,14 @@ def _algo_option_rows(algo: AlgoConfig) -> list[str]:
     values = algo.algo_options()
     return [f"      algo.options.{o.name} = {_fmt(values[o.name])} ({spec.name}'s option): {o.help_text()}"
             for o in spec.options]
+
+
+def _engine_rows() -> list[str]:
+    """One `--help` row per rollout engine of the registry (`moe_gspo.rollout.engine_spec.ENGINE_SPECS`, read when
+    the help is printed), with its `EngineSpec.doc`."""
+    from moe_gspo.rollout import engine_spec
+
+    return [f"      rollout.engine={spec.name}: {spec.doc}" for spec in engine_spec.ENGINE_SPECS.values()]
 
 
 def help_requested(argv: list[str]) -> bool:

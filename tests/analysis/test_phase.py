@@ -252,3 +252,28 @@ def test_failure_glm_against_newton_by_hand_and_when_it_is_not_fitted():
     sep = failure_glm({"p1": _runs("p1", 0.01, [False] * 3), "p10": _runs("p10", 0.1, [True] * 3)})
     assert math.isnan(sep.slope) and "separate" in sep.why_not
     assert failure_glm({"p1": _runs("p1", 0.01, [False, True])}).why_not == "fewer than two doses"
+
+
+def test_variants_named_against_the_rule_name_it(tmp_path, capsys):
+    """Issue 60: variants named `zero` / `n05` (not p0 / p<N> / s<X>) made analysis.phase exit 0 with a bare "No
+    method has a zero-dose arm and a dosed one"; now one line naming the dose-naming rule, exit 2."""
+    for dose, x in (("zero", 0.0), ("n05", 0.05)):
+        for seed in range(3):
+            _write(tmp_path / "runs" / f"grpo-none-{dose}-s{seed}", 0.8, x)
+    assert main([str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "doses found: grpo-none: n05, zero" in err
+    assert "the dose-naming rule" in err and "p0 for zero drift" in err and "s<X>" in err
+
+
+def test_noise_doses_are_analysed_on_the_realised_flip_axis(tmp_path):
+    """`s<X>` (rollout.router_noise_std = X) arms are dial doses: on the ladder with the flip doses, at their
+    realised flip rate."""
+    for dose, x, drop in (("p0", 0.0, 0.0), ("s0.25", 0.05, -0.02), ("p20", 0.2, -0.15), ("s2", 0.8, -0.4)):
+        for seed in range(4):
+            _write(tmp_path / f"grpo-none-{dose}-s{seed}", 0.9 + drop + 0.001 * seed, x)
+    by = arms(load_phase(tmp_path))
+    fit = fit_method("grpo-none", by["grpo-none"], reps=100, seed=0)
+    assert fit.doses == ["p0", "s0.25", "p20", "s2"]
+    np.testing.assert_allclose(fit.x, [0, 0.05, 0.2, 0.8])
+    assert fit.critical.kind == "interpolated" and fit.critical.value == pytest.approx(0.1173, abs=1e-4)

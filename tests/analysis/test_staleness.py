@@ -116,3 +116,16 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert main([str(tmp_path / "runs")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "mb<N>" in err
+
+
+@pytest.mark.parametrize("dose", ["mb0", "mb01", "mb00"])
+def test_degenerate_mb_names_are_one_line(tmp_path, capsys, dose):
+    """Issue 59: a run named mb0 raised LinAlgError (log2 0 in the OLS); mb01 would be a second name for mb1."""
+    for seed in (1, 2):
+        for n in ("mb1", "mb4"):
+            _write(tmp_path / "runs" / f"grpo-none-{n}-s{seed}", 0.5, 4)
+    _write(tmp_path / "runs" / f"grpo-none-{dose}-s1", 0.5, 4)
+    assert main([str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"run grpo-none-{dose}-s1: a staleness dose is mb<N>" in err
+    assert "N = train.num_minibatches >= 1" in err

@@ -35,6 +35,30 @@ def test_registry_and_config_choices():
         assert spec.doc and "\n" not in spec.doc and spec.title and spec.factory and spec.memory
 
 
+def test_help_lists_the_registrys_engines(capsys, monkeypatch):
+    """Issue 60 item 4: `rollout.engine`'s help was a fixed docstring, so an added engine never appeared in
+    `--help`. A scratch engine registered in `ENGINE_SPECS` shows up under `rollout.engine` with its doc."""
+    from types import MappingProxyType
+
+    from moe_gspo.rollout import engine_spec as registry
+    from moe_gspo.run import cli
+
+    scratch = registry.EngineSpec(name="scratch", doc="a scratch engine that exists only in this test",
+                                  title="scratch", factory="x:y", memory="x:y")
+    monkeypatch.setattr(registry, "ENGINE_SPECS", MappingProxyType({**ENGINE_SPECS, "scratch": scratch}))
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as e:
+        cli.parse_train_args(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    rows = [line.strip() for line in out.splitlines() if line.strip().startswith("rollout.engine=")]
+    assert rows == [f"rollout.engine={s.name}: {s.doc}" for s in (*ENGINE_SPECS.values(), scratch)]
+    lines = [line.strip() for line in out.splitlines()]
+    first = lambda prefix: next(i for i, line in enumerate(lines) if line.startswith(prefix))  # noqa: E731
+    assert first("rollout.engine = ") < first("rollout.engine=hf:") < first("rollout.engine=scratch:") < first(
+        "rollout.dtype = ")  # listed under its field
+
+
 def test_importing_the_spec_imports_no_engine():
     code = ("import sys, moe_gspo.rollout.engine_spec as s; s.engine_spec('vllm').context_limit; "
             "print(sorted(m for m in ('vllm', 'transformers', 'torch', 'moe_gspo.config') if m in sys.modules))")

@@ -98,3 +98,29 @@ def test_config_refuses_the_dial_for_vllm_and_bad_values_with_one_line():
         load_config(None, ["rollout.router_flip_prob=1.5"])
     with pytest.raises(ValueError, match=r"rollout\.router_noise_std=-1\.0 must be"):
         load_config(None, ["rollout.router_noise_std=-1.0"])
+
+
+def test_different_steps_and_seeds_give_different_dial_draws():
+    """Issue 60, mutant 1: the dial's stream seeded with a constant gives every step the same draws. `begin` takes
+    each generation's sampling seed (`derive_seed(train.seed, step, share)`, moe_gspo/run/steps.py): the same
+    seed replays the same draws; another step or train.seed draws others."""
+    from moe_gspo.rollout.routing_dial import RoutingDial
+    from moe_gspo.run.setup import derive_seed
+
+    logits = torch.randn(512, 8, generator=torch.Generator().manual_seed(0))
+    dial = RoutingDial(noise_std=0.3, flip_prob=0.3)
+
+    def draws(seed):
+        dial.begin(seed)
+        _, ids, _ = dial.route(logits, 2, True, torch.float32)
+        return ids, dial.pop_changed()
+
+    seeds = {(train_seed, step): derive_seed(train_seed, step, 0) for train_seed in (0, 1) for step in (0, 1, 2)}
+    got = {key: draws(s) for key, s in seeds.items()}
+    again = draws(seeds[(0, 1)])
+    assert torch.equal(again[0], got[(0, 1)][0]) and torch.equal(again[1], got[(0, 1)][1])
+    keys = sorted(got)
+    for i, a in enumerate(keys):
+        for b in keys[i + 1:]:
+            assert not torch.equal(got[a][1], got[b][1]), (a, b)  # which routes changed differs
+            assert not torch.equal(got[a][0], got[b][0]), (a, b)

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from moe_gspo.rollout.base import RolloutSample
+from moe_gspo.rollout.traces import from_rollout_samples
 from moe_gspo.routing.trace import (
     FORMAT_VERSION,
     RoutingTrace,
     bytes_per_token,
-    from_rollout_samples,
     ids_dtype,
     load_trace,
     save_trace,

@@ -124,11 +124,24 @@ RESUME_STEPS = 20
 `RESUME_STEPS` steps of the learning job's run)."""
 KILL_AFTER = "step_000010"
 JOB_ENV = "MOE_GSPO_GPU_CHECK_RUN"
-MFU_DEFAULTS = {"micro_batch": 4, "seq_len": 1024, "seqs": 32, "recompute": "off", "experts": "grouped"}
+GEOMETRIES = {
+    "default": MODEL,
+    "qwen3-30b-a3b-reduced": dict(MODEL, vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                  moe_intermediate_size=768, num_hidden_layers=4, num_attention_heads=32,
+                                  num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8),
+}
+"""`--mfu-geometry`: the MFU setting's models. `default` is `MODEL` (hidden 1024, 32 experts, top-4);
+`qwen3-30b-a3b-reduced` has Qwen3-30B-A3B's layer shapes (hidden 2048, 128 experts, top-8, expert FFN 768,
+32 query / 4 KV heads of 128, vocabulary 151,936) at `--mfu-layers` (default 4) of its 48 layers, so that the
+model, its gradients and Adam state fit one GPU (4 layers: 3.05 B parameters, 55 GiB of state)."""
+MFU_DEFAULTS = {"micro_batch": 4, "seq_len": 1024, "seqs": 32, "recompute": "off", "experts": "grouped",
+                "geometry": "default", "layers": 4, "dispatcher": "allgather"}
 """The MFU setting's defaults (`--mfu-*`): micro-batches of 4 x 1024 = 4096 tokens, 32 sequences (2
 mini-batches of 4 micro-batches), no recompute, the experts as one parameter per projection
 (`model.expert_layout=grouped`, under Megatron's distributed optimizer, which leaves those weights where the
-grouped GEMM views them without a copy: `moe_gspo/mcore/grouped_experts.py`)."""
+grouped GEMM views them without a copy: `moe_gspo/mcore/grouped_experts.py`), `MODEL`'s geometry
+(`layers`: the depth of the reduced Qwen3-30B-A3B), and the token dispatcher training uses by default
+(`parallel.token_dispatcher`, `allgather`)."""
 MFU_EXPERTS = {"grouped": ("dist", ["--expert-layout", "grouped"], ("grouped_layout", "te_grouped")),
                "batched": ("nodist", ["--expert-layout", "per_expert", "--batched-experts"], ("grouped", "te_grouped")),
                "loop": ("dist", ["--expert-layout", "per_expert"], ("loop",))}
@@ -219,14 +232,21 @@ def _env(extra: dict | None = None) -> dict:
                 **(extra or {}))
 
 
+def geometry_args(m: dict) -> list[str]:
+    """`benchmarks.memory_bench`'s geometry options for the Qwen3-MoE config `m` (head_dim 128 and a dense
+    FFN of 3 x hidden there, as in `MODEL` and Qwen3-30B-A3B)."""
+    assert m["head_dim"] == 128 and m["intermediate_size"] == 3 * m["hidden_size"], m
+    return ["--hidden", str(m["hidden_size"]), "--layers", str(m["num_hidden_layers"]), "--heads",
+            str(m["num_attention_heads"]), "--kv-heads", str(m["num_key_value_heads"]), "--experts",
+            str(m["num_experts"]), "--top-k", str(m["num_experts_per_tok"]), "--moe-intermediate",
+            str(m["moe_intermediate_size"]), "--vocab", str(m["vocab_size"])]
+
+
 def _bench(out: Path, name: str, *extra: str, timeout: float = 900) -> list[dict]:
-    """Run `benchmarks.memory_bench` on `MODEL` with `extra` options; its results (`DIR/<name>.json`,
-    log `DIR/<name>.log`). It exits 1 when a phase is over its tolerance: the JSON decides, not the code."""
-    m = MODEL
-    cmd = [sys.executable, "-m", "benchmarks.memory_bench", "--hidden", str(m["hidden_size"]), "--layers",
-           str(m["num_hidden_layers"]), "--heads", str(m["num_attention_heads"]), "--kv-heads",
-           str(m["num_key_value_heads"]), "--experts", str(m["num_experts"]), "--top-k", str(m["num_experts_per_tok"]),
-           "--moe-intermediate", str(m["moe_intermediate_size"]), "--vocab", str(m["vocab_size"]), *extra,
+    """Run `benchmarks.memory_bench` on `MODEL` with `extra` options (later geometry options win); its results
+    (`DIR/<name>.json`, log `DIR/<name>.log`). It exits 1 when a phase is over its tolerance: the JSON decides,
+    not the code."""
+    cmd = [sys.executable, "-m", "benchmarks.memory_bench", *geometry_args(MODEL), *extra,
            "--json", str(out / f"{name}.json")]
     with open(out / f"{name}.log", "w") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), timeout=timeout).returncode
@@ -254,9 +274,22 @@ def _memory(out: Path, have_te: bool) -> dict:
             f"{sum(r['ok'] is True for r in rows)} checked phases within 15% of the plan"}
 
 
-def mfu_bench_args(micro_batch: int, seq_len: int, seqs: int, recompute: str, experts: str = "grouped") -> list[str]:
+def mfu_geometry(geometry: str = "default", layers: int = 4) -> dict:
+    """The Qwen3-MoE config of `--mfu-geometry` (`GEOMETRIES`; the reduced Qwen3-30B-A3B at `layers` layers)."""
+    if geometry not in GEOMETRIES:
+        raise ValueError(f"--mfu-geometry {geometry!r}: choose from {', '.join(GEOMETRIES)}")
+    if geometry == "default":
+        return dict(MODEL)
+    if not 1 <= layers <= 48:
+        raise ValueError(f"--mfu-layers {layers}: 1 to 48 (Qwen3-30B-A3B has 48; 4-8 fit one 80-141 GiB GPU)")
+    return dict(GEOMETRIES[geometry], num_hidden_layers=layers)
+
+
+def mfu_bench_args(micro_batch: int, seq_len: int, seqs: int, recompute: str, experts: str = "grouped",
+                   geometry: str = "default", layers: int = 4, dispatcher: str = "allgather") -> list[str]:
     """`benchmarks.memory_bench` options of the MFU setting (check 3; no rollout; the experts and optimizer of
-    `MFU_EXPERTS[experts]`: the grouped layout under the distributed optimizer by default)."""
+    `MFU_EXPERTS[experts]`: the grouped layout under the distributed optimizer by default; the model of
+    `mfu_geometry(geometry, layers)`; the token dispatcher)."""
     if seqs % (2 * micro_batch):
         raise ValueError(f"--mfu-seqs {seqs} must be a multiple of 2 x --mfu-micro-batch ({2 * micro_batch}): "
                          "2 mini-batches of whole micro-batches")
@@ -264,27 +297,42 @@ def mfu_bench_args(micro_batch: int, seq_len: int, seqs: int, recompute: str, ex
     return ["--variants", variant, *expert_opts, "--no-rollout", "--seq-len", str(seq_len), "--seqs", str(seqs),
             "--group", "4",
             "--minibatches", "2", "--micro-batch", str(micro_batch), "--steps", "3", "--tolerance", "1e9",
-            *(["--no-recompute"] if recompute == "off" else [])]
+            *(["--no-recompute"] if recompute == "off" else []), *geometry_args(mfu_geometry(geometry, layers)),
+            "--token-dispatcher", dispatcher]
 
 
 def check_expert_path(bench: dict, experts: str) -> dict:
     """The MFU bench's `experts` record (`memory_bench.expert_path`), checked against the setting's
     `--mfu-experts` (`MFU_EXPERTS`): `grouped` needs the grouped layout's modules in every MoE layer (or TE's
-    with Transformer Engine), `batched` the per-expert layout's grouped GEMM, `loop` Megatron's loop; a
-    CheckFailed otherwise (an MFU of the wrong path)."""
+    with Transformer Engine) and every one of their forwards on the fast path (`counts`,
+    `grouped_experts.expert_path_counts`: a layer that fell back to the loop names its cause), `batched` the
+    per-expert layout's grouped GEMM, `loop` Megatron's loop; a CheckFailed of one line otherwise (an MFU of
+    the wrong path)."""
     got = bench.get("experts") or {}
     want = MFU_EXPERTS[experts][2]
     if got.get("path") not in want:
         raise CheckFailed(f"--mfu-experts {experts}: the bench's model computes its experts by {got.get('path')!r} "
-                          f"({got}), not {' or '.join(want)}")
+                          f"({got.get('line') or got}), not {' or '.join(want)}")
+    counts = got.get("counts")
+    if got.get("path") == "grouped_layout":
+        if not counts or not counts.get("forwards"):
+            raise CheckFailed(f"--mfu-experts {experts}: no grouped expert forward was counted ({counts}); the MFU "
+                              "cannot be told to be the fast path's")
+        if counts["slow_forwards"]:
+            raise CheckFailed(f"--mfu-experts {experts}: not the fast path: {counts['slow_forwards']} of "
+                              f"{counts['forwards']} grouped expert forwards, in {counts['slow_layers']} of "
+                              f"{counts['layers']} MoE layers, took the loop over experts "
+                              f"({'; '.join(counts['slow_because'])})")
     return got
 
 
 def mfu_settings(setting: dict) -> list[dict]:
     """One MFU setting per micro-batch of `setting["micro_batches"]` (`--mfu-micro-batches`; default the
     single `micro_batch`), each a keyword set of `mfu_bench_args`."""
-    base = {k: v for k, v in setting.items() if k != "micro_batches"}
-    return [dict(base, micro_batch=int(mb)) for mb in (setting.get("micro_batches") or [setting["micro_batch"]])]
+    base = {k: v for k, v in setting.items() if k not in ("micro_batches", "geometries")}
+    return [dict(base, micro_batch=int(mb), **({"geometry": g} if g else {}))
+            for g in (setting.get("geometries") or [None])
+            for mb in (setting.get("micro_batches") or [setting["micro_batch"]])]
 
 
 def _is_oom(error: Exception, log: Path) -> bool:
@@ -300,28 +348,40 @@ def _mfu(out: Path, peak: float | None, setting: dict, progress=None) -> dict:
     profile = out / "train_step_profile.txt"
     sweep, variants, first_res, experts = [], [], None, None
     for k, one in enumerate(mfu_settings(setting)):
-        mb = one["micro_batch"]
-        name = "mfu_bench" if k == 0 else f"mfu_bench_mb{mb}"
+        mb, geometry = one["micro_batch"], one.get("geometry", "default")
+        tag = "" if geometry == "default" else f", {geometry} ({one.get('layers', 4)} layers)"
+        name = "mfu_bench" if k == 0 else f"mfu_bench_{geometry}_mb{mb}" if tag else f"mfu_bench_mb{mb}"
         extra = ("--profile-train-step", str(profile)) if k == 0 else ()
         try:
             results = _bench(out, name, *mfu_bench_args(**one), *extra)
-            got = check_expert_path(results[0], one.get("experts", "grouped"))
         except CheckFailed as e:
             oom = _is_oom(e, out / f"{name}.log")
-            sweep.append({"micro_batch": mb, "status": "oom" if oom else "fail", "error": str(e)[:500],
+            sweep.append({"micro_batch": mb, "geometry": geometry, "status": "oom" if oom else "fail",
+                          "error": str(e)[:500], "tokens_per_micro_batch": mb * one["seq_len"]})
+            if progress is not None and variants:
+                progress(_mfu_result(variants, sweep, first_res, experts, profile))
+            continue
+        try:
+            got = check_expert_path(results[0], one.get("experts", "grouped"))
+        except CheckFailed as e:  # the bench ran, but not on the path asked: the check fails, in one line
+            sweep.append({"micro_batch": mb, "geometry": geometry, "status": "slow_path", "error": str(e)[:500],
                           "tokens_per_micro_batch": mb * one["seq_len"]})
         else:
-            m = dict(learner_mfu(results[0], peak), label=f"MFU setting, micro-batch {mb}",
+            m = dict(learner_mfu(results[0], peak), label=f"MFU setting, micro-batch {mb}{tag}",
                      micro_batch=results[0]["batch"]["micro_batch_size"], experts=got,
                      optimizer=results[0].get("optimizer"))
             variants.append(m)
-            sweep.append({"micro_batch": mb, "status": "ok", "update_mfu": m["update"]["mfu"],
+            sweep.append({"micro_batch": mb, "geometry": geometry, "status": "ok", "update_mfu": m["update"]["mfu"],
                           "update_tflops_per_s": m["update"]["tflops_per_s"], "tokens_per_micro_batch":
                           mb * one["seq_len"]})
             if first_res is None:
                 first_res, experts = results[0], got
         if progress is not None and variants:
             progress(_mfu_result(variants, sweep, first_res, experts, profile))
+    slow = [r for r in sweep if r["status"] == "slow_path"]
+    if slow:  # an MFU of the slow path is no MFU of the setting: fail, naming the cause
+        raise CheckFailed(f"micro-batch {slow[0]['micro_batch']}: {slow[0]['error']}"
+                          + (f" (and {len(slow) - 1} more benches)" if len(slow) > 1 else ""))
     if not variants:
         raise CheckFailed("no MFU setting finished: " + "; ".join(f"micro-batch {r['micro_batch']}: {r['status']} "
                                                                   f"({r['error'][:200]})" for r in sweep))
@@ -663,10 +723,28 @@ def main(argv: list[str] | None = None) -> int:
                         f"grouped, distributed optimizer); batched = per-expert weights, grouped GEMMs "
                         f"(model.batched_experts, non-distributed optimizer); loop = Megatron's loop over experts "
                         f"(distributed optimizer) (default {d['experts']})")
+    p.add_argument("--mfu-geometry", default=d["geometry"], metavar="NAME[,NAME]",
+                   help=f"MFU setting: the model(s), one bench per geometry and micro-batch: {', '.join(GEOMETRIES)} "
+                        "(default: default = the checks' random model, hidden 1024, 12 layers, 32 experts, top-4; "
+                        "qwen3-30b-a3b-reduced = Qwen3-30B-A3B's layer shapes: hidden 2048, 128 experts, top-8, "
+                        "expert FFN 768, 32 query / 4 KV heads of 128, vocabulary 151,936, at --mfu-layers layers); "
+                        "model FLOPs by moe_gspo/plan/flops.py")
+    p.add_argument("--mfu-layers", type=int, default=d["layers"],
+                   help=f"MFU setting: layers of qwen3-30b-a3b-reduced (default {d['layers']}; 4-8 fit one GPU)")
+    p.add_argument("--mfu-dispatcher", choices=("allgather", "alltoall"), default=d["dispatcher"],
+                   help=f"MFU setting: Megatron's token dispatcher (default {d['dispatcher']}, training's default "
+                        "parallel.token_dispatcher; the summary names it)")
     args = p.parse_args(argv)
     mfu_setting = {"micro_batch": args.mfu_micro_batch, "seq_len": args.mfu_seq_len, "seqs": args.mfu_seqs,
-                   "recompute": args.mfu_recompute, "experts": args.mfu_experts}
+                   "recompute": args.mfu_recompute, "experts": args.mfu_experts, "layers": args.mfu_layers,
+                   "dispatcher": args.mfu_dispatcher}
     try:
+        geometries = [g.strip() for g in args.mfu_geometry.split(",") if g.strip()]
+        if not geometries:
+            raise ValueError("--mfu-geometry: name at least one of " + ", ".join(GEOMETRIES))
+        mfu_setting["geometry"] = geometries[0]
+        if len(geometries) > 1:
+            mfu_setting["geometries"] = geometries
         checks_to_run = parse_checks(args.checks)
         if args.mfu_micro_batches is not None:
             mbs = [m.strip() for m in args.mfu_micro_batches.split(",") if m.strip()]

@@ -39,6 +39,11 @@ def test_the_reduced_qwen3_geometry_reaches_the_bench_with_its_shapes():
             hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim, hf.vocab_size) == \
         (2048, 6, 128, 8, 768, 32, 4, 128, 151_936)
     assert hf.norm_topk_prob and not hf.tie_word_embeddings
+    from moe_gspo.plan.from_config import _hf_config_from_json, shipped_model_configs
+
+    real = Geometry.from_hf(_hf_config_from_json(shipped_model_configs()["Qwen3-30B-A3B"]))  # its config.json
+    reduced = Geometry.from_hf(hf)
+    assert reduced == Geometry(**{**vars(real), "num_layers": 6, "moe_layers": real.moe_layers[:6]})
     opts = gc.mfu_bench_args(**gc.MFU_DEFAULTS)
     assert opts[opts.index("--token-dispatcher") + 1] == "allgather"  # training's default dispatcher
     with pytest.raises(ValueError, match="--mfu-geometry"):

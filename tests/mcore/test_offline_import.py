@@ -118,3 +118,13 @@ def test_the_hiding_hook_hides_only_setuptools(tmp_path):
     got = subprocess.run([sys.executable, "-c", code], env=hidden_env(tmp_path), capture_output=True, text=True,
                          timeout=120)
     assert got.stdout.split() == ["refused", "setuptools"], got.stderr[-2000:]
+
+
+def test_pytest_without_pytest_timeout_does_not_warn_about_the_timeout_option():
+    """The device's pytest has no pytest-timeout: pyproject's `timeout` ini option is registered by
+    tests/conftest.py there (`-p no:timeout` stands for the missing plugin), so no "Unknown config option"."""
+    got = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:timeout", "-p", "no:cacheprovider", "-q",
+                          "--collect-only", "tests/test_files.py"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert got.returncode == 0 and "tests collected" in got.stdout, got.stdout[-2000:]
+    assert "Unknown config option" not in got.stdout + got.stderr, (got.stdout + got.stderr)[-2000:]

@@ -2,8 +2,8 @@
 
 `python -m benchmarks.memory_bench [--variants dist,dist_offload] [--tolerance 0.15] [--json OUT]`
 builds a random Qwen3-MoE of ~2 B parameters (default geometry below) on the one GPU of this process
-(world size 1, EP=1, bf16, `--token-dispatcher`: training's default allgather, full recompute), a Megatron learner with the variant's
-optimizer options and the transformers rollout engine, then runs `--steps` RL steps on a synthetic batch
+(world size 1, EP=1, bf16, `--token-dispatcher`: training's default allgather, full recompute), a Megatron
+learner with the variant's optimizer options and the transformers rollout engine, then runs `--steps` RL steps on a synthetic batch
 of full-length sequences (rollout on the first step only; it is slow with the transformers engine) and
 records `torch.cuda.max_memory_allocated` and the wall time (synchronized) of each phase:
 `rollout` (generate), `logprobs` (old-policy pass), `update` (`train_step`: forward, backward and

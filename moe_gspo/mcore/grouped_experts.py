@@ -35,8 +35,10 @@ Here:
   with the routing probabilities as one fused autograd function on CUDA (`moe_gspo.mcore.swiglu`:
   Megatron's `weighted_bias_swiglu_impl` maths, `torch.compile`d, saving the fc1 output and the
   probabilities only) and elsewhere `SequentialMLP`'s unfused activation (`batched_experts.mlp_activation`:
-  the same maths and rounding as the per-expert layout), and the copy counter. Experts without tokens take
-  part with zero rows; a layer whose experts got no token at all multiplies the empty input by the whole
+  the same maths and rounding as the per-expert layout), the copy counter, and the count of forwards
+  that left the fast path, with why (`expert_path_counts`; issue 61: no silent slow path, see
+  `expert_path`). Experts without tokens take part with zero rows; a layer whose experts got no token at
+  all multiplies the empty input by the whole
   weights, as upstream does, so every parameter still gets a (zero) gradient.
 
 With Transformer Engine importable, `moe_grouped_gemm` selects TE's `TEGroupedMLP` instead (one weight per

@@ -38,8 +38,8 @@ Here:
   the same maths and rounding as the per-expert layout), the copy counter, and the count of forwards
   that left the fast path, with why (`expert_path_counts`; issue 61: no silent slow path, see
   `expert_path`). Experts without tokens take part with zero rows; a layer whose experts got no token at
-  all multiplies the empty input by the whole
-  weights, as upstream does, so every parameter still gets a (zero) gradient.
+  all multiplies the empty input by the whole weights, as upstream does, so every parameter still gets a
+  (zero) gradient.
 
 With Transformer Engine importable, `moe_grouped_gemm` selects TE's `TEGroupedMLP` instead (one weight per
 expert inside TE's own grouped linear); this module is then not used.

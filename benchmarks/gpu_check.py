@@ -4,9 +4,9 @@ Writes `DIR/gpu_check.json` and `DIR/gpu_check.md` (the summary), with the logs 
 `DIR/train_step_profile.txt` beside them, and exits 0 when every check passed, 1 when one failed, 2
 without CUDA (one line, at once). One GPU; needs torch, transformers and megatron-core only (no
 Transformer Engine, vLLM, wandb or network: an offline GPU machine with torch and transformers takes
-megatron-core's wheel for its Python, e.g. the cp312 one, with `pip install --no-index --no-deps --target
-/tmp/site megatron_core-0.16.1-*.whl` and runs this from the checkout root with
-`PYTHONPATH=/tmp/site:$PWD`; see docs/gpu.md, "An offline GPU machine, step by step"). Its wall time on an H100 with these defaults has not been measured yet.
+megatron-core's wheel for its Python, e.g. the cp312 one, and setuptools' (megatron-core's import reaches
+it), with `pip install --no-index --no-deps --target /tmp/site .whl/*.whl` and runs this from the checkout
+root with `PYTHONPATH=/tmp/site:$PWD`; see docs/gpu.md, "An offline GPU machine, step by step"). Its wall time on an H100 with these defaults has not been measured yet.
 
 The checks (`--checks`, any subset of mfu,parity,memory,learning,resume; default all) run MFU first
 (3 below: the figure a short device call is for), then 1, 2, 4, 5 and 6; each one's failure is recorded
@@ -33,8 +33,14 @@ arithmetic, the summary) are in `benchmarks.gpu_check_report`:
    views them without a copy (`moe_gspo.mcore.grouped_experts`); `batched`: the per-expert layout's grouped
    GEMM, `model.batched_experts`, under the non-distributed optimizer (the distributed one would make it
    copy every expert weight per forward); `loop`: Megatron's SequentialMLP under the distributed optimizer;
-   the bench counts the expert modules it built and the forwards that copied expert weights, and the check
-   fails on the wrong path), 3 timed steps; `--mfu-micro-batches 4,8,16` sweeps
+   the bench counts the expert modules it built, the forwards that copied expert weights and, in the grouped
+   layout, the forwards that left `torch._grouped_mm` for the loop (`grouped_experts.expert_path_counts`);
+   the check fails, in one line naming the cause, on the wrong path or when any MoE layer took the slow
+   one), 3 timed steps, Megatron's token dispatcher `--mfu-dispatcher` (default allgather, training's
+   default `parallel.token_dispatcher`; named in the summary), the model `--mfu-geometry` (default `MODEL`;
+   `qwen3-30b-a3b-reduced`: Qwen3-30B-A3B's layer shapes, hidden 2048, 128 experts, top-8, expert FFN 768,
+   32 query / 4 KV heads of 128, vocabulary 151,936, at `--mfu-layers` (default 4) of its 48 layers; a
+   comma list runs each); `--mfu-micro-batches 4,8,16` sweeps
    micro-batches (one bench each; one out of GPU memory is recorded as "oom"); MFU of the update
    (`train_step`: forward, backward, optimizer step) and of the old-policy log-prob pass from their
    fastest step. Model FLOPs by `moe_gspo.plan.flops` (PaLM's 6 N_active + 12 L a d T per token;
@@ -96,10 +102,7 @@ parallelism (`tests/plan/test_plan_gpu.py`, `tests/learner` under torchrun).
 from __future__ import annotations
 
 import argparse
-import copy
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -109,26 +112,29 @@ from benchmarks.gpu_check_report import (MIN_REWARD_GAIN, NOISE_Z, PEAK_BF16_TFL
                                          bench_throughput, job_throughput, learner_mfu, learning_verdict,
                                          memory_rows, nondeterminism_reported, peak_bf16_tflops, render_markdown,
                                          resume_verdict, write_summary)
+from benchmarks.gpu_check_job import (JOB_ENV, JOB_LR, KILL_AFTER, MODEL, RESUME_STEPS,  # noqa: F401 (re-exported)
+                                      CheckFailed, _env, _finish, _job, _job_processes, _launch, _learning, _metrics,
+                                      _resume, deterministic_job_setup, job_config, resume_headline)
+from benchmarks.gpu_check_parity import _parity_on_cuda, check_parity  # noqa: F401 (re-exported)
 
-MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=3072, moe_intermediate_size=512,
-             num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4, head_dim=128, num_experts=32,
-             num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-             max_position_embeddings=4096, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default",
-                                                                              "rope_theta": 1e6},
-             tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=2)
-"""The random Qwen3-MoE of the checks (the job uses it with the tiny tokenizer's vocabulary)."""
-JOB_LR = 1e-3
-"""The learning job's learning rate (see the module docstring, check 4)."""
-RESUME_STEPS = 20
-"""Steps of the resume check's job (killed after its step-10 checkpoint, resumed, compared with the first
-`RESUME_STEPS` steps of the learning job's run)."""
-KILL_AFTER = "step_000010"
-JOB_ENV = "MOE_GSPO_GPU_CHECK_RUN"
-MFU_DEFAULTS = {"micro_batch": 4, "seq_len": 1024, "seqs": 32, "recompute": "off", "experts": "grouped"}
+GEOMETRIES = {
+    "default": MODEL,
+    "qwen3-30b-a3b-reduced": dict(MODEL, vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                  moe_intermediate_size=768, num_hidden_layers=4, num_attention_heads=32,
+                                  num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8),
+}
+"""`--mfu-geometry`: the MFU setting's models. `default` is `MODEL` (hidden 1024, 32 experts, top-4);
+`qwen3-30b-a3b-reduced` has Qwen3-30B-A3B's layer shapes (hidden 2048, 128 experts, top-8, expert FFN 768,
+32 query / 4 KV heads of 128, vocabulary 151,936) at `--mfu-layers` (default 4) of its 48 layers, so that the
+model, its gradients and Adam state fit one GPU (4 layers: 3.11 B parameters, ~46 GiB of state at ~16 B each)."""
+MFU_DEFAULTS = {"micro_batch": 4, "seq_len": 1024, "seqs": 32, "recompute": "off", "experts": "grouped",
+                "geometry": "default", "layers": 4, "dispatcher": "allgather"}
 """The MFU setting's defaults (`--mfu-*`): micro-batches of 4 x 1024 = 4096 tokens, 32 sequences (2
 mini-batches of 4 micro-batches), no recompute, the experts as one parameter per projection
 (`model.expert_layout=grouped`, under Megatron's distributed optimizer, which leaves those weights where the
-grouped GEMM views them without a copy: `moe_gspo/mcore/grouped_experts.py`)."""
+grouped GEMM views them without a copy: `moe_gspo/mcore/grouped_experts.py`), `MODEL`'s geometry
+(`layers`: the depth of the reduced Qwen3-30B-A3B), and the token dispatcher training uses by default
+(`parallel.token_dispatcher`, `allgather`)."""
 MFU_EXPERTS = {"grouped": ("dist", ["--expert-layout", "grouped"], ("grouped_layout", "te_grouped")),
                "batched": ("nodist", ["--expert-layout", "per_expert", "--batched-experts"], ("grouped", "te_grouped")),
                "loop": ("dist", ["--expert-layout", "per_expert"], ("loop",))}
@@ -136,97 +142,22 @@ MFU_EXPERTS = {"grouped": ("dist", ["--expert-layout", "grouped"], ("grouped_lay
 (`memory_bench.expert_path`) it must build (Transformer Engine's grouped GEMM stands for ours where TE imports)."""
 
 
-class CheckFailed(Exception):
-    """A check that could not complete (its message goes into the summary)."""
-
-
 # ---------------------------------------------------------------------------------------- checks
-def check_parity(hf_kwargs: dict, *, device, dtype, batch: int = 4, seq_len: int = 256, seed: int = 0) -> dict:
-    """Learner (Megatron) vs transformers in `dtype`, both against transformers in fp32 (see the module
-    docstring). Needs `moe_gspo.mcore.parallel.init_distributed` (EP=1) in this process."""
-    import torch
-    from transformers import Qwen3MoeConfig
-
-    from moe_gspo.learner.logprobs import token_logprobs
-    from moe_gspo.mcore.model import build_gpt_model, forward_logits
-    from moe_gspo.mcore.weights import load_hf_model_into_megatron, megatron_to_hf
-    from moe_gspo.tiny import build_tiny_model
-
-    cfg = Qwen3MoeConfig(**hf_kwargs)
-    ref = build_tiny_model(cfg, seed=seed)  # fp32 truth (router weights scaled as in every run)
-    low = copy.deepcopy(ref).to(device=device, dtype=dtype)
-    ref = ref.to(device)
-    model = build_gpt_model(cfg, params_dtype=dtype, expert_layout="auto")  # the experts a run builds here
-    load_hf_model_into_megatron(model, low)
-    ids = torch.randint(3, cfg.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(seed)).to(device)
-
-    def run(logits_fn, params):
-        for p in params:
-            p.grad = None
-        logp, _ = token_logprobs(logits_fn(), ids)
-        (-logp[:, 1:].mean()).backward()
-        return logp[:, 1:].detach().float()
-
-    lp_ref = run(lambda: ref(ids).logits, ref.parameters())
-    lp_low = run(lambda: low(ids).logits, low.parameters())
-    lp_mc = run(lambda: forward_logits(model, ids), model.parameters())
-    g_ref = {k: p.grad.float() for k, p in ref.named_parameters()}
-    g_low = {k: p.grad.float() for k, p in low.named_parameters()}
-    g_mc = {k: v.float() for k, v in megatron_to_hf({k: p.grad for k, p in model.named_parameters()}, cfg).items()}
-
-    def rel(grads) -> float:
-        num = sum(float((grads[k] - g).pow(2).sum()) for k, g in g_ref.items())
-        return (num / sum(float(g.pow(2).sum()) for g in g_ref.values())) ** 0.5
-
-    out = {"logp_abs_err_mean": {"learner": float((lp_mc - lp_ref).abs().mean()),
-                                 "transformers": float((lp_low - lp_ref).abs().mean())},
-           "logp_abs_err_max": {"learner": float((lp_mc - lp_ref).abs().max()),
-                                "transformers": float((lp_low - lp_ref).abs().max())},
-           "grad_rel_err": {"learner": rel(g_mc), "transformers": rel(g_low)},
-           "learner_vs_transformers_logp_abs_diff_max": float((lp_mc - lp_low).abs().max()),
-           "batch": [batch, seq_len], "dtype": str(dtype).replace("torch.", "")}
-    ok = (out["logp_abs_err_mean"]["learner"] <= 2 * out["logp_abs_err_mean"]["transformers"] + 1e-3
-          and out["grad_rel_err"]["learner"] <= 2 * out["grad_rel_err"]["transformers"] + 1e-2)
-    out["status"] = "pass" if ok else "fail"
-    out["headline"] = (f"log-prob error vs fp32 {out['logp_abs_err_mean']['learner']:.2e} (transformers bf16 "
-                       f"{out['logp_abs_err_mean']['transformers']:.2e}); gradient rel. error "
-                       f"{out['grad_rel_err']['learner']:.3f} ({out['grad_rel_err']['transformers']:.3f})")
-    del ref, low, model
-    return out
-
-
-def _parity_on_cuda() -> dict:
-    import torch
-
-    from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
-
-    from moe_gspo.mcore.swiglu import compile_status
-
-    init_distributed(ep_size=1, num_experts=MODEL["num_experts"], seed=0)
-    try:
-        out = check_parity(MODEL, device=torch.device("cuda"), dtype=torch.bfloat16)
-        out["fused_swiglu"] = compile_status()  # the grouped experts' SwiGLU on this GPU (issue 48)
-        out["headline"] += f"; fused SwiGLU {out['fused_swiglu']}"
-        return out
-    finally:
-        destroy_distributed()
-        torch.cuda.empty_cache()
-
-
-def _env(extra: dict | None = None) -> dict:
-    root = Path(__file__).resolve().parents[1]
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
-                **(extra or {}))
+def geometry_args(m: dict) -> list[str]:
+    """`benchmarks.memory_bench`'s geometry options for the Qwen3-MoE config `m` (head_dim 128 and a dense
+    FFN of 3 x hidden there, as in `MODEL` and Qwen3-30B-A3B)."""
+    assert m["head_dim"] == 128 and m["intermediate_size"] == 3 * m["hidden_size"], m
+    return ["--hidden", str(m["hidden_size"]), "--layers", str(m["num_hidden_layers"]), "--heads",
+            str(m["num_attention_heads"]), "--kv-heads", str(m["num_key_value_heads"]), "--experts",
+            str(m["num_experts"]), "--top-k", str(m["num_experts_per_tok"]), "--moe-intermediate",
+            str(m["moe_intermediate_size"]), "--vocab", str(m["vocab_size"])]
 
 
 def _bench(out: Path, name: str, *extra: str, timeout: float = 900) -> list[dict]:
-    """Run `benchmarks.memory_bench` on `MODEL` with `extra` options; its results (`DIR/<name>.json`,
-    log `DIR/<name>.log`). It exits 1 when a phase is over its tolerance: the JSON decides, not the code."""
-    m = MODEL
-    cmd = [sys.executable, "-m", "benchmarks.memory_bench", "--hidden", str(m["hidden_size"]), "--layers",
-           str(m["num_hidden_layers"]), "--heads", str(m["num_attention_heads"]), "--kv-heads",
-           str(m["num_key_value_heads"]), "--experts", str(m["num_experts"]), "--top-k", str(m["num_experts_per_tok"]),
-           "--moe-intermediate", str(m["moe_intermediate_size"]), "--vocab", str(m["vocab_size"]), *extra,
+    """Run `benchmarks.memory_bench` on `MODEL` with `extra` options (later geometry options win); its results
+    (`DIR/<name>.json`, log `DIR/<name>.log`). It exits 1 when a phase is over its tolerance: the JSON decides,
+    not the code."""
+    cmd = [sys.executable, "-m", "benchmarks.memory_bench", *geometry_args(MODEL), *extra,
            "--json", str(out / f"{name}.json")]
     with open(out / f"{name}.log", "w") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), timeout=timeout).returncode
@@ -254,9 +185,22 @@ def _memory(out: Path, have_te: bool) -> dict:
             f"{sum(r['ok'] is True for r in rows)} checked phases within 15% of the plan"}
 
 
-def mfu_bench_args(micro_batch: int, seq_len: int, seqs: int, recompute: str, experts: str = "grouped") -> list[str]:
+def mfu_geometry(geometry: str = "default", layers: int = 4) -> dict:
+    """The Qwen3-MoE config of `--mfu-geometry` (`GEOMETRIES`; the reduced Qwen3-30B-A3B at `layers` layers)."""
+    if geometry not in GEOMETRIES:
+        raise ValueError(f"--mfu-geometry {geometry!r}: choose from {', '.join(GEOMETRIES)}")
+    if geometry == "default":
+        return dict(MODEL)
+    if not 1 <= layers <= 48:
+        raise ValueError(f"--mfu-layers {layers}: 1 to 48 (Qwen3-30B-A3B has 48; 4-8 fit one 80-141 GiB GPU)")
+    return dict(GEOMETRIES[geometry], num_hidden_layers=layers)
+
+
+def mfu_bench_args(micro_batch: int, seq_len: int, seqs: int, recompute: str, experts: str = "grouped",
+                   geometry: str = "default", layers: int = 4, dispatcher: str = "allgather") -> list[str]:
     """`benchmarks.memory_bench` options of the MFU setting (check 3; no rollout; the experts and optimizer of
-    `MFU_EXPERTS[experts]`: the grouped layout under the distributed optimizer by default)."""
+    `MFU_EXPERTS[experts]`: the grouped layout under the distributed optimizer by default; the model of
+    `mfu_geometry(geometry, layers)`; the token dispatcher)."""
     if seqs % (2 * micro_batch):
         raise ValueError(f"--mfu-seqs {seqs} must be a multiple of 2 x --mfu-micro-batch ({2 * micro_batch}): "
                          "2 mini-batches of whole micro-batches")
@@ -264,27 +208,42 @@ def mfu_bench_args(micro_batch: int, seq_len: int, seqs: int, recompute: str, ex
     return ["--variants", variant, *expert_opts, "--no-rollout", "--seq-len", str(seq_len), "--seqs", str(seqs),
             "--group", "4",
             "--minibatches", "2", "--micro-batch", str(micro_batch), "--steps", "3", "--tolerance", "1e9",
-            *(["--no-recompute"] if recompute == "off" else [])]
+            *(["--no-recompute"] if recompute == "off" else []), *geometry_args(mfu_geometry(geometry, layers)),
+            "--token-dispatcher", dispatcher]
 
 
 def check_expert_path(bench: dict, experts: str) -> dict:
     """The MFU bench's `experts` record (`memory_bench.expert_path`), checked against the setting's
     `--mfu-experts` (`MFU_EXPERTS`): `grouped` needs the grouped layout's modules in every MoE layer (or TE's
-    with Transformer Engine), `batched` the per-expert layout's grouped GEMM, `loop` Megatron's loop; a
-    CheckFailed otherwise (an MFU of the wrong path)."""
+    with Transformer Engine) and every one of their forwards on the fast path (`counts`,
+    `grouped_experts.expert_path_counts`: a layer that fell back to the loop names its cause), `batched` the
+    per-expert layout's grouped GEMM, `loop` Megatron's loop; a CheckFailed of one line otherwise (an MFU of
+    the wrong path)."""
     got = bench.get("experts") or {}
     want = MFU_EXPERTS[experts][2]
     if got.get("path") not in want:
         raise CheckFailed(f"--mfu-experts {experts}: the bench's model computes its experts by {got.get('path')!r} "
-                          f"({got}), not {' or '.join(want)}")
+                          f"({got.get('line') or got}), not {' or '.join(want)}")
+    counts = got.get("counts")
+    if got.get("path") == "grouped_layout":
+        if not counts or not counts.get("forwards"):
+            raise CheckFailed(f"--mfu-experts {experts}: no grouped expert forward was counted ({counts}); the MFU "
+                              "cannot be told to be the fast path's")
+        if counts["slow_forwards"]:
+            raise CheckFailed(f"--mfu-experts {experts}: not the fast path: {counts['slow_forwards']} of "
+                              f"{counts['forwards']} grouped expert forwards, in {counts['slow_layers']} of "
+                              f"{counts['layers']} MoE layers, took the loop over experts "
+                              f"({'; '.join(counts['slow_because'])})")
     return got
 
 
 def mfu_settings(setting: dict) -> list[dict]:
     """One MFU setting per micro-batch of `setting["micro_batches"]` (`--mfu-micro-batches`; default the
     single `micro_batch`), each a keyword set of `mfu_bench_args`."""
-    base = {k: v for k, v in setting.items() if k != "micro_batches"}
-    return [dict(base, micro_batch=int(mb)) for mb in (setting.get("micro_batches") or [setting["micro_batch"]])]
+    base = {k: v for k, v in setting.items() if k not in ("micro_batches", "geometries")}
+    return [dict(base, micro_batch=int(mb), **({"geometry": g} if g else {}))
+            for g in (setting.get("geometries") or [None])
+            for mb in (setting.get("micro_batches") or [setting["micro_batch"]])]
 
 
 def _is_oom(error: Exception, log: Path) -> bool:
@@ -300,28 +259,40 @@ def _mfu(out: Path, peak: float | None, setting: dict, progress=None) -> dict:
     profile = out / "train_step_profile.txt"
     sweep, variants, first_res, experts = [], [], None, None
     for k, one in enumerate(mfu_settings(setting)):
-        mb = one["micro_batch"]
-        name = "mfu_bench" if k == 0 else f"mfu_bench_mb{mb}"
+        mb, geometry = one["micro_batch"], one.get("geometry", "default")
+        tag = "" if geometry == "default" else f", {geometry} ({one.get('layers', 4)} layers)"
+        name = "mfu_bench" if k == 0 else f"mfu_bench_{geometry}_mb{mb}" if tag else f"mfu_bench_mb{mb}"
         extra = ("--profile-train-step", str(profile)) if k == 0 else ()
         try:
             results = _bench(out, name, *mfu_bench_args(**one), *extra)
-            got = check_expert_path(results[0], one.get("experts", "grouped"))
         except CheckFailed as e:
             oom = _is_oom(e, out / f"{name}.log")
-            sweep.append({"micro_batch": mb, "status": "oom" if oom else "fail", "error": str(e)[:500],
+            sweep.append({"micro_batch": mb, "geometry": geometry, "status": "oom" if oom else "fail",
+                          "error": str(e)[:500], "tokens_per_micro_batch": mb * one["seq_len"]})
+            if progress is not None and variants:
+                progress(_mfu_result(variants, sweep, first_res, experts, profile))
+            continue
+        try:
+            got = check_expert_path(results[0], one.get("experts", "grouped"))
+        except CheckFailed as e:  # the bench ran, but not on the path asked: the check fails, in one line
+            sweep.append({"micro_batch": mb, "geometry": geometry, "status": "slow_path", "error": str(e)[:500],
                           "tokens_per_micro_batch": mb * one["seq_len"]})
         else:
-            m = dict(learner_mfu(results[0], peak), label=f"MFU setting, micro-batch {mb}",
+            m = dict(learner_mfu(results[0], peak), label=f"MFU setting, micro-batch {mb}{tag}",
                      micro_batch=results[0]["batch"]["micro_batch_size"], experts=got,
                      optimizer=results[0].get("optimizer"))
             variants.append(m)
-            sweep.append({"micro_batch": mb, "status": "ok", "update_mfu": m["update"]["mfu"],
+            sweep.append({"micro_batch": mb, "geometry": geometry, "status": "ok", "update_mfu": m["update"]["mfu"],
                           "update_tflops_per_s": m["update"]["tflops_per_s"], "tokens_per_micro_batch":
                           mb * one["seq_len"]})
             if first_res is None:
                 first_res, experts = results[0], got
         if progress is not None and variants:
             progress(_mfu_result(variants, sweep, first_res, experts, profile))
+    slow = [r for r in sweep if r["status"] == "slow_path"]
+    if slow:  # an MFU of the slow path is no MFU of the setting: fail, naming the cause
+        raise CheckFailed(f"micro-batch {slow[0]['micro_batch']}: {slow[0]['error']}"
+                          + (f" (and {len(slow) - 1} more benches)" if len(slow) > 1 else ""))
     if not variants:
         raise CheckFailed("no MFU setting finished: " + "; ".join(f"micro-batch {r['micro_batch']}: {r['status']} "
                                                                   f"({r['error'][:200]})" for r in sweep))
@@ -373,138 +344,6 @@ def _throughput(out: Path) -> dict:
     figures = [f"{r['phase']} {_fmt(r['tokens_per_s_per_gpu'], ',.0f')}" for r in tables[0]["rows"]]
     return {"status": "reported", "tables": tables,
             "headline": f"tokens/s/GPU, {tables[0]['source']}: " + ", ".join(figures)}
-
-
-def job_config(steps: int, lr: float = JOB_LR):
-    """The main job's `Config` (see the module docstring, check 4)."""
-    from moe_gspo.config_load import config_from_dict
-
-    tiny = {k: v for k, v in MODEL.items() if k not in ("vocab_size", "pad_token_id", "eos_token_id", "bos_token_id")}
-    tiny["max_position_embeddings"] = 256
-    return config_from_dict({
-        "model": {"path": None, "tiny": tiny, "init_seed": 0, "router_scale": 4.0, "params_dtype": "auto"},
-        "parallel": {"expert_parallel_size": 1, "token_dispatcher": "alltoall"},
-        "rollout": {"engine": "hf", "dtype": "bfloat16", "prompts_per_step": 32, "samples_per_prompt": 8,
-                    "max_new_tokens": 2, "record_routes": True, "record_probs": True},
-        "algo": {"name": "gspo"},
-        "task": {"name": "copy_first", "prompt_len": 4, "num_symbols": 2},
-        "train": {"steps": steps, "lr": lr, "num_minibatches": 2, "checkpoint_every": 10, "keep_checkpoints": 1,
-                  "export_hf": True},
-        "logging": {"wandb_mode": "disabled", "progress": False, "trace_every": 0},
-    })
-
-
-def _launch(config: Path, run_dir: Path, log: Path, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "moe_gspo.launch", "--standalone", "--nproc-per-node", "1",
-           "-m", "benchmarks.gpu_check", "job", "--config", str(config), "--run-dir", str(run_dir), *extra]
-    env = _env({JOB_ENV: str(run_dir), "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
-    with open(log, "a") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def _finish(p: subprocess.Popen, log: Path, timeout: float = 600) -> None:
-    try:
-        rc = p.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-        raise CheckFailed(f"the job did not finish within {timeout:.0f} s; see {log}") from None
-    if rc != 0:
-        raise CheckFailed(f"the job exited with {rc}; see {log}: {log.read_text()[-400:]!r}")
-
-
-def _job_processes(run_dir: Path) -> list[int]:
-    """Live (non-zombie) processes of the job writing `run_dir` (the launcher and its workers)."""
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            if (d / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                continue
-            if f"{JOB_ENV}={run_dir}\0".encode() in (d / "environ").read_bytes():
-                pids.append(int(d.name))
-        except (OSError, IndexError):
-            continue
-    return pids
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def _learning(out: Path, steps: int) -> dict:
-    """Check 4: the job for `steps` steps; `learning_verdict` of its per-step mean rewards."""
-    config, ref_dir = out / "job.yaml", out / "runs" / "uninterrupted"
-    config.write_text(job_config(steps).to_yaml())
-    for d in (ref_dir, out / "runs" / "killed_and_resumed"):
-        if d.exists():
-            raise CheckFailed(f"{d} exists from an earlier check; pass another --out or move it away")
-    _finish(_launch(config, ref_dir, out / "job_uninterrupted.log"), out / "job_uninterrupted.log")
-    learning = learning_verdict([r["reward/mean"] for r in _metrics(ref_dir)])
-    if "error" in learning:
-        raise CheckFailed(learning["error"])
-    learning["lr"] = JOB_LR
-    learning["headline"] = (f"mean reward {learning['reward_first']:.3f} (first {learning['window_steps']} of "
-                            f"{learning['num_steps']} steps) -> {learning['reward_last']:.3f} (last "
-                            f"{learning['window_steps']}): gain {learning['gain']:+.3f}, needed >= "
-                            f"{learning['min_gain']} and > {learning['z']:g} SE = {learning['noise_bound']:.3f}")
-    learning["hf_export"] = (ref_dir / "hf_export" / "config.json").is_file()
-    if not learning["hf_export"]:
-        learning["status"] = "fail"
-        learning["headline"] += "; no HF export written"
-    return learning
-
-
-def _resume(out: Path) -> dict:
-    """Check 5: the job (`RESUME_STEPS` steps) killed after its step-10 checkpoint and resumed, against the
-    first `RESUME_STEPS` steps of the learning check's run (the learning rate is constant: nothing in a
-    step depends on the run's length)."""
-    config, ref_dir = out / "job_resume.yaml", out / "runs" / "uninterrupted"
-    cut_dir = out / "runs" / "killed_and_resumed"
-    if not (ref_dir / "done.json").is_file():
-        raise CheckFailed("needs the uninterrupted run of the learning check, which did not finish")
-    config.write_text(job_config(RESUME_STEPS).to_yaml())
-    log = out / "job_killed_and_resumed.log"
-    p = _launch(config, cut_dir, log)
-    latest, deadline = cut_dir / "checkpoints" / "latest", time.time() + 600
-    while p.poll() is None and time.time() < deadline:
-        if latest.is_file() and latest.read_text().strip() >= KILL_AFTER:
-            break
-        time.sleep(0.2)
-    if p.poll() is not None:
-        raise CheckFailed(f"the run ended (exit {p.returncode}) before it could be killed; see {log}")
-    resumed_at = int(latest.read_text().strip().split("_")[1])
-    os.killpg(p.pid, signal.SIGKILL)  # the launcher; its workers die with it (moe_gspo.run.activity)
-    p.wait()
-    deadline = time.time() + 60
-    while _job_processes(cut_dir) and time.time() < deadline:
-        time.sleep(0.2)
-    if _job_processes(cut_dir):
-        raise CheckFailed(f"processes of the killed run outlived it: {_job_processes(cut_dir)}")
-    if (cut_dir / "done.json").exists():
-        raise CheckFailed("the run finished before the kill took effect")
-    _finish(_launch(config, cut_dir, log, "--resume"), log)
-    if f"resuming at step {resumed_at}" not in log.read_text():
-        raise CheckFailed(f"the resumed run did not report 'resuming at step {resumed_at}'; see {log}")
-    resume = resume_verdict(_metrics(ref_dir)[:RESUME_STEPS], _metrics(cut_dir), resumed_at=resumed_at)
-    return dict(resume, **resume_headline(resume, "\n".join(
-        f.read_text(errors="replace") for f in (out / "job_uninterrupted.log", log) if f.is_file())))
-
-
-def resume_headline(resume: dict, logs: str) -> dict:
-    """The resume check's headline, and the non-deterministic ops its jobs' logs report
-    (`nondeterministic_ops`, named in the headline when the run was not reproducible)."""
-    ops = nondeterminism_reported(logs)
-    at = resume["resumed_at_step"]
-    headline = (f"killed after the step-{at} checkpoint, resumed: "
-                + ("every metric of every later step equals the uninterrupted run's" if resume["exact"] else
-                   f"first difference {resume['first_difference_after_resume']}"))
-    if not resume["first_segment_reproduces"]:
-        headline += (" (the job is not bitwise reproducible on this machine: inconclusive; "
-                     + (f"non-deterministic ops reported: {', '.join(ops)})" if ops else
-                        "no non-deterministic op reported by torch)"))
-    return {"headline": headline, "nondeterministic_ops": ops}
 
 
 def _versions() -> dict:
@@ -600,32 +439,6 @@ def _run(out: Path, steps: int, peak_override: float | None, command: str, mfu_s
     return result
 
 
-def deterministic_job_setup() -> None:
-    """What `job` mode sets before the main job (the learning and resume checks' runs): torch's deterministic
-    algorithms with `warn_only=True` (an op without a deterministic kernel warns and the job goes on; the
-    resume check names the ops its logs report) and attention through SDPA's math kernel only (matmuls and
-    a softmax, deterministic under `CUBLAS_WORKSPACE_CONFIG`): under `warn_only` flash and memory-efficient
-    attention keep their non-deterministic backward (issue 48), which with longer sequences would make the
-    resume check "inconclusive" for a setting of this check rather than for the machine."""
-    import torch
-
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cuda.enable_flash_sdp(False)
-    torch.backends.cuda.enable_mem_efficient_sdp(False)
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    torch.backends.cuda.enable_math_sdp(True)
-
-
-def _job(argv: list[str]) -> int:
-    """`job TRAIN_ARGS...`: `moe_gspo.train` after `deterministic_job_setup`."""
-    deterministic_job_setup()
-    from moe_gspo.train import main as train_main
-
-    return train_main(argv)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["job"]:
@@ -663,10 +476,28 @@ def main(argv: list[str] | None = None) -> int:
                         f"grouped, distributed optimizer); batched = per-expert weights, grouped GEMMs "
                         f"(model.batched_experts, non-distributed optimizer); loop = Megatron's loop over experts "
                         f"(distributed optimizer) (default {d['experts']})")
+    p.add_argument("--mfu-geometry", default=d["geometry"], metavar="NAME[,NAME]",
+                   help=f"MFU setting: the model(s), one bench per geometry and micro-batch: {', '.join(GEOMETRIES)} "
+                        "(default: default = the checks' random model, hidden 1024, 12 layers, 32 experts, top-4; "
+                        "qwen3-30b-a3b-reduced = Qwen3-30B-A3B's layer shapes: hidden 2048, 128 experts, top-8, "
+                        "expert FFN 768, 32 query / 4 KV heads of 128, vocabulary 151,936, at --mfu-layers layers); "
+                        "model FLOPs by moe_gspo/plan/flops.py")
+    p.add_argument("--mfu-layers", type=int, default=d["layers"],
+                   help=f"MFU setting: layers of qwen3-30b-a3b-reduced (default {d['layers']}; 4-8 fit one GPU)")
+    p.add_argument("--mfu-dispatcher", choices=("allgather", "alltoall"), default=d["dispatcher"],
+                   help=f"MFU setting: Megatron's token dispatcher (default {d['dispatcher']}, training's default "
+                        "parallel.token_dispatcher; the summary names it)")
     args = p.parse_args(argv)
     mfu_setting = {"micro_batch": args.mfu_micro_batch, "seq_len": args.mfu_seq_len, "seqs": args.mfu_seqs,
-                   "recompute": args.mfu_recompute, "experts": args.mfu_experts}
+                   "recompute": args.mfu_recompute, "experts": args.mfu_experts, "layers": args.mfu_layers,
+                   "dispatcher": args.mfu_dispatcher}
     try:
+        geometries = [g.strip() for g in args.mfu_geometry.split(",") if g.strip()]
+        if not geometries:
+            raise ValueError("--mfu-geometry: name at least one of " + ", ".join(GEOMETRIES))
+        mfu_setting["geometry"] = geometries[0]
+        if len(geometries) > 1:
+            mfu_setting["geometries"] = geometries
         checks_to_run = parse_checks(args.checks)
         if args.mfu_micro_batches is not None:
             mbs = [m.strip() for m in args.mfu_micro_batches.split(",") if m.strip()]

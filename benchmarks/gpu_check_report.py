@@ -41,8 +41,17 @@ def bench_setting(bench: dict) -> str:
     b = bench["batch"]
     mb = b.get("micro_batch_size") or b["num_seqs"] // b.get("num_minibatches", 1)
     rec = b.get("recompute", True)
-    return (f"{b['num_seqs']} x {b['seq_len']} tokens, micro-batch {mb} x {b['seq_len']} = {mb * b['seq_len']} "
-            f"tokens, recompute {'full' if rec else 'off'}")
+    words = (f"{b['num_seqs']} x {b['seq_len']} tokens, micro-batch {mb} x {b['seq_len']} = {mb * b['seq_len']} "
+             f"tokens, recompute {'full' if rec else 'off'}")
+    if "token_dispatcher" in bench:  # the model and the dispatcher (issue 61: the bench's, named)
+        from transformers import Qwen3MoeConfig
+
+        from moe_gspo.plan.params import Geometry
+
+        g = Geometry.from_hf(Qwen3MoeConfig.from_dict(bench["hf_config"]))
+        words += (f"; hidden {g.hidden}, {g.num_layers} layers, {g.num_experts} experts top-{g.top_k}, expert FFN "
+                  f"{g.moe_intermediate}, vocabulary {g.vocab_size:,}; {bench['token_dispatcher']} dispatcher")
+    return words
 
 
 def learner_mfu(bench: dict, peak_tflops: float | None) -> dict:
@@ -231,9 +240,11 @@ def _experts_words(experts: dict | None) -> str:
     words = {"grouped": "grouped GEMM (model.batched_experts)", "te_grouped": "Transformer Engine grouped GEMM",
              "grouped_layout": "one weight per projection, grouped GEMM (model.expert_layout=grouped)",
              "loop": "Megatron's loop over experts"}.get(path, path)
-    copies = experts.get("weight_copies")
+    copies, counts = experts.get("weight_copies"), experts.get("counts") or {}
     return words + (f", {count} MoE layers" if count is not None else "") + \
-        (f", {copies} weight copies" if copies else "")
+        (f", {copies} weight copies" if copies else "") + \
+        (f", {counts['slow_forwards']} of {counts['forwards']} forwards off the fast path" if counts else "") + \
+        (f" [{experts['line']}]" if experts.get("line") else "")
 
 
 def setup_lines(mfu: dict, mem: dict) -> list[str]:

@@ -2,8 +2,8 @@
 
 `python -m benchmarks.memory_bench [--variants dist,dist_offload] [--tolerance 0.15] [--json OUT]`
 builds a random Qwen3-MoE of ~2 B parameters (default geometry below) on the one GPU of this process
-(world size 1, EP=1, bf16, alltoall dispatcher, full recompute), a Megatron learner with the variant's
-optimizer options and the transformers rollout engine, then runs `--steps` RL steps on a synthetic batch
+(world size 1, EP=1, bf16, `--token-dispatcher`: training's default allgather, full recompute), a Megatron
+learner with the variant's optimizer options and the transformers rollout engine, then runs `--steps` RL steps on a synthetic batch
 of full-length sequences (rollout on the first step only; it is slow with the transformers engine) and
 records `torch.cuda.max_memory_allocated` and the wall time (synchronized) of each phase:
 `rollout` (generate), `logprobs` (old-policy pass), `update` (`train_step`: forward, backward and
@@ -80,7 +80,7 @@ def run_config(args, variant: str, cuda: bool):
     data = {
         "model": {"params_dtype": "bfloat16" if cuda else "float32", "recompute": not args.no_recompute,
                   "batched_experts": args.batched_experts, "expert_layout": args.expert_layout},
-        "parallel": {"expert_parallel_size": 1, "token_dispatcher": "alltoall" if cuda else "allgather"},
+        "parallel": {"expert_parallel_size": 1, "token_dispatcher": args.token_dispatcher if cuda else "allgather"},
         "rollout": {"engine": "hf", "dtype": "bfloat16" if cuda else "float32",
                     "prompts_per_step": args.seqs // args.group, "samples_per_prompt": args.group,
                     "max_new_tokens": args.seq_len - prompt_len},
@@ -163,6 +163,8 @@ def run_variant(args, variant: str, cuda: bool) -> dict:
     from moe_gspo.rollout.base import SamplingParams
     from moe_gspo.rollout.hf_engine import HFEngine
 
+    from moe_gspo.mcore.grouped_experts import expert_path_counts
+
     cfg, prompt_len = run_config(args, variant, cuda)
     hf_config = Qwen3MoeConfig(**geometry_from_args(args))
     gpu_mem = torch.cuda.get_device_properties(0).total_memory / float(1 << 30) if cuda else 80.0
@@ -175,6 +177,7 @@ def run_variant(args, variant: str, cuda: bool) -> dict:
         dtype = torch.bfloat16 if cuda else torch.float32
         model = build_bench_model(cfg, hf_config, dtype)
         experts = expert_path(model)
+        print(f"expert path: {experts['line']}", file=sys.stderr, flush=True)
         asked = ("--expert-layout grouped", ("grouped_layout", "te_grouped")) if args.expert_layout == "grouped" \
             else ("--batched-experts", ("grouped", "grouped_layout", "te_grouped")) if args.batched_experts else None
         if asked is not None and experts["path"] not in asked[1]:
@@ -214,6 +217,7 @@ def run_variant(args, variant: str, cuda: bool) -> dict:
     finally:
         destroy_distributed()
     experts["weight_copies"] = expert_weight_copies(model)
+    experts["counts"] = expert_path_counts(model)  # the grouped layout's forwards, and those off its fast path
     rows = compare_phases({p.name: p.parts_gib for p in plan.phases}, meter.peaks)
     for name, secs in meter.seconds.items():
         rows.setdefault(name, {"planned_gib": None})["seconds"] = [round(t, 4) for t in secs]
@@ -225,7 +229,8 @@ def run_variant(args, variant: str, cuda: bool) -> dict:
             "optimizer": {"distributed": bool(cfg.train.distributed_optimizer),
                           "precision_aware": bool(cfg.train.precision_aware_optimizer),
                           "cpu_offload": bool(cfg.train.optimizer_cpu_offload)},
-            "experts": experts, "phases": rows, "profile": profile}
+            "experts": experts, "phases": rows, "profile": profile,
+            "token_dispatcher": cfg.parallel.token_dispatcher}
 
 
 def build_bench_model(cfg, hf_config, dtype):
@@ -247,7 +252,9 @@ def expert_path(model) -> dict:
     per-expert layout's `BatchedSequentialMLP`: one `torch._grouped_mm` or padded `bmm` per projection),
     `grouped_layout` (ours, `GroupedExperts`: one parameter per projection, `model.expert_layout=grouped`),
     `te_grouped` (Megatron's `TEGroupedMLP` / `GroupedMLP`), `loop` (Megatron's `SequentialMLP`), with the
-    counts."""
+    module counts, and `line`: the build's expert-path line (`moe_gspo.mcore.grouped_experts.expert_path`).
+    `run_variant` adds `counts` after its steps (`grouped_experts.expert_path_counts`: the grouped layout's
+    forwards and those that left the fast path, with why)."""
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     from moe_gspo.mcore.batched_experts import BatchedSequentialMLP
@@ -259,7 +266,8 @@ def expert_path(model) -> dict:
               "loop": sum(type(m) is SequentialMLP for m in model.modules())}
     present = [k for k, n in counts.items() if n]
     path = present[0] if len(present) == 1 else "mixed" if present else "none"
-    return {"path": path, **{f"{k}_modules": n for k, n in counts.items()}}
+    line = (getattr(model, "expert_path", None) or {}).get("line")  # `grouped_experts.expert_path`: the path and why
+    return {"path": path, "line": line, **{f"{k}_modules": n for k, n in counts.items()}}
 
 
 def expert_weight_copies(model) -> int:
@@ -300,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expert-layout", choices=("auto", "per_expert", "grouped"), default="auto",
                    help="model.expert_layout: grouped = one parameter per projection (Megatron's GroupedMLP on "
                         "torch._grouped_mm), copy-free under the distributed optimizer (default auto)")
+    p.add_argument("--token-dispatcher", choices=("allgather", "alltoall"), default="allgather",
+                   help="Megatron's token dispatcher on CUDA (parallel.token_dispatcher; default allgather, "
+                        "training's default; the CPU takes allgather)")
     p.add_argument("--profile-train-step", default=None, metavar="PATH",
                    help="profile one more train_step after the timed steps; write the op table to PATH")
     p.add_argument("--tolerance", type=float, default=0.15, help="allowed |planned/measured - 1| on checked phases")

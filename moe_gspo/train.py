@@ -95,6 +95,7 @@ def loop(cfg: Config, run_dir: Path, info, policy, task, evals, state, act, refe
     from tqdm import tqdm
 
     from moe_gspo.learner.batch import PackedBatch
+    from moe_gspo.mcore.grouped_experts import expert_path_metrics
     from moe_gspo.run import sampling, steps
     from moe_gspo.run.checkpoint import save_checkpoint
     from moe_gspo.run.evaluation import maybe_evaluate
@@ -157,6 +158,7 @@ def loop(cfg: Config, run_dir: Path, info, policy, task, evals, state, act, refe
             dt = time.time() - t0
             num_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
             metrics.update({"perf/step_time_s": dt, "perf/learner_s": dt - t_rollout, "perf/tokens_per_s": num_tokens / dt})
+            metrics.update(expert_path_metrics(learner.model))  # perf/expert_path_fallback_frac (grouped layout)
         metrics.update(timer.take())
         with timer("log"):  # logged in the next step's row, like the checkpoint
             sink.log(step, metrics)

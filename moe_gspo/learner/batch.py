@@ -345,3 +345,14 @@ def split_first_minibatch(seq_lens_B, first_rows, *, dp_rank: int, dp_size: int)
         pieces.append(PassPiece(rows=rows, num_pad=most - len(rows), seq_len=seq_len))
     assert pieces[0] is not None, "the first mini-batch has no rows"
     return pieces[0], pieces[1]
+
+
+def pad_token_frac(seq_lens_B, *, dp_size: int = 1, micro_batch_size: int = 0) -> float:
+    """The share of the token positions one learner pass over these sequences computes that are padding:
+    every rank's micro-batches of `plan_shards` (rows x the micro-batch's padded length, dummy rows included)
+    against the sequences' real tokens. Padding is embedded, routed to experts and computed like any token
+    (issue 61); what it costs is this share."""
+    lens = np.asarray(seq_lens_B, dtype=np.int64).reshape(-1)
+    plan = plan_shards(lens, dp_rank=0, dp_size=dp_size, micro_batch_size=micro_batch_size)
+    computed = dp_size * sum((mb.stop - mb.start) * mb.seq_len for mb in plan.micro_batches)
+    return 1.0 - float(lens.sum()) / computed

@@ -92,6 +92,51 @@ def grouped_mm_torch_problem(version: str | None = None) -> str | None:
             f"weight-gradient kernel could hang on experts without tokens, pytorch#152668)")
 
 
+def old_torch(version: str | None = None) -> str | None:
+    """`grouped_mm_torch_problem` in a few words for the expert-path line ("torch 2.8.0 < 2.9"); None where
+    this torch may run the grouped paths."""
+    version = _torch_version() if version is None else version
+    if grouped_mm_torch_problem(version) is None:
+        return None
+    return f"torch {version} < {'.'.join(map(str, GROUPED_MM_MIN_TORCH))}"
+
+
+def fast_kernel_problem(kind: str, capability: tuple[int, int] | None, dtype: torch.dtype, *,
+                        auto: bool = False) -> str | None:
+    """Why `torch._grouped_mm` has no fast kernel for `dtype` on this device kind and capability, in a few
+    words (None: it has): the torch version, the device ("no CUDA" where `auto` asks: the CPU kernel exists but
+    `model.expert_layout=auto` keeps the per-expert layout there), the dtype (bf16 on CUDA), the compute
+    capability (majors `FAST_GROUPED_MM_MAJORS`). The order is the one the expert-path line names first."""
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {_torch_version()} has no torch._grouped_mm"
+    if (too_old := old_torch()) is not None:
+        return too_old
+    if kind == "cpu":
+        return "no CUDA" if auto else None
+    if kind != "cuda":
+        return f"no CUDA (device {kind})"
+    if dtype != torch.bfloat16:
+        return f"params {str(dtype).removeprefix('torch.')}, grouped needs bf16"
+    if capability[0] not in FAST_GROUPED_MM_MAJORS:
+        return (f"compute capability {capability[0]}.{capability[1]}, grouped needs "
+                + " or ".join(f"{m}.x" for m in FAST_GROUPED_MM_MAJORS))
+    return None
+
+
+def grouped_mm_problem(x_TH: torch.Tensor, ffn: int, *, device: tuple[str, tuple[int, int] | None] | None = None
+                       ) -> str | None:
+    """Why `grouped_mm_supported(x_TH, ffn)` is False, in a few words (None when it is True)."""
+    kind, capability = device or kernel_device(x_TH.device)
+    if (problem := fast_kernel_problem(kind, capability, x_TH.dtype)) is not None:
+        return problem
+    size = x_TH.element_size()
+    if x_TH.shape[1] * size % 16 or ffn * size % 16:
+        return f"widths {x_TH.shape[1]} and {ffn} x {size} B not multiples of 16 B"
+    if x_TH.data_ptr() % 16:
+        return "rows not 16-byte aligned"
+    return None
+
+
 def kernel_device(device) -> tuple[str, tuple[int, int] | None]:
     """`(device type, CUDA compute capability or None)`: what the grouped-GEMM and SwiGLU rules read of a
     device (the capability cached by `_cuda_capability`). One function so that a test can present the `meta`
@@ -178,6 +223,9 @@ class ExpertGroups:
     nonempty_E: torch.Tensor | None
     """bool, on the rows' device: experts with rows, whose weight gradients are kept (capability major 10,
     pytorch#172439, under autograd); None where no mask is needed."""
+    slow_because: str | None = None
+    """Why not the fast path, in a few words (`grouped_mm_problem`, the group count, the operands' dtype or
+    strides); None on it."""
 
 
 def expert_groups(x_TK: torch.Tensor, counts_E: torch.Tensor, *, ffn: int,
@@ -191,11 +239,26 @@ def expert_groups(x_TK: torch.Tensor, counts_E: torch.Tensor, *, ffn: int,
     fast = (grouped_mm_supported(x_TK, ffn, device=device) and counts_E.numel() <= GROUPED_MM_MAX_GROUPS
             and _meets_stride_rule(x_TK) and all(w.dtype == x_TK.dtype and _meets_stride_rule(w) for w in weights))
     if not fast:
-        return ExpertGroups(kind=device[0], fast=False, offs_E=None, nonempty_E=None)
+        return ExpertGroups(kind=device[0], fast=False, offs_E=None, nonempty_E=None,
+                            slow_because=slow_reason(x_TK, counts_E, ffn=ffn, weights=weights, device=device))
     offs_E = to_device_pinned(torch.cumsum(counts_E, 0).to(torch.int32), x_TK.device)
     mask = masks_empty_expert_grads(x_TK.device, kind=device) and torch.is_grad_enabled()
     return ExpertGroups(kind=device[0], fast=True, offs_E=offs_E,
                         nonempty_E=to_device_pinned(counts_E > 0, x_TK.device) if mask else None)
+
+
+def slow_reason(x_TK: torch.Tensor, counts_E: torch.Tensor, *, ffn: int, weights: tuple[torch.Tensor, ...],
+                device: tuple[str, tuple[int, int] | None]) -> str:
+    """Why `expert_groups` did not take the fast path, in a few words (called only off it)."""
+    if (problem := grouped_mm_problem(x_TK, ffn, device=device)) is not None:
+        return problem
+    if counts_E.numel() > GROUPED_MM_MAX_GROUPS:
+        return f"{counts_E.numel()} local experts > {GROUPED_MM_MAX_GROUPS} groups"
+    if any(w.dtype != x_TK.dtype for w in weights):
+        return f"weights {weights[0].dtype} != rows {x_TK.dtype}".replace("torch.", "")
+    if not _meets_stride_rule(x_TK) or not all(_meets_stride_rule(w) for w in weights):
+        return "operand strides off torch._grouped_mm's 16-byte rule"
+    return "torch._grouped_mm not supported here"
 
 
 def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:

@@ -35,9 +35,11 @@ Here:
   with the routing probabilities as one fused autograd function on CUDA (`moe_gspo.mcore.swiglu`:
   Megatron's `weighted_bias_swiglu_impl` maths, `torch.compile`d, saving the fc1 output and the
   probabilities only) and elsewhere `SequentialMLP`'s unfused activation (`batched_experts.mlp_activation`:
-  the same maths and rounding as the per-expert layout), and the copy counter. Experts without tokens take
-  part with zero rows; a layer whose experts got no token at all multiplies the empty input by the whole
-  weights, as upstream does, so every parameter still gets a (zero) gradient.
+  the same maths and rounding as the per-expert layout), the copy counter, and the count of forwards
+  that left the fast path, with why (`expert_path_counts`; issue 61: no silent slow path, see
+  `expert_path`). Experts without tokens take part with zero rows; a layer whose experts got no token at
+  all multiplies the empty input by the whole weights, as upstream does, so every parameter still gets a
+  (zero) gradient.
 
 With Transformer Engine importable, `moe_grouped_gemm` selects TE's `TEGroupedMLP` instead (one weight per
 expert inside TE's own grouped linear); this module is then not used.
@@ -50,7 +52,8 @@ import types
 import torch
 from megatron.core.transformer.moe.experts import GroupedMLP
 
-from moe_gspo.mcore.batched_experts import (FAST_GROUPED_MM_MAJORS, ExpertGroups, _contiguous_grad, expert_groups,
+from moe_gspo.mcore.batched_experts import (GROUPED_MM_MAX_GROUPS, ExpertGroups,
+                                            _contiguous_grad, expert_groups, fast_kernel_problem,
                                             grouped_mm_torch_problem, kernel_device, mask_empty_expert_grads,
                                             mlp_activation, swap_expert_module)
 from moe_gspo.mcore.swiglu import swiglu_fusable, swiglu_with_probs
@@ -74,10 +77,55 @@ def resolve_expert_layout(layout: str, *, device: torch.device | str, params_dty
                          "or upgrade torch")
     if layout != "auto":
         return layout
+    return "per_expert" if auto_layout_problem(device, params_dtype) else "grouped"
+
+
+def auto_layout_problem(device: torch.device | str, params_dtype: torch.dtype) -> str | None:
+    """Why `model.expert_layout=auto` keeps the per-expert layout on `device` in `params_dtype`, in a few words
+    ("torch 2.8.0 < 2.9", "no CUDA", "params float32, grouped needs bf16", "compute capability 8.0, ...");
+    None where it takes the grouped one."""
     kind, capability = kernel_device(device)
-    fast = (old_torch is None and kind == "cuda" and params_dtype == torch.bfloat16
-            and capability[0] in FAST_GROUPED_MM_MAJORS)
-    return "grouped" if fast else "per_expert"
+    return fast_kernel_problem(kind, capability, params_dtype, auto=True)
+
+
+def expert_path(layout: str, *, device: torch.device | str, params_dtype: torch.dtype, batched_experts: bool,
+                use_te: bool, hidden: int, ffn: int, num_local_experts: int) -> dict:
+    """How a model built with these settings computes its experts, said once per run (`line`, printed by the
+    main job and recorded in run.json; `moe_gspo.mcore.model.build_gpt_model` sets `model.expert_path`):
+    `layout` (`per_expert` / `grouped`, what `resolve_expert_layout` gives), `path` (`grouped`: ours on
+    `torch._grouped_mm`; `grouped_loop`: the grouped layout's loop over experts, a slow path; `te_grouped`;
+    `batched`: the per-expert layout's grouped GEMM, `model.batched_experts`; `loop`: Megatron's
+    `SequentialMLP`), `fast` (whether the experts take a grouped GEMM), and `line`, e.g. "grouped
+    (torch._grouped_mm)", "per_expert (torch 2.8.0 < 2.9); Megatron's SequentialMLP loop over experts",
+    "per_expert (params float32, grouped needs bf16); ...", "per_expert (no CUDA); ...". The grouped layout's
+    forward can still leave the fast path call by call; `GroupedExperts` counts those calls
+    (`expert_path_counts`, metric `perf/expert_path_fallback_frac`)."""
+    resolved = resolve_expert_layout(layout, device=device, params_dtype=params_dtype)
+    kind, capability = kernel_device(device)
+    if use_te and resolved == "grouped":
+        return {"asked": layout, "layout": "grouped", "path": "te_grouped", "fast": True,
+                "line": "grouped (Transformer Engine's TEGroupedMLP)"}
+    kernel = fast_kernel_problem(kind, capability, params_dtype)
+    size = torch.empty(0, dtype=params_dtype).element_size()
+    if kernel is None and (hidden * size % 16 or ffn * size % 16):
+        kernel = f"widths {hidden} and {ffn} x {size} B not multiples of 16 B"
+    if kernel is None and num_local_experts > GROUPED_MM_MAX_GROUPS:
+        kernel = f"{num_local_experts} local experts > {GROUPED_MM_MAX_GROUPS} groups"
+    if resolved == "grouped":
+        if kernel is None:
+            return {"asked": layout, "layout": "grouped", "path": "grouped", "fast": True,
+                    "line": "grouped (torch._grouped_mm)"}
+        return {"asked": layout, "layout": "grouped", "path": "grouped_loop", "fast": False,
+                "line": f"grouped, a loop over experts ({kernel})"}
+    why = auto_layout_problem(device, params_dtype) if layout == "auto" else f"model.expert_layout={layout}"
+    if use_te:
+        how, path, fast = "Transformer Engine's TEGroupedMLP", "te_grouped", True
+    elif batched_experts:
+        how, path, fast = ("model.batched_experts: " + ("torch._grouped_mm" if kernel is None else
+                                                        f"padded bmm ({kernel})")), "batched", kernel is None
+    else:
+        how, path, fast = "Megatron's SequentialMLP loop over experts", "loop", False
+    return {"asked": layout, "layout": "per_expert", "path": path, "fast": fast, "line": f"per_expert ({why}); {how}"}
 
 
 def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False, *,
@@ -110,6 +158,12 @@ class GroupedExperts(GroupedMLP):
     num_weight_copies: int = 0
     """Forwards whose `[E, in, out]` weight views needed a copy (a parameter that is not one contiguous
     tensor); 0 in every layout Megatron's optimizers give it."""
+    num_forwards: int = 0
+    """Forwards with tokens (`expert_path_counts`)."""
+    num_slow_forwards: int = 0
+    """Of those, the ones off the fast path (`expert_groups` chose the loop over experts)."""
+    slow_because: str | None = None
+    """Why the last slow forward was slow (`ExpertGroups.slow_because`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -140,6 +194,10 @@ class GroupedExperts(GroupedMLP):
             return h_TF @ self.weight2.view(-1, self.config.hidden_size), None
         # offsets, kernel choice and gradient mask once for both projections (widths H, 2F and F)
         groups = expert_groups(x_TH, tokens_per_expert, ffn=w2_EFH.shape[1], weights=(w1_EHF, w2_EFH))
+        self.num_forwards += 1
+        if not groups.fast:  # counted on the host, no sync: the metric perf/expert_path_fallback_frac
+            self.num_slow_forwards += 1
+            self.slow_because = groups.slow_because
         h_TF = self._activation(gmm(x_TH, w1_EHF, tokens_per_expert, groups=groups), probs_T, groups.kind)
         return gmm(h_TF, w2_EFH, tokens_per_expert, groups=groups), None
 
@@ -176,3 +234,31 @@ def weight_copies(model) -> int:
     """Forwards of `model`'s experts that copied their weights (`num_weight_copies` of `GroupedExperts` and
     `batched_experts.BatchedSequentialMLP`, summed over layers)."""
     return sum(getattr(m, "num_weight_copies", 0) for m in expert_modules(model))
+
+
+def expert_path_counts(model, *, reset: bool = False) -> dict:
+    """The grouped layout's expert forwards with tokens since the last reset, summed over `model`'s
+    `GroupedExperts` (empty without them): `forwards`, `slow_forwards` (off the fast path: the loop over
+    experts), `slow_layers` (MoE layers with a slow one) and `slow_because` (their causes, sorted).
+    `reset`: start the counts again (the training loop does, once per step)."""
+    mods = [m for m in expert_modules(model) if isinstance(m, GroupedExperts)]
+    if not mods:
+        return {}
+    out = {"forwards": sum(m.num_forwards for m in mods), "slow_forwards": sum(m.num_slow_forwards for m in mods),
+           "slow_layers": sum(m.num_slow_forwards > 0 for m in mods), "layers": len(mods),
+           "slow_because": sorted({m.slow_because for m in mods if m.num_slow_forwards})}
+    if reset:
+        for m in mods:
+            m.num_forwards = m.num_slow_forwards = 0
+            m.slow_because = None
+    return out
+
+
+def expert_path_metrics(model) -> dict[str, float]:
+    """`perf/expert_path_fallback_frac`: the share of this step's grouped-layout expert forwards (all MoE layers,
+    every pass) that left the fast path; absent without the grouped layout or without such forwards. Resets
+    the counts (`expert_path_counts`)."""
+    counts = expert_path_counts(model, reset=True)
+    if not counts.get("forwards"):
+        return {}
+    return {"perf/expert_path_fallback_frac": counts["slow_forwards"] / counts["forwards"]}

@@ -237,7 +237,8 @@ def build_gpt_model(
     `scaled_dot_product_attention` call (`moe_gspo.mcore.sdpa_attention`) where the spec has upstream's
     local `DotProductAttention` (no Transformer Engine); no parameters, same maths up to rounding.
     `fused_rope`: Megatron's `apply_rope_fusion` (TE's fused RoPE kernel, or without TE
-    `moe_gspo.mcore.fused_rope`: one autograd function, bit-identical to the unfused RoPE).
+    `moe_gspo.mcore.fused_rope`: one autograd function, bit-identical to the unfused RoPE). `model.expert_path`
+    says how the experts run and why (`moe_gspo.mcore.grouped_experts.expert_path`).
 
     Requires `moe_gspo.mcore.parallel.init_distributed` to have run in this process. The model's
     `vocab_size` attribute is the padded size; `model.hf_vocab_size` the true one.
@@ -247,13 +248,16 @@ def build_gpt_model(
 
     from moe_gspo.mcore.shims import apply_shims, clear_global_router_replay, have_transformer_engine
 
-    from moe_gspo.mcore.grouped_experts import resolve_expert_layout
+    from moe_gspo.mcore.grouped_experts import expert_path
 
     apply_shims()
     use_te = have_transformer_engine()
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    grouped = resolve_expert_layout(expert_layout, device=device, params_dtype=params_dtype) == "grouped"
+    path = expert_path(expert_layout, device=device, params_dtype=params_dtype, batched_experts=batched_experts,
+                       use_te=use_te, hidden=hf_config.hidden_size, ffn=hf_config.moe_intermediate_size,
+                       num_local_experts=max(1, (getattr(hf_config, "num_experts", 0) or 0) // ep_size))
+    grouped = path["layout"] == "grouped"
     # With TE, its grouped GEMM over the local experts (TEGroupedMLP; `weights` maps its names); without,
     # the local SequentialMLP (`batched_experts`: ours, one grouped GEMM per projection), or with the grouped
     # layout Megatron's legacy GroupedMLP on `torch._grouped_mm` (`moe_gspo.mcore.grouped_experts`).
@@ -314,6 +318,7 @@ def build_gpt_model(
     model.hf_vocab_size = hf_config.vocab_size
     model.implicit_causal_mask = implicit_causal_mask
     model.hf_config = hf_config
+    model.expert_path = path  # how the experts run, and why (`grouped_experts.expert_path`): one line per run
     model = model.to(device)
     if batched_experts:  # moving devices gave every parameter its own storage: lay the experts' out again
         from moe_gspo.mcore.batched_experts import stack_expert_weights_

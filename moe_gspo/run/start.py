@@ -169,9 +169,14 @@ def start_run(cfg: Config, plan: RunDirPlan, info, policy, *, resume_asked: bool
     if info.is_main:
         _write_config(run_dir, cfg, resumed_at=state.step if plan.mode == "resume" else None,
                       segment=state.segments)
-        atomic_write_text(run_dir / "run.json", json.dumps(run_facts(cfg, info), indent=1))
+        from moe_gspo.mcore.model import unwrap
+
+        path = getattr(unwrap(policy.learner.model), "expert_path", None)  # issue 61: no silent slow path
+        atomic_write_text(run_dir / "run.json", json.dumps(dict(run_facts(cfg, info), expert_path=path), indent=1))
         print(config_summary(cfg, info, run_dir) if state.step == 0 else f"resuming at step {state.step} from {run_dir}",
               flush=True)
+        if path is not None:
+            print(f"expert path: {path['line']}", flush=True)
     return state
 
 

@@ -324,12 +324,16 @@ def test_a_run_s_steps_do_not_depend_on_its_length(tmp_path):
     assert gc.resume_verdict(rows[5][:3], rows[3], resumed_at=1)["status"] == "pass"
 
 
+FAST_COUNTS = {"forwards": 12, "slow_forwards": 0, "slow_layers": 0, "layers": 2, "slow_because": []}
+"""A grouped-layout bench's forward counts with every forward on the fast path (`expert_path_counts`)."""
+
+
 def test_mfu_and_throughput_checks_from_the_benches_files(tmp_path, monkeypatch):
     """`_mfu` and `_throughput` without a GPU: the bench runs replaced by their JSON results."""
     mfu_res = _bench(seconds_update=(3.0, 2.0, 2.5))
     mfu_res["batch"].update(micro_batch_size=2, recompute=False)
     mfu_res["experts"] = {"path": "grouped_layout", "grouped_modules": 0, "grouped_layout_modules": 2,
-                          "te_grouped_modules": 0, "loop_modules": 0}
+                          "te_grouped_modules": 0, "loop_modules": 0, "counts": FAST_COUNTS}
     mfu_res["optimizer"] = {"distributed": True, "precision_aware": False, "cpu_offload": False}
     del mfu_res["phases"]["rollout"]["seconds"]  # --no-rollout
     mem_res = dict(_bench(), batch=dict(_bench()["batch"], rollout_tokens=24))
@@ -393,12 +397,15 @@ def test_mfu_setting_model_is_built_with_the_asked_expert_path(dist_ep1, experts
     got = mb.expert_path(model)
     n_moe = len(moe_layer_ids(hf))
     assert n_moe > 0
-    zero = {"grouped_modules": 0, "grouped_layout_modules": 0, "te_grouped_modules": 0, "loop_modules": 0}
+    zero = {"grouped_modules": 0, "grouped_layout_modules": 0, "te_grouped_modules": 0, "loop_modules": 0,
+            "line": model.expert_path["line"]}
     if have_transformer_engine() and experts != "loop":
         assert got == {**zero, "path": "te_grouped", "te_grouped_modules": n_moe}
     else:
         path = {"grouped": "grouped_layout", "batched": "grouped", "loop": "loop"}[experts]
         assert got == {**zero, "path": path, f"{path}_modules": n_moe}
+    if got["path"] == "grouped_layout":  # the bench adds the forwards it counted
+        got = dict(got, counts=dict(FAST_COUNTS, layers=n_moe))
     assert gc.check_expert_path({"experts": got}, experts) == got
     for other in set(gc.MFU_EXPERTS) - {experts}:
         if got["path"] not in gc.MFU_EXPERTS[other][2]:
@@ -426,6 +433,11 @@ def test_mfu_bench_json_records_grouped_experts_optimizer_and_micro_batch(tmp_pa
     assert res["experts"]["path"] in ("grouped_layout", "te_grouped") and res["experts"]["loop_modules"] == 0
     assert res["experts"]["grouped_layout_modules"] + res["experts"]["te_grouped_modules"] > 0
     assert res["experts"]["weight_copies"] == 0  # one weight per projection: viewed in place
+    if res["experts"]["path"] == "grouped_layout":  # every MoE layer's forwards counted, none off the fast path
+        counts = res["experts"]["counts"]
+        assert counts["forwards"] > 0 and counts["slow_forwards"] == 0 and counts["layers"] > 0
+        assert gc.check_expert_path(res, "grouped") == res["experts"]
+    assert res["token_dispatcher"] == "allgather"  # training's default (issue 61); the CPU's too
     # without CUDA the bench runs its `cpu` variant (torch AdamW); on CUDA the `dist` one
     assert res["variant"] == "cpu" and res["batch"]["micro_batch_size"] == 2
 
@@ -521,7 +533,7 @@ def _mfu_bench_result(mb: int) -> dict:
     res = _bench(seconds_update=(2.0 / mb, 1.0 / mb))
     res["batch"].update(micro_batch_size=mb, recompute=False)
     res["experts"] = {"path": "grouped_layout", "grouped_modules": 0, "grouped_layout_modules": 2,
-                      "te_grouped_modules": 0, "loop_modules": 0, "weight_copies": 0}
+                      "te_grouped_modules": 0, "loop_modules": 0, "weight_copies": 0, "counts": FAST_COUNTS}
     res["optimizer"] = {"distributed": True, "precision_aware": False, "cpu_offload": False}
     return res
 
@@ -556,7 +568,7 @@ def test_mfu_micro_batch_sweep_records_out_of_memory_and_goes_on(tmp_path, monke
     assert "## MFU setting per micro-batch" in md and "| 8 | 8,192 | oom | n/a | n/a |" in md
     assert "## Learner setups" in md
     assert ("| MFU setting, micro-batch 4 | 4 | distributed | one weight per projection, grouped GEMM "
-            "(model.expert_layout=grouped), 2 MoE layers |") in md
+            "(model.expert_layout=grouped), 2 MoE layers, 0 of 12 forwards off the fast path |") in md
     # every micro-batch out of memory: the check fails, naming them
     monkeypatch.setattr(gc, "_bench", lambda out, name, *e, timeout=900: (_ for _ in ()).throw(
         gc.CheckFailed("CUDA out of memory")))

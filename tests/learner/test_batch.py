@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_gspo.learner.batch import PackedBatch, plan_shards
+from moe_gspo.learner.batch import PackedBatch, pad_token_frac, plan_shards
 from moe_gspo.rollout.base import RolloutSample
 
 
@@ -137,3 +137,15 @@ def test_from_samples_refuses_bad_supports():
     a.support_ids_N = np.array([7, 3, 5, 9, 2, 4], np.int32)  # token 8 is no longer in its support
     with pytest.raises(ValueError, match="sample 0: response token 1 .id 8. is not in its recorded support"):
         PackedBatch.from_samples([a, b], [0.0, 0.0], pad_id=0)
+
+
+def test_pad_token_frac_counts_every_micro_batch_by_hand():
+    """Issue 61: the share of computed positions that are padding. Lengths 3, 5, 8, 4 in one forward: 4 x 8 =
+    32 positions for 20 tokens; in micro-batches of 2: 2 x 5 + 2 x 8 = 26; over 2 ranks, micro-batch 1: slot
+    lengths max(3, 8) and max(5, 4), 2 x 8 + 2 x 5 = 26; 3 sequences over 2 ranks add a dummy row."""
+    lens = [3, 5, 8, 4]
+    assert pad_token_frac(lens) == pytest.approx(1 - 20 / 32)
+    assert pad_token_frac(lens, micro_batch_size=2) == pytest.approx(1 - 20 / 26)
+    assert pad_token_frac(lens, dp_size=2, micro_batch_size=1) == pytest.approx(1 - 20 / 26)
+    assert pad_token_frac([3, 5, 8], dp_size=2) == pytest.approx(1 - 16 / 32)  # 2 ranks x 2 rows x 8
+    assert pad_token_frac([7, 7]) == 0.0

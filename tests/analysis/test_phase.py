@@ -270,3 +270,15 @@ def test_failure_glm_against_newton_by_hand_and_when_it_is_not_fitted():
     sep = failure_glm({"p1": _runs("p1", 0.01, [False] * 3), "p10": _runs("p10", 0.1, [True] * 3)})
     assert math.isnan(sep.slope) and "separate" in sep.why_not
     assert failure_glm({"p1": _runs("p1", 0.01, [False, True])}).why_not == "fewer than two doses"
+
+
+def test_arms_of_few_seeds_are_warned_their_bootstrap_is_no_95_percent_ci(tmp_path):
+    """3F's 3-4 seed arms (issue 58): a percentile bootstrap over so few seeds covers less than 95%; the page says
+    so when an arm has fewer than 10 seeds, and not when every arm has 10."""
+    for seed in range(10):
+        _write(tmp_path / f"grpo-none-p0-s{seed}", 0.9 + 0.001 * seed, 0.0)
+        _write(tmp_path / f"grpo-none-p20-s{seed}", 0.8 + 0.001 * seed, 0.2)
+    warning = "is not a 95% CI"
+    assert warning not in phase_page(load_phase(tmp_path), reps=100)
+    few = [r for r in load_phase(tmp_path) if r.seed < 4 or r.dose == "p0"]
+    assert "Arms of 4 seeds: a percentile bootstrap over so few seeds is not a 95% CI" in phase_page(few, reps=100)

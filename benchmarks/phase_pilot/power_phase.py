@@ -23,7 +23,7 @@ needs when it is the only effect in the family). The Wilcoxon p is the exact sig
 patterns, zeros dropped, two-sided: the analysis's `analysis.stats.wilcoxon_p` at these n, vectorised here), the
 log-rank p lifelines', the trend test statsmodels OLS with seed fixed effects. Seeded: every cell its own stream.
 
-    python -m benchmarks.phase_pilot.power_phase [reports/phase/metrics.jsonl.gz] [--sims 2000]   # ~7 min here
+    python -m benchmarks.phase_pilot.power_phase [reports/phase/metrics.jsonl.gz] [--sims 2000]   # 4-7 min here
     python -m benchmarks.phase_pilot.power_phase --no-power       # all but the power table, in seconds
 """
 

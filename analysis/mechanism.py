@@ -22,6 +22,7 @@ Adam from a fresh state, whose first step is larger than a warmed optimizer's.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -73,23 +74,22 @@ def build_model(depth: int | None, model_dir: str | None, *, seed: int, max_posi
 
 
 def run_grid(*, depths, lengths, doses, seeds, base: StepSetting, model_dir: str | None = None,
-             methods=tuple(METHODS), progress=None) -> list[dict]:
-    """Rows of every (depth, length, dose, seed) setting; each setting starts from a fresh copy of its model."""
+             methods=tuple(METHODS), warm_steps=(0,), progress=None) -> list[dict]:
+    """Rows of every (depth, warm steps, length, dose, seed) setting; each setting starts from a fresh copy of its
+    model."""
     import torch
 
     rows = []
     for depth in ([None] if model_dir else depths):
         for seed in seeds:
-            for length in lengths:
-                for dose in doses:
-                    model, vocab, d = build_model(depth, model_dir, seed=seed,
-                                                  max_positions=base.prompt_len + length)
-                    s = replace(base, length=length, dose=dose, seed=seed)
-                    torch.manual_seed(seed)
-                    for r in measure_step(model, s, vocab=vocab, methods=methods):
-                        rows.append({"depth": d, **r})
-                    if progress:
-                        progress(f"depth {d} length {length} dose {dose} seed {seed}: done")
+            for warm, length, dose in itertools.product(warm_steps, lengths, doses):
+                model, vocab, d = build_model(depth, model_dir, seed=seed, max_positions=base.prompt_len + length)
+                s = replace(base, length=length, dose=dose, seed=seed, warm_steps=warm)
+                torch.manual_seed(seed)
+                for r in measure_step(model, s, vocab=vocab, methods=methods):
+                    rows.append({"depth": d, **r})
+                if progress:
+                    progress(f"depth {d} warm steps {warm} length {length} dose {dose} seed {seed}: done")
     return rows
 
 
@@ -105,7 +105,8 @@ def exponents(rows: list[dict]) -> list[dict]:
         return out
     for method in sorted(df["method"].unique()):
         for metric in EXPONENT_METRICS:
-            d = df[(df["method"] == method)][["length", "depth", "dose", metric]].copy()
+            cols = ["length", "depth", "dose", metric] + (["warm_steps"] if "warm_steps" in df else [])
+            d = df[(df["method"] == method)][cols].copy()
             d = d[np.isfinite(d[metric]) & (d[metric] > 0)]
             terms = [t for t in ("length", "depth") if d[t].nunique() > 1]
             if not terms or len(d) <= len(terms) + 1:
@@ -113,7 +114,8 @@ def exponents(rows: list[dict]) -> list[dict]:
             d["y"] = np.log(d[metric])
             for t in terms:
                 d[f"log_{t}"] = np.log(d[t])
-            formula = "y ~ " + " + ".join(f"log_{t}" for t in terms) + (" + C(dose)" if d["dose"].nunique() > 1 else "")
+            effects = [f" + C({c})" for c in ("dose", "warm_steps") if c in d and d[c].nunique() > 1]
+            formula = "y ~ " + " + ".join(f"log_{t}" for t in terms) + "".join(effects)
             res = smf.ols(formula, data=d).fit()
             ci = res.conf_int()
             for t in terms:
@@ -131,7 +133,8 @@ def page(rows: list[dict], fits: list[dict]) -> str:
             "clipped_seq_frac", "experts_changed", "grad_err_routing", "grad_cos_routing"]
     lines = ["# How much does routing volatility corrupt the gradient?", "",
              f"Settings: depths {sorted(df['depth'].unique().tolist())}, lengths {sorted(df['length'].unique().tolist())}, "
-             f"doses {sorted(df['dose'].unique().tolist())}, seeds {sorted(df['seed'].unique().tolist())}, "
+             f"doses {sorted(df['dose'].unique().tolist())}, seeds {sorted(df['seed'].unique().tolist())}, warm-up "
+             f"steps {sorted(df['warm_steps'].unique().tolist())}, "
              f"{int(df['minibatches'].iloc[0])} mini-batches per rollout (`analysis.mechanism`; rows: mechanism.jsonl).",
              "", "### Per method, after the first update (k >= 1), mean over settings and k", "",
              "| method | " + " | ".join(keys) + " | SNR at k = 0 |", "|---" * (len(keys) + 2) + "|"]
@@ -163,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lengths", type=_numbers(int), default=[16], help="response tokens, e.g. 16,32,64,128")
     ap.add_argument("--doses", type=_numbers(float), default=[0.0], help="dial flip probabilities, e.g. 0,0.1,0.4")
     ap.add_argument("--seeds", type=_numbers(int), default=[0])
+    ap.add_argument("--warm-steps", type=_numbers(int), default=[0],
+                    help="the policy state: GRPO training steps before the measured one, e.g. 0,20,100")
     ap.add_argument("--minibatches", type=int, default=4, help="N, updates per rollout (k = 0..N-1)")
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=4)
@@ -177,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in methods if m not in METHODS]
     if bad:
         ap.error(f"--methods: {bad} unknown; use some of {','.join(METHODS)}")
+    if any(w < 0 for w in args.warm_steps):
+        ap.error("--warm-steps must be >= 0")
     if any(d < 1 for d in args.depths) or any(n < 1 for n in args.lengths):
         ap.error("--depths and --lengths must be >= 1")
     if any(not 0 <= p <= 1 for p in args.doses):
@@ -192,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     base = StepSetting(minibatches=args.minibatches, groups=args.groups, group_size=args.group_size, lr=args.lr)
     try:
         rows = run_grid(depths=args.depths, lengths=args.lengths, doses=args.doses, seeds=args.seeds, base=base,
-                        model_dir=args.model, methods=methods, progress=lambda m: print(m, file=sys.stderr))
+                        model_dir=args.model, methods=methods, warm_steps=args.warm_steps, progress=lambda m: print(m, file=sys.stderr))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -28,7 +28,7 @@ exactly `length` response tokens (sampling does not stop), so response length is
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -75,6 +75,10 @@ class StepSetting:
     """The method whose gradient the updates follow (a key of `METHODS`)."""
     seed: int = 0
     """Seeds the prompts, the sampling and the dial."""
+    warm_steps: int = 0
+    """Training steps before the measured one (the policy state: 0 = the checkpoint as given): each a rollout at
+    dose 0 and N mini-batch updates of the driver's gradient, with the optimizer the measured step then uses
+    (warmed, as in a run)."""
 
 
 class RouteReplay:
@@ -258,6 +262,36 @@ def ratio_stats(model, step: StepReplay, method: str) -> dict[str, float]:
     }
 
 
+def _apply(opt: torch.optim.Optimizer, params: list[torch.Tensor], flat_grad: torch.Tensor) -> None:
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat_grad[offset:offset + n].reshape(p.shape).to(p.dtype)
+        offset += n
+    opt.step()
+
+
+def _minibatches(b: int, n: int, seed: int) -> list[torch.Tensor]:
+    return list(torch.randperm(b, generator=torch.Generator().manual_seed(seed)).reshape(n, -1))
+
+
+def train_steps(model: nn.Module, s: StepSetting, opt: torch.optim.Optimizer, *, vocab: int) -> list[float]:
+    """`s.warm_steps` training steps (rollouts at dose 0 on their own seeds, N mini-batch updates of the driver's
+    gradient each) with `opt`; each step's mean reward."""
+    rewards = []
+    for i in range(s.warm_steps):
+        seed = s.seed + 100_003 * (i + 1)
+        ro = sample_rollout(model, replace(s, dose=0.0, seed=seed), vocab)
+        step = StepReplay(model, ro)
+        try:
+            for idx in _minibatches(ro.seqs.shape[0], s.minibatches, seed + 1):
+                _apply(opt, step.params, step.gradient(s.driver, idx))
+        finally:
+            step.close()
+        rewards.append(ro.extra["reward_mean"])
+    return rewards
+
+
 def measure_step(model: nn.Module, s: StepSetting, *, vocab: int, methods=tuple(METHODS)) -> list[dict]:
     """Rows of one setting: one per (k, method) with the ratio statistics at θ_k, the method's gradient error due to
     routing on mini-batch k (and TIS vs GRPO), and at k = 0 its SNR across the N mini-batches. Updates the model."""
@@ -269,11 +303,13 @@ def measure_step(model: nn.Module, s: StepSetting, *, vocab: int, methods=tuple(
     b = s.groups * s.group_size
     if s.minibatches < 1 or b % s.minibatches:
         raise ValueError(f"minibatches={s.minibatches} must divide groups x group_size = {b}")
+    if s.warm_steps < 0:
+        raise ValueError(f"warm_steps={s.warm_steps} must be >= 0")
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=s.lr)
+    warm = train_steps(model, s, opt, vocab=vocab)
     ro = sample_rollout(model, s, vocab)
     step = StepReplay(model, ro)
-    opt = torch.optim.Adam(step.params, lr=s.lr)
-    perm = torch.randperm(b, generator=torch.Generator().manual_seed(s.seed + 1))
-    mbs = list(perm.reshape(s.minibatches, -1))
+    mbs = _minibatches(b, s.minibatches, s.seed + 1)
     rows: list[dict] = []
     try:
         snr = {}
@@ -296,14 +332,9 @@ def measure_step(model: nn.Module, s: StepSetting, *, vocab: int, methods=tuple(
                 if METHODS[m][3] and "grpo" in grads:
                     row["grad_err_tis_vs_grpo"], row["grad_cos_tis_vs_grpo"] = _rel(grads[m], grads["grpo"])
                 rows.append(row)
-            opt.zero_grad(set_to_none=False)
-            offset = 0
-            for p in step.params:
-                n = p.numel()
-                p.grad = driver[offset:offset + n].reshape(p.shape).to(p.dtype)
-                offset += n
-            opt.step()
+            _apply(opt, step.params, driver)
     finally:
         step.close()
-    base = {"length": s.length, "dose": s.dose, "minibatches": s.minibatches, "seed": s.seed, **ro.extra}
+    base = {"length": s.length, "dose": s.dose, "minibatches": s.minibatches, "seed": s.seed,
+            "warm_steps": s.warm_steps, "warm_reward_last": warm[-1] if warm else math.nan, **ro.extra}
     return [{**base, **r} for r in rows]

@@ -7,6 +7,7 @@ line."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import math
 
 import numpy as np
@@ -117,3 +118,21 @@ def test_a_users_checkpoint_is_measured_at_its_own_depth(tmp_path, capsys):
     assert {k for k in rows[0] if k.startswith("experts_changed_layer")} == {f"experts_changed_layer{i}" for i in range(3)}
     assert mechanism.main(["--model", str(tmp_path / "none"), "--out", str(tmp_path / "z")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_warm_up_steps_train_the_policy_and_the_measured_step_starts_from_it():
+    """The policy state axis: W GRPO steps (their own rollouts at dose 0) before the measured step, with the optimizer
+    it then uses; the measured step's pi_old is the warmed policy's (nothing moved before its first update)."""
+    cfg = tiny_qwen3_moe_config(num_hidden_layers=2, mlp_only_layers=[0])
+    fresh = build_tiny_model(cfg, seed=0)
+    warmed = build_tiny_model(cfg, seed=0)
+    s = StepSetting(**TINY)
+    a = {(r["k"], r["method"]): r for r in measure_step(fresh, s, vocab=cfg.vocab_size, methods=("grpo",))}
+    b = {(r["k"], r["method"]): r for r in measure_step(warmed, replace(s, warm_steps=2), vocab=cfg.vocab_size,
+                                                         methods=("grpo",))}
+    assert b[(0, "grpo")]["warm_steps"] == 2 and math.isfinite(b[(0, "grpo")]["warm_reward_last"])
+    assert math.isnan(a[(0, "grpo")]["warm_reward_last"])
+    assert b[(0, "grpo")]["token_logratio_var"] < 1e-12 and b[(0, "grpo")]["experts_changed"] == 0
+    assert b[(0, "grpo")]["grad_norm"] != a[(0, "grpo")]["grad_norm"]  # another policy, another rollout
+    with pytest.raises(ValueError, match="warm_steps"):
+        measure_step(build_tiny_model(cfg, seed=0), replace(s, warm_steps=-1), vocab=cfg.vocab_size)

@@ -31,6 +31,8 @@ from analysis.phase_stats import (
 
 PAPERS = "the papers' Qwen3-30B-A3B: ~10% per-layer flips, k3 ~1.5e-3 (R3 paper)"
 PRECISIONS = ("bf16", "fp8", "w8a8")
+SMALL_ARM = 10
+"""Arms with fewer seeds get the page's warning that their percentile-bootstrap intervals are not 95% CIs."""
 
 
 def _est(values, reps: int, seed: int, *names) -> str:
@@ -151,7 +153,10 @@ def phase_page(runs: list[PhaseRun], reps: int = st.DEFAULT_REPS, seed: int = 0,
         f"{', '.join(map(str, n))}. Dose: the realised per-layer flip rate (`routing/layer_disagree`, rollout engine "
         "vs the learner's natural routing, response tokens, mean over layers and steps; the arm's median over "
         "seeds). Cells: interquartile mean over seeds [95% percentile bootstrap CI, "
-        f"{reps} resamples, each cell its own stream from seed {seed}]; rates: k/n with the exact Clopper–Pearson CI.",
+        f"{reps} resamples, each cell its own stream from seed {seed}]; rates: k/n with the exact Clopper–Pearson CI."
+        + (f" Arms of {n[0]} seeds: a percentile bootstrap over so few seeds is not a 95% CI (it covers less; "
+           "`python -m benchmarks.phase_pilot.power_phase` simulates how much): read their intervals as the spread "
+           "of the seeds." if n and n[0] < SMALL_ARM else ""),
         "",
         f"Final reward: mean reward/mean over the last 10% of steps; reward AUC: over all steps. Entropy collapse: "
         f"the first step at which the trailing {ENTROPY_WINDOW}-step mean of actor/entropy is below {ENTROPY_FLOOR:g} "

@@ -224,15 +224,17 @@ def shift(fix: MethodFit, base: MethodFit) -> tuple[float, float, float, float]:
 
 
 def ols_slope(method_arms: Mapping[str, Mapping[int, PhaseRun]]) -> tuple[float, float, float, float]:
-    """Final reward on log10(realised dose) with seed fixed effects over the dosed arms (statsmodels OLS):
+    """Final reward on log10(realised dose) with seed fixed effects over the dosed dial arms (statsmodels OLS):
     (slope per decade, CI low, CI high, p); NaNs when fewer than two dosed arms (one arm's seeds differ in realised
-    dose only by sampling noise: no slope to read) or no residual degree of freedom."""
+    dose only by sampling noise: no slope to read) or no residual degree of freedom. Only dial arms (`DIAL_DOSE`,
+    p0 left out) enter: the reference arms (bf16 / fp8 / w8a8 rollouts, the positive control) differ in more than
+    the dose, as `failure_glm` and the tests already treat them."""
     import pandas as pd
     import statsmodels.formula.api as smf
 
     rows = [{"reward": r.scores["final_reward"], "logx": math.log10(r.scores["layer_disagree"]), "seed": str(s),
              "arm": d}
-            for d, arm in method_arms.items() if d not in (ZERO_DOSE, POSITIVE) for s, r in arm.items()
+            for d, arm in method_arms.items() if DIAL_DOSE.match(d) and d != ZERO_DOSE for s, r in arm.items()
             if r.scores["layer_disagree"] > 0 and math.isfinite(r.scores["final_reward"])]
     df = pd.DataFrame(rows)
     if df.empty or df["arm"].nunique() < 2:

@@ -145,6 +145,28 @@ def test_the_ols_slope_needs_two_dosed_arms(matrix):
     assert slope < 0 and lo <= slope <= hi and 0 <= p <= 1
 
 
+def test_the_ols_slope_is_fitted_over_the_dial_arms_alone(matrix):
+    """Experiment 3's GRPO slope was once fitted with the bf16/FP8/W8A8 reference runs in it (issue 58): a
+    reference arm (a rollout precision, the positive control) at a dose of its own must not move the fit."""
+    from dataclasses import replace
+
+    from analysis.phase_stats import ols_slope
+
+    grpo = arms(load_phase(matrix))["grpo-none"]
+    dial = {d: grpo[d] for d in ("p0", "p5", "p20", "p80")}
+    want = ols_slope(dial)
+    # reference runs on the same seeds, at a low realised dose and a far lower reward: in the fit they would pull
+    # the slope up (the reward rises with the dose between them and the dial arms)
+    ref = {s: replace(r, dose="bf16", scores={**r.scores, "layer_disagree": 0.005 + 0.001 * s, "final_reward": 0.0})
+           for s, r in grpo["p5"].items()}
+    pos = {s: replace(r, dose="pos", scores={**r.scores, "layer_disagree": 0.3, "final_reward": 0.0})
+           for s, r in grpo["p5"].items()}
+    for extra in ({"bf16": ref}, {"w8a8": ref}, {"pos": pos}):
+        got = ols_slope({**dial, **extra})
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+    assert want[0] < 0  # the dial arms' own slope: the reward falls with the dose
+
+
 def test_entropy_collapse_needs_low_entropy_and_a_reward_never_solved_after(tmp_path):
     _write(tmp_path / "grpo-none-p0-s0", 0.5, 0.0, entropy_end=0.01)
     step, hit = entropy_collapse(load_run(tmp_path / "grpo-none-p0-s0"))
@@ -277,3 +299,15 @@ def test_noise_doses_are_analysed_on_the_realised_flip_axis(tmp_path):
     assert fit.doses == ["p0", "s0.25", "p20", "s2"]
     np.testing.assert_allclose(fit.x, [0, 0.05, 0.2, 0.8])
     assert fit.critical.kind == "interpolated" and fit.critical.value == pytest.approx(0.1173, abs=1e-4)
+
+
+def test_arms_of_few_seeds_are_warned_their_bootstrap_is_no_95_percent_ci(tmp_path):
+    """3F's 3-4 seed arms (issue 58): a percentile bootstrap over so few seeds covers less than 95%; the page says
+    so when an arm has fewer than 10 seeds, and not when every arm has 10."""
+    for seed in range(10):
+        _write(tmp_path / f"grpo-none-p0-s{seed}", 0.9 + 0.001 * seed, 0.0)
+        _write(tmp_path / f"grpo-none-p20-s{seed}", 0.8 + 0.001 * seed, 0.2)
+    warning = "is not a 95% CI"
+    assert warning not in phase_page(load_phase(tmp_path), reps=100)
+    few = [r for r in load_phase(tmp_path) if r.seed < 4 or r.dose == "p0"]
+    assert "Arms of 4 seeds: a percentile bootstrap over so few seeds is not a 95% CI" in phase_page(few, reps=100)

@@ -1,0 +1,215 @@
+"""`python -m analysis.mechanism`: how much does routing volatility corrupt my gradient? (issue 58)
+
+Replays RL training steps on a Qwen3-MoE model (the tiny random-init model at each `--depths` number of MoE layers,
+or `--model DIR`, a transformers checkpoint, at its own depth) and measures, per method (GRPO's token ratio, GSPO's
+sequence ratio, GRPO+R2, GRPO+R3, token TIS), per staleness index k (the mini-batch update of the rollout), response
+length and dial dose: the variance of the token and sequence log-ratios, the clipped token and sequence fractions,
+experts changed per layer, the gradient error due to routing (relative error and cosine against the same loss with
+the routing change removed) and the gradient's SNR across mini-batches (`analysis.mechanism_step`).
+
+Writes `mechanism.jsonl` (one row per setting, k and method) and `mechanism.md` (per method the means over settings,
+and the scaling exponents of the routing-induced gradient error and the log-ratio variances against response length
+and MoE depth: statsmodels OLS of log(metric) on log(L) and log(depth) over the rows with k >= 1, 95% CI), both
+written to a temporary file and renamed.
+
+    python -m analysis.mechanism --out reports/mechanism --depths 2,4,8 --lengths 16,32,64,128 --doses 0,0.1,0.4
+    python -m analysis.mechanism --model /path/to/qwen3_moe_checkpoint --lengths 64,256 --out my_mechanism
+
+A first version: the policy state is the given checkpoint's (the tiny models: at initialisation); the updates use
+Adam from a fresh state, whose first step is larger than a warmed optimizer's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from analysis.mechanism_step import METHODS, StepSetting, measure_step
+
+EXPONENT_METRICS = ("grad_err_routing", "token_logratio_var", "seq_logratio_mean_var", "experts_changed")
+
+
+def _numbers(kind):
+    def parse(text: str):
+        try:
+            vals = [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated numbers, e.g. 16,32") from None
+        if not vals:
+            raise argparse.ArgumentTypeError("give at least one value")
+        return vals
+    return parse
+
+
+def build_model(depth: int | None, model_dir: str | None, *, seed: int, max_positions: int):
+    """(model, vocabulary size, depth): the tiny random-init Qwen3-MoE with `depth` MoE layers after one dense
+    layer, or the checkpoint at `model_dir` in fp32."""
+    import torch
+
+    if model_dir is not None:
+        from transformers import AutoModelForCausalLM
+
+        from moe_gspo.rollout.hf_router_hooks import find_routers
+
+        if not Path(model_dir).is_dir():
+            raise ValueError(f"--model {model_dir!r} is not a directory; give a transformers checkpoint directory")
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        routers = find_routers(model)
+        if not routers:
+            raise ValueError(f"--model {model_dir!r} has no MoE router; the measurement needs a Qwen3-MoE model")
+        return model, int(model.config.vocab_size), len(routers)
+    from moe_gspo.tiny import build_tiny_model, tiny_qwen3_moe_config
+
+    cfg = tiny_qwen3_moe_config(num_hidden_layers=depth + 1, mlp_only_layers=[0],
+                                max_position_embeddings=max(256, max_positions))
+    return build_tiny_model(cfg, seed=seed), int(cfg.vocab_size), depth
+
+
+def run_grid(*, depths, lengths, doses, seeds, base: StepSetting, model_dir: str | None = None,
+             methods=tuple(METHODS), warm_steps=(0,), progress=None) -> list[dict]:
+    """Rows of every (depth, warm steps, length, dose, seed) setting; each setting starts from a fresh copy of its
+    model."""
+    import torch
+
+    rows = []
+    for depth in ([None] if model_dir else depths):
+        for seed in seeds:
+            for warm, length, dose in itertools.product(warm_steps, lengths, doses):
+                model, vocab, d = build_model(depth, model_dir, seed=seed, max_positions=base.prompt_len + length)
+                s = replace(base, length=length, dose=dose, seed=seed, warm_steps=warm)
+                torch.manual_seed(seed)
+                for r in measure_step(model, s, vocab=vocab, methods=methods):
+                    rows.append({"depth": d, **r})
+                if progress:
+                    progress(f"depth {d} warm steps {warm} length {length} dose {dose} seed {seed}: done")
+    return rows
+
+
+def exponents(rows: list[dict]) -> list[dict]:
+    """Per method and metric: the OLS slopes of log(metric) on log(length) and log(depth) (each when it varies),
+    over the rows with k >= 1 and a positive finite metric, with 95% CIs (statsmodels)."""
+    import pandas as pd
+    import statsmodels.formula.api as smf
+
+    df = pd.DataFrame([r for r in rows if r["k"] >= 1])
+    out = []
+    if df.empty:
+        return out
+    for method in sorted(df["method"].unique()):
+        for metric in EXPONENT_METRICS:
+            cols = ["length", "depth", "dose", metric] + (["warm_steps"] if "warm_steps" in df else [])
+            d = df[(df["method"] == method)][cols].copy()
+            d = d[np.isfinite(d[metric]) & (d[metric] > 0)]
+            terms = [t for t in ("length", "depth") if d[t].nunique() > 1]
+            if not terms or len(d) <= len(terms) + 1:
+                continue
+            d["y"] = np.log(d[metric])
+            for t in terms:
+                d[f"log_{t}"] = np.log(d[t])
+            effects = [f" + C({c})" for c in ("dose", "warm_steps") if c in d and d[c].nunique() > 1]
+            formula = "y ~ " + " + ".join(f"log_{t}" for t in terms) + "".join(effects)
+            res = smf.ols(formula, data=d).fit()
+            ci = res.conf_int()
+            for t in terms:
+                name = f"log_{t}"
+                out.append({"method": method, "metric": metric, "against": t, "exponent": float(res.params[name]),
+                            "lo": float(ci.loc[name, 0]), "hi": float(ci.loc[name, 1]), "n": int(res.nobs)})
+    return out
+
+
+def page(rows: list[dict], fits: list[dict]) -> str:
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    keys = ["token_logratio_var", "seq_logratio_sum_var", "seq_logratio_mean_var", "clipped_token_frac",
+            "clipped_seq_frac", "experts_changed", "grad_err_routing", "grad_cos_routing"]
+    lines = ["# How much does routing volatility corrupt the gradient?", "",
+             f"Settings: depths {sorted(df['depth'].unique().tolist())}, lengths {sorted(df['length'].unique().tolist())}, "
+             f"doses {sorted(df['dose'].unique().tolist())}, seeds {sorted(df['seed'].unique().tolist())}, warm-up "
+             f"steps {sorted(df['warm_steps'].unique().tolist())}, "
+             f"{int(df['minibatches'].iloc[0])} mini-batches per rollout (`analysis.mechanism`; rows: mechanism.jsonl).",
+             "", "### Per method, after the first update (k >= 1), mean over settings and k", "",
+             "| method | " + " | ".join(keys) + " | SNR at k = 0 |", "|---" * (len(keys) + 2) + "|"]
+    for method, g in df.groupby("method", sort=True):
+        late = g[g["k"] >= 1]
+        cells = [f"{late[k].mean():.3g}" if len(late) else "n/a" for k in keys]
+        lines.append(f"| {method} | " + " | ".join(cells) + f" | {g[g['k'] == 0]['grad_snr'].mean():.3g} |")
+    lines += ["", "### Scaling exponents (OLS of log(metric) on log(length) and log(depth), dose effects; 95% CI)", ""]
+    if fits:
+        lines += ["| method | metric | against | exponent [95% CI] | rows |", "|---|---|---|---|---|"]
+        lines += [f"| {f['method']} | {f['metric']} | {f['against']} | {f['exponent']:+.2f} [{f['lo']:+.2f}, "
+                  f"{f['hi']:+.2f}] | {f['n']} |" for f in fits]
+    else:
+        lines.append("Not fitted: length and depth do not vary, or too few rows.")
+    return "\n".join(lines) + "\n"
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m analysis.mechanism", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="folder for mechanism.jsonl and mechanism.md")
+    ap.add_argument("--model", default=None, help="a transformers Qwen3-MoE checkpoint (default: the tiny models)")
+    ap.add_argument("--depths", type=_numbers(int), default=[2], help="MoE layers of the tiny models, e.g. 2,4,8")
+    ap.add_argument("--lengths", type=_numbers(int), default=[16], help="response tokens, e.g. 16,32,64,128")
+    ap.add_argument("--doses", type=_numbers(float), default=[0.0], help="dial flip probabilities, e.g. 0,0.1,0.4")
+    ap.add_argument("--seeds", type=_numbers(int), default=[0])
+    ap.add_argument("--warm-steps", type=_numbers(int), default=[0],
+                    help="the policy state: GRPO training steps before the measured one, e.g. 0,20,100")
+    ap.add_argument("--minibatches", type=int, default=4, help="N, updates per rollout (k = 0..N-1)")
+    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"some of {','.join(METHODS)}")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (1: the tiny models' passes are too small to share, and spinning "
+                         "threads on a busy machine cost ~50x)")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing mechanism.jsonl in --out")
+    args = ap.parse_args(argv)
+    methods = tuple(m for m in args.methods.split(",") if m)
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        ap.error(f"--methods: {bad} unknown; use some of {','.join(METHODS)}")
+    if any(w < 0 for w in args.warm_steps):
+        ap.error("--warm-steps must be >= 0")
+    if any(d < 1 for d in args.depths) or any(n < 1 for n in args.lengths):
+        ap.error("--depths and --lengths must be >= 1")
+    if any(not 0 <= p <= 1 for p in args.doses):
+        ap.error("--doses must be flip probabilities in [0, 1]")
+    out = Path(args.out)
+    if (out / "mechanism.jsonl").exists() and not args.overwrite:
+        ap.error(f"{out / 'mechanism.jsonl'} exists; pass --overwrite to replace it or choose another --out")
+    import torch
+
+    if args.threads < 1:
+        ap.error("--threads must be >= 1")
+    torch.set_num_threads(args.threads)
+    base = StepSetting(minibatches=args.minibatches, groups=args.groups, group_size=args.group_size, lr=args.lr)
+    try:
+        rows = run_grid(depths=args.depths, lengths=args.lengths, doses=args.doses, seeds=args.seeds, base=base,
+                        model_dir=args.model, methods=methods, warm_steps=args.warm_steps, progress=lambda m: print(m, file=sys.stderr))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    clean = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()} for r in rows]
+    _write(out / "mechanism.jsonl", "".join(json.dumps(r) + "\n" for r in clean))
+    _write(out / "mechanism.md", page(rows, exponents(rows)))
+    print(out / "mechanism.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,6 +23,7 @@ from moe_gspo.run.resume_rows import keep_damaged, resume_note, scan_rows
 from moe_gspo.run.errors import warn_once
 from moe_gspo.run.rundir import RunDirPlan, move_contents_aside
 from moe_gspo.files import atomic_write_text
+from moe_gspo.yaml_limits import load_capped
 
 # Settings a resumed run may change freely (anything else that differs is listed in a note).
 _QUIET_CHANGES = ("train.steps", "logging.progress", "logging.progress_every")
@@ -45,9 +46,9 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 def _previous_config(run_dir: Path) -> dict:
     try:
-        data = yaml.safe_load((run_dir / "config.yaml").read_text())
+        data = load_capped((run_dir / "config.yaml").read_text(), what="config.yaml")  # deep or alias-bombed: {}
         return _flat(data) if isinstance(data, dict) else {}
-    except (OSError, yaml.YAMLError):
+    except (OSError, ValueError, yaml.YAMLError):
         return {}
 
 

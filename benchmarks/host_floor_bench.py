@@ -36,7 +36,9 @@ def floor_bytes(overrides: list[str]) -> dict[str, float]:
     from moe_gspo.config_load import load_config
     from moe_gspo.plan.batch_bound import batch_floor_bytes
 
-    cfg = load_config(None, COMMON + overrides)
+    from moe_gspo.run.cli import TRAIN_DEFAULT_CONFIG
+
+    cfg = load_config(TRAIN_DEFAULT_CONFIG, COMMON + overrides)
     return batch_floor_bytes(cfg, world_size=1, local_ranks=1, on_cuda=False)
 
 

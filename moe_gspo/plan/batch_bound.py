@@ -120,8 +120,10 @@ def batch_floor_bytes(cfg, *, world_size: int, local_ranks: int, on_cuda: bool) 
     return out
 
 
-def _fix(cfg, need: dict[str, float], local_ranks: int) -> tuple[str, str]:
-    """(what needs the memory, the fix) for the largest part of `need`."""
+def _fix(cfg, need: dict[str, float], local_ranks: int) -> tuple[str, str, str]:
+    """(what needs the memory, what it is, the fix) for the largest part of `need`."""
+    from moe_gspo.tiny import TINY_DEFAULTS
+
     r, m, tr = cfg.rollout, cfg.model, cfg.train
     part = max(need, key=need.get)
     if part == "model":
@@ -129,8 +131,8 @@ def _fix(cfg, need: dict[str, float], local_ranks: int) -> tuple[str, str]:
         fix = ("shrink model.tiny (hidden_size, num_experts, vocab_size, num_hidden_layers, ...)" if m.path is None
                else "run it on GPUs, or on more nodes with parallel.expert_parallel_size > 1")
         return model, f"the model's weights, gradients and optimizer state on {local_ranks} rank(s)", fix
-    if part == "attention":
-        heads = (m.tiny or {}).get("num_attention_heads") if m.path is None else None
+    heads = (m.tiny or {}).get("num_attention_heads") if m.path is None else None
+    if part == "attention" and (tr.micro_batch_size or (heads or 0) > TINY_DEFAULTS["num_attention_heads"]):
         what = (f"model.tiny.num_attention_heads={heads}" if heads is not None
                 else f"train.micro_batch_size={tr.micro_batch_size}")
         return (what, "the attention's activations (heads x head_dim per token and layer)",
@@ -141,6 +143,9 @@ def _fix(cfg, need: dict[str, float], local_ranks: int) -> tuple[str, str]:
     field, value = (("rollout.samples_per_prompt", r.samples_per_prompt) if r.samples_per_prompt >= r.prompts_per_step
                     else ("rollout.prompts_per_step", r.prompts_per_step))
     step = f"a step of {r.prompts_per_step} prompts x {r.samples_per_prompt} samples"
+    if part == "attention":
+        step += (" (the attention's activations of the old-policy pass, one forward over the whole batch with "
+                 "train.micro_batch_size=0)")
     return f"{field}={value}", step, f"lower {field}"
 
 

@@ -104,7 +104,8 @@ def test_the_memory_floor_counts_the_model_and_the_activations():
     cfg = load_config(None, ["model.tiny={vocab_size: 200000000}"])
     with pytest.raises(ValueError, match=r"^model.tiny=\{'vocab_size': 200000000\}: the model's weights, gradients and "
                                          r"optimizer state on 1 rank\(s\) needs at least [\d.]+ GiB .* \+ [\d.]+ GiB "
-                                         r"activations, 1 rank\(s\)\), and this machine has 16.0 GiB; shrink model.tiny"):
+                                         r"activations, 1 rank\(s\)\), and this machine has 16.0 GiB available; "
+                                         r"shrink model.tiny"):
         check_batch_fits_host(cfg, world_size=1, local_ranks=1, on_cuda=False, host_bytes=16 << 30)
     cfg = load_config(None, ["rollout.prompts_per_step=64", "train.num_minibatches=1",
                              "model.tiny={vocab_size: 2000000}"])

@@ -115,19 +115,19 @@ def check_prompt_chars(prompts: Sequence[Prompt], tokenizer, longest: int, *, co
     for i, p in enumerate(prompts):
         if len(p.text) <= limit:
             continue
-        if len(p.text) > MAX_CHARS_FACTOR * limit:
-            raise ValueError(f"{p.where or f'prompt {i}'}: the prompt has {len(p.text)} characters, more than "
-                             f"{MAX_CHARS_FACTOR * limit} ({MAX_CHARS_FACTOR} x the {limit} characters that the "
-                             f"{longest} tokens of {context} can stand for), counting whitespace: even whitespace the "
-                             "tokenizer drops is read, tokenized and written to samples.jsonl; shorten the prompt")
         dropped = [c for c in _WHITESPACE if c not in kept_whitespace(tokenizer)]
         chars = len(p.text) - sum(p.text.count(c) for c in dropped)
+        where = p.where or f"prompt {i}"
         if chars > limit:
-            where = p.where or f"prompt {i}"
             skipped = " (not counting the whitespace this tokenizer drops)" if dropped else ""
             raise ValueError(f"{where}: the prompt has {len(p.text)} characters, which cannot fit the {longest} tokens of "
                              f"{context}: this tokenizer's tokens are at most {per_token} characters long, so a prompt "
                              f"needs at most {limit} characters{skipped}; shorten the prompt")
+        if len(p.text) > MAX_CHARS_FACTOR * limit:
+            raise ValueError(f"{where}: the prompt has {len(p.text)} characters, more than "
+                             f"{MAX_CHARS_FACTOR * limit} ({MAX_CHARS_FACTOR} x the {limit} characters that the "
+                             f"{longest} tokens of {context} can stand for), counting whitespace: even whitespace the "
+                             "tokenizer drops is read, tokenized and written to samples.jsonl; shorten the prompt")
 
 
 def check_prompt_lengths(prompts: Sequence[Prompt], tokenizer, hf_config, rollout, *,

@@ -255,11 +255,13 @@ class EvalConfig:
     """task.name=jsonl without eval.path: hold this many of task.path's prompts (a fixed random choice,
     the same for every train.seed) out of training and evaluate on them."""
     num_prompts: int | None = None
-    """Prompts per evaluation; null = the whole eval file or held-out split, 64 for a synthetic task."""
+    """Prompts per evaluation; null = the whole eval file or held-out split, 64 for a synthetic task. At most
+    100,000 (`moe_gspo.config_sizes`, as every size of this section)."""
     greedy: bool = True
     """Greedy decoding; false = sample like the rollout (rollout.temperature, rollout.top_p, rollout.top_k)."""
     samples_per_prompt: int = 1
-    """Samples per prompt k; k > 1 (needs eval.greedy=false) also gives eval/pass_at_k."""
+    """Samples per prompt k; k > 1 (needs eval.greedy=false) also gives eval/pass_at_k. At most 1024, and at most
+    1,000,000 responses per evaluation (k x eval.num_prompts)."""
     max_new_tokens: int | None = None
     """Maximum response length of an eval response; null = rollout.max_new_tokens."""
 

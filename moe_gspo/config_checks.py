@@ -325,7 +325,7 @@ def _check_task_io(cfg: Config) -> None:
     _check_positive("eval.holdout", e.holdout, allow_zero=True)
     for k in ("num_prompts", "samples_per_prompt", "max_new_tokens"):
         _check_positive(f"eval.{k}", getattr(e, k))
-    check_eval_size(e)
+    check_eval_size(e, synthetic=t.name != "jsonl")
     if e.samples_per_prompt > 1 and e.greedy:
         raise ValueError(f"eval.samples_per_prompt={e.samples_per_prompt} with eval.greedy=true would give k "
                          "identical responses; set eval.greedy=false for pass@k, or eval.samples_per_prompt=1")

@@ -6,8 +6,12 @@
   used to train the default model silently; a list or mapping where a number belongs (an alias bomb) is
   refused before anything walks it. Whether the model fits the machine is the host-memory floor's question
   (`moe_gspo.plan.batch_bound`, which counts its parameters), asked before any model is built.
-- `check_eval_size(eval)`: `eval.num_prompts` at most `MAX_EVAL_PROMPTS` (the eval set is built in memory at
-  start-up and generated in full at every evaluation: 1e9 sat for minutes with nothing written).
+- `check_eval_size(eval)`: every size of the eval section bounded (the eval set is built in memory at start-up
+  and generated in full at every evaluation: `num_prompts: 1e9` sat for minutes with nothing written, issue 49;
+  `num_prompts: 100000, samples_per_prompt: 100000` was SIGKILLed after 129 s with an empty metrics.jsonl,
+  issue 59): `eval.num_prompts` and `eval.holdout` at most `MAX_EVAL_PROMPTS`, `eval.samples_per_prompt` at most
+  `MAX_EVAL_SAMPLES_PER_PROMPT`, their product (64 prompts for a synthetic task's null) at most
+  `MAX_EVAL_GENERATIONS`, `eval.max_new_tokens` at most `MAX_NEW_TOKENS`.
 
 Errors are one ValueError naming the field and the fix; values in messages are shortened (`short`), so that no
 message expands a huge value.
@@ -24,6 +28,13 @@ from moe_gspo.tiny import TINY_DEFAULTS
 MAX_EVAL_PROMPTS = 100_000
 """The most prompts one evaluation may have (`eval.num_prompts`): ~26 MB of prompts held for the run, and that
 many generations per evaluation (64 is the synthetic tasks' default)."""
+MAX_EVAL_SAMPLES_PER_PROMPT = 1024
+"""The most responses per eval prompt (`eval.samples_per_prompt`, the k of pass@k)."""
+MAX_EVAL_GENERATIONS = 1_000_000
+"""The most responses one evaluation may generate (`eval.num_prompts x eval.samples_per_prompt`)."""
+MAX_NEW_TOKENS = 1 << 20
+"""The longest response a config may ask for (`eval.max_new_tokens`): beyond any model's context (prompt plus
+response are checked against the context itself at start-up, `moe_gspo.tasks.lengths`)."""
 MAX_TINY_INT = 2**31 - 1
 """Upper bound of the tiny model's integer fields (sizes and token ids index int32 tensors); the memory floor
 refuses much less."""
@@ -117,9 +128,19 @@ def check_tiny(tiny: dict) -> None:
                          f"num_experts={merged['num_experts']}")
 
 
-def check_eval_size(e) -> None:
-    """`eval.num_prompts` at most `MAX_EVAL_PROMPTS` (`e`: the `eval` section)."""
-    if e.num_prompts is not None and e.num_prompts > MAX_EVAL_PROMPTS:
-        raise ValueError(f"eval.num_prompts={e.num_prompts} is more than {MAX_EVAL_PROMPTS}: the eval set is held in "
-                         "memory for the whole run and generated in full at every evaluation; lower it (null = the "
-                         "whole eval file, or 64 prompts of a synthetic task)")
+def check_eval_size(e, *, synthetic: bool = False) -> None:
+    """Every size of the `eval` section `e` bounded (see the module docstring); `synthetic`: the task is a synthetic
+    one (eval.num_prompts null = 64 prompts). One ValueError naming the field."""
+    held = "the eval set is held in memory for the whole run and generated in full at every evaluation"
+    for field, value, most, why in (
+            ("num_prompts", e.num_prompts, MAX_EVAL_PROMPTS, held), ("holdout", e.holdout, MAX_EVAL_PROMPTS, held),
+            ("samples_per_prompt", e.samples_per_prompt, MAX_EVAL_SAMPLES_PER_PROMPT, held),
+            ("max_new_tokens", e.max_new_tokens, MAX_NEW_TOKENS, "longer than any model's context")):
+        if value is not None and value > most:
+            null = " (null = the whole eval file, or 64 prompts of a synthetic task)" if field == "num_prompts" else ""
+            raise ValueError(f"eval.{field}={value} is more than {most}: {why}; lower it{null}")
+    prompts = e.num_prompts if e.num_prompts is not None else (64 if synthetic else None)
+    if prompts is not None and prompts * e.samples_per_prompt > MAX_EVAL_GENERATIONS:
+        raise ValueError(f"eval.samples_per_prompt={e.samples_per_prompt} x eval.num_prompts={prompts} = "
+                         f"{prompts * e.samples_per_prompt} responses per evaluation is more than "
+                         f"{MAX_EVAL_GENERATIONS}; lower eval.samples_per_prompt or eval.num_prompts")

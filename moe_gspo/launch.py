@@ -228,12 +228,18 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed import DistNetworkError
     from torch.distributed.run import run
 
+    from moe_gspo.launch_rendezvous import check_rendezvous
     from moe_gspo.run.errors import EXIT_USER_ERROR
 
     args = build_parser().parse_args(argv if argv is not None else sys.argv[1:])
     code = check_train_command(args)
     if code:
         return code
+    try:  # ports out of range, a busy port to host, a host that never answers: one line (moe_gspo.launch_rendezvous)
+        check_rendezvous(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
     # The agent logs every worker it stops ("Sending process N closing signal SIGTERM") and the
     # failure again; the workers' own output and the line below say what matters.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)

@@ -143,7 +143,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("checks and plan", ("moe_gspo.config_checks", "moe_gspo.config_load", "moe_gspo.config_sizes", "moe_gspo.plan")),
     ("orchestration", ("moe_gspo.run",)),
     ("entry points and tools", ("moe_gspo.train", "moe_gspo.probe", "moe_gspo.ablate", "moe_gspo.launch",
-                                "moe_gspo.plan.__main__", "moe_gspo.probe_localize", "analysis")),
+                                "moe_gspo.launch_rendezvous", "moe_gspo.plan.__main__", "moe_gspo.probe_localize", "analysis")),
 )
 """docs/architecture.md's layers, lowest first: a module may import its own layer and those below. A module
 belongs to the layer of its longest listed prefix; the package's own `__init__` is the ground floor. The

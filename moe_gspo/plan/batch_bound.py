@@ -22,8 +22,19 @@ this machine's physical memory with one ValueError naming the field and the fix:
 - on a CPU, the learner's activations of one micro-batch (`train.micro_batch_size` sequences, or this rank's
   share of a mini-batch): the fp32 logits (`4 V` bytes per token) and every layer's saved input (`L h` values
   per token in the parameter dtype).
-It is a floor, not a plan (weights, logits and Python objects come on top), so it only stops configs that
-cannot possibly run; `python -m moe_gspo.plan` counts the GPU side in full.
+- on a CPU, the learner's attention (issue 59: `num_attention_heads: 20000, num_key_value_heads: 1` was counted
+  at 4.58 GiB, its weights only, and ran past 7 GiB; 100,000 heads passed): per token and layer, with `a`
+  query heads, `g` key/value heads of `d` dimensions, Megatron's `SelfAttention` holds the fused QKV output
+  (`(a + 2g) d` values) and, at once inside its query norm and rotary embedding, `ATTENTION_QUERY_COPIES`
+  more query-sized tensors (`a d`: the query, its norm's square and product, the rotated halves and their
+  sum); the autograd graph of a training micro-batch keeps `ATTENTION_SAVED_COPIES` query-sized tensors of
+  every layer (the normed and the rotated query, the attention output) besides the QKV output. The floor
+  takes the larger of one no-grad forward over the old-policy pass's batch (`train.micro_batch_size` or
+  this rank's whole share) and one training micro-batch's graph over all layers, in the parameter dtype.
+It is a floor, not a plan (Python, torch's own memory and allocator slack come on top: ~0.6 GiB for the
+default tiny model), so it only stops configs that cannot possibly run; `python -m moe_gspo.plan` counts the
+GPU side in full. `python -m benchmarks.host_floor_bench` measures it against the peak RSS of real runs.
+It is compared with the memory *available* now (`MemAvailable`), not the machine's total.
 """
 
 from __future__ import annotations
@@ -33,6 +44,11 @@ import os
 
 PACKED_BYTES_PER_TOKEN = 17
 """int64 token id + response mask byte + fp32 rollout log-prob + fp32 old-policy log-prob."""
+ATTENTION_QUERY_COPIES = 5
+"""Query-sized tensors (`heads x head_dim` per token) one attention layer's forward holds at once on a CPU
+besides its fused QKV output (see the module docstring)."""
+ATTENTION_SAVED_COPIES = 3
+"""Query-sized tensors per layer and token the autograd graph keeps besides the fused QKV output."""
 
 
 def physical_memory_bytes() -> int | None:
@@ -42,8 +58,31 @@ def physical_memory_bytes() -> int | None:
         return None
 
 
+def available_memory_bytes() -> int | None:
+    """The memory available to a new process now (`MemAvailable` of /proc/meminfo: free memory plus the page
+    cache and slabs the kernel can reclaim); the physical memory where there is no /proc/meminfo."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return physical_memory_bytes()
+
+
+def attention_floor_bytes(geom, *, infer_tokens: float, train_tokens: float, param_bytes: int) -> float:
+    """One rank's attention activations on a CPU (see the module docstring): the larger of one layer's no-grad
+    forward over `infer_tokens` and the graph of `train_tokens` over all layers."""
+    query = geom.num_heads * geom.head_dim
+    qkv = (geom.num_heads + 2 * geom.num_kv_heads) * geom.head_dim
+    no_grad = infer_tokens * (qkv + ATTENTION_QUERY_COPIES * query)
+    graph = train_tokens * geom.num_layers * (qkv + ATTENTION_SAVED_COPIES * query)
+    return max(no_grad, graph) * param_bytes
+
+
 def batch_floor_bytes(cfg, *, world_size: int, local_ranks: int, on_cuda: bool) -> dict[str, float]:
-    """The node's host bytes (lower bound) of one step: {"batch", "kv_cache", "model", "activations"}."""
+    """The node's host bytes (lower bound) of one step: {"batch", "kv_cache", "model", "activations", "attention"}."""
     from moe_gspo.plan.from_config import resolve_hf_config, sequence_length
     from moe_gspo.plan.host_routes import learner_kept_bytes_per_token, rollout_bytes_per_token
     from moe_gspo.plan.params import Geometry, megatron_counts
@@ -57,7 +96,7 @@ def batch_floor_bytes(cfg, *, world_size: int, local_ranks: int, on_cuda: bool) 
     ranks = max(1, local_ranks)
     per_token = (PACKED_BYTES_PER_TOKEN + rollout_bytes_per_token(geom, record_routes=r.record_routes)
                  + learner_kept_bytes_per_token(geom))
-    out = {"batch": tokens * per_token * ranks, "kv_cache": 0.0, "model": 0.0, "activations": 0.0}
+    out = {"batch": tokens * per_token * ranks, "kv_cache": 0.0, "model": 0.0, "activations": 0.0, "attention": 0.0}
     rollout_bytes = 2 if r.dtype == "bfloat16" else 4
     if not engine_spec(r.engine).kv_budget and not on_cuda:  # the whole share's KV cache at once
         kv = 2 * geom.num_layers * geom.num_kv_heads * geom.head_dim * rollout_bytes
@@ -75,11 +114,16 @@ def batch_floor_bytes(cfg, *, world_size: int, local_ranks: int, on_cuda: bool) 
     mb_seqs = tr.micro_batch_size or math.ceil(seqs / max(1, tr.num_minibatches) / dp)
     v_pad = counts.embedding // max(1, geom.hidden)
     out["activations"] = mb_seqs * seq_len * (4.0 * v_pad + geom.num_layers * geom.hidden * param_bytes) * ranks
+    infer_seqs = tr.micro_batch_size or math.ceil(seqs / dp)  # the old-policy pass's micro-batch
+    out["attention"] = attention_floor_bytes(geom, infer_tokens=infer_seqs * seq_len, train_tokens=mb_seqs * seq_len,
+                                             param_bytes=param_bytes) * ranks
     return out
 
 
-def _fix(cfg, need: dict[str, float], local_ranks: int) -> tuple[str, str]:
-    """(what needs the memory, the fix) for the largest part of `need`."""
+def _fix(cfg, need: dict[str, float], local_ranks: int) -> tuple[str, str, str]:
+    """(what needs the memory, what it is, the fix) for the largest part of `need`."""
+    from moe_gspo.tiny import TINY_DEFAULTS
+
     r, m, tr = cfg.rollout, cfg.model, cfg.train
     part = max(need, key=need.get)
     if part == "model":
@@ -87,18 +131,28 @@ def _fix(cfg, need: dict[str, float], local_ranks: int) -> tuple[str, str]:
         fix = ("shrink model.tiny (hidden_size, num_experts, vocab_size, num_hidden_layers, ...)" if m.path is None
                else "run it on GPUs, or on more nodes with parallel.expert_parallel_size > 1")
         return model, f"the model's weights, gradients and optimizer state on {local_ranks} rank(s)", fix
+    heads = (m.tiny or {}).get("num_attention_heads") if m.path is None else None
+    if part == "attention" and (tr.micro_batch_size or (heads or 0) > TINY_DEFAULTS["num_attention_heads"]):
+        what = (f"model.tiny.num_attention_heads={heads}" if heads is not None
+                else f"train.micro_batch_size={tr.micro_batch_size}")
+        return (what, "the attention's activations (heads x head_dim per token and layer)",
+                "use fewer attention heads, or set train.micro_batch_size to fewer sequences")
     if part == "activations":
         return (f"train.micro_batch_size={tr.micro_batch_size}", "one micro-batch's activations (logits and saved "
                 "layer inputs)", "set train.micro_batch_size to fewer sequences, or raise train.num_minibatches")
     field, value = (("rollout.samples_per_prompt", r.samples_per_prompt) if r.samples_per_prompt >= r.prompts_per_step
                     else ("rollout.prompts_per_step", r.prompts_per_step))
     step = f"a step of {r.prompts_per_step} prompts x {r.samples_per_prompt} samples"
+    if part == "attention":
+        step += (" (the attention's activations of the old-policy pass, one forward over the whole batch with "
+                 "train.micro_batch_size=0)")
     return f"{field}={value}", step, f"lower {field}"
 
 
 def check_batch_fits_host(cfg, *, world_size: int | None = None, local_ranks: int | None = None,
                           on_cuda: bool | None = None, host_bytes: int | None = None) -> None:
-    """Raise ValueError when one step cannot fit this machine's memory (see the module docstring)."""
+    """Raise ValueError when one step cannot fit this machine's available memory (see the module docstring);
+    `host_bytes`: the memory to compare with (default `available_memory_bytes()`)."""
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if local_ranks is None:
@@ -107,18 +161,19 @@ def check_batch_fits_host(cfg, *, world_size: int | None = None, local_ranks: in
         import torch
 
         on_cuda = torch.cuda.is_available()
-    host = physical_memory_bytes() if host_bytes is None else host_bytes
+    host = available_memory_bytes() if host_bytes is None else host_bytes
     if not host:
         return
     need = batch_floor_bytes(cfg, world_size=world_size, local_ranks=local_ranks, on_cuda=on_cuda)
     total = sum(need.values())
     if total <= host:
         return
-    names = {"batch": "batch", "kv_cache": "rollout KV cache", "model": "model", "activations": "activations"}
+    names = {"batch": "batch", "kv_cache": "rollout KV cache", "model": "model", "activations": "activations",
+             "attention": "attention"}
     parts = " + ".join(f"{v / 2**30:.1f} GiB {names[k]}" for k, v in need.items() if v >= 0.05 * 2**30)
     what, needs, fix = _fix(cfg, need, local_ranks)
     if what.startswith("rollout."):
         field, value = what.split("=")
         fix += f" (this floor alone allows at most {max(1, int(int(value) * host / total))})"
     raise ValueError(f"{what}: {needs} needs at least {total / 2**30:.1f} GiB of host memory on this node ({parts}, "
-                     f"{local_ranks} rank(s)), and this machine has {host / 2**30:.1f} GiB; {fix}")
+                     f"{local_ranks} rank(s)), and this machine has {host / 2**30:.1f} GiB available; {fix}")

@@ -23,6 +23,7 @@ from moe_gspo.run.resume_rows import keep_damaged, resume_note, scan_rows
 from moe_gspo.run.errors import warn_once
 from moe_gspo.run.rundir import RunDirPlan, move_contents_aside
 from moe_gspo.files import atomic_write_text
+from moe_gspo.yaml_limits import load_capped
 
 # Settings a resumed run may change freely (anything else that differs is listed in a note).
 _QUIET_CHANGES = ("train.steps", "logging.progress", "logging.progress_every")
@@ -68,8 +69,8 @@ def _previous_config(run_dir: Path) -> tuple[dict, str]:
     `config.resume-N.yaml`, else `config.yaml`; ({}, "") when neither reads."""
     for path in [*reversed(resume_configs(run_dir)), run_dir / "config.yaml"]:
         try:
-            data = yaml.safe_load(path.read_text())
-        except (OSError, yaml.YAMLError, UnicodeDecodeError):
+            data = load_capped(path.read_text(), what=path.name)  # deep or alias-bombed: skipped
+        except (OSError, ValueError, yaml.YAMLError, UnicodeDecodeError):
             continue
         if isinstance(data, dict):
             return _flat(data), path.name

@@ -55,6 +55,10 @@ def context_limit(hf_config, rollout) -> tuple[int, str]:
 
 
 _WHITESPACE = " \t\n\r\f\v"
+MAX_CHARS_FACTOR = 2
+"""A prompt may hold at most this many times the characters its tokens can stand for, whitespace the tokenizer
+drops included (`check_prompt_chars`): dropped whitespace is still read, tokenized and written to samples.jsonl
+(issue 59: 60 M newlines, which the shipped tokenizer drops, took ~150 s and wrote 120 MB sample rows)."""
 
 
 def max_token_chars(tokenizer) -> int:
@@ -102,8 +106,8 @@ def check_prompt_chars(prompts: Sequence[Prompt], tokenizer, longest: int, *, co
     """Refuse, without tokenizing, a prompt that cannot fit `longest` tokens whatever its tokenization:
     one token stands for at most `max_token_chars(tokenizer)` characters, so a prompt with more
     countable characters than `longest` times that needs more tokens. Whitespace counts where the tokenizer
-    keeps it (`kept_whitespace`), not where its normalizer drops it. Tokenizing a 20 MB line first took
-    minutes and gigabytes."""
+    keeps it (`kept_whitespace`), not where its normalizer drops it; every character counts past
+    `MAX_CHARS_FACTOR` times the bound. Tokenizing a 20 MB line first took minutes and gigabytes."""
     per_token = max_token_chars(tokenizer)
     if per_token <= 0:
         return
@@ -113,12 +117,17 @@ def check_prompt_chars(prompts: Sequence[Prompt], tokenizer, longest: int, *, co
             continue
         dropped = [c for c in _WHITESPACE if c not in kept_whitespace(tokenizer)]
         chars = len(p.text) - sum(p.text.count(c) for c in dropped)
+        where = p.where or f"prompt {i}"
         if chars > limit:
-            where = p.where or f"prompt {i}"
             skipped = " (not counting the whitespace this tokenizer drops)" if dropped else ""
             raise ValueError(f"{where}: the prompt has {len(p.text)} characters, which cannot fit the {longest} tokens of "
                              f"{context}: this tokenizer's tokens are at most {per_token} characters long, so a prompt "
                              f"needs at most {limit} characters{skipped}; shorten the prompt")
+        if len(p.text) > MAX_CHARS_FACTOR * limit:
+            raise ValueError(f"{where}: the prompt has {len(p.text)} characters, more than "
+                             f"{MAX_CHARS_FACTOR * limit} ({MAX_CHARS_FACTOR} x the {limit} characters that the "
+                             f"{longest} tokens of {context} can stand for), counting whitespace: even whitespace the "
+                             "tokenizer drops is read, tokenized and written to samples.jsonl; shorten the prompt")
 
 
 def check_prompt_lengths(prompts: Sequence[Prompt], tokenizer, hf_config, rollout, *,

@@ -40,6 +40,11 @@ def _launch(monkeypatch, capsys, *train_args: str) -> tuple[int, list[str], list
     ("model.tiny={hidden_size:128}", "error: model.tiny has the key 'hidden_size:128': YAML needs a space after the "
                                      "colon ({hidden_size: 128})"),
     ("eval.num_prompts=1000000000", "error: eval.num_prompts=1000000000 is more than 100000"),
+    ("eval.samples_per_prompt=100000", "error: eval.samples_per_prompt=100000 is more than 1024: the eval set is held "
+                                       "in memory for the whole run and generated in full at every evaluation"),
+    ("eval.holdout=1000000000", "error: eval.holdout=1000000000 is more than 100000"),
+    ("eval.max_new_tokens=1000000000", "error: eval.max_new_tokens=1000000000 is more than 1048576: longer than any "
+                                       "model's context"),
     ("model.tiny={vocab_size: 10000000000}", "error: model.tiny.vocab_size=10000000000 must be in [1, 2147483647]"),
     ("model.tiny={hidden_size: 1048576}", "error: model.tiny={'hidden_size': 1048576}: the model's weights, gradients "
                                           "and optimizer state on 2 rank(s) needs at least"),
@@ -104,10 +109,27 @@ def test_the_memory_floor_counts_the_model_and_the_activations():
     cfg = load_config(None, ["model.tiny={vocab_size: 200000000}"])
     with pytest.raises(ValueError, match=r"^model.tiny=\{'vocab_size': 200000000\}: the model's weights, gradients and "
                                          r"optimizer state on 1 rank\(s\) needs at least [\d.]+ GiB .* \+ [\d.]+ GiB "
-                                         r"activations, 1 rank\(s\)\), and this machine has 16.0 GiB; shrink model.tiny"):
+                                         r"activations, 1 rank\(s\)\), and this machine has 16.0 GiB available; "
+                                         r"shrink model.tiny"):
         check_batch_fits_host(cfg, world_size=1, local_ranks=1, on_cuda=False, host_bytes=16 << 30)
     cfg = load_config(None, ["rollout.prompts_per_step=64", "train.num_minibatches=1",
                              "model.tiny={vocab_size: 2000000}"])
     with pytest.raises(ValueError, match=r"^train.micro_batch_size=0: one micro-batch's activations .* set "
                                          r"train.micro_batch_size to fewer sequences"):
         check_batch_fits_host(cfg, world_size=1, local_ranks=1, on_cuda=False, host_bytes=16 << 30)
+
+
+@pytest.mark.parametrize("overrides, msg", [
+    (["eval.num_prompts=100000", "eval.samples_per_prompt=100000"], "eval.samples_per_prompt=100000 is more than 1024"),
+    (["eval.num_prompts=100000", "eval.samples_per_prompt=11"], "eval.samples_per_prompt=11 x eval.num_prompts=100000 "
+     "= 1100000 responses per evaluation is more than 1000000; lower eval.samples_per_prompt or eval.num_prompts"),
+])
+def test_eval_generations_are_bounded_at_config_time(overrides, msg):
+    """Issue 59: `eval.num_prompts=100000 eval.samples_per_prompt=100000` was SIGKILLed after 129 s with an empty
+    metrics.jsonl; every size of the eval section is bounded like eval.num_prompts."""
+    with pytest.raises(ValueError) as e:
+        load_config(None, [*overrides, "eval.greedy=false"])
+    assert str(e.value).startswith(msg), str(e.value)
+    # the bounds themselves pass: 1024 samples of a synthetic task's 64 prompts, 10 of 100,000 prompts
+    load_config(None, ["eval.samples_per_prompt=1024", "eval.greedy=false", "eval.max_new_tokens=1048576"])
+    load_config(None, ["eval.num_prompts=100000", "eval.samples_per_prompt=10", "eval.greedy=false"])

@@ -73,3 +73,67 @@ def test_whitespace_counts_where_the_tokenizer_keeps_it(tmp_path):
     assert kept_whitespace(dropping) == ""
     fits = Prompt(text="1" + " " * (limit + 10) + "2", answer="1", where="z:1")
     assert check_prompt_lengths([fits], dropping, model, rollout) == 2  # the token check, after the char check
+
+
+def test_dropped_whitespace_counts_past_twice_the_bound_before_tokenizing(monkeypatch):
+    """Issue 59: a prompt of 60 M newlines (which the shipped tokenizer drops, so the character check skipped them)
+    was tokenized, checked for unknown characters for ~150 s, trained on and written into 120 MB sample rows."""
+    from moe_gspo.tasks import Prompt
+    from moe_gspo.tasks.lengths import MAX_CHARS_FACTOR
+
+    tok = load_tiny_tokenizer()
+    model, rollout = tiny_qwen3_moe_config(max_position_embeddings=112), RolloutConfig(max_new_tokens=12)
+    limit = 100 * max_token_chars(tok)
+    newlines = Prompt(text="\n" * 60_000_000 + "1+1=", answer="2", where="n:1")
+
+    def no_tokenizing(*a, **k):
+        raise AssertionError("tokenized a prompt that cannot fit")
+
+    with monkeypatch.context() as m:
+        m.setattr(lengths, "encode_prompts", no_tokenizing)
+        t0 = time.time()
+        with pytest.raises(ValueError, match=rf"^n:1: the prompt has 60000004 characters, more than "
+                                             rf"{MAX_CHARS_FACTOR * limit} \({MAX_CHARS_FACTOR} x the {limit} "
+                                             r"characters that the 100 tokens of .* counting whitespace: even "
+                                             r"whitespace the tokenizer drops is read, tokenized and written to samples.jsonl; "
+                                             r"shorten the prompt$"):
+            check_prompt_lengths([newlines], tok, model, rollout)
+        assert time.time() - t0 < 10
+    # up to the bound, dropped newlines still go on to the token check (a prompt with some blank lines is fine)
+    at_bound = Prompt(text="1+1=" + "\n" * (MAX_CHARS_FACTOR * limit - 4), answer="2")
+    assert 4 <= check_prompt_lengths([at_bound], tok, model, rollout) < 100
+    with pytest.raises(ValueError, match=r"^prompt 0: the prompt has \d+ characters, more than"):
+        check_prompt_lengths([Prompt(text="1+1=" + "\n" * (MAX_CHARS_FACTOR * limit - 3), answer="2")], tok, model,
+                             rollout)
+
+
+class _CountingTokenizer:
+    """The shipped tokenizer, counting its `convert_tokens_to_ids` calls."""
+
+    def __init__(self):
+        self.inner, self.calls = load_tiny_tokenizer(), 0
+        self.unk_token_id, self.unk_token = self.inner.unk_token_id, self.inner.unk_token
+
+    def convert_tokens_to_ids(self, tokens):
+        self.calls += 1
+        return self.inner.convert_tokens_to_ids(tokens)
+
+
+def test_the_unknown_character_report_asks_the_tokenizer_once_per_prompt():
+    """Issue 59: `unknown_token_report` made one tokenizer call per character (~150 s on 60 M characters)."""
+    from moe_gspo.tasks import Prompt
+    from moe_gspo.tasks.encoding import encode_prompts, unknown_token_report
+
+    tok = _CountingTokenizer()
+    texts = ["What is 2+3?\n" * 100_000, "Ünï 1+1", "2+2=", "\tX"]
+    prompts = [Prompt(text=t, answer="5", where=f"q.jsonl:{i + 1}") for i, t in enumerate(texts)]
+    ids = encode_prompts(tok.inner, texts)
+    t0 = time.time()
+    report = unknown_token_report(tok, prompts, ids)
+    assert time.time() - t0 < 5
+    assert tok.calls == 3  # the three prompts with an unknown character, one call each
+    per_char = [sorted({c for c in t if tok.inner.convert_tokens_to_ids(c) == tok.unk_token_id}) for t in texts]
+    assert per_char[0] == ["\n", "W"] and per_char[2] == []
+    assert report.startswith(f"3 prompt(s) contain text the tokenizer maps to <unk>: q.jsonl:1 (characters "
+                             f"{''.join(per_char[0])!r}); q.jsonl:2 (characters {''.join(per_char[1])!r}); q.jsonl:4 "
+                             f"(characters {''.join(per_char[3])!r})"), report

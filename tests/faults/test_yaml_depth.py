@@ -103,6 +103,6 @@ def test_resume_reads_a_deep_previous_config_without_recursing(tmp_path):
     from moe_gspo.run.start import _previous_config
 
     (tmp_path / "config.yaml").write_text(f"train:\n  steps: {DEEP}\n")
-    assert _previous_config(tmp_path) == {}
+    assert _previous_config(tmp_path) == ({}, "")
     (tmp_path / "config.yaml").write_text("train:\n  steps: 3\nalgo:\n  name: gspo\n")
-    assert _previous_config(tmp_path) == {"train.steps": 3, "algo.name": "gspo"}
+    assert _previous_config(tmp_path) == ({"train.steps": 3, "algo.name": "gspo"}, "config.yaml")

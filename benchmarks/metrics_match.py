@@ -1,13 +1,17 @@
 """Whether two runs logged the same metrics, to float tolerance, apart from the timings.
 
 `python -m benchmarks.metrics_match REF_RUN_DIR RUN_DIR [--rtol 1e-5] [--atol 1e-7]`
+`python -m benchmarks.metrics_match --against REV [--steps 20] [--nproc 1] [--override section.key=value ...]`
 
 Compares `metrics.jsonl` and, where the reference has one, `eval.jsonl` of the two run directories row by
 row: the same rows (by `step`), the same keys, and every value equal within `|a - b| <= atol + rtol * |b|`
 (`math.isclose`; NaN equals NaN), except the timing keys (`perf/*`), which measure the machine, not the run.
 Exit 0 and one line when they match; otherwise exit 1 and the first mismatches, one per line. Use it for a
 speed change that must not change the mathematics: run the same command (same seed, same steps, same
-process count) from the base commit and from the change and compare. Runs on CPUs with and without AMX
+process count) from the base commit and from the change and compare. `--against REV` does that: it checks
+REV out read-only in a temporary `git worktree`, runs the default command (`benchmarks.side_by_side.run_once`:
+`moe_gspo.launch --nproc-per-node N -m moe_gspo.train --algo gspo`, `train.steps=S`, no wandb, no HF export)
+from REV and from this checkout, one after the other, and compares them. Runs on CPUs with and without AMX
 round differently, so compare runs made on one machine.
 """
 
@@ -67,23 +71,62 @@ def compare_run_dirs(ref_dir: Path, run_dir: Path, *, rtol: float, atol: float) 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("ref_run_dir", type=Path)
-    p.add_argument("run_dir", type=Path)
+    p.add_argument("run_dirs", nargs="*", type=Path, metavar="RUN_DIR", help="REF_RUN_DIR RUN_DIR")
+    p.add_argument("--against", metavar="REV", default=None, help="run REV and this checkout, then compare")
+    p.add_argument("--steps", type=int, default=20, help="--against: RL steps of each run (default 20)")
+    p.add_argument("--nproc", type=int, default=1, help="--against: processes of each run (default 1)")
+    p.add_argument("--override", action="append", default=[], metavar="section.key=value",
+                   help="--against: a config override of both runs (repeatable)")
     p.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance (default 1e-5)")
     p.add_argument("--atol", type=float, default=1e-7, help="absolute tolerance (default 1e-7)")
     p.add_argument("--show", type=int, default=20, help="mismatches printed at most (default 20)")
     args = p.parse_args(argv)
+    if (args.against is None) != (len(args.run_dirs) == 2) or (args.against is not None and args.run_dirs):
+        p.error("give either REF_RUN_DIR RUN_DIR or --against REV (not both)")
+    if args.steps < 1 or args.nproc < 1:
+        p.error(f"--steps ({args.steps}) and --nproc ({args.nproc}) must be at least 1")
+    if args.against is not None:
+        return run_against(args.against, steps=args.steps, nproc=args.nproc, overrides=args.override,
+                           rtol=args.rtol, atol=args.atol, show=args.show)
     try:
-        bad = compare_run_dirs(args.ref_run_dir, args.run_dir, rtol=args.rtol, atol=args.atol)
+        bad = compare_run_dirs(*args.run_dirs, rtol=args.rtol, atol=args.atol)
     except FileNotFoundError as e:
         p.error(str(e))
+    return report(bad, args.run_dirs[0], args.run_dirs[1], rtol=args.rtol, atol=args.atol, show=args.show)
+
+
+def run_against(rev: str, *, steps: int, nproc: int, overrides: list[str], rtol: float, atol: float, show: int) -> int:
+    """Run the default command from `rev` and from this checkout (module docstring) and report."""
+    import subprocess
+    import tempfile
+
+    from benchmarks.side_by_side import ROOT, run_once
+
+    common = [f"train.steps={steps}", "logging.wandb_mode=disabled", "train.export_hf=false", *overrides]
+    with tempfile.TemporaryDirectory(prefix="metrics_match_") as tmp:
+        tree = Path(tmp) / "ref_tree"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), rev], check=True)
+        try:
+            for name, src in (("ref", tree), ("new", ROOT)):
+                print(f"running {steps} steps on {nproc} process(es) from {rev if name == 'ref' else 'this checkout'} ...",
+                      flush=True)
+                run_once(src, Path(tmp) / name, nproc, common)
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+        bad = compare_run_dirs(Path(tmp) / "ref", Path(tmp) / "new", rtol=rtol, atol=atol)
+        return report(bad, rev, "this checkout", rtol=rtol, atol=atol, show=show, run_dir=Path(tmp) / "new")
+
+
+def report(bad: list[str], ref, new, *, rtol: float, atol: float, show: int, run_dir: Path | None = None) -> int:
+    """Print the verdict; 0 when `bad` is empty, else 1."""
+    run_dir = run_dir if run_dir is not None else Path(new)
     if not bad:
-        n = len(read_rows(args.run_dir / "metrics.jsonl"))
-        print(f"match: {n} metrics rows (and eval rows) equal to the reference within rtol {args.rtol}, "
-              f"atol {args.atol}, timing keys (perf/*) apart")
+        n = len(read_rows(run_dir / "metrics.jsonl"))
+        print(f"match: {n} metrics rows (and eval rows) of {new} equal to {ref}'s within rtol {rtol}, "
+              f"atol {atol}, timing keys (perf/*) apart")
         return 0
-    print(f"{len(bad)} mismatch(es) against {args.ref_run_dir}:")
-    print("\n".join(bad[: args.show]))
+    print(f"{len(bad)} mismatch(es) of {new} against {ref}:")
+    print("\n".join(bad[:show]))
     return 1
 
 

@@ -49,3 +49,12 @@ def test_main_compares_metrics_and_eval_files(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main([str(tmp_path / "nothing"), str(tmp_path / "same")])
     assert e.value.code == 2 and "not a run directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [[], ["a"], ["a", "b", "--against", "HEAD"], ["--against", "HEAD", "a"],
+                                  ["--against", "HEAD", "--steps", "0"]])
+def test_main_takes_two_run_dirs_or_a_revision(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    want = "must be at least 1" if "--steps" in argv else "REF_RUN_DIR RUN_DIR or --against REV"
+    assert e.value.code == 2 and want in capsys.readouterr().err

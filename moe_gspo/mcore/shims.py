@@ -61,8 +61,8 @@ shim of what it would otherwise pull in on the first forward:
 
 - `import_megatron_core()`: Megatron-core's `jit.py` takes `jit_fuser = torch.compile` and decorates its
   fusions with it when they are imported; each decoration looks up the inductor backend, which imports
-  `torch._inductor.compile_fx` and with it networkx and about 550 more modules (docs/results.md, "Start-up
-  profile"). During that import `torch.compile` is a `DeferredCompile`: a decorated function calls
+  `torch._inductor.compile_fx` and with it networkx and about 550 more modules (docs/results.md, "Start-up and
+  step profiles"). During that import `torch.compile` is a `DeferredCompile`: a decorated function calls
   `torch.compile` with the same arguments on its first call, so what runs, and when it compiles, is unchanged.
 - `skip_disabled_expert_bias` (applied by `apply_shims()`): the one fused function the CPU path calls on every
   router forward is `TopKRouter._apply_expert_bias`, whose body does nothing unless `enable_expert_bias`

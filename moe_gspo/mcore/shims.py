@@ -64,7 +64,7 @@ shim of what it would otherwise pull in on the first forward:
   `torch._inductor.compile_fx` and with it networkx and about 550 more modules (docs/results.md, "Start-up and
   step profiles"). During that import `torch.compile` is a `DeferredCompile`: a decorated function calls
   `torch.compile` with the same arguments on its first call, so what runs, and when it compiles, is unchanged.
-- `skip_disabled_expert_bias` (applied by `apply_shims()`): the one fused function the CPU path calls on every
+- `skip_disabled_expert_bias` (applied by `apply_shims()` on every machine): the one fused function the CPU path calls on every
   router forward is `TopKRouter._apply_expert_bias`, whose body does nothing unless `enable_expert_bias`
   (aux-loss-free load balancing, off in moe-gspo); the shim returns before the compiled function when it is off,
   so it never compiles and the inductor import above never happens. With it on, the compiled function runs.

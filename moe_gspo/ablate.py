@@ -111,6 +111,15 @@ def arm_config_error(spec: AblationSpec, arm: Arm) -> str | None:
 
 # --------------------------------------------------------------------------- matrix
 
+def local_threads_env(parallel_arms: int, nproc: int, cores: int | None = None) -> dict[str, str] | None:
+    """The environment `executor: local` adds to every arm: with arms in parallel, OMP_NUM_THREADS =
+    cores // (parallel_arms * nproc), at least 1 (`cores`: this machine's by default); None (torch's own
+    default) for one arm at a time. `benchmarks.matrix_throughput` measures these layouts."""
+    if parallel_arms <= 1:
+        return None
+    return {"OMP_NUM_THREADS": str(max(1, (cores or os.cpu_count() or 1) // (parallel_arms * nproc)))}
+
+
 def run_ablation(spec: AblationSpec, arm_runner: ArmRunner | None = None, progress: bool = True,
                  compare: bool = True, progress_log: dict[str, Any] | None = None, *,
                  on_interrupt: str = "leave", poll_s: float = 10.0) -> list[ArmResult]:
@@ -120,9 +129,8 @@ def run_ablation(spec: AblationSpec, arm_runner: ArmRunner | None = None, progre
     (every arm's first seed, then every arm's second, ...), so a matrix stopped midway has whole seeds of
     every arm; results come in `expand_arms` order."""
     if arm_runner is None and spec.executor == "local":
-        threads = max(1, (os.cpu_count() or 1) // (spec.parallel_arms * spec.nproc))
         arm_runner = SubprocessArmRunner(spec.arm_timeout_s, arm_env=lambda arm: wandb_env(spec, arm),
-                                         env={"OMP_NUM_THREADS": str(threads)} if spec.parallel_arms > 1 else None)
+                                         env=local_threads_env(spec.parallel_arms, spec.nproc))
     arms = expand_arms(spec)
     bar = tqdm(total=len(arms), desc="ablation", unit="run", file=sys.stderr, disable=not progress)
     log = progress_log if progress_log is not None else {}

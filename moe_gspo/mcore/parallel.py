@@ -68,9 +68,10 @@ def init_distributed(*, ep_size: int, num_experts: int, seed: int = 0,
 
     `timeout_s` bounds every collective (torch.distributed's default group and Megatron's groups):
     a rank that waits longer for another raises instead of hanging; None = `default_timeout_s`."""
-    from megatron.core import parallel_state as ps
+    from moe_gspo.mcore.shims import apply_shims, import_megatron_core, seed_model_parallel_rng
 
-    from moe_gspo.mcore.shims import apply_shims, seed_model_parallel_rng
+    import_megatron_core()  # a run's first Megatron import: its torch.compile decorations deferred
+    from megatron.core import parallel_state as ps
 
     use_cuda = torch.cuda.is_available() if device is None else device.startswith("cuda")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

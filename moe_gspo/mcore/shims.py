@@ -56,6 +56,19 @@ One guard runs before Megatron is imported at all (`moe_gspo.mcore`'s package im
   `have_transformer_engine()` see TE as absent. `transformer_engine_import_error()` gives the error for
   the one warning line the entry points print (rank 0).
 
+One deferral by the first Megatron import of a training process (`parallel.init_distributed`) and one
+shim of what it would otherwise pull in on the first forward:
+
+- `import_megatron_core()`: Megatron-core's `jit.py` takes `jit_fuser = torch.compile` and decorates its
+  fusions with it when they are imported; each decoration looks up the inductor backend, which imports
+  `torch._inductor.compile_fx` and with it networkx and about 550 more modules (docs/results.md, "Start-up and
+  step profiles"). During that import `torch.compile` is a `DeferredCompile`: a decorated function calls
+  `torch.compile` with the same arguments on its first call, so what runs, and when it compiles, is unchanged.
+- `skip_disabled_expert_bias` (applied by `apply_shims()` on every machine): the one fused function the CPU path calls on every
+  router forward is `TopKRouter._apply_expert_bias`, whose body does nothing unless `enable_expert_bias`
+  (aux-loss-free load balancing, off in moe-gspo); the shim returns before the compiled function when it is off,
+  so it never compiles and the inductor import above never happens. With it on, the compiled function runs.
+
 Besides those shims, two decisions are taken here the way Megatron-core 0.16.1 takes them:
 
 - `have_transformer_engine()`: Transformer Engine counts as present only when it *imports*
@@ -79,6 +92,7 @@ Besides those shims, two decisions are taken here the way Megatron-core 0.16.1 t
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -286,6 +300,56 @@ def detach_from_global_router_replay(replays) -> int:
     return before - len(RouterReplay.global_router_replay_instances)
 
 
+class DeferredCompile:
+    """A stand-in for `torch.compile` while Megatron-core imports (`import_megatron_core`): `fn` decorated
+    with it (`@jit_fuser` or `@jit_fuser(**options)`) calls `torch.compile(fn, **options)` on its first
+    call and the compiled function from then on."""
+
+    def __call__(self, model=None, **options):
+        if model is None:
+            return lambda fn: self(fn, **options)
+        compiled = []
+
+        @functools.wraps(model)
+        def first_call_compiles(*args, **kwargs):
+            if not compiled:
+                compiled.append(torch.compile(model, **options))
+            return compiled[0](*args, **kwargs)
+
+        first_call_compiles.deferred_compile = True
+        return first_call_compiles
+
+
+def import_megatron_core() -> None:
+    """Import megatron.core with its import-time `torch.compile` decorations deferred to first use (module
+    docstring); nothing when it is imported already. `torch.compile` itself is restored before returning."""
+    import sys
+
+    if "megatron.core" in sys.modules:
+        return
+    real = torch.compile
+    torch.compile = DeferredCompile()
+    try:
+        import megatron.core  # noqa: F401
+    finally:
+        torch.compile = real
+
+
+def _skip_disabled_expert_bias_shim() -> bool:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    fused = TopKRouter._apply_expert_bias
+
+    @functools.wraps(fused)
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        if not self.enable_expert_bias:  # the fused body updates nothing then (module docstring)
+            return None
+        return fused(self, routing_map, padding_mask)
+
+    TopKRouter._apply_expert_bias = _apply_expert_bias
+    return True
+
+
 def apply_shims() -> list[str]:
     """Apply the shims this machine needs; returns the names of all shims in force."""
     for name, fn in (
@@ -293,6 +357,7 @@ def apply_shims() -> list[str]:
         ("cuda_current_device", _cuda_current_device_shim),
         ("cpu_rng_tracker", _cpu_rng_tracker_shim),
         ("cuda_rng_state_io", _cuda_rng_state_io_shim),
+        ("skip_disabled_expert_bias", _skip_disabled_expert_bias_shim),
     ):
         if name not in _APPLIED and fn():
             _APPLIED.add(name)

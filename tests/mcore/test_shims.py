@@ -116,3 +116,64 @@ def test_an_unimportable_transformer_engine_counts_as_absent_before_megatron_imp
                           capture_output=True, text=True, timeout=300)
     assert bare.returncode != 0 and "libtransformer_engine.so" in bare.stderr
 
+
+
+def test_deferred_compile_compiles_once_on_the_first_call_with_the_same_options(monkeypatch):
+    calls = []
+
+    def fake_compile(fn, **options):
+        calls.append((fn.__name__, options))
+        return lambda *a, **k: ("compiled", fn(*a, **k))
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    defer = shims.DeferredCompile()
+
+    @defer
+    def plain(x):
+        return x + 1
+
+    @defer(dynamic=True)
+    def with_options(x):
+        return x * 2
+
+    assert calls == [] and plain.__name__ == "plain"  # decorating compiles nothing
+    assert plain(1) == ("compiled", 2) and plain(2) == ("compiled", 3)
+    assert with_options(3) == ("compiled", 6)
+    assert calls == [("plain", {}), ("with_options", {"dynamic": True})]  # once each, options kept
+
+
+def test_expert_bias_shim_skips_the_fused_update_only_when_expert_bias_is_off():
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    shims.apply_shims()
+
+    class Off:
+        enable_expert_bias = False
+
+    class On:
+        enable_expert_bias = True
+        local_tokens_per_expert = torch.zeros(3)
+
+    routing_map = torch.tensor([[True, False, True], [True, True, False]])
+    assert TopKRouter._apply_expert_bias(Off(), routing_map) is None
+    on = On()
+    with torch.enable_grad():
+        TopKRouter._apply_expert_bias(on, routing_map)  # the fused (compiled) body still runs
+    assert on.local_tokens_per_expert.tolist() == [2.0, 1.0, 1.0]
+
+
+def test_megatron_imports_without_the_inductor_and_torch_compile_is_restored():
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "real = torch.compile\n"
+            "from moe_gspo.mcore.shims import apply_shims, import_megatron_core\n"
+            "import_megatron_core(); apply_shims()\n"
+            "from megatron.core.jit import jit_fuser\n"
+            "from megatron.core.transformer.moe.router import TopKRouter\n"
+            "assert torch.compile is real and getattr(jit_fuser(lambda: 0), 'deferred_compile', False)\n"
+            "print('torch._inductor.compile_fx' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"  # an eager `import megatron.core` imports it (docs/results.md)

@@ -1,5 +1,5 @@
 """Issue 59 item 7: a malformed saved-metrics file (`--save-metrics`' `.jsonl.gz`) given to `analysis.phase`,
-`analysis.staleness` or `python -m moe_gspo.probe --phase` is one `error:` line naming the file (and the line where it
+`analysis.staleness`, `analysis.claims` or `python -m moe_gspo.probe --phase` is one `error:` line naming the file (and the line where it
 applies) and exit 2, not a traceback: cut short, not gzip, bad JSON, the wrong shape, the wrong types, a run twice.
 A gzip bomb stops at `analysis.matrix_runs.MAX_SAVED_BYTES` of decompressed data (made small here)."""
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from analysis import matrix_runs
+from analysis.claims import main as claims_main
 from analysis.load import ReportInputError
 from analysis.matrix_runs import load_saved_records
 from analysis.phase import main as phase_main
@@ -31,7 +32,8 @@ def _probe_main(argv):
                        str(Path(argv[1]).parent / "drift.json"), "--phase", argv[0]])
 
 
-TOOLS = {"phase": lambda f: phase_main([f, "--bootstrap-reps", "100"]),
+TOOLS = {"claims": lambda f: claims_main([f, "--bootstrap-reps", "100"]),
+         "phase": lambda f: phase_main([f, "--bootstrap-reps", "100"]),
          "staleness": lambda f: staleness_main([f, "--bootstrap-reps", "100"]),
          "probe": lambda f: _probe_main([f, f])}
 

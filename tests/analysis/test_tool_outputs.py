@@ -1,4 +1,4 @@
-"""Issue 59 item 7: `analysis.report`, `compare`, `phase` and `staleness` on an output path that cannot be written (an
+"""Issue 59 item 7: `analysis.report`, `compare`, `phase`, `staleness` (and `claims`, checked before any compute) on an output path that cannot be written (an
 existing regular file where a directory is expected or a path under one, a read-only directory, a read-only or full
 filesystem during the write) print one `error:` line naming the flag and exit 2, with nothing half-written left
 (`analysis.outputs`). Root ignores permission bits, so a read-only filesystem is simulated: `os.access` refusing
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from analysis.claims import main as claims_main
 from analysis.compare import main as compare_main
 from analysis.phase import main as phase_main
 from analysis.report import main as report_main
@@ -53,12 +54,14 @@ def _call(tool: str, inputs, out: Path) -> int:
         return report_main([str(inputs["run"]), "--out", str(out)])
     if tool == "compare":
         return compare_main([str(out), str(inputs["run"]), "--bootstrap-reps", "50"])
+    if tool == "claims":  # (checked before its input is read)
+        return claims_main([str(inputs["phase"]), "--out", str(out), "--bootstrap-reps", "100"])
     main = phase_main if tool == "phase" else staleness_main
     return main([str(inputs[tool]), "--out", str(out), "--bootstrap-reps", "100"])
 
 
 TOOLS = ["report", "compare", "phase", "staleness"]
-FLAG = {"report": "--out", "compare": "OUT_DIR", "phase": "--out", "staleness": "--out"}
+FLAG = {"report": "--out", "compare": "OUT_DIR", "phase": "--out", "staleness": "--out", "claims": "--out"}
 
 
 def _one_error_line(capsys) -> str:
@@ -71,7 +74,7 @@ def _files(d: Path) -> list[str]:
     return sorted(str(p.relative_to(d)) for p in d.rglob("*"))
 
 
-@pytest.mark.parametrize("tool", TOOLS)
+@pytest.mark.parametrize("tool", TOOLS + ["claims"])
 def test_an_existing_file_as_out_is_one_line(tool, inputs, tmp_path, capsys):
     blocker = tmp_path / "taken"
     blocker.write_text("not a directory\n")
@@ -88,11 +91,11 @@ def test_a_directory_as_the_page_file_is_one_line(tool, inputs, tmp_path, capsys
     assert "--out=" in (line := _one_error_line(capsys)) and "is a directory" in line, line
 
 
-@pytest.mark.parametrize("tool", TOOLS)
+@pytest.mark.parametrize("tool", TOOLS + ["claims"])
 def test_a_read_only_out_is_refused_before_any_compute(tool, inputs, tmp_path, capsys, monkeypatch):
     real = os.access
     monkeypatch.setattr(os, "access", lambda p, mode, **k: False if mode & os.W_OK else real(p, mode, **k))
-    out = tmp_path / "out" / ("page.md" if tool in ("phase", "staleness") else "")
+    out = tmp_path / "out" / ("" if tool in ("report", "compare") else "page.md")
     assert _call(tool, inputs, out) == 2
     line = _one_error_line(capsys)
     assert f"{FLAG[tool]}=" in line and "not writable" in line, line

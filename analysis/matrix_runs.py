@@ -61,37 +61,65 @@ def save_records(runs: list[RunData], path: str | Path, keys: Iterable[str]) -> 
 MAX_SAVED_BYTES = 512 * 2**20
 """Decompressed size at which `load_saved_records` stops reading a saved-metrics file (512 MiB, ~25x experiment 3's
 169 runs): a gzip bomb fails after reading this much, never decompressed in full."""
+MAX_SAVED_LINE_BYTES = 64 * 2**20
+"""The longest line (one run) a saved-metrics file may hold (64 MiB, ~600x experiment 3's mean run): a bomb of one
+endless line fails there, holding no more than this in memory."""
+_CHUNK = 64 * 2**10
+_NONBLANK_LINE = re.compile(rb"[^\n]*\S[^\n]*")
 
 
-def load_saved_records(path: str | Path, *, max_bytes: int | None = None) -> list[RunData]:
+def load_saved_records(path: str | Path, *, max_bytes: int | None = None,
+                       max_line_bytes: int | None = None) -> list[RunData]:
     """The runs `save_records` wrote (no traces). A file that is not one (not gzip, cut short, corrupt, a line that
     is not `{"run": <name>, "records": [{"step": <int>, <key>: <number, null or list of them>, ...}, ...]}`, a run
-    twice, more than `max_bytes` decompressed) is a `ReportInputError` naming the file, and the line where it
-    applies; at most `max_bytes` (default `MAX_SAVED_BYTES`) + 1 decompressed bytes are read."""
+    twice, more than `max_bytes` (default `MAX_SAVED_BYTES`) decompressed or a line over `max_line_bytes` (default
+    `MAX_SAVED_LINE_BYTES`)) is a `ReportInputError` naming the file, and the line where it applies. Read in 64 KiB
+    blocks: at most `max_bytes` + 64 KiB is decompressed, blank lines are skipped at C speed."""
     path = Path(path)
     max_bytes = MAX_SAVED_BYTES if max_bytes is None else max_bytes
+    max_line = MAX_SAVED_LINE_BYTES if max_line_bytes is None else max_line_bytes
     runs: list[RunData] = []
     seen: dict[str, int] = {}
-    total, lineno = 0, 0
+    total, lineno = 0, 0  # decompressed bytes read; lines completed
+    buf = bytearray()  # the line in progress
+
+    def complete_lines(block: bytes) -> None:
+        nonlocal lineno
+        if not block.strip():  # blank lines only (a bomb of newlines): counted at C speed
+            lineno += block.count(b"\n")
+            return
+        prev = 0
+        for m in _NONBLANK_LINE.finditer(block):
+            lineno += block.count(b"\n", prev, m.start())
+            prev = m.start()
+            if m.end() - m.start() > max_line:
+                raise ReportInputError(f"{str(path)!r} line {lineno + 1} is longer than {max_line} bytes; not "
+                                       "metrics saved by --save-metrics (a gzip bomb?)")
+            run = _saved_run(m.group(), path, lineno + 1)
+            if run.source.name in seen:
+                raise ReportInputError(f"{str(path)!r} line {lineno + 1}: run {run.source.name!r} is also on line "
+                                       f"{seen[run.source.name]}")
+            seen[run.source.name] = lineno + 1
+            runs.append(run)
+        lineno += block.count(b"\n", prev)
+
     try:
         with gzip.open(path, "rb") as f:
-            while True:
-                raw = f.readline(max_bytes - total + 1)
-                if not raw:
-                    break
-                lineno += 1
-                total += len(raw)
+            while chunk := f.read(_CHUNK):
+                total += len(chunk)
                 if total > max_bytes:
-                    raise ReportInputError(f"{str(path)!r} decompresses to more than {max_bytes} bytes (read up to "
-                                           f"line {lineno}); not metrics saved by --save-metrics (a gzip bomb?)")
-                if not raw.strip():
-                    continue
-                run = _saved_run(raw, path, lineno)
-                if run.source.name in seen:
-                    raise ReportInputError(f"{str(path)!r} line {lineno}: run {run.source.name!r} is also on line "
-                                           f"{seen[run.source.name]}")
-                seen[run.source.name] = lineno
-                runs.append(run)
+                    raise ReportInputError(f"{str(path)!r} decompresses to more than {max_bytes} bytes (stopped at "
+                                           f"line {lineno + 1}); not metrics saved by --save-metrics (a gzip bomb?)")
+                buf += chunk
+                last = chunk.rfind(b"\n")  # in the new block only: a long line is not scanned again per block
+                if last >= 0:
+                    cut = len(buf) - len(chunk) + last + 1
+                    complete_lines(bytes(buf[:cut]))
+                    del buf[:cut]
+                if len(buf) > max_line:
+                    raise ReportInputError(f"{str(path)!r} line {lineno + 1} is longer than {max_line} bytes; not "
+                                           "metrics saved by --save-metrics (a gzip bomb?)")
+        complete_lines(bytes(buf))
     except (OSError, EOFError, zlib.error) as e:  # BadGzipFile is an OSError; a cut stream is an EOFError
         if isinstance(e, OSError) and not isinstance(e, gzip.BadGzipFile) and e.filename is not None:
             raise ReportInputError(f"cannot read {str(path)!r}: {e.strerror or e}") from None

@@ -75,7 +75,7 @@ def test_a_malformed_saved_metrics_file_is_one_line(tool, case, tmp_path, capsys
 
 def test_a_cut_file_names_the_last_whole_line(tmp_path):
     f = tmp_path / "m.jsonl.gz"
-    whole = gzip.compress("".join(_line(f"grpo-none-p{i}-s1") for i in range(200)).encode(), compresslevel=0)
+    whole = gzip.compress("".join(_line(f"grpo-none-p{i}-s1") for i in range(2000)).encode(), compresslevel=0)
     f.write_bytes(whole[: len(whole) // 2])  # stored blocks: the first half of the lines decompress
     with pytest.raises(ReportInputError, match=r"is not a complete gzip file after line \d+ \(EOFError"):
         load_saved_records(f)
@@ -88,26 +88,44 @@ def test_a_good_file_still_loads(tmp_path):
     assert [r.source.name for r in runs] == ["grpo-none-p0-s1", "grpo-none-p20-s1"] and runs[0].records == ROWS
 
 
-@pytest.mark.parametrize("content", [b"\0" * (8 << 20), b"\n" * (8 << 20)], ids=["one_line", "blank_lines"])
+@pytest.mark.parametrize("content", [b"\0" * (8 << 20), b"\n" * (8 << 20), b"\n \n" * (3 << 20)],
+                         ids=["one_line", "blank_lines", "blank_lines_with_spaces"])
 def test_a_gzip_bomb_stops_at_the_bound(content, tmp_path, monkeypatch):
-    """8 MiB of decompressed data (a few KiB on disk) against a 1 MiB bound: refused after reading at most the
-    bound (+1 byte), not decompressed in full."""
+    """8-9 MiB of decompressed data (a few KiB on disk) against a 1 MiB bound (and a 2 MiB bound on one line):
+    refused after decompressing at most the bound plus one 64 KiB block, not in full."""
     f = tmp_path / "bomb.jsonl.gz"
     f.write_bytes(gzip.compress(content, compresslevel=9))
     assert f.stat().st_size < 64 << 10
     read = []
-    real = gzip.GzipFile.readline
+    real = gzip.GzipFile.read
 
     def counted(self, size=-1):
-        line = real(self, size)
-        read.append(len(line))
-        return line
+        block = real(self, size)
+        read.append(len(block))
+        return block
 
-    monkeypatch.setattr(gzip.GzipFile, "readline", counted)
+    monkeypatch.setattr(gzip.GzipFile, "read", counted)
     bound = 1 << 20
     with pytest.raises(ReportInputError, match=f"decompresses to more than {bound} bytes"):
-        load_saved_records(f, max_bytes=bound)
-    assert bound < sum(read) <= bound + 1
+        load_saved_records(f, max_bytes=bound, max_line_bytes=2 << 20)
+    assert bound < sum(read) <= bound + (64 << 10)
+
+
+def test_one_endless_line_stops_at_the_line_bound(tmp_path):
+    f = tmp_path / "bomb.jsonl.gz"
+    f.write_bytes(gzip.compress(b"\n\n" + b"x" * (4 << 20)))
+    with pytest.raises(ReportInputError, match=r"line 3 is longer than 1000 bytes"):
+        load_saved_records(f, max_line_bytes=1000)
+    f.write_bytes(gzip.compress(b"\n\n" + b"x" * 2000 + b"\n"))  # a whole line inside one block, too
+    with pytest.raises(ReportInputError, match=r"line 3 is longer than 1000 bytes"):
+        load_saved_records(f, max_line_bytes=1000)
+
+
+def test_line_numbers_count_blank_lines(tmp_path):
+    f = tmp_path / "m.jsonl.gz"
+    f.write_bytes(gzip.compress(("\n  \n" + _line() + "\n" + '{"run": 1}\n').encode()))
+    with pytest.raises(ReportInputError, match=r"line 5: expected"):
+        load_saved_records(f)
 
 
 @pytest.mark.parametrize("tool", sorted(TOOLS))

@@ -17,6 +17,9 @@ from analysis.load import ReportInputError
 from moe_gspo.files import check_output_dir, check_output_file, disk_full_message, is_disk_full
 
 
+_EXAMPLE_FILE = {"--out": "page.md", "--save-metrics": "metrics.jsonl.gz"}
+
+
 def check_outputs(*, dirs: Mapping[str, str | os.PathLike | None] | None = None,
                   files: Mapping[str, str | os.PathLike | None] | None = None) -> None:
     """`ReportInputError` naming the flag when a given output directory (`{flag: path}`) or file cannot be written:
@@ -27,6 +30,9 @@ def check_outputs(*, dirs: Mapping[str, str | os.PathLike | None] | None = None,
             if path is not None:
                 check_output_dir(path, flag)
         for flag, path in (files or {}).items():
+            if path is not None and Path(path).is_dir():  # (moe_gspo.files' message suggests the probe's drift.json)
+                example = Path(path) / _EXAMPLE_FILE.get(flag, "out")
+                raise ValueError(f"{flag}={str(path)!r} is a directory; give a file path such as {str(example)!r}")
             if path is not None:
                 check_output_file(path, flag)
     except ValueError as e:

@@ -88,7 +88,8 @@ def test_an_existing_file_as_out_is_one_line(tool, inputs, tmp_path, capsys):
 @pytest.mark.parametrize("tool", ["phase", "staleness"])
 def test_a_directory_as_the_page_file_is_one_line(tool, inputs, tmp_path, capsys):
     assert _call(tool, inputs, tmp_path) == 2
-    assert "--out=" in (line := _one_error_line(capsys)) and "is a directory" in line, line
+    line = _one_error_line(capsys)
+    assert f"--out={str(tmp_path)!r} is a directory; give a file path such as {str(tmp_path / 'page.md')!r}" in line
 
 
 @pytest.mark.parametrize("tool", TOOLS + ["claims"])

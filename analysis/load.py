@@ -102,7 +102,8 @@ def iter_step_records(path: Path, skipped) -> Iterator[tuple[int, int, dict[str,
                 skipped(f"{path.name}: skipped line {lineno}: not a JSON object")
                 continue
             step = rec.get("step")
-            if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) or step != int(step):
+            if (isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step)
+                    or step != int(step)):  # NaN / Infinity (JSON accepts them) crashed int()
                 skipped(f"{path.name}: skipped line {lineno}: no integer 'step' field")
                 continue
             if abs(step) > MAX_STEP:
@@ -202,7 +203,8 @@ def load_probe(path: str | Path) -> dict[str, Any]:
         raise ReportInputError(f"probe file {str(path)!r} is not UTF-8 text (a compressed file?); pass the JSON "
                                "that python -m moe_gspo.probe --out wrote") from None
     except (json.JSONDecodeError, RecursionError) as e:
-        why = f"{e.msg} at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else "nested too deep"
+        why = (f"{e.msg} at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError)
+               else "nested too deep")
         raise ReportInputError(f"probe file {str(path)!r} is not valid JSON: {why}") from None
     if not isinstance(probe, dict):
         raise ReportInputError(f"probe file {str(path)!r} must hold a JSON object")

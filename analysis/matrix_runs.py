@@ -168,7 +168,7 @@ def _is_metric(value, depth: int = 0) -> bool:
 
 
 def _shape(value) -> str:
-    """What a JSON value is, for an error line: 'a list', 'a string ('abc')', 'missing'."""
+    """What a JSON value is, for an error line: 'a list', 'a string ("abc")', 'null or missing'."""
     if value is None:
         return "null or missing"
     kinds = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", float: "a fraction",

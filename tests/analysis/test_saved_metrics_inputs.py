@@ -1,7 +1,8 @@
 """Issue 59 item 7: a malformed saved-metrics file (`--save-metrics`' `.jsonl.gz`) given to `analysis.phase`,
-`analysis.staleness`, `analysis.claims` or `python -m moe_gspo.probe --phase` is one `error:` line naming the file (and the line where it
-applies) and exit 2, not a traceback: cut short, not gzip, bad JSON, the wrong shape, the wrong types, a run twice.
-A gzip bomb stops at `analysis.matrix_runs.MAX_SAVED_BYTES` of decompressed data (made small here)."""
+`analysis.staleness`, `analysis.claims` or `python -m moe_gspo.probe --phase` is one `error:` line naming the file
+(and the line where it applies) and exit 2, not a traceback: cut short, not gzip, bad JSON, the wrong shape, the
+wrong types, a run twice. A gzip bomb stops at `analysis.matrix_runs.MAX_SAVED_BYTES` of decompressed data (and
+`MAX_SAVED_LINE_BYTES` a line; both made small here)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""Issue 59 item 7: `analysis.report`, `compare`, `phase`, `staleness` (and `claims`, checked before any compute) on an output path that cannot be written (an
-existing regular file where a directory is expected or a path under one, a read-only directory, a read-only or full
-filesystem during the write) print one `error:` line naming the flag and exit 2, with nothing half-written left
-(`analysis.outputs`). Root ignores permission bits, so a read-only filesystem is simulated: `os.access` refusing
-writes (the check before any compute) or `os.replace` raising EROFS / ENOSPC (the write itself)."""
+"""Issue 59 item 7: `analysis.report`, `compare`, `phase`, `staleness` (and `claims`, checked before any compute) on
+an output path that cannot be written (an existing regular file where a directory is expected or a path under one, a
+read-only directory, a read-only or full filesystem during the write) print one `error:` line naming the flag and
+exit 2, with nothing half-written left (`analysis.outputs`). Root ignores permission bits, so a read-only filesystem
+is simulated: `os.access` refusing writes (the check before any compute) or `os.replace` raising EROFS / ENOSPC (the
+write itself)."""
 
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def _files(d: Path) -> list[str]:
 def test_an_existing_file_as_out_is_one_line(tool, inputs, tmp_path, capsys):
     blocker = tmp_path / "taken"
     blocker.write_text("not a directory\n")
-    out = blocker if tool in ("report", "compare") else blocker / "page.md"  # a directory expected / a path under a file
+    out = blocker if tool in ("report", "compare") else blocker / "page.md"  # a directory expected / a path under one
     assert _call(tool, inputs, out) == 2
     line = _one_error_line(capsys)
     assert f"{FLAG[tool]}=" in line and str(blocker) in line and "is a file, not a directory" in line, line

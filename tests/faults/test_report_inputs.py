@@ -108,15 +108,18 @@ def test_a_damaged_probe_file_is_one_line(tmp_path, capsys, content, says):
     assert sorted(x.name for x in tmp_path.iterdir()) == ["drift.json"]
 
 
-def test_a_step_beyond_int64_is_a_skipped_line(tmp_path, capsys):
-    """`step` 1e30 (a damaged line) overflowed numpy's int64 (OverflowError) in report and compare."""
+@pytest.mark.parametrize("step,says", [("1" + "0" * 30, "'step' 1e+30 is out of range"),
+                                       ("NaN", "no integer 'step' field"), ("-Infinity", "no integer 'step' field")])
+def test_a_step_beyond_int64_or_not_finite_is_a_skipped_line(tmp_path, capsys, step, says):
+    """`step` 1e30 (a damaged line) overflowed numpy's int64 (OverflowError) in report and compare; NaN and
+    Infinity (JSON as Python reads it) raised in int()."""
     from analysis.report import main as report_main
 
     d = _run(tmp_path / "a-s0", [{}] * 4)
     with open(d / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({"step": 10**30, "reward/mean": 0.5}) + "\n")
+        f.write('{"step": %s, "reward/mean": 0.5}\n' % step)
     assert report_main([str(d), "--out", str(tmp_path / "out")]) == 0
-    assert "metrics.jsonl: skipped line 5: 'step' 1e+30 is out of range" in capsys.readouterr().err
+    assert f"metrics.jsonl: skipped line 5: {says}" in capsys.readouterr().err
     assert compare_main([str(tmp_path / "cmp"), str(d), "--bootstrap-reps", "50"]) == 0
 
 

@@ -193,10 +193,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bootstrap-reps", type=int, default=st.DEFAULT_REPS)
     p.add_argument("--seed", type=int, default=0, help="base seed of the bootstrap streams")
     args = p.parse_args(argv)
+    from analysis.outputs import check_outputs, read_error_message, writing_output
+
     try:
-        runs = load_runs(args.runs_dir)
+        check_outputs(dirs={"--figures": args.figures}, files={"--out": args.out, "--save-metrics": args.save_metrics})
+        try:
+            runs = load_runs(args.runs_dir)
+        except OSError as e:  # a run directory's file that cannot be read
+            raise ReportInputError(read_error_message(e, "an input file")) from None
         if args.save_metrics:
-            save_metrics(runs, args.save_metrics)
+            with writing_output("--save-metrics", args.save_metrics):
+                save_metrics(runs, args.save_metrics)
         arms = load_arms(runs)
         if not arms:
             raise ReportInputError(f"no run named <algo>-<replay>-<variant>-s<seed> in {args.runs_dir}")
@@ -204,11 +211,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.figures:
             from analysis.claims_figures import write_figures
 
-            write_figures(arms, args.figures)
-    except (ReportInputError, FileNotFoundError) as e:
+            with writing_output("--figures", args.figures):
+                write_figures(arms, args.figures)
+        return emit_page(text, args.out)
+    except ReportInputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return emit_page(text, args.out)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ from analysis.figure_kit import render_figures
 from analysis.load import (
     FINAL_REWARD_LABEL, ReportInputError, RunData, RunDataWarning, finite_mean, headline_numbers, series,
 )
+from analysis.outputs import check_outputs, read_error_message
 from analysis.report import Page, ReportPaths, Table, fmt_number, write_page
 from analysis.seed_report import arm_seed_statistics, fmt_estimate, seed_notes, seed_tables
 from analysis.seed_stats import DEFAULT_COLLAPSE_DROP, DEFAULT_REPS, DEFAULT_REWARD_THRESHOLD, SeedStatistics
@@ -234,7 +235,7 @@ def build_comparison(arm_runs: list[ArmRun], out_dir: str | Path,
     page.tables += comparison_tables(arms, stats)
     page.figures = render_figures(COMPARE_FIGURES + COMPARE_STABILITY_FIGURES, arms)
     page.notes = arms.notes
-    return write_page(page, out_dir)
+    return write_page(page, out_dir, flag="OUT_DIR")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,14 +261,16 @@ def main(argv: list[str] | None = None) -> int:
     if pairs and any(len(p) != 2 for p in pairs):
         parser.error("--pair takes ARM_A,ARM_B")
     try:
+        check_outputs(dirs={"OUT_DIR": args.out_dir})  # read-only, a regular file: one line, before any compute
         check_run_dirs(args.run_dirs)  # a missing or repeated RUN_DIR: one line, exit 2, before anything is read
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RunDataWarning)
             paths = build_comparison(arm_runs_from_dirs(args.run_dirs), args.out_dir,
                                      reward_threshold=args.reward_threshold, collapse_drop=args.collapse_drop,
                                      pairs=pairs, reps=args.bootstrap_reps)
-    except ReportInputError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ReportInputError, OSError) as e:  # an OSError left here is a run's file that cannot be read
+        print(f"error: {e if isinstance(e, ReportInputError) else read_error_message(e, 'an input file')}",
+              file=sys.stderr)
         return 2
     for w in caught:
         if issubclass(w.category, RunDataWarning):

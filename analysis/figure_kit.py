@@ -19,7 +19,7 @@ import seaborn as sns
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from analysis.load import RunData, series, trace_layer_ids
+from analysis.load import TRACE_READ_ERRORS, RunData, series, trace_layer_ids
 
 DPI = 100
 
@@ -205,7 +205,7 @@ def render_figures(specs: list[FigureSpec], data: Any) -> list[RenderedFigure | 
             except SkipFigure as e:
                 out.append(SkippedFigure(spec.name, spec.title, str(e)))
                 continue
-            except (OSError, KeyError, ValueError) as e:  # unreadable trace file and the like
+            except TRACE_READ_ERRORS as e:  # unreadable trace file and the like
                 out.append(SkippedFigure(spec.name, spec.title,
                                          f"could not read inputs: {type(e).__name__}: {e}"))
                 continue

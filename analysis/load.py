@@ -23,6 +23,7 @@ import json
 import math
 import re
 import warnings
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -40,6 +41,11 @@ class ReportInputError(ValueError):
 class RunDataWarning(UserWarning):
     """Something in a run directory was skipped (bad JSONL line, duplicate step, bad trace)."""
 
+
+TRACE_READ_ERRORS = (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile)
+"""What reading a damaged trace file (`np.load` of an .npz cut short, not a zip, lacking an array) raises."""
+MAX_STEP = 2**63 - 1
+"""The largest `step` a metrics line may carry (the step arrays are int64); a larger one is a damaged line."""
 
 TRACE_KINDS = ("rollout", "learner", "updated", "logprobs")
 _TRACE_RE = re.compile(r"^step_(\d+)_(rollout|learner|updated|logprobs)(?:_rank(\d+))?\.npz$")
@@ -89,12 +95,19 @@ def iter_step_records(path: Path, skipped) -> Iterator[tuple[int, int, dict[str,
             except json.JSONDecodeError as e:
                 skipped(f"{path.name}: skipped line {lineno}: not valid JSON ({e.msg})")
                 continue
+            except RecursionError:
+                skipped(f"{path.name}: skipped line {lineno}: JSON nested too deep")
+                continue
             if not isinstance(rec, dict):
                 skipped(f"{path.name}: skipped line {lineno}: not a JSON object")
                 continue
             step = rec.get("step")
-            if isinstance(step, bool) or not isinstance(step, (int, float)) or step != int(step):
+            if (isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step)
+                    or step != int(step)):  # NaN / Infinity (JSON accepts them) crashed int()
                 skipped(f"{path.name}: skipped line {lineno}: no integer 'step' field")
+                continue
+            if abs(step) > MAX_STEP:
+                skipped(f"{path.name}: skipped line {lineno}: 'step' {step:.3g} is out of range (|step| <= 2**63 - 1)")
                 continue
             rec["step"] = int(step)
             yield lineno, int(step), rec
@@ -138,7 +151,7 @@ def _read_optional(path: Path, loader, notes: list[str]) -> Any:
     try:
         with open(path, "r", encoding="utf-8") as f:
             return loader(f)
-    except (OSError, ValueError, yaml.YAMLError) as e:
+    except (OSError, ValueError, yaml.YAMLError, RecursionError) as e:
         _warn(f"could not read {path.name}: {e}", notes)
         return None
 
@@ -184,8 +197,15 @@ def load_probe(path: str | Path) -> dict[str, Any]:
     try:
         with open(path, "r", encoding="utf-8") as f:
             probe = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ReportInputError(f"probe file {str(path)!r} is not valid JSON: {e}") from e
+    except OSError as e:
+        raise ReportInputError(f"cannot read probe file {str(path)!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ReportInputError(f"probe file {str(path)!r} is not UTF-8 text (a compressed file?); pass the JSON "
+                               "that python -m moe_gspo.probe --out wrote") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        why = (f"{e.msg} at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError)
+               else "nested too deep")
+        raise ReportInputError(f"probe file {str(path)!r} is not valid JSON: {why}") from None
     if not isinstance(probe, dict):
         raise ReportInputError(f"probe file {str(path)!r} must hold a JSON object")
     return probe
@@ -292,7 +312,7 @@ def trace_layer_ids(run: RunData) -> list[int] | None:
                     with np.load(path, allow_pickle=False) as z:
                         if "layer_ids" in z:
                             return np.asarray(z["layer_ids"]).astype(int).tolist()
-                except (OSError, ValueError):
+                except TRACE_READ_ERRORS:
                     continue
     return None
 

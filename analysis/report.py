@@ -18,7 +18,8 @@ then notes about input lines that were skipped. A run (or probe) with the routin
 and the rest (`analysis.dial_report`); a run without the dial reads as before. HTML and Markdown are written
 atomically.
 
-Exit codes: 0 built, 2 bad input (missing run dir, nothing to report on).
+Exit codes: 0 built, 2 bad input (missing run dir, nothing to report on, a file that cannot be read) or an output
+directory that cannot be written (read-only, full, a regular file): one `error:` line (`analysis.outputs`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from analysis.dial_report import (
 from analysis.eval_report import EVAL_FIGURES, last_eval_rows
 from analysis.figure_kit import RenderedFigure, SkippedFigure, render_figures
 from analysis.figures import ROLLOUT_CORR_PANELS, RUN_FIGURES, rollout_corrections_used
+from analysis.outputs import check_outputs, read_error_message, writing_output
 from analysis.probe_figures import PROBE_FIGURES
 from analysis.r3_report import r3_rows
 from analysis.router_figures import ROUTER_FIGURES
@@ -256,22 +258,24 @@ def render_markdown(page: Page) -> str:
     return "\n".join(out) + "\n"
 
 
-def write_page(page: Page, out_dir: str | Path) -> ReportPaths:
+def write_page(page: Page, out_dir: str | Path, *, flag: str = "--out") -> ReportPaths:
     """Write `<name>.png` per drawn figure, `report.html` and `report.md` into `out_dir`.
-    A stale PNG of a figure that is skipped this time is removed."""
+    A stale PNG of a figure that is skipped this time is removed. A write that fails (a read-only or full
+    filesystem, a path under a file) is a one-line `ReportInputError` naming `flag` (`analysis.outputs`)."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    pngs = []
-    for f in page.figures:
-        png_path = out_dir / f"{f.name}.png"
-        if isinstance(f, RenderedFigure):
-            write_atomic(png_path, f.png)
-            pngs.append(png_path)
-        elif png_path.exists():
-            png_path.unlink()
-    html_path, md_path = out_dir / "report.html", out_dir / "report.md"
-    write_atomic(html_path, render_html(page))
-    write_atomic(md_path, render_markdown(page))
+    with writing_output(flag, out_dir):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        pngs = []
+        for f in page.figures:
+            png_path = out_dir / f"{f.name}.png"
+            if isinstance(f, RenderedFigure):
+                write_atomic(png_path, f.png)
+                pngs.append(png_path)
+            elif png_path.exists():
+                png_path.unlink()
+        html_path, md_path = out_dir / "report.html", out_dir / "report.md"
+        write_atomic(html_path, render_html(page))
+        write_atomic(md_path, render_markdown(page))
     return ReportPaths(html_path, md_path, pngs,
                        [f for f in page.figures if isinstance(f, SkippedFigure)])
 
@@ -473,19 +477,28 @@ def build_probe_page(probe: dict, source: Path) -> Page:
 def build_report(source: str | Path, out_dir: str | Path | None = None,
                  probe_path: str | Path | None = None) -> ReportPaths:
     """Build the report of a run directory (optionally with a probe JSON) or of a probe JSON alone.
-    Raises `ReportInputError` for unusable inputs."""
+    Raises `ReportInputError` for unusable inputs and for an output directory that cannot be written (checked
+    before any compute; a write that fails all the same, e.g. a full disk: `analysis.outputs`)."""
     source = Path(source)
-    if source.suffix == ".json" and not source.is_dir():
-        if probe_path is not None:
-            raise ReportInputError("--probe is for a run directory; the source is already a probe file")
-        page = build_probe_page(load_probe(source), source)
-        default_out = source.parent / f"{source.stem}_report"
-    else:
-        run = load_run(source)
-        probe = load_probe(probe_path) if probe_path is not None else None
-        page = build_run_page(run, probe)
-        default_out = source / "report"
-    return write_page(page, Path(out_dir) if out_dir is not None else default_out)
+    is_probe = source.suffix == ".json" and not source.is_dir()
+    if is_probe and probe_path is not None:
+        raise ReportInputError("--probe is for a run directory; the source is already a probe file")
+    flag = "--out" if out_dir is not None else "--out (default: " + ("beside the probe file)" if is_probe else
+                                                                     "RUN_DIR/report/)")
+    if out_dir is None:
+        out_dir = source.parent / f"{source.stem}_report" if is_probe else source / "report"
+    if is_probe or source.is_dir():  # a missing run directory is load_run's one line
+        check_outputs(dirs={flag: out_dir})  # before any compute
+    try:
+        if is_probe:
+            page = build_probe_page(load_probe(source), source)
+        else:
+            run = load_run(source)
+            probe = load_probe(probe_path) if probe_path is not None else None
+            page = build_run_page(run, probe)
+    except OSError as e:  # a file of the run that cannot be read
+        raise ReportInputError(read_error_message(e, "an input file")) from None
+    return write_page(page, Path(out_dir), flag=flag)
 
 
 def main(argv: list[str] | None = None) -> int:

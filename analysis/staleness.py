@@ -28,8 +28,8 @@ from collections.abc import Mapping
 from analysis import stats as st
 from analysis.claims_stats import ClaimTest, apply_holm
 from analysis.load import ReportInputError
-from analysis.matrix_runs import md_table, page_parser, run_page, tests_table
-from analysis.phase_runs import PhaseRun, load_phase, load_runs, save_metrics
+from analysis.matrix_runs import load_matrix_runs, md_table, page_parser, run_page, tests_table
+from analysis.phase_runs import RUN_RE, PhaseRun, load_phase, save_metrics
 from analysis.phase_stats import GRPO, arms, paired_compare
 from moe_gspo.run.dose_names import STALENESS_DOSE
 
@@ -58,6 +58,13 @@ def staleness_arms(runs: list[PhaseRun]) -> StalenessArms:
         raise ReportInputError("no run is named <algo>-<replay>-mb<N>-s<seed> (N = train.num_minibatches); is this "
                                "the staleness matrix (configs/ablation_phase_staleness.yaml)?")
     return out
+
+
+def load_runs(source) -> list:
+    """The finished runs (with done.json) of a staleness matrix directory, or those saved by `--save-metrics`; the
+    errors name this matrix's runs (`<algo>-<replay>-mb<N>-s<seed>`), not the phase matrix's."""
+    return load_matrix_runs(source, RUN_RE, matrix="the staleness matrix's out_dir",
+                            names="<algo>-<replay>-mb<N>-s<seed> (a run is finished when its done.json exists)")
 
 
 def _est(values, reps: int, seed: int, *names) -> str:

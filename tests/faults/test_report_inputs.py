@@ -73,3 +73,61 @@ def test_compare_shows_whether_replay_held_per_arm(tmp_path):
             if l.startswith("| grpo-")}
     assert rows["grpo-r3"][-2:] == ["0.05", "0.005"]  # the worst seed's max; fallback: mean over steps, then seeds
     assert rows["grpo-none"][-2:] == ["n/a", "n/a"]
+
+
+# --------------------------------------------------------------------------- issue 59 item 7: damaged inputs
+
+def test_a_damaged_trace_file_skips_its_figure(tmp_path, capsys):
+    """An .npz that is not a zip (BadZipFile: neither OSError nor ValueError) was a traceback; now the figures that
+    read it are skipped with the reason and the report is built."""
+    from analysis.report import main as report_main
+
+    d = _run(tmp_path / "run", [{}] * 4)
+    (d / "traces").mkdir()
+    (d / "traces" / "step_000001_logprobs.npz").write_bytes(b"PK\x03\x04 cut short")
+    (d / "traces" / "step_000001_rollout.npz").write_bytes(b"garbage")
+    assert report_main([str(d), "--out", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    assert "could not read inputs: BadZipFile" in err and "Traceback" not in err
+    assert (tmp_path / "out" / "report.md").is_file()
+
+
+@pytest.mark.parametrize("content,says", [
+    (__import__("gzip").compress(b"{}"), "is not UTF-8 text (a compressed file?)"),
+    (b"[" * 100_000 + b"]" * 100_000, "is not valid JSON: nested too deep"),
+    (b'{"mismatch/k3_kl": 1,', "is not valid JSON: Expecting property name enclosed in double quotes at line 1"),
+], ids=["gzip", "deep", "cut"])
+def test_a_damaged_probe_file_is_one_line(tmp_path, capsys, content, says):
+    from analysis.report import main as report_main
+
+    p = tmp_path / "drift.json"
+    p.write_bytes(content)
+    assert report_main([str(p)]) == 2
+    err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert len(err) == 1 and f"probe file {str(p)!r} {says}" in err[0], err
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["drift.json"]
+
+
+@pytest.mark.parametrize("step,says", [("1" + "0" * 30, "'step' 1e+30 is out of range"),
+                                       ("NaN", "no integer 'step' field"), ("-Infinity", "no integer 'step' field")])
+def test_a_step_beyond_int64_or_not_finite_is_a_skipped_line(tmp_path, capsys, step, says):
+    """`step` 1e30 (a damaged line) overflowed numpy's int64 (OverflowError) in report and compare; NaN and
+    Infinity (JSON as Python reads it) raised in int()."""
+    from analysis.report import main as report_main
+
+    d = _run(tmp_path / "a-s0", [{}] * 4)
+    with open(d / "metrics.jsonl", "a") as f:
+        f.write('{"step": %s, "reward/mean": 0.5}\n' % step)
+    assert report_main([str(d), "--out", str(tmp_path / "out")]) == 0
+    assert f"metrics.jsonl: skipped line 5: {says}" in capsys.readouterr().err
+    assert compare_main([str(tmp_path / "cmp"), str(d), "--bootstrap-reps", "50"]) == 0
+
+
+def test_staleness_names_its_own_run_pattern(tmp_path, capsys):
+    """issue 59 item 8: the staleness tool's error quoted the phase tool's `<algo>-<replay>-<dose>[_<fix>]-s<seed>`."""
+    from analysis.staleness import main as staleness_main
+
+    (tmp_path / "not-a-run").mkdir()
+    assert staleness_main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no finished run named <algo>-<replay>-mb<N>-s<seed>" in err and "<dose>" not in err, err

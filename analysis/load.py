@@ -3,7 +3,9 @@
 Everything the report and the ablation comparison know about a run comes through this module:
 - `load_run(run_dir)` reads what `python -m moe_gspo.train` writes: `metrics.jsonl` (skipping lines
   that are not JSON objects with an integer `step`, e.g. the last line cut by a kill, with a
-  `RunDataWarning` naming the line number), `eval.jsonl` (the same way), `config.yaml`, `done.json`,
+  `RunDataWarning` naming the line number), `eval.jsonl` (the same way), `config.yaml` (optional: an
+  unreadable one is a warning; one past the YAML caps of `moe_gspo.yaml_limits`, crafted or broken, is a
+  `ReportInputError`, one line and exit 2 in the tools), `done.json`,
   `run.json` (learner dtype, device, world size of the last (re)start), and the list of
   `traces/step_XXXXXX_{rollout,learner,updated,logprobs}[_rank{r}].npz` files (one per rank when
   the run had several processes).
@@ -31,7 +33,7 @@ from typing import Any, Iterator
 import numpy as np
 import yaml
 
-from moe_gspo.yaml_limits import load_capped
+from moe_gspo.yaml_limits import YamlLimitError, load_capped
 
 
 class ReportInputError(ValueError):
@@ -145,12 +147,18 @@ def list_traces(traces_dir: Path) -> dict[int, dict[str, list[Path]]]:
             for step, kinds in sorted(found.items())}
 
 
+def _read_config(f) -> Any:
+    return load_capped(f.read(), what="config.yaml")
+
+
 def _read_optional(path: Path, loader, notes: list[str]) -> Any:
     if not path.is_file():
         return None
     try:
         with open(path, "r", encoding="utf-8") as f:
             return loader(f)
+    except YamlLimitError:
+        raise
     except (OSError, ValueError, yaml.YAMLError, RecursionError) as e:
         _warn(f"could not read {path.name}: {e}", notes)
         return None
@@ -176,7 +184,11 @@ def load_run(run_dir: str | Path) -> RunData:
                 else "there is no metrics.jsonl")
         raise ReportInputError(f"nothing to report in {str(run_dir)!r}: {what} and there are no "
                                "traces/step_*.npz files; is this a training run directory?")
-    config = _read_optional(run_dir / "config.yaml", lambda f: load_capped(f.read(), what="config.yaml"), notes)
+    try:  # a config.yaml past the YAML caps is crafted or broken: refused (one line, exit 2), never expanded
+        config = _read_optional(run_dir / "config.yaml", _read_config, notes)
+    except YamlLimitError as e:
+        raise ReportInputError(f"{str(run_dir / 'config.yaml')!r}: {e}; this run directory's config.yaml is not one "
+                               "a training run writes: remove or replace it") from None
     done = _read_optional(run_dir / "done.json", json.load, notes)
     run_info = _read_optional(run_dir / "run.json", json.load, notes)
     evals: list[dict[str, Any]] = []

@@ -28,6 +28,11 @@ MAX_DEPTH = 64
 """The most levels of lists and mappings nested in one another a document may have."""
 
 
+class YamlLimitError(ValueError):
+    """A YAML document past `MAX_DEPTH` or `MAX_VALUES`: crafted or broken, never a config one means to load
+    (a ValueError, so every entry point's one-line user-error path takes it)."""
+
+
 def nesting_depth(text: str, limit: int = MAX_DEPTH) -> int:
     """The deepest nesting of lists and mappings in the YAML `text`, or `limit + 1` once it exceeds `limit`,
     from the parser's events (iterative: no recursion, nothing composed). YAML syntax errors propagate."""
@@ -80,7 +85,7 @@ def load_capped(text: str, loader_cls: type = yaml.SafeLoader, *, what: str, lim
     expands past `limit` values (see the module docstring) with a ValueError starting with `what`. YAML syntax
     errors propagate as `yaml.YAMLError`."""
     if nesting_depth(text, max_depth) > max_depth:
-        raise ValueError(f"{what}: its YAML nests lists and mappings more than {max_depth} levels deep (a config "
+        raise YamlLimitError(f"{what}: its YAML nests lists and mappings more than {max_depth} levels deep (a config "
                          "nests three or four); flatten it")
     loader = loader_cls(text)
     try:
@@ -88,7 +93,7 @@ def load_capped(text: str, loader_cls: type = yaml.SafeLoader, *, what: str, lim
         if node is None:
             return None
         if expanded_values(node, limit) > limit:
-            raise ValueError(f"{what}: its YAML aliases (*name) expand to more than {limit} values (a config holds a "
+            raise YamlLimitError(f"{what}: its YAML aliases (*name) expand to more than {limit} values (a config holds a "
                              "few hundred); write the values out, or drop the aliases")
         return loader.construct_document(node)
     finally:

@@ -141,15 +141,14 @@ def test_null_steps_are_left_out_of_means_not_counted_as_zero(tmp_path):
     assert math.isnan(h["k3_kl_replayed_mean"])  # never logged
 
 
-def test_a_config_yaml_alias_bomb_is_skipped_with_a_warning_not_expanded(tmp_path):
+def test_a_config_yaml_alias_bomb_is_refused_not_expanded(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "reward/mean": 0.5}\n')
     bomb = ["a: &a [x, x, x, x, x, x, x, x, x, x]"]
     for i, name in enumerate("bcdefgh"):
         prev = "a" if i == 0 else "bcdefgh"[i - 1]
         bomb.append(f"{name}: &{name} [" + ", ".join([f"*{prev}"] * 10) + "]")
     (tmp_path / "config.yaml").write_text("\n".join(bomb) + "\n")  # 10**8 values if expanded
-    with pytest.warns(RunDataWarning, match="config.yaml.*aliases"):
-        run = load_run(tmp_path)
-    assert run.config is None and run.records == [{"step": 0, "reward/mean": 0.5}]
+    with pytest.raises(ReportInputError, match="config.yaml.*aliases"):  # crafted: one line, exit 2 in the tools
+        load_run(tmp_path)
     (tmp_path / "config.yaml").write_text("train: {seed: 3}\nalgo: {name: gspo}\n")
     assert load_run(tmp_path).config == {"train": {"seed": 3}, "algo": {"name": "gspo"}}

@@ -84,19 +84,29 @@ def test_a_deep_ablation_spec_is_one_line_exit_2(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_analysis_reads_a_deep_run_config_as_one_note(tmp_path):
-    """analysis.load reads a run's config.yaml through the same loader: a deep one is one note naming the file
-    and the cap (config.yaml is optional for the reports, as an unreadable one always was), never a traceback."""
-    from analysis.load import load_run
+def test_analysis_refuses_a_deep_run_config_with_one_line_exit_2(tmp_path, capsys):
+    """analysis.load reads a run's config.yaml through the same loader: a deep one (crafted or broken: no training
+    run writes it) is refused, one line naming the file and the cap, exit 2 in `analysis.report`; an unreadable
+    but shallow one stays a warning (config.yaml is optional for the reports)."""
+    from analysis import report
+    from analysis.load import ReportInputError, load_run
 
-    (tmp_path / "config.yaml").write_text(f"train:\n  steps: {DEEP}\n")
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "reward/mean": 0.5}) + "\n"
-                                                    for i in range(2)))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(f"train:\n  steps: {DEEP}\n")
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "reward/mean": 0.5}) + "\n"
+                                               for i in range(2)))
+    with pytest.raises(ReportInputError, match=re.escape(CAP)):
+        load_run(run)
+    assert report.main([str(run), "--out", str(tmp_path / "out")]) == 2
+    lines = _one_line(capsys)
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "config.yaml" in lines[0] and CAP in lines[0]
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    (run / "config.yaml").write_text("train: [unclosed\n")  # broken but not crafted: a warning, the report builds
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        run = load_run(tmp_path)
-    assert run.config is None and len(run.records) == 2
-    assert [str(w.message) for w in caught] == [f"could not read config.yaml: config.yaml: {CAP}"]
+        assert load_run(run).config is None
+    assert any("could not read config.yaml" in str(w.message) for w in caught)
 
 
 def test_resume_reads_a_deep_previous_config_without_recursing(tmp_path):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from analysis.phase_runs import load_phase
+from analysis.phase_runs import check_dose_names, load_phase
 from analysis.phase_stats import (
     REWARD_DROP, MethodFit, ZERO_DOSE, arms, fit_method, shared_boot_seeds, tolerated_text,
 )
@@ -61,7 +61,9 @@ def load_fits(source: str, t: Thresholds, *, reps: int = 1000, seed: int = 0) ->
     from analysis.load import ReportInputError
 
     try:
-        by_method = arms(load_phase(source))
+        runs = load_phase(source)
+        check_dose_names(runs)  # no zero-dose and dosed arm: the one line names the dose-naming rule
+        by_method = arms(runs)
     except ReportInputError as e:
         raise ValueError(f"--phase: {e}") from None
     boot = shared_boot_seeds({m: a for m, a in by_method.items() if ZERO_DOSE in a}, reps, seed)

@@ -160,5 +160,5 @@ def load_phase(source: str | Path | list[RunData]) -> list[PhaseRun]:
     runs = load_runs(source) if not isinstance(source, list) else source
     out = [p for p in (phase_run(r) for r in runs) if p is not None]
     if not out:
-        raise ReportInputError("no run of the phase matrix has a reward curve")
+        raise ReportInputError("none of the runs given has a reward curve (reward/mean in its metrics)")
     return sorted(out, key=lambda p: (p.method, p.dose, p.seed))

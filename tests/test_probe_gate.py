@@ -138,3 +138,18 @@ def test_the_rule_is_in_help_and_readme(capsys):
     assert "".join(CRITICAL_FRAC_RULE.split()) in "".join(capsys.readouterr().out.split())  # argparse wraps at hyphens
     readme = " ".join((Path(__file__).resolve().parent.parent / "README.md").read_text().split())
     assert CRITICAL_FRAC_RULE in readme
+
+
+def test_a_phase_matrix_named_against_the_dose_rule_is_one_line_naming_it(tmp_path):
+    """`--phase` on a matrix whose variants break the dose-naming rule (`zero`, `n05`): the gate's one line names the
+    rule and the doses it found, as analysis.phase does (it used to say only 'no method has a zero-drift arm')."""
+    from analysis.phase_gate import load_fits
+
+    for dose, x in (("zero", 0.0), ("n05", 0.05)):
+        for seed in range(3):
+            _write(tmp_path / f"grpo-none-{dose}-s{seed}", 0.7, x)
+    with pytest.raises(ValueError) as e:
+        load_fits(str(tmp_path), Thresholds(), reps=10)
+    msg = str(e.value)
+    assert msg.startswith("--phase: ") and "\n" not in msg
+    assert "doses found: grpo-none: n05, zero" in msg and "p0" in msg and "s<X>" in msg

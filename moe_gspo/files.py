@@ -94,8 +94,9 @@ def is_disk_full(exc: BaseException) -> bool:
     return False
 
 
-def disk_full_message(path: str | os.PathLike, what: str, *, outcome: str = "the partial file was removed") -> str:
-    """The one line of a full disk while writing `path`; `outcome`: what became of the file."""
+def disk_full_message(path: str | os.PathLike, what: str, *, outcome: str | None = "the partial file was removed") -> str:
+    """The one line of a full disk while writing `path`; `outcome`: what became of the file (None where the
+    caller does not know, e.g. an error classified far from its writer: then the line says nothing of it)."""
     where = Path(path)
     probe = where if where.exists() else where.parent
     free = ""
@@ -106,7 +107,7 @@ def disk_full_message(path: str | os.PathLike, what: str, *, outcome: str = "the
     except OSError:
         pass
     return (f"disk full while writing {what} {str(where)!r}{free}: No space left on device; free space "
-            f"or choose another directory ({outcome})")
+            f"or choose another directory" + (f" ({outcome})" if outcome else ""))
 
 
 @contextmanager

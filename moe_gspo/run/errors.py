@@ -76,7 +76,7 @@ def user_message(exc: BaseException) -> tuple[int, str] | None:
         return EXIT_USER_ERROR, str(exc)
     if is_disk_full(exc):
         name = getattr(exc, "filename", None)
-        return EXIT_USER_ERROR, (disk_full_message(name, "file") if name else
+        return EXIT_USER_ERROR, (disk_full_message(name, "file", outcome=None) if name else  # writer unknown here
                                  f"disk full: {exc}; free space or choose another directory")
     if isinstance(exc, (PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)):
         return EXIT_USER_ERROR, f"{exc.strerror}: {exc.filename!r}; choose another path or fix its permissions"

@@ -89,3 +89,12 @@ def test_the_torchelastic_error_file_is_written_whole_or_not_at_all(tmp_path, mo
     monkeypatch.setattr(files.Path, "write_text", full)
     assert run_entry(lambda: (_ for _ in ()).throw(ValueError("bad"))) == 2
     assert capsys.readouterr().err == "error: bad\n" and list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_classified_away_from_its_writer_claims_nothing_about_the_file(tmp_path):
+    """Issue 59: a full disk met by a writer that does not say what became of its file (the run directory's lock
+    record, ...) was reported as 'the partial file was removed'; classified here, the line says only what is known."""
+    exc = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "lock.json"))
+    code, msg = user_message(exc)
+    assert code == 2 and "disk full while writing file" in msg and "lock.json" in msg
+    assert "removed" not in msg and "kept" not in msg and "\n" not in msg

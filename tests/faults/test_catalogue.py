@@ -22,5 +22,6 @@ def test_every_test_the_catalogue_names_exists():
         if name not in funcs:
             missing.append(f"{path}::{name}")
     assert not missing, missing
-    rows = re.findall(r"^\| ([RNDU]\d+) \|", page, flags=re.M)
+    rows = re.findall(r"^\| ([RNDUFVGP]\d+) \|", page, flags=re.M)
     assert len(rows) == len(set(rows)) and {f"D{i}" for i in range(1, 13)} <= set(rows)
+    assert {f"F{i}" for i in range(1, 51)} <= set(rows) and {f"V{i}" for i in range(1, 15)} <= set(rows)  # issues 58-61

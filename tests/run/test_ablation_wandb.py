@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import struct
 import sys
+import time
 from pathlib import Path
 
 from moe_gspo.ablate import expand_arms, parse_spec, wandb_env
@@ -15,7 +16,21 @@ from moe_gspo.run.sinks import MetricsSink, wandb_run_id
 _BLOCK, _HEADER = 32768, 7
 
 
-def offline_run_record(run_dir: Path):
+def offline_run_record(run_dir: Path, wait_s: float = 30.0):
+    """`_offline_run_record`, read again for up to `wait_s` seconds while the run record is missing: W&B's service
+    process writes the record log, and under load it can still be flushing when `wandb.finish()` has returned
+    (seen twice on a loaded 2-core box: 'no run record'); an idle box reads it at once."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return _offline_run_record(run_dir)
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def _offline_run_record(run_dir: Path):
     """The `RunRecord` (run_group, job_type, tags, ...) of the offline W&B run under `run_dir/wandb/`: its
     `run-*.wandb` file is W&B's record log (a 7-byte ':W&B' header, then LevelDB-log blocks of 32 KiB holding
     length-prefixed protobuf `Record`s; wandb 0.31 ships no Python reader of it)."""

@@ -16,11 +16,21 @@ from typing import Callable, Iterable
 
 from analysis import stats as st
 from analysis.load import MAX_STEP, ReportInputError, RunData, load_run
+from moe_gspo.run.ablation_arms import done_problem
 
 
 def finished_runs(runs_dir: Path, run_re: re.Pattern) -> list[RunData]:
-    """The runs of `runs_dir` whose directory name matches `run_re` and that have a done.json."""
-    return [load_run(d) for d in sorted(runs_dir.iterdir()) if run_re.match(d.name) and (d / "done.json").is_file()]
+    """The runs of `runs_dir` whose directory name matches `run_re` and that have a valid done.json (as `ablate`
+    counts them: `done_problem`); a damaged one is left out with one `warning:` line on stderr naming why."""
+    runs = []
+    for d in sorted(runs_dir.iterdir()):
+        if not run_re.match(d.name) or not (d / "done.json").is_file():
+            continue
+        if why := done_problem(d):
+            print(f"warning: {d.name}: left out, not finished ({why})", file=sys.stderr)
+            continue
+        runs.append(load_run(d))
+    return runs
 
 
 def load_matrix_runs(source: str | Path, run_re: re.Pattern, *, matrix: str, names: str) -> list[RunData]:

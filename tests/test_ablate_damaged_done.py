@@ -88,3 +88,22 @@ def test_exit_zero_leaving_a_damaged_done_json_is_a_failure(tmp_path):
     results = run_ablation(spec, runner, progress=False, compare=False)
     assert [r.status for r in results] == ["failed", "failed"]
     assert results[0].message.startswith("exited 0 but its done.json is damaged: not JSON"), results[0].message
+
+
+def test_the_analysis_pages_leave_a_damaged_done_json_out_with_one_line(tmp_path, capsys):
+    """The matrix pages (analysis.phase / staleness / claims) counted any done.json file as finished, as ablate did:
+    a damaged one is now left out with one warning line, the valid ones read."""
+    import json
+    import re
+
+    from analysis.matrix_runs import finished_runs
+
+    for name, done in (("grpo-none-p0-s0", '{"step": 3}'), ("grpo-none-p10-s0", "garbage"), ("grpo-none-p20-s0", "[1]")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(json.dumps({"step": 0, "reward/mean": 0.5}) + "\n")
+        (tmp_path / name / "done.json").write_text(done)
+    runs = finished_runs(tmp_path, re.compile(r"grpo-none-p\d+-s\d+$"))
+    assert [r.name for r in runs] == ["grpo-none-p0-s0"]
+    err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert len(err) == 2 and all(l.startswith("warning: grpo-none-p") and "left out, not finished" in l for l in err)
+    assert "not JSON" in err[0] and "not a JSON object" in err[1]

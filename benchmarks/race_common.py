@@ -4,16 +4,20 @@ and `step_profile` (where a step's time goes, on both sides).
 The curve a side's RL steps build (`Curve`), the target crossing and phase split read from it, the check
 that a config suits both sides, TRL's phase names, and the commands that start each side: `train_cmd`
 (the main job under torchrun, the only place a benchmark builds it) and `trl_worker_cmd`, run from the
-checkout root with `subprocess_env`. This module imports no other benchmark, so none imports it back.
+checkout root with `subprocess_env` — or from a checkout of another commit (`rev_checkout`, the main job
+of `trl_peer_bench --ours-rev`). This module imports no other benchmark, so none imports it back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 """The checkout root: the benchmarks' subprocesses run from it (`python -m benchmarks.X`)."""
@@ -118,7 +122,34 @@ def trl_worker_cmd(config: str, *, seed: int, max_steps: int, out_dir: Path, rec
             *(["--router-aux-loss"] if router_aux_loss else []), *overrides]
 
 
-def subprocess_env() -> dict[str, str]:
-    """This environment with the checkout root first on PYTHONPATH, so that `-m benchmarks.X` imports in a
-    subprocess wherever it runs."""
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+def subprocess_env(root: Path = ROOT) -> dict[str, str]:
+    """This environment with `root` (default: this checkout's root) first on PYTHONPATH, so that `-m
+    benchmarks.X` and `-m moe_gspo.train` import from that checkout in a subprocess wherever it runs."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+
+
+# ------------------------------------------------------------------------------- another commit's code
+def resolve_rev(rev: str, repo: Path = ROOT) -> str | None:
+    """The full hash of the commit `rev` names in the git repository at `repo` (None: not a commit there)."""
+    proc = subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+                          capture_output=True, text=True)
+    return proc.stdout.strip() if proc.returncode == 0 and proc.stdout.strip() else None
+
+
+@contextlib.contextmanager
+def rev_checkout(rev: str, parent: Path, repo: Path = ROOT) -> Iterator[Path]:
+    """A checkout of commit `rev` of `repo` in `parent/rev_<hash>` (`git worktree add --detach`), for a
+    subprocess to run that commit's code (cwd the checkout, `subprocess_env(checkout)`); removed again
+    (`git worktree remove --force`) when the block ends, however it ends. A checkout left by a killed
+    process goes with `git worktree prune` once its directory is gone."""
+    sha = resolve_rev(rev, repo)
+    if sha is None:
+        raise ValueError(f"{rev!r} is not a commit of {repo}")
+    tree = Path(parent) / f"rev_{sha[:12]}"
+    subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", "-q", str(tree), sha], check=True,
+                   capture_output=True)
+    try:
+        yield tree
+    finally:
+        subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)], check=False,
+                       capture_output=True)

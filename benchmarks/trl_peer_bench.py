@@ -55,6 +55,7 @@ of a seed together). With few seeds the CI is wide and coarse (5 seeds: a median
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.metadata
 import importlib.util
@@ -68,30 +69,15 @@ from pathlib import Path
 from typing import Callable
 
 from benchmarks.interleave import Job, JsonLinesTail, alternate, supported
-from benchmarks.race_common import (ROOT, Curve, comparison_problem, first_crossing, phase_split, subprocess_env,
-                                    train_cmd, trl_worker_cmd)
+from benchmarks.race_common import (ROOT, Curve, comparison_problem, first_crossing, phase_split,  # noqa: F401
+                                    resolve_rev, rev_checkout, subprocess_env, train_cmd, trl_worker_cmd)
+from benchmarks.race_stats import (SIDES, bootstrap_median_ci, compare_seeds, seed_ratios, seed_table,  # noqa: F401
+                                   summarize, tail_mean, time_or_bound)
 from moe_gspo.run.timing import PHASES
 
 DEFAULT_CONFIG = "configs/tiny_cpu.yaml"
 STEPS_PER_TURN = 5
 """RL steps of a side per turn when the sides take turns (see the module docstring)."""
-
-
-def tail_mean(values: list[float], n: int) -> float:
-    """Mean of the last `n` values (NaN when there are none)."""
-    tail = values[-n:] if n > 0 else []
-    return sum(tail) / len(tail) if tail else float("nan")
-
-
-def summarize(curve: Curve, target: float, window: int, *, last: int = 40) -> dict:
-    hit = first_crossing(curve.rewards, target, window)
-    n = len(curve.rewards) if hit is None else hit + 1
-    t = curve.times_s[n - 1] if n else float("nan")
-    return {"name": curve.name, "reached": hit is not None, "step": hit, "time_s": t if hit is not None else None,
-            "steps_run": len(curve.rewards), "time_run_s": curve.times_s[-1] if curve.times_s else float("nan"),
-            "s_per_step": t / n if n else float("nan"), "setup_s": curve.setup_s, "note": curve.note,
-            f"reward_last{last}": tail_mean(curve.rewards, last), f"entropy_last{last}": tail_mean(curve.entropy, last),
-            f"frac_zero_std_last{last}": tail_mean(curve.frac_zero_std, last)}
 
 
 # ------------------------------------------------------------------------------------ both sides as jobs
@@ -118,10 +104,12 @@ class Side:
 
 
 def _side(name: str, what: str, cmd: list[str], log: Path, records: Path, *, max_steps: int, target: float,
-          window: int, stop_at_target: bool, first_step_s, record_to_point, record_to_phases) -> Side:
-    """Launch `cmd` (a new session, output to `log`) as a job whose records (JSON lines appended to
-    `records`) become curve points through `record_to_point(record) -> (reward, entropy, frac_zero_std)`
-    and `record_to_phases(record) -> {phase: seconds}`."""
+          window: int, stop_at_target: bool, first_step_s, record_to_point, record_to_phases,
+          root: Path = ROOT) -> Side:
+    """Launch `cmd` (a new session, output to `log`, from the checkout `root` and with it first on
+    PYTHONPATH) as a job whose records (JSON lines appended to `records`) become curve points through
+    `record_to_point(record) -> (reward, entropy, frac_zero_std)` and `record_to_phases(record) -> {phase:
+    seconds}`."""
     curve = Curve(name=name)
 
     def done() -> bool:
@@ -135,14 +123,16 @@ def _side(name: str, what: str, cmd: list[str], log: Path, records: Path, *, max
         return not done()
 
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=root, env=subprocess_env(root), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     job = Job(name=name, proc=proc, records=JsonLinesTail(records), first_step_s=first_step_s, on_step=on_step)
     return Side(job=job, curve=curve, log=log, what=what, done=done)
 
 
 def ours_side(config: str, *, nproc: int, max_steps: int, target: float, window: int, out_dir: Path,
-              overrides: list[str], stop_at_target: bool = True) -> Side:
-    """`torchrun -m moe_gspo.train` in a subprocess; its records are the rows of its metrics.jsonl."""
+              overrides: list[str], stop_at_target: bool = True, root: Path = ROOT, rev: str | None = None) -> Side:
+    """`torchrun -m moe_gspo.train` in a subprocess; its records are the rows of its metrics.jsonl. `root`: the
+    checkout whose code it runs (a checkout of commit `rev`, `race_common.rev_checkout`; default this one)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
     run_dir = out_dir / "moe_gspo_run"
     cmd = train_cmd(config, nproc=nproc, run_dir=run_dir, steps=max_steps, overrides=overrides)
 
@@ -150,10 +140,12 @@ def ours_side(config: str, *, nproc: int, max_steps: int, target: float, window:
         return (row.get("sampling/reward_mean_drawn", row["reward/mean"]), row.get("actor/entropy", math.nan),
                 row.get("reward/frac_zero_std", math.nan))
 
-    return _side(f"moe-gspo ({nproc} processes, torchrun)", "moe_gspo.train", cmd, out_dir / "moe_gspo_train.log",
+    at = "" if rev is None else f" @ {rev}"
+    return _side(f"moe-gspo{at} ({nproc} processes, torchrun)", f"moe_gspo.train{at}", cmd, out_dir / "moe_gspo_train.log",
                  run_dir / "metrics.jsonl", max_steps=max_steps, target=target, window=window,
                  stop_at_target=stop_at_target, first_step_s=lambda row: row["perf/step_time_s"], record_to_point=point,
-                 record_to_phases=lambda row: {p: row[f"perf/{p}_s"] for p in PHASES if f"perf/{p}_s" in row})
+                 record_to_phases=lambda row: {p: row[f"perf/{p}_s"] for p in PHASES if f"perf/{p}_s" in row},
+                 root=root)
 
 
 def trl_side(config: str, *, seed: int, max_steps: int, target: float, window: int, out_dir: Path,
@@ -176,7 +168,14 @@ def race(builders: list[Callable[[], Side]], *, interleave: bool, steps_per_turn
     """Launch and run the sides: together, `steps_per_turn` RL steps each in turn (`interleave`), or each
     alone, one after the other (a side is launched only when its turn comes); their curves, in order."""
     if interleave:
-        sides = [build() for build in builders]
+        sides = []
+        try:
+            for build in builders:
+                sides.append(build())
+        except BaseException:  # a side that could not start: end those already launched
+            for s in sides:
+                s.job.kill()
+            raise
         alternate([s.job for s in sides], steps_per_turn=steps_per_turn)
         return [s.result() for s in sides]
     curves = []
@@ -193,75 +192,9 @@ def _fmt(s: dict, target: float, window: int) -> str:
         head = f"{s['time_s']:7.1f} s to a {window}-step moving-average reward of {target} (RL step {s['step']})"
     else:
         head = f"   not reached in {s['steps_run']} RL steps ({s['time_run_s']:.1f} s)"
-    return (f"{s['name']:<36} {head}; {s['s_per_step']:.3f} s/RL step; setup {s['setup_s']:.1f} s; last 40 of "
+    return (f"{s['name']:<48} {head}; {s['s_per_step']:.3f} s/RL step; setup {s['setup_s']:.1f} s; last 40 of "
             f"{s['steps_run']} RL steps: reward {s['reward_last40']:.3f}, entropy {s['entropy_last40']:.3f}, "
             f"zero-std groups {s['frac_zero_std_last40']:.2f}")
-
-
-def _time_or_bound(s: dict) -> float:
-    """Time to target; a side that did not reach it counts with the time it ran (a lower bound)."""
-    return s["time_s"] if s["reached"] else s["time_run_s"]
-
-
-def compare_seeds(per_seed: list[dict]) -> dict:
-    """Median over seeds of each side's time to target and the ratio ours / peer of those medians.
-    A miss counts as its run time, a lower bound of its time; the median is then `median_exact` when
-    it does not depend on the misses (the same with them at +inf), else a lower bound."""
-    import statistics
-
-    out = {}
-    for side in ("trl", "ours"):
-        rows = [r[side] for r in per_seed if side in r]
-        if rows:
-            median = statistics.median(_time_or_bound(x) for x in rows)
-            out[side] = {"median_time_s": median,
-                         "median_exact": statistics.median(x["time_s"] if x["reached"] else math.inf
-                                                           for x in rows) == median,
-                         "all_reached": all(x["reached"] for x in rows),
-                         "median_steps": statistics.median((x["step"] + 1) if x["reached"] else x["steps_run"]
-                                                           for x in rows),
-                         "median_s_per_step": statistics.median(x["s_per_step"] for x in rows)}
-    if "trl" in out and "ours" in out:
-        out["ratio_median_time"] = out["ours"]["median_time_s"] / out["trl"]["median_time_s"]
-        out["ratio_exact"] = out["ours"]["median_exact"] and out["trl"]["median_exact"]
-    ci = bootstrap_median_ci(per_seed)
-    for side in ("trl", "ours"):
-        if side in out:
-            out[side]["median_time_ci_s"] = ci[side]
-    if "ratio_median_time" in out:
-        out["ratio_median_time_ci"] = ci["ratio"]
-        out["ci_seeds"] = ci["num_seeds"]
-    return out
-
-
-def bootstrap_median_ci(per_seed: list[dict], *, reps: int = 10_000, seed: int = 0,
-                        confidence: float = 0.95) -> dict:
-    """Percentile-bootstrap CIs over seeds of each side's median time to target (`trl`, `ours`: [lo, hi]
-    seconds) and of the ratio ours / peer of the medians (`ratio`), from `reps` resamples of the seeds with
-    replacement drawn from `np.random.default_rng(seed)`. The ratio resamples the seeds that ran both sides,
-    the same seeds for both (the pairing by seed is kept), over `num_seeds` of them; a miss counts as its run
-    time, as in `compare_seeds`. NaN ends with fewer than 2 seeds (a CI from one seed says nothing)."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    q = [50 * (1 - confidence), 50 * (1 + confidence)]
-
-    def ci(stat_R) -> list[float]:
-        return [float(v) for v in np.percentile(stat_R, q)]
-
-    out: dict = {"trl": [math.nan, math.nan], "ours": [math.nan, math.nan], "ratio": [math.nan, math.nan]}
-    for side in ("trl", "ours"):
-        t = np.array([_time_or_bound(r[side]) for r in per_seed if side in r], np.float64)
-        if t.size >= 2:
-            out[side] = ci(np.median(t[rng.integers(0, t.size, (reps, t.size))], axis=1))
-    both = [r for r in per_seed if "trl" in r and "ours" in r]
-    out["num_seeds"] = len(both)
-    if len(both) >= 2:
-        ours = np.array([_time_or_bound(r["ours"]) for r in both], np.float64)
-        trl = np.array([_time_or_bound(r["trl"]) for r in both], np.float64)
-        idx_RN = rng.integers(0, len(both), (reps, len(both)))
-        out["ratio"] = ci(np.median(ours[idx_RN], axis=1) / np.median(trl[idx_RN], axis=1))
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -276,7 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, default=1,
                    help="processes of our torchrun job (default 1: at this model size a second rank costs more than "
                         "it saves)")
-    p.add_argument("--only", choices=["trl", "ours"], help="run one side only")
+    p.add_argument("--only", action="append", choices=list(SIDES), default=None,
+                   help="run only this side (repeatable: --only ours --only ours_rev races before and after "
+                        "without TRL)")
+    p.add_argument("--ours-rev", metavar="REV", default=None,
+                   help="also race the main job from commit REV (a temporary git worktree; e.g. the commit before a "
+                        "speed change): three sides per seed in the same turns, before (REV), after (this checkout) "
+                        "and TRL, so the box's drift meets all three; prints each against TRL and after/before")
     p.add_argument("--steps-per-turn", type=int, default=STEPS_PER_TURN,
                    help=f"RL steps of a side per turn (default {STEPS_PER_TURN}; see benchmarks.interleave)")
     p.add_argument("--sequential", action="store_true",
@@ -311,6 +250,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("set the run length with --max-steps, not train.steps=")
     if args.max_steps < 1:
         p.error(f"--max-steps {args.max_steps} must be >= 1")
+    rev_sha = None
+    if args.ours_rev is not None:
+        rev_sha = resolve_rev(args.ours_rev)
+        if rev_sha is None:
+            p.error(f"--ours-rev {args.ours_rev}: not a commit of {ROOT} (give a hash, tag or branch of this "
+                    "repository)")
     try:  # train.steps as our side runs it (the learning-rate schedule is checked against it)
         cfgs = {seed: load_config(config, [*args.overrides, f"train.seed={seed}", f"train.steps={args.max_steps}"])
                 for seed in args.seeds}
@@ -342,73 +287,109 @@ def main(argv: list[str] | None = None) -> int:
           f"{'on' if args.trl_router_aux_loss else 'off'}; TRL's own: advantage std Bessel + 1e-4 (ours: correction "
           f"{a.adv_std_correction}, eps {a.adv_eps}), shuffled mini-batches (ours: {t.shuffle_minibatches}), "
           f"gradient checkpointing, fp32 sampling (ours: {cfg.rollout.dtype})", flush=True)
-    interleave = not args.sequential and args.only is None
+    if args.steps_per_turn < 1:
+        p.error(f"--steps-per-turn {args.steps_per_turn} must be >= 1")
+    sides = [s for s in SIDES if (s != "ours_rev" or args.ours_rev) and (not args.only or s in args.only)]
+    if args.only and "ours_rev" in args.only and not args.ours_rev:
+        p.error("--only ours_rev: give the commit with --ours-rev REV")
+    interleave = not args.sequential and len(sides) > 1
     if interleave and not supported():
         print("note: this machine has no /proc process trees (Linux); the sides run one after the other", flush=True)
         interleave = False
-    if args.steps_per_turn < 1:
-        p.error(f"--steps-per-turn {args.steps_per_turn} must be >= 1")
-    print("timing: " + (f"both sides in turn, {args.steps_per_turn} RL steps each, the other stopped (SIGSTOP); each "
-                        "charged the wall time it ran" if interleave else "one side after the other, wall time"),
-          flush=True)
-    per_seed = []
-    try:
-        for seed in args.seeds:
-            res, seed_out = {"seed": seed}, out / f"seed{seed}"
-            seed_out.mkdir(parents=True, exist_ok=True)
-            builders, names = [], []
-            if args.only in (None, "trl"):
-                names.append("trl")
-                builders.append(lambda seed=seed, seed_out=seed_out: trl_side(
-                    config, seed=seed, max_steps=args.max_steps, target=args.target, window=args.window,
-                    out_dir=seed_out / "trl", overrides=args.overrides, stop_at_target=not args.full,
-                    router_aux_loss=args.trl_router_aux_loss))
-            if args.only in (None, "ours"):
-                names.append("ours")
-                builders.append(lambda seed=seed, seed_out=seed_out: ours_side(
-                    config, nproc=args.nproc, max_steps=args.max_steps, target=args.target, window=args.window,
-                    out_dir=seed_out, overrides=[*args.overrides, f"train.seed={seed}"],
-                    stop_at_target=not args.full))
-            how = (f"{args.steps_per_turn} RL step{'s' if args.steps_per_turn > 1 else ''} each in turn"
-                   if interleave and len(builders) > 1 else "one after the other")
-            print(f"seed {seed}: running {' and '.join('TRL' if n == 'trl' else 'moe-gspo' for n in names)} "
-                  f"({how}) ...", flush=True)
-            for name, curve in zip(names, race(builders, interleave=interleave, steps_per_turn=args.steps_per_turn)):
-                res[name] = summarize(curve, args.target, args.window)
-                res[f"{name}_curve"] = dataclasses.asdict(curve)
-                res[f"{name}_split"] = phase_split(curve, steps_per_turn=args.steps_per_turn
-                                                   if interleave and len(builders) > 1 else None)
-                print("  " + _fmt(res[name], args.target, args.window), flush=True)
-                if res[f"{name}_split"]:
-                    print("    s/RL step by phase (steps run without a stop inside): " + ", ".join(
-                        f"{k} {v:.3f}" for k, v in res[f"{name}_split"].items() if abs(v) >= 5e-4), flush=True)
-            if "trl" in res and "ours" in res:
-                res["ratio_time"] = _time_or_bound(res["ours"]) / _time_or_bound(res["trl"])
-                exact = res["ours"]["reached"] and res["trl"]["reached"]
-                print(f"  seed {seed} ratio ours/peer, time to target: {res['ratio_time']:.2f}x"
-                      + ("" if exact else " (a side missed the target: its run time stands in)"), flush=True)
-            per_seed.append(res)
-    finally:
+    print("timing: " + (f"the {len(sides)} sides in turn, {args.steps_per_turn} RL steps each, the others stopped "
+                        "(SIGSTOP); each charged the wall time it ran" if interleave
+                        else "one side after the other, wall time"), flush=True)
+    with contextlib.ExitStack() as stack:
         if tmp is not None:
-            tmp.cleanup()
+            stack.callback(tmp.cleanup)
+        rev_root = rev_config = None
+        if "ours_rev" in sides:
+            parent = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="trl_peer_bench_rev_")))
+            rev_root = stack.enter_context(rev_checkout(rev_sha, parent))
+            rev_config = str(Path(args.config) if Path(args.config).is_absolute() else rev_root / args.config)
+            if not Path(rev_config).is_file():
+                p.error(f"--config {args.config}: not in commit {args.ours_rev}; give an absolute path to race "
+                        "that commit on this checkout's config")
+            if Path(rev_config).read_bytes() != Path(config).read_bytes():
+                print(f"note: {args.config} differs between {args.ours_rev} and this checkout; each side of ours "
+                      "runs its own", flush=True)
+            print(f"ours @ {rev_sha[:9]}: the main job from a checkout of {args.ours_rev} ({rev_sha}) in {rev_root}",
+                  flush=True)
+        per_seed = run_seeds(args, sides, config=config, out=out, interleave=interleave, rev_root=rev_root,
+                             rev_config=rev_config, rev_sha=rev_sha)
     summary = compare_seeds(per_seed)
-    for side in ("trl", "ours"):
+    labels = side_labels(rev_sha)
+    for side in SIDES:
         if side in summary:
             x = summary[side]
             bound = ("" if x["all_reached"] else " (a seed missed; the median does not depend on it)"
                      if x["median_exact"] else " (a seed missed: a lower bound)")
             lo, hi = x["median_time_ci_s"]
-            print(f"median over seeds, {side:<4}: {x['median_time_s']:.1f} s to target{bound} "
+            print(f"median over seeds, {labels[side]}: {x['median_time_s']:.1f} s to target{bound} "
                   f"(95% bootstrap CI {lo:.1f}-{hi:.1f} s), "
                   f"{x['median_steps']:.0f} RL steps, {x['median_s_per_step']:.3f} s/RL step")
-    if "ratio_median_time" in summary:
-        lo, hi = summary["ratio_median_time_ci"]
-        print(f"ratio ours/peer of the median times to target: {summary['ratio_median_time']:.2f}x "
-              f"(95% bootstrap CI {lo:.2f}-{hi:.2f}x over {summary['ci_seeds']} seeds, resampled in pairs)"
-              + ("" if summary["ratio_exact"] else " (a median is a bound: raise --max-steps)"))
+    for name, x in summary["ratios"].items():
+        lo, hi = x["ci"]
+        num, den = name.split("/")
+        what = "ours/peer" if name == "ours/trl" else f"{labels[num]} / {labels[den]}"
+        print(f"ratio {what} of the median times to target: {x['median_ratio']:.2f}x "
+              f"(95% bootstrap CI {lo:.2f}-{hi:.2f}x over {x['num_seeds']} seeds, resampled in pairs)"
+              + ("" if x["exact"] else " (a median is a bound: raise --max-steps)"))
+    print("\nseconds to target (RL steps; * missed: its run time, a lower bound); medians [95% CI]"
+          + (f"; ours_rev = {labels['ours_rev']}" if "ours_rev" in summary else "") + ":")
+    print("\n".join("  " + line for line in seed_table(per_seed, summary, labels)))
     if args.json:
-        Path(args.json).write_text(json.dumps({"per_seed": per_seed, "summary": summary}, indent=1))
+        Path(args.json).write_text(json.dumps({"per_seed": per_seed, "summary": summary, "labels": labels,
+                                               "ours_rev": {"rev": args.ours_rev, "sha": rev_sha}}, indent=1))
     return 0
+
+
+def side_labels(rev_sha: str | None) -> dict[str, str]:
+    """How the summary names each side."""
+    return {"trl": "TRL", "ours": "ours" if rev_sha is None else "ours (this checkout)",
+            "ours_rev": f"ours @ {rev_sha[:9]}" if rev_sha else "ours @ REV"}
+
+
+def run_seeds(args, sides: list[str], *, config: str, out: Path, interleave: bool, rev_root: Path | None,
+              rev_config: str | None, rev_sha: str | None) -> list[dict]:
+    """Race `sides` at every seed of `args.seeds` (printing each side's line); one result per seed."""
+    per_seed = []
+    for seed in args.seeds:
+        res, seed_out, rev_label = {"seed": seed}, out / f"seed{seed}", rev_sha[:9] if rev_sha else None
+        seed_out.mkdir(parents=True, exist_ok=True)
+        ours = dict(nproc=args.nproc, max_steps=args.max_steps, target=args.target, window=args.window,
+                    overrides=[*args.overrides, f"train.seed={seed}"], stop_at_target=not args.full)
+        build = {
+            "trl": lambda: trl_side(config, seed=seed, max_steps=args.max_steps, target=args.target,
+                                    window=args.window, out_dir=seed_out / "trl", overrides=args.overrides,
+                                    stop_at_target=not args.full, router_aux_loss=args.trl_router_aux_loss),
+            "ours_rev": lambda: ours_side(rev_config, out_dir=seed_out / "ours_rev", root=rev_root, rev=rev_label,
+                                          **ours),
+            "ours": lambda: ours_side(config, out_dir=seed_out, **ours)}
+        how = (f"{args.steps_per_turn} RL step{'s' if args.steps_per_turn > 1 else ''} each in turn"
+               if interleave else "one after the other")
+        names = {"trl": "TRL", "ours_rev": f"moe-gspo @ {rev_label}", "ours": "moe-gspo"}
+        print(f"seed {seed}: running {' and '.join(names[s] for s in sides)} ({how}) ...", flush=True)
+        curves = race([build[s] for s in sides], interleave=interleave, steps_per_turn=args.steps_per_turn)
+        for name, curve in zip(sides, curves):
+            res[name] = summarize(curve, args.target, args.window)
+            res[f"{name}_curve"] = dataclasses.asdict(curve)
+            res[f"{name}_split"] = phase_split(curve, steps_per_turn=args.steps_per_turn if interleave else None)
+            print("  " + _fmt(res[name], args.target, args.window), flush=True)
+            if res[f"{name}_split"]:
+                print("    s/RL step by phase (steps run without a stop inside): " + ", ".join(
+                    f"{k} {v:.3f}" for k, v in res[f"{name}_split"].items() if abs(v) >= 5e-4), flush=True)
+        res["ratios"] = seed_ratios(res)
+        if "ours/trl" in res["ratios"]:
+            res["ratio_time"] = res["ratios"]["ours/trl"]
+        for pair, ratio in res["ratios"].items():
+            num, den = pair.split("/")
+            exact = res[num]["reached"] and res[den]["reached"]
+            what = "ours/peer" if pair == "ours/trl" else " / ".join(side_labels(rev_sha)[x] for x in (num, den))
+            print(f"  seed {seed} ratio {what}, time to target: {ratio:.2f}x"
+                  + ("" if exact else " (a side missed the target: its run time stands in)"), flush=True)
+        per_seed.append(res)
+    return per_seed
 
 
 if __name__ == "__main__":

@@ -250,12 +250,21 @@ def main(argv: list[str] | None = None) -> int:
         p.error("set the run length with --max-steps, not train.steps=")
     if args.max_steps < 1:
         p.error(f"--max-steps {args.max_steps} must be >= 1")
+    if args.steps_per_turn < 1:
+        p.error(f"--steps-per-turn {args.steps_per_turn} must be >= 1")
+    if args.only and "ours_rev" in args.only and not args.ours_rev:
+        p.error("--only ours_rev: give the commit with --ours-rev REV")
+    sides = [s for s in SIDES if (s != "ours_rev" or args.ours_rev) and (not args.only or s in args.only)]
     rev_sha = None
     if args.ours_rev is not None:
         rev_sha = resolve_rev(args.ours_rev)
         if rev_sha is None:
             p.error(f"--ours-rev {args.ours_rev}: not a commit of {ROOT} (give a hash, tag or branch of this "
                     "repository)")
+        if not Path(args.config).is_absolute() and subprocess.run(
+                ["git", "-C", str(ROOT), "cat-file", "-e", f"{rev_sha}:./{args.config}"], capture_output=True).returncode:
+            p.error(f"--config {args.config}: not in commit {args.ours_rev}, whose side reads its own copy; give an "
+                    "absolute path to run that commit on this file")
     try:  # train.steps as our side runs it (the learning-rate schedule is checked against it)
         cfgs = {seed: load_config(config, [*args.overrides, f"train.seed={seed}", f"train.steps={args.max_steps}"])
                 for seed in args.seeds}
@@ -287,11 +296,6 @@ def main(argv: list[str] | None = None) -> int:
           f"{'on' if args.trl_router_aux_loss else 'off'}; TRL's own: advantage std Bessel + 1e-4 (ours: correction "
           f"{a.adv_std_correction}, eps {a.adv_eps}), shuffled mini-batches (ours: {t.shuffle_minibatches}), "
           f"gradient checkpointing, fp32 sampling (ours: {cfg.rollout.dtype})", flush=True)
-    if args.steps_per_turn < 1:
-        p.error(f"--steps-per-turn {args.steps_per_turn} must be >= 1")
-    sides = [s for s in SIDES if (s != "ours_rev" or args.ours_rev) and (not args.only or s in args.only)]
-    if args.only and "ours_rev" in args.only and not args.ours_rev:
-        p.error("--only ours_rev: give the commit with --ours-rev REV")
     interleave = not args.sequential and len(sides) > 1
     if interleave and not supported():
         print("note: this machine has no /proc process trees (Linux); the sides run one after the other", flush=True)
@@ -307,9 +311,6 @@ def main(argv: list[str] | None = None) -> int:
             parent = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="trl_peer_bench_rev_")))
             rev_root = stack.enter_context(rev_checkout(rev_sha, parent))
             rev_config = str(Path(args.config) if Path(args.config).is_absolute() else rev_root / args.config)
-            if not Path(rev_config).is_file():
-                p.error(f"--config {args.config}: not in commit {args.ours_rev}; give an absolute path to race "
-                        "that commit on this checkout's config")
             if Path(rev_config).read_bytes() != Path(config).read_bytes():
                 print(f"note: {args.config} differs between {args.ours_rev} and this checkout; each side of ours "
                       "runs its own", flush=True)

@@ -24,6 +24,12 @@ _AXIS_OVERRIDES = {"algo.name": "list it under 'algos'", "algo.routing_replay": 
 _REQUIRED = ("base_config", "algos", "routing_replay", "seeds")
 _OVERRIDE_KEY_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 _RESERVED_OVERRIDES = {"train.seed": "list seeds under 'seeds'"}
+# The local executor's layout when a spec does not set it. They follow the measurement of runs per hour,
+# `python -m benchmarks.matrix_throughput` (docs/results.md, Benchmarks): change them there, after measuring.
+DEFAULT_PARALLEL_ARMS = 1
+"""`parallel_arms` of a spec without the key: runs at a time (each with `moe_gspo.ablate.local_threads_env`)."""
+DEFAULT_NPROC = 1
+"""`nproc` of a spec without the key: torchrun processes (ranks) per run."""
 
 
 @dataclass
@@ -33,8 +39,8 @@ class AblationSpec:
     routing_replay: list[str]
     seeds: list[int]
     overrides: dict[str, Any] = field(default_factory=dict)
-    nproc: int = 1
-    parallel_arms: int = 1
+    nproc: int = DEFAULT_NPROC
+    parallel_arms: int = DEFAULT_PARALLEL_ARMS
     reward_threshold: float = 0.8
     out_dir: Path = Path("runs/ablation")
     exclude: list[dict[str, Any]] = field(default_factory=list)
@@ -102,7 +108,7 @@ def parse_spec(raw: Any, out_dir: str | Path | None = None) -> AblationSpec:
             raise ValueError(f"ablation spec: override key {k!r} must be dotted, like 'train.steps'")
         if k in _RESERVED_OVERRIDES:
             raise ValueError(f"ablation spec: override {k!r} is set per arm; {_RESERVED_OVERRIDES[k]}")
-    nproc, parallel = raw.get("nproc", 1), raw.get("parallel_arms", 1)
+    nproc, parallel = raw.get("nproc", DEFAULT_NPROC), raw.get("parallel_arms", DEFAULT_PARALLEL_ARMS)
     for key, val in (("nproc", nproc), ("parallel_arms", parallel)):
         if not isinstance(val, int) or isinstance(val, bool) or val < 1:
             raise ValueError(f"ablation spec: '{key}' must be a positive int, got {val!r}")
@@ -141,7 +147,7 @@ def parse_spec(raw: Any, out_dir: str | Path | None = None) -> AblationSpec:
     if executor not in EXECUTORS:
         raise ValueError(f"ablation spec: 'executor' must be one of {list(EXECUTORS)}, got {executor!r}")
     slurm = parse_slurm(raw.get("slurm"))
-    if executor == "slurm" and parallel != 1:
+    if executor == "slurm" and parallel != 1 and "parallel_arms" in raw:
         raise ValueError("ablation spec: 'parallel_arms' is for executor: local; under executor: slurm every run is "
                          "a job and 'slurm: {array_parallelism: N}' bounds how many run at a time")
     return AblationSpec(

@@ -73,6 +73,22 @@ def test_slurm_needs_a_time_and_no_parallel_arms(tmp_path):
         parse_spec(_raw(tmp_path, executor="ray"))
 
 
+def test_the_local_default_layout_applies_where_a_spec_sets_none_and_never_stops_a_slurm_spec(tmp_path, monkeypatch):
+    """DEFAULT_PARALLEL_ARMS / DEFAULT_NPROC (to follow benchmarks.matrix_throughput) fill a spec without the
+    keys; a SLURM spec without `parallel_arms` stays valid whatever the local default is."""
+    from moe_gspo.run import ablation_spec
+
+    monkeypatch.setattr(ablation_spec, "DEFAULT_PARALLEL_ARMS", 2)
+    monkeypatch.setattr(ablation_spec, "DEFAULT_NPROC", 3)
+    raw = {k: v for k, v in _raw(tmp_path, executor="local").items() if k not in ("nproc", "slurm")}
+    spec = parse_spec(raw)
+    assert spec.parallel_arms == 2 and spec.nproc == 3
+    assert parse_spec(dict(raw, parallel_arms=1, nproc=1)).parallel_arms == 1  # a spec's own value wins
+    assert parse_spec(_raw(tmp_path)).executor == "slurm"  # no parallel_arms key: not refused
+    with pytest.raises(ValueError, match="'parallel_arms' is for executor: local"):
+        parse_spec(_raw(tmp_path, parallel_arms=2))
+
+
 def _write(tmp_path: Path, raw: dict) -> Path:
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(raw))

@@ -1,7 +1,7 @@
 """Peer benchmark: TRL's `GRPOTrainer` in GSPO mode vs this project's main job, on the same work.
 
 `python -m benchmarks.trl_peer_bench [--config configs/tiny_cpu.yaml] [--seeds 0 1 2 3 4] [--target 0.8]
-[--full] [section.key=value ...]`
+[--ours-rev REV] [--nproc 1] [--full] [section.key=value ...]`
 
 Runs when TRL is installed (it is in the `dev` extra, as the tests compare against it; the library never
 imports it): without it the script says so and exits 0. Both sides start from the same tiny random Qwen3-MoE
@@ -26,16 +26,26 @@ prompts, sampling, TRL's seed), both sides:
    `model.generate` (ours: `rollout.dtype`).
 2. **moe-gspo**: `torchrun --standalone --nproc-per-node N -m moe_gspo.train --config CONFIG` in a
    subprocess (the main job exactly as a user runs it, checkpoints and traces included; N = `--nproc`,
-   default 1: on this model a second data-parallel rank costs more than it saves).
+   default 1: one process on every core (torch's default threads), as TRL's side runs, and the layout of
+   every race in docs/results.md; on this model a second data-parallel rank cost more than it saved,
+   0.513 against 0.435 s per step in the last comparison there. `--nproc 2` races the README's
+   2-process command, each rank on one thread, as torchrun sets it).
+3. **moe-gspo at another commit** (`--ours-rev REV`, e.g. the commit before a speed change): the same
+   command run from a temporary checkout of REV (`race_common.rev_checkout`: `git worktree add --detach`
+   in a temp dir, removed at the end; the subprocess runs there with REV first on PYTHONPATH, so REV's
+   `moe_gspo` is imported; a relative `--config` is read from REV's own copy, with a note when it differs).
+   The three sides of a seed take turns together, so "before" (REV) and "after" (this checkout) meet the
+   same drift of the machine, and the summary adds REV against TRL and this checkout against REV.
+   `--only ours --only ours_rev` races before against after without TRL.
 
-Timing: by default the two sides of a seed run together, **taking turns of `--steps-per-turn` RL steps**
-(default 5, a few seconds) — the side whose turn it is runs while the other is stopped (`SIGSTOP`), and
+Timing: by default the sides of a seed run together, **taking turns of `--steps-per-turn` RL steps**
+(default 5, a few seconds) — the side whose turn it is runs while the others are stopped (`SIGSTOP`), and
 each is charged only the wall time of its own turns (`benchmarks.interleave`). This machine's speed
 drifts by tens of percent within minutes, more than the per-step difference being measured; turns of a
 few seconds put both sides under the same drift. Each side's first RL step (start-up) runs alone and is
 charged as the side itself timed it.
 `--sequential` runs the sides one after the other instead (wall time; also where there are no Linux
-`/proc` process trees, and with `--only`).
+`/proc` process trees, and with one `--only` side).
 
 Units: an **RL step** is one generation batch (prompts_per_step x samples_per_prompt completions)
 and the optimizer steps it feeds — for TRL `steps_per_generation` of its `global_step`s. Reward per
@@ -48,8 +58,10 @@ side stops once it reaches the target or after `--max-steps` RL steps. Under eac
 step by phase (`phase_split`: the phases it times itself, over the steps without a stop inside). The summary is the median over
 seeds of each side's time and the ratio of the medians (the steps needed vary ~2x between seeds, and a
 side's trajectory changes with any change of float rounding in its code), each with a 95% percentile-bootstrap
-CI over the seeds (`bootstrap_median_ci`: 10,000 resamples; the ratio resamples seeds in pairs, both sides
-of a seed together). With few seeds the CI is wide and coarse (5 seeds: a median is one of 5 values).
+CI over the seeds (`race_stats.bootstrap_median_ci`: 10,000 resamples; a ratio resamples seeds in pairs, both
+sides of a seed together): ours/TRL, and with `--ours-rev` also REV/TRL and ours/REV (after / before). A table
+at the end lists each seed's seconds (RL steps) per side, the per-seed ratios and the medians with their CIs.
+With few seeds the CI is wide and coarse (5 seeds: a median is one of 5 values).
 """
 
 from __future__ import annotations

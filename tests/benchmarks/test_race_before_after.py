@@ -123,3 +123,28 @@ def test_the_before_after_options_refuse_bad_input_with_exit_2(monkeypatch, caps
         bench.main([*argv, "--out", str(tmp_path / "out")])
     assert e.value.code == 2 and msg in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_a_side_that_cannot_start_ends_the_sides_already_launched(tmp_path):
+    """Three sides launch before the turns begin; when a later one fails to start (its log directory missing,
+    a bad command), those already running are ended, not left behind."""
+    from benchmarks import interleave
+
+    if not interleave.supported():
+        pytest.skip("needs Linux /proc process trees")
+    started = []
+
+    def sleeper():
+        side = bench._side("sleeper", "sleep", [sys.executable, "-c", "import time; time.sleep(60)"],
+                           tmp_path / "sleep.log", tmp_path / "records.jsonl", max_steps=1, target=1.0, window=1,
+                           stop_at_target=True, first_step_s=lambda r: 0.0, record_to_point=lambda r: (0, 0, 0),
+                           record_to_phases=lambda r: {})
+        started.append(side.job.proc)
+        return side
+
+    def broken():
+        raise FileNotFoundError("no such directory")
+
+    with pytest.raises(FileNotFoundError):
+        bench.race([sleeper, broken], interleave=True)
+    assert len(started) == 1 and started[0].poll() is not None  # ended, not sleeping on

@@ -312,9 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     if interleave and not supported():
         print("note: this machine has no /proc process trees (Linux); the sides run one after the other", flush=True)
         interleave = False
-    print("timing: " + (f"the {len(sides)} sides in turn, {args.steps_per_turn} RL steps each, the others stopped "
-                        "(SIGSTOP); each charged the wall time it ran" if interleave
-                        else "one side after the other, wall time"), flush=True)
+    per_turn = f"{args.steps_per_turn} RL step{'s' if args.steps_per_turn > 1 else ''}"
+    print("timing: " + (f"the {len(sides)} sides in turn, {per_turn} each, the others stopped (SIGSTOP); each "
+                        "charged the wall time it ran" if interleave else "one side after the other, wall time"),
+          flush=True)
     with contextlib.ExitStack() as stack:
         if tmp is not None:
             stack.callback(tmp.cleanup)

@@ -19,7 +19,7 @@ The policy state: the given checkpoint's, or the tiny models' at initialisation,
 the tiny models trained to each state by the project's trainer (`analysis.mechanism_states`). `--warm-steps` warms
 the measurement's own Adam first (a fresh Adam's first step is a sign step on every weight).
 
-    python -m analysis.mechanism --out reports/mechanism_states --depths 2 --lengths 9,13 --states init,steps:100,steps:300
+    python -m analysis.mechanism --out reports/mechanism_states --depths 2 --lengths 9,16 --states init,steps:150,steps:300
 """
 
 from __future__ import annotations

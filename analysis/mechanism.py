@@ -186,20 +186,21 @@ STATE_KEYS = {"experts_changed": "experts changed", "token_logratio_var": "token
 
 def state_tables(df) -> list[str]:
     """The policy-state axis: each state's training reward and entropy (the trainer's last 10 steps) and what the
-    measured step saw (its rollout's reward, k3 against the learner, NLL per token); then per state and method the
+    measured step saw (its rollout's reward, k3 against the learner per dose, NLL per token); then per state and method the
     means after the first update (k >= 1) over doses, lengths and k."""
     order = sorted(df["state"].unique(), key=lambda s: (s != "init", int(s.split(":")[1]) if ":" in s else 0))
     num = lambda v: "n/a" if v is None or v != v else f"{v:.3g}"  # noqa: E731
     lines = ["", "### By policy state", "",
              "| state | depth | length | training reward, last 10 steps | training entropy | measured rollout reward "
-             "| rollout k3 at dose 0 | rollout NLL per token |", "|---|---|---|---|---|---|---|---|"]
+             f"| rollout k3 at doses {' / '.join(f'{p:g}' for p in sorted(df['dose'].unique()))} "
+             "| rollout NLL per token |", "|---|---|---|---|---|---|---|---|"]
     for st in order:
         for (d, length), g in df[df["state"] == st].groupby(["depth", "length"], sort=True):
             first = g.iloc[0]
-            zero = g[g["dose"] == 0]
+            k3 = " / ".join(num(v) for _, v in sorted(g.groupby("dose")["rollout_k3"].mean().items()))
             lines.append(f"| {st} | {d} | {length} | {num(first.get('state_reward_last10'))} | "
-                         f"{num(first.get('state_entropy_last10'))} | {num(g['reward_mean'].mean())} | "
-                         f"{num(zero['rollout_k3'].mean()) if len(zero) else 'n/a'} | {num(g['rollout_nll_mean'].mean())} |")
+                         f"{num(first.get('state_entropy_last10'))} | {num(g['reward_mean'].mean())} | {k3} | "
+                         f"{num(g['rollout_nll_mean'].mean())} |")
     lines += ["", "| state | method | " + " | ".join(STATE_KEYS.values()) + " |", "|---" * (len(STATE_KEYS) + 2) + "|"]
     late = df[df["k"] >= 1]
     for st in order:

@@ -82,6 +82,9 @@ def test_a_trained_state_starts_from_init_and_measures_differently(trained):
     assert by[("steps:2", 0)]["state_reward_last10"] == info["reward_last10"]
     assert by[("init", 0)]["rollout_nll_mean"] != by[("steps:2", 0)]["rollout_nll_mean"]
     assert math.isfinite(by[("steps:2", 1)]["token_logratio_var"])
+    text = mechanism.page(rows, [])
+    assert "### By policy state" in text and "rollout k3 at doses 0 |" in text
+    assert f"| steps:2 | 1 | 4 | {info['reward_last10']:.3g} |" in text and "| init | 1 | 4 | n/a | n/a |" in text
 
 
 def test_a_cached_state_is_reused_and_never_overwritten(trained, monkeypatch):

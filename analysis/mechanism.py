@@ -185,27 +185,29 @@ STATE_KEYS = {"experts_changed": "experts changed", "token_logratio_var": "token
 
 
 def state_tables(df) -> list[str]:
-    """The policy-state axis: each state's training reward and entropy (the trainer's last 10 steps) and what the
-    measured step saw (its rollout's reward, k3 against the learner per dose, NLL per token); then per state and method the
-    means after the first update (k >= 1) over doses, lengths and k."""
+    """The policy-state axis, per warm-up W: each state's training reward and entropy (the trainer's last 10 steps)
+    and what the measured step saw (its rollout's reward, k3 against the learner per dose, NLL per token); then per
+    state and method the means after the first update (k >= 1) over doses, lengths and k, and the SNR at k = 0."""
     order = sorted(df["state"].unique(), key=lambda s: (s != "init", int(s.split(":")[1]) if ":" in s else 0))
     num = lambda v: "n/a" if v is None or v != v else f"{v:.3g}"  # noqa: E731
-    lines = ["", "### By policy state", "",
-             "| state | depth | length | training reward, last 10 steps | training entropy | measured rollout reward "
-             f"| rollout k3 at doses {' / '.join(f'{p:g}' for p in sorted(df['dose'].unique()))} "
-             "| rollout NLL per token |", "|---|---|---|---|---|---|---|---|"]
+    doses = " / ".join(f"{p:g}" for p in sorted(df["dose"].unique()))
+    lines = ["", "### By policy state (W: the measurement's warm-up steps before the measured one)", "",
+             "| state | W | depth | length | training reward, last 10 steps | training entropy | measured rollout "
+             f"reward | rollout k3 at doses {doses} | rollout NLL per token |", "|---" * 9 + "|"]
     for st in order:
-        for (d, length), g in df[df["state"] == st].groupby(["depth", "length"], sort=True):
+        for (w, d, length), g in df[df["state"] == st].groupby(["warm_steps", "depth", "length"], sort=True):
             first = g.iloc[0]
             k3 = " / ".join(num(v) for _, v in sorted(g.groupby("dose")["rollout_k3"].mean().items()))
-            lines.append(f"| {st} | {d} | {length} | {num(first.get('state_reward_last10'))} | "
+            lines.append(f"| {st} | {w} | {d} | {length} | {num(first.get('state_reward_last10'))} | "
                          f"{num(first.get('state_entropy_last10'))} | {num(g['reward_mean'].mean())} | {k3} | "
                          f"{num(g['rollout_nll_mean'].mean())} |")
-    lines += ["", "| state | method | " + " | ".join(STATE_KEYS.values()) + " |", "|---" * (len(STATE_KEYS) + 2) + "|"]
-    late = df[df["k"] >= 1]
+    lines += ["", "| state | W | method | " + " | ".join(STATE_KEYS.values()) + " | SNR at k = 0 |",
+              "|---" * (len(STATE_KEYS) + 4) + "|"]
     for st in order:
-        for method, g in late[late["state"] == st].groupby("method", sort=True):
-            lines.append(f"| {st} | {method} | " + " | ".join(num(g[k].mean()) for k in STATE_KEYS) + " |")
+        for (w, method), g in df[df["state"] == st].groupby(["warm_steps", "method"], sort=True):
+            late = g[g["k"] >= 1]
+            lines.append(f"| {st} | {w} | {method} | " + " | ".join(num(late[k].mean()) for k in STATE_KEYS)
+                         + f" | {num(g[g['k'] == 0]['grad_snr'].mean())} |")
     return lines
 
 

@@ -84,7 +84,7 @@ def test_a_trained_state_starts_from_init_and_measures_differently(trained):
     assert math.isfinite(by[("steps:2", 1)]["token_logratio_var"])
     text = mechanism.page(rows, [])
     assert "### By policy state" in text and "rollout k3 at doses 0 |" in text
-    assert f"| steps:2 | 1 | 4 | {info['reward_last10']:.3g} |" in text and "| init | 1 | 4 | n/a | n/a |" in text
+    assert f"| steps:2 | 0 | 1 | 4 | {info['reward_last10']:.3g} |" in text and "| init | 0 | 1 | 4 | n/a | n/a |" in text
 
 
 def test_a_cached_state_is_reused_and_never_overwritten(trained, monkeypatch):

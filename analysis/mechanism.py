@@ -188,7 +188,8 @@ def state_tables(df) -> list[str]:
     """The policy-state axis, per warm-up W: each state's training reward and entropy (the trainer's last 10 steps)
     and what the measured step saw (its rollout's reward, k3 against the learner per dose, NLL per token); then per
     state and method the means after the first update (k >= 1) over doses, lengths and k, and the SNR at k = 0."""
-    order = sorted(df["state"].unique(), key=lambda s: (s != "init", int(s.split(":")[1]) if ":" in s else 0))
+    steps = lambda s: int(s.split(":")[1]) if s.startswith("steps:") and s[6:].isdigit() else -1  # noqa: E731
+    order = sorted(df["state"].unique(), key=lambda s: (s != "init", steps(s), s))
     num = lambda v: "n/a" if v is None or v != v else f"{v:.3g}"  # noqa: E731
     doses = " / ".join(f"{p:g}" for p in sorted(df["dose"].unique()))
     lines = ["", "### By policy state (W: the measurement's warm-up steps before the measured one)", "",

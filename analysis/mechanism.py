@@ -15,8 +15,11 @@ written to a temporary file and renamed.
     python -m analysis.mechanism --out reports/mechanism --depths 2,4,8 --lengths 16,32,64,128 --doses 0,0.1,0.4
     python -m analysis.mechanism --model /path/to/qwen3_moe_checkpoint --lengths 64,256 --out my_mechanism
 
-A first version: the policy state is the given checkpoint's (the tiny models: at initialisation); the updates use
-Adam from a fresh state, whose first step is larger than a warmed optimizer's.
+The policy state: the given checkpoint's, or the tiny models' at initialisation, or (`--states init,steps:100,...`)
+the tiny models trained to each state by the project's trainer (`analysis.mechanism_states`). `--warm-steps` warms
+the measurement's own Adam first (a fresh Adam's first step is a sign step on every weight).
+
+    python -m analysis.mechanism --out reports/mechanism_states --depths 2 --lengths 9,16 --states init,steps:150,steps:300
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ import itertools
 import json
 import math
 import os
+import shlex
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
+from analysis.mechanism_states import StateError, parse_states, state_checkpoint
 from analysis.mechanism_step import METHODS, StepSetting, measure_step
 
 EXPONENT_METRICS = ("grad_err_routing", "token_logratio_var", "seq_logratio_mean_var", "experts_changed")
@@ -73,23 +78,44 @@ def build_model(depth: int | None, model_dir: str | None, *, seed: int, max_posi
     return build_tiny_model(cfg, seed=seed), int(cfg.vocab_size), depth
 
 
+def _policy(depth, model_dir, state, s: StepSetting, out: Path | None, label: str, extra, progress):
+    """(model, vocab, depth, the state's row fields): the checkpoint, the tiny model at its initialisation, or the
+    tiny model trained to `state` on the task at `s.length` (`analysis.mechanism_states`)."""
+    max_positions = (s.length + 2 if s.task else s.prompt_len) + s.length
+    if state is None or state.steps == 0:
+        model, vocab, d = build_model(depth, model_dir, seed=s.seed, max_positions=max_positions)
+        return model, vocab, d, {"state": label if state is None else state.name, "state_steps": 0 if state else None}
+    path, info = state_checkpoint(out, state, depth=depth, length=s.length, seed=s.seed, task=s.task,
+                                  extra=extra, progress=progress)
+    model, vocab, d = build_model(None, str(path), seed=s.seed, max_positions=max_positions)
+    return model, vocab, d, {"state": state.name, "state_steps": state.steps,
+                             "state_reward_last10": info["reward_last10"], "state_entropy_last10": info["entropy_last10"]}
+
+
 def run_grid(*, depths, lengths, doses, seeds, base: StepSetting, model_dir: str | None = None,
-             methods=tuple(METHODS), warm_steps=(0,), progress=None) -> list[dict]:
-    """Rows of every (depth, warm steps, length, dose, seed) setting; each setting starts from a fresh copy of its
-    model."""
+             methods=tuple(METHODS), warm_steps=(0,), states=None, out: Path | None = None, state_label: str = "init",
+             state_overrides: tuple[str, ...] = (), progress=None) -> list[dict]:
+    """Rows of every (depth, seed, state, warm steps, length, dose) setting; each setting starts from a fresh copy
+    of its model. `states` (tiny models only, `base.task` set): the policy states, trained checkpoints cached
+    under `out`; else the policy is the checkpoint's or the tiny model's initialisation, labelled `state_label`."""
     import torch
 
+    if states and (model_dir or not base.task or out is None):
+        raise ValueError("--states trains the tiny models on a task: not with --model (measure each of your "
+                         "checkpoints with --model and --state-label)")
     rows = []
     for depth in ([None] if model_dir else depths):
         for seed in seeds:
-            for warm, length, dose in itertools.product(warm_steps, lengths, doses):
-                model, vocab, d = build_model(depth, model_dir, seed=seed, max_positions=base.prompt_len + length)
+            for state, warm, length, dose in itertools.product(states or [None], warm_steps, lengths, doses):
                 s = replace(base, length=length, dose=dose, seed=seed, warm_steps=warm)
+                model, vocab, d, fields = _policy(depth, model_dir, state, s, out, state_label, state_overrides,
+                                                  progress)
                 torch.manual_seed(seed)
                 for r in measure_step(model, s, vocab=vocab, methods=methods):
-                    rows.append({"depth": d, **r})
+                    rows.append({"depth": d, **fields, **r})
                 if progress:
-                    progress(f"depth {d} warm steps {warm} length {length} dose {dose} seed {seed}: done")
+                    progress(f"depth {d} state {fields['state']} warm steps {warm} length {length} dose {dose} "
+                             f"seed {seed}: done")
     return rows
 
 
@@ -105,7 +131,7 @@ def exponents(rows: list[dict]) -> list[dict]:
         return out
     for method in sorted(df["method"].unique()):
         for metric in EXPONENT_METRICS:
-            cols = ["length", "depth", "dose", metric] + (["warm_steps"] if "warm_steps" in df else [])
+            cols = ["length", "depth", "dose", metric] + [c for c in ("warm_steps", "state") if c in df]
             d = df[(df["method"] == method)][cols].copy()
             d = d[np.isfinite(d[metric]) & (d[metric] > 0)]
             terms = [t for t in ("length", "depth") if d[t].nunique() > 1]
@@ -114,7 +140,7 @@ def exponents(rows: list[dict]) -> list[dict]:
             d["y"] = np.log(d[metric])
             for t in terms:
                 d[f"log_{t}"] = np.log(d[t])
-            effects = [f" + C({c})" for c in ("dose", "warm_steps") if c in d and d[c].nunique() > 1]
+            effects = [f" + C({c})" for c in ("dose", "warm_steps", "state") if c in d and d[c].nunique() > 1]
             formula = "y ~ " + " + ".join(f"log_{t}" for t in terms) + "".join(effects)
             res = smf.ols(formula, data=d).fit()
             ci = res.conf_int()
@@ -134,7 +160,7 @@ def page(rows: list[dict], fits: list[dict]) -> str:
     lines = ["# How much does routing volatility corrupt the gradient?", "",
              f"Settings: depths {sorted(df['depth'].unique().tolist())}, lengths {sorted(df['length'].unique().tolist())}, "
              f"doses {sorted(df['dose'].unique().tolist())}, seeds {sorted(df['seed'].unique().tolist())}, warm-up "
-             f"steps {sorted(df['warm_steps'].unique().tolist())}, "
+             f"steps {sorted(df['warm_steps'].unique().tolist())}, states {sorted(df['state'].unique().tolist())}, "
              f"{int(df['minibatches'].iloc[0])} mini-batches per rollout (`analysis.mechanism`; rows: mechanism.jsonl).",
              "", "### Per method, after the first update (k >= 1), mean over settings and k", "",
              "| method | " + " | ".join(keys) + " | SNR at k = 0 |", "|---" * (len(keys) + 2) + "|"]
@@ -142,6 +168,8 @@ def page(rows: list[dict], fits: list[dict]) -> str:
         late = g[g["k"] >= 1]
         cells = [f"{late[k].mean():.3g}" if len(late) else "n/a" for k in keys]
         lines.append(f"| {method} | " + " | ".join(cells) + f" | {g[g['k'] == 0]['grad_snr'].mean():.3g} |")
+    if "state" in df and df["state"].nunique() > 1:
+        lines += state_tables(df)
     lines += ["", "### Scaling exponents (OLS of log(metric) on log(length) and log(depth), dose effects; 95% CI)", ""]
     if fits:
         lines += ["| method | metric | against | exponent [95% CI] | rows |", "|---|---|---|---|---|"]
@@ -150,6 +178,38 @@ def page(rows: list[dict], fits: list[dict]) -> str:
     else:
         lines.append("Not fitted: length and depth do not vary, or too few rows.")
     return "\n".join(lines) + "\n"
+
+
+STATE_KEYS = {"experts_changed": "experts changed", "token_logratio_var": "token log-ratio var",
+              "clipped_token_frac": "clipped tokens", "grad_err_routing": "routing grad error"}
+
+
+def state_tables(df) -> list[str]:
+    """The policy-state axis, per warm-up W: each state's training reward and entropy (the trainer's last 10 steps)
+    and what the measured step saw (its rollout's reward, k3 against the learner per dose, NLL per token); then per
+    state and method the means after the first update (k >= 1) over doses, lengths and k, and the SNR at k = 0."""
+    steps = lambda s: int(s.split(":")[1]) if s.startswith("steps:") and s[6:].isdigit() else -1  # noqa: E731
+    order = sorted(df["state"].unique(), key=lambda s: (s != "init", steps(s), s))
+    num = lambda v: "n/a" if v is None or v != v else f"{v:.3g}"  # noqa: E731
+    doses = " / ".join(f"{p:g}" for p in sorted(df["dose"].unique()))
+    lines = ["", "### By policy state (W: the measurement's warm-up steps before the measured one)", "",
+             "| state | W | depth | length | training reward, last 10 steps | training entropy | measured rollout "
+             f"reward | rollout k3 at doses {doses} | rollout NLL per token |", "|---" * 9 + "|"]
+    for st in order:
+        for (w, d, length), g in df[df["state"] == st].groupby(["warm_steps", "depth", "length"], sort=True):
+            first = g.iloc[0]
+            k3 = " / ".join(num(v) for _, v in sorted(g.groupby("dose")["rollout_k3"].mean().items()))
+            lines.append(f"| {st} | {w} | {d} | {length} | {num(first.get('state_reward_last10'))} | "
+                         f"{num(first.get('state_entropy_last10'))} | {num(g['reward_mean'].mean())} | {k3} | "
+                         f"{num(g['rollout_nll_mean'].mean())} |")
+    lines += ["", "| state | W | method | " + " | ".join(STATE_KEYS.values()) + " | SNR at k = 0 |",
+              "|---" * (len(STATE_KEYS) + 4) + "|"]
+    for st in order:
+        for (w, method), g in df[df["state"] == st].groupby(["warm_steps", "method"], sort=True):
+            late = g[g["k"] >= 1]
+            lines.append(f"| {st} | {w} | {method} | " + " | ".join(num(late[k].mean()) for k in STATE_KEYS)
+                         + f" | {num(g[g['k'] == 0]['grad_snr'].mean())} |")
+    return lines
 
 
 def _write(path: Path, text: str) -> None:
@@ -173,6 +233,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-steps", type=_numbers(int), default=[5],
                     help="the policy state: GRPO training steps before the measured one, e.g. 0,20,100 (0: a fresh "
                          "Adam's first update, a sign step on every weight)")
+    ap.add_argument("--states", default=None,
+                    help="policy states of the tiny models, e.g. init,steps:100,steps:300: each trained with "
+                         "moe_gspo.train (configs/tiny_cpu.yaml) on --task at each depth and length, cached under "
+                         "OUT/states/ and reused (default: the models as built, at initialisation)")
+    ap.add_argument("--task", default="copy", help="with --states: the synthetic task (copy or reverse) whose "
+                                                   "prompts the states train and are measured on")
+    ap.add_argument("--state-overrides", default="",
+                    help="with --states: more moe_gspo.train overrides, space-separated, e.g. 'algo.name=grpo "
+                         "rollout.prompts_per_step=8' (part of the cache's identity)")
+    ap.add_argument("--state-label", default=None,
+                    help="without --states: the rows' state label (default: init, or checkpoint with --model)")
     ap.add_argument("--minibatches", type=int, default=16, help="N, updates per rollout (k = 0..N-1)")
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=4)
@@ -193,6 +264,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--depths and --lengths must be >= 1")
     if any(not 0 <= p <= 1 for p in args.doses):
         ap.error("--doses must be flip probabilities in [0, 1]")
+    try:
+        states = parse_states(args.states) if args.states is not None else None
+    except StateError as e:
+        ap.error(str(e))
+    if states and args.model:
+        ap.error("--states trains the tiny models; with --model measure each of your checkpoints in its own call "
+                 "with --state-label NAME")
+    if states and args.task not in ("copy", "reverse"):
+        ap.error(f"--task {args.task!r}: the states train on copy or reverse")
+    if states and min(args.lengths) < 2:
+        ap.error("--lengths must be >= 2 with --states (a symbol and EOS)")
     out = Path(args.out)
     if (out / "mechanism.jsonl").exists() and not args.overwrite:
         ap.error(f"{out / 'mechanism.jsonl'} exists; pass --overwrite to replace it or choose another --out")
@@ -201,10 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads < 1:
         ap.error("--threads must be >= 1")
     torch.set_num_threads(args.threads)
-    base = StepSetting(minibatches=args.minibatches, groups=args.groups, group_size=args.group_size, lr=args.lr)
+    base = StepSetting(minibatches=args.minibatches, groups=args.groups, group_size=args.group_size, lr=args.lr,
+                       task=args.task if states else None)
+    label = args.state_label or ("checkpoint" if args.model else "init")
     try:
         rows = run_grid(depths=args.depths, lengths=args.lengths, doses=args.doses, seeds=args.seeds, base=base,
-                        model_dir=args.model, methods=methods, warm_steps=args.warm_steps, progress=lambda m: print(m, file=sys.stderr))
+                        model_dir=args.model, methods=methods, warm_steps=args.warm_steps, states=states, out=out,
+                        state_label=label, state_overrides=tuple(shlex.split(args.state_overrides)), progress=lambda m: print(m, file=sys.stderr))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

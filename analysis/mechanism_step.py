@@ -18,6 +18,9 @@ against π_old on the whole batch, and every method's gradient is taken on mini-
   that reference removes the rollout's routes (the dial's flips) too, so its error is the dial's part; GRPO+R2 is
   its own reference. TIS is also compared with plain GRPO (what its weights change).
 - at k = 0 the gradient's signal-to-noise ratio across the N mini-batches: ‖mean g‖ over its standard error.
+- per setting, the rollout's mismatch to π_old (`rollout_k3`: k3 KL of the sampler's log-probs, through the dial,
+  against the learner pass's, `moe_gspo.algos.mismatch`) and its mean negative log-prob per token
+  (`rollout_nll_mean`: how sharp the policy is).
 
 The update itself follows one method's gradient (`driver`, GRPO by default) with Adam. Rewards: the fraction of the
 response's tokens that copy the prompt's (cyclically), a deterministic function of prompt and response, so the
@@ -34,6 +37,7 @@ import torch
 from torch import nn
 
 from moe_gspo.algos.advantages import group_advantages
+from moe_gspo.algos.mismatch import mismatch_metrics
 from moe_gspo.algos.policy_loss import policy_loss
 from moe_gspo.algos.registry import get_algo
 from moe_gspo.algos.rollout_correction import rollout_is_weights
@@ -79,6 +83,13 @@ class StepSetting:
     """Training steps before the measured one (the policy state: 0 = the checkpoint as given): each a rollout at
     dose 0 and N mini-batch updates of the driver's gradient, with the optimizer the measured step then uses
     (warmed, as in a run)."""
+    task: str | None = None
+    """None: random prompts of `prompt_len` tokens, rewarded for copying them. A synthetic task's name (`copy`,
+    `reverse`): its prompts as the trained states saw them (`length` - 1 symbols of `task_symbols`, padded, so
+    that the answer and EOS are exactly `length` tokens), written with the shipped tokenizer, and its reward on
+    the response up to its first EOS (`prompt_len` is then the prompt's own)."""
+    task_symbols: int = 4
+    """With `task`: the task's alphabet (`task.num_symbols`)."""
 
 
 class RouteReplay:
@@ -128,12 +139,42 @@ def _calls_routes(calls, batch: int) -> torch.Tensor:
     return torch.cat([c.topk_ids_NLK.reshape(batch, -1, *c.topk_ids_NLK.shape[1:]) for c in calls], dim=1)
 
 
+class TaskPrompts:
+    """A synthetic task's prompts and reward at response length L (`StepSetting.task`): L - 1 symbols, padded, so
+    that the exact answer and EOS are L tokens, as `analysis.mechanism_states` trains the states."""
+
+    def __init__(self, s: StepSetting):
+        from moe_gspo.tasks.synthetic import PADDED_TASKS, SyntheticTask
+        from moe_gspo.tokenizer import load_tiny_tokenizer
+
+        if s.task not in PADDED_TASKS:
+            raise ValueError(f"task={s.task!r}: the measured tasks are {', '.join(PADDED_TASKS)}")
+        if s.length < 2:
+            raise ValueError(f"length={s.length}: a task's response needs >= 2 tokens (a symbol and EOS)")
+        self.task = SyntheticTask(s.task, prompt_len=s.length - 1, num_symbols=s.task_symbols, pad_prompts=True)
+        self.tok = load_tiny_tokenizer()
+        self.prompts = self.task.prompts(0, s.groups, s.seed)
+        self.ids = torch.tensor([self.tok(p.text, add_special_tokens=False)["input_ids"] for p in self.prompts])
+
+    def rewards(self, resp: torch.Tensor, group_size: int) -> torch.Tensor:
+        """The task's reward of each response [B, L], read up to its first EOS (as the trainer stops there)."""
+        from moe_gspo.run.steps import response_text
+
+        eos, out = self.tok.eos_token_id, []
+        for i, row in enumerate(resp.tolist()):
+            ids = row[:row.index(eos) + 1] if eos in row else row
+            out.append(self.task.reward(response_text(self.tok, ids), self.prompts[i // group_size]))
+        return torch.tensor(out, dtype=torch.float32)
+
+
 def sample_rollout(model: nn.Module, s: StepSetting, vocab: int) -> Rollout:
-    """B = groups x group_size sequences of exactly `s.length` sampled tokens after random prompts (KV-cached decoding,
-    temperature 1), with the dial at `s.dose` and the routes the rollout used recorded."""
+    """B = groups x group_size sequences of exactly `s.length` sampled tokens after random prompts or the task's
+    (KV-cached decoding, temperature 1), with the dial at `s.dose` and the routes the rollout used recorded."""
     gen = torch.Generator().manual_seed(s.seed)
     b = s.groups * s.group_size
-    prompts = torch.randint(3, vocab, (s.groups, s.prompt_len), generator=gen).repeat_interleave(s.group_size, 0)
+    task = TaskPrompts(s) if s.task else None
+    prompts = (task.ids if task else torch.randint(3, vocab, (s.groups, s.prompt_len), generator=gen))
+    prompts = prompts.repeat_interleave(s.group_size, 0)
     dial = RoutingDial(noise_std=0.0, flip_prob=s.dose) if s.dose > 0 else None
     rec = HFRouterRecorder(model, record_probs=False, record_stats=False)
     if dial is not None:
@@ -158,10 +199,13 @@ def sample_rollout(model: nn.Module, s: StepSetting, vocab: int) -> Rollout:
         if dial is not None:
             dial.detach()
     resp = torch.cat(toks, dim=1)
-    target = prompts.repeat(1, math.ceil(s.length / s.prompt_len))[:, :s.length]
-    rewards = (resp == target).float().mean(dim=1)
+    if task is not None:
+        rewards = task.rewards(resp, s.group_size)
+    else:
+        target = prompts.repeat(1, math.ceil(s.length / s.prompt_len))[:, :s.length]
+        rewards = (resp == target).float().mean(dim=1)
     adv = group_advantages(rewards, s.group_size).float()
-    return Rollout(torch.cat([prompts, resp], dim=1), torch.cat(logps, dim=1), routes, adv, s.prompt_len,
+    return Rollout(torch.cat([prompts, resp], dim=1), torch.cat(logps, dim=1), routes, adv, prompts.shape[1],
                    {"reward_mean": float(rewards.mean())})
 
 
@@ -310,6 +354,8 @@ def measure_step(model: nn.Module, s: StepSetting, *, vocab: int, methods=tuple(
     ro = sample_rollout(model, s, vocab)
     step = StepReplay(model, ro)
     mbs = _minibatches(b, s.minibatches, s.seed + 1)
+    mm = mismatch_metrics(ro.rollout_logp, step.old_logp, step.mask)
+    ro.extra.update({"rollout_k3": mm["mismatch/k3_kl"], "rollout_nll_mean": float(-ro.rollout_logp.mean())})
     rows: list[dict] = []
     try:
         snr = {}

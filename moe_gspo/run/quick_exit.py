@@ -10,7 +10,8 @@ one by one: with torch, transformers, Megatron-core and W&B loaded (~4,000 modul
 - it flushes Python's standard streams and the C library's (`fflush(NULL)`).
 
 It falls back to the ordinary `sys.exit(code)` whenever the interpreter would wait for something first: a
-non-daemon thread still running (Python joins those before its atexit handlers). Files the run writes are
+non-daemon thread still running (Python joins those before its atexit handlers), or a tool that ran the
+module and still has work to do after it (cProfile, `coverage run`, pdb). Files the run writes are
 closed by the code that wrote them (`moe_gspo.files.atomic_write_text`, the metrics sink's `close`); an
 object left open with unflushed buffered data would lose it here, as on a kill.
 """
@@ -29,6 +30,19 @@ def other_threads_running() -> bool:
     return any(t is not me and t.is_alive() and not t.daemon for t in threading.enumerate())
 
 
+def run_by_the_interpreter(frame) -> bool:
+    """`frame` (a module's top level) was started by the interpreter itself (`python -m`, a script, `-c`): only
+    runpy's frames above it. Under a tool that runs it and then does more (`python -m cProfile -o F -m ...`
+    writes its profile, `coverage run` its data, pdb), the process must end the ordinary way."""
+    f = frame.f_back
+    while f is not None:
+        name = f.f_code.co_filename
+        if not (name == "<frozen runpy>" or name.endswith(("/runpy.py", "\\runpy.py"))):
+            return False
+        f = f.f_back
+    return True
+
+
 def _flush_c_stdio() -> None:
     try:
         import ctypes
@@ -40,8 +54,9 @@ def _flush_c_stdio() -> None:
 
 def exit_now(code: int | None) -> None:
     """End the process with `code` (None = 0) after the atexit handlers and a flush of every standard stream,
-    without the interpreter's teardown; `sys.exit(code)` instead while another non-daemon thread runs."""
-    if other_threads_running():
+    without the interpreter's teardown; `sys.exit(code)` instead while another non-daemon thread runs or when
+    the calling module was not started by the interpreter itself (`run_by_the_interpreter`)."""
+    if other_threads_running() or not run_by_the_interpreter(sys._getframe(1)):
         sys.exit(code)
     atexit._run_exitfuncs()  # the handlers in reverse order of registration, each once; then none are left
     if other_threads_running():  # a handler started one: let the interpreter join it

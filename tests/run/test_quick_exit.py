@@ -43,3 +43,25 @@ def test_a_running_thread_gets_the_ordinary_exit(tmp_path):
     assert p.returncode == 3, p.stderr
     assert p.stdout == "buffered out, no newline"
     assert marks == ["thread", "second-registered", "first-registered"]  # joined before the handlers
+
+
+def test_under_a_tool_that_runs_the_module_the_exit_is_ordinary(tmp_path):
+    """`python -m entry` ends with os._exit; `python -m cProfile -o F -m entry` writes its profile after the
+    module's SystemExit, so no os._exit there."""
+    (tmp_path / "entry_mod.py").write_text(
+        "import os, sys\n"
+        "from moe_gspo.run.quick_exit import exit_now\n"
+        "real = os._exit\n"
+        "os._exit = lambda code: (open(sys.argv[1], 'a').write('os._exit\\n'), real(code))\n"
+        "print('ran')\n"
+        "exit_now(3)\n")
+    env = {"PYTHONPATH": f"{ROOT}:{tmp_path}", "PATH": "/usr/bin:/bin"}
+    marks, prof = tmp_path / "marks", tmp_path / "out.prof"
+    direct = subprocess.run([sys.executable, "-m", "entry_mod", str(marks)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=60, env=env)
+    assert direct.returncode == 3 and direct.stdout == "ran\n", direct.stderr
+    assert marks.read_text() == "os._exit\n"
+    marks.unlink()
+    p = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(prof), "-m", "entry_mod", str(marks)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert "ran" in p.stdout and prof.is_file() and not marks.exists(), p.stderr

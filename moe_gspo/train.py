@@ -277,4 +277,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from moe_gspo.run.quick_exit import exit_now
+
+    exit_now(main())  # sys.exit(main()) without the interpreter's teardown of every module (~1.4 s of CPU)

@@ -3,7 +3,7 @@
 `rollout.samples_per_prompt=1000000` or `rollout.prompts_per_step=1000000` used to reach the allocator
 and end after half a minute or more in a raw traceback. `check_batch_fits_host` counts a lower bound of
 what such a step must hold at once, from the config alone (the geometry of `moe_gspo.plan.from_config.
-resolve_hf_config`, the sequence length of `sequence_length`), and refuses a config whose bound exceeds
+geometry_config`, the sequence length of `sequence_length`), and refuses a config whose bound exceeds
 this machine's physical memory with one ValueError naming the field and the fix:
 
 - every rank holds the step's whole global batch of `N = prompts_per_step x samples_per_prompt`
@@ -83,13 +83,13 @@ def attention_floor_bytes(geom, *, infer_tokens: float, train_tokens: float, par
 
 def batch_floor_bytes(cfg, *, world_size: int, local_ranks: int, on_cuda: bool) -> dict[str, float]:
     """The node's host bytes (lower bound) of one step: {"batch", "kv_cache", "model", "activations", "attention"}."""
-    from moe_gspo.plan.from_config import resolve_hf_config, sequence_length
+    from moe_gspo.plan.from_config import geometry_config, sequence_length
     from moe_gspo.plan.host_routes import learner_kept_bytes_per_token, rollout_bytes_per_token
     from moe_gspo.plan.params import Geometry, megatron_counts
     from moe_gspo.rollout.engine_spec import engine_spec
 
     r, tr, m = cfg.rollout, cfg.train, cfg.model
-    geom = Geometry.from_hf(resolve_hf_config(cfg)[0])
+    geom = Geometry.from_hf(geometry_config(cfg))
     seq_len, _ = sequence_length(cfg)
     seqs = float(r.prompts_per_step) * float(r.samples_per_prompt)
     tokens = seqs * seq_len

@@ -82,6 +82,23 @@ def resolve_hf_config(cfg: Config, model_config: str | None = None):
                      f"checkpoint is, or pass --model-config FILE.json (or one of: {', '.join(shipped)})")
 
 
+def geometry_config(cfg: Config):
+    """The model's geometry as `Geometry.from_hf` and the start-up checks read it (`num_experts`, layers,
+    widths). For the tiny model (`model.path` null): the fields `moe_gspo.tiny.tiny_qwen3_moe_config`
+    gives transformers' `Qwen3MoeConfig` (`TINY_DEFAULTS` with `model.tiny` over them, validated by
+    `moe_gspo.config_sizes.check_tiny`) as a namespace, read without importing transformers: the
+    launcher's checks then import no transformers (~2.5 s of CPU before any worker started, docs/results.md,
+    "Start-up, after"); the same `Geometry` as the real config (tests/plan/test_geometry_config.py).
+    Otherwise `resolve_hf_config(cfg)[0]`."""
+    if cfg.model.path is None:
+        from types import SimpleNamespace
+
+        from moe_gspo.tiny import TINY_DEFAULTS
+
+        return SimpleNamespace(**{**TINY_DEFAULTS, **cfg.model.tiny})
+    return resolve_hf_config(cfg)[0]
+
+
 def sequence_length(cfg: Config) -> tuple[int, str | None]:
     """(tokens per sequence the plan uses, an assumption to state or None)."""
     r, t = cfg.rollout, cfg.task

@@ -74,6 +74,32 @@ def append_jsonl_line(path: Path, rec: dict[str, Any], what: str) -> None:
         os.close(fd)
 
 
+_LAUNCH_INPUTS = "wandb.sdk.launch.inputs.internal"
+
+
+def skip_unstaged_launch_inputs() -> None:
+    """`wandb.init` applies the inputs staged for a W&B Launch job (`StagedLaunchInputs`, a singleton of
+    `wandb.sdk.launch.inputs.internal` that `wandb.sdk.launch.manage_config_file` / `manage_wandb_config`
+    fill in this process) by importing `wandb.sdk.launch`: 0.5-1 s of CPU once torch, transformers and
+    Megatron-core are loaded (pydantic reads the source of its ~80 models), on rank 0 before the first step.
+    Nothing can be staged unless that module was imported, so the import is skipped then; otherwise W&B's
+    own method runs. Idempotent; a no-op on a W&B without that method."""
+    from wandb.sdk import wandb_run
+
+    apply = getattr(wandb_run.Run, "_detect_and_apply_job_inputs", None)
+    if apply is None or getattr(apply, "_moe_gspo_skip", False):
+        return
+
+    def detect_and_apply_job_inputs(self) -> None:
+        import sys
+
+        if _LAUNCH_INPUTS in sys.modules:
+            apply(self)
+
+    detect_and_apply_job_inputs._moe_gspo_skip = True
+    wandb_run.Run._detect_and_apply_job_inputs = detect_and_apply_job_inputs
+
+
 def wandb_run_id(run_dir: Path, run_name: str) -> str:
     """`{run name}-{8 hex of the run directory's absolute path}` (W&B's id characters, at most 64): the same for
     the same directory (a resume continues the W&B run), different for two directories of one run name."""
@@ -103,6 +129,7 @@ class MetricsSink:
             os.environ.setdefault("WANDB_SILENT", "true")
             import wandb
 
+            skip_unstaged_launch_inputs()
             self._wandb = wandb.init(project=project, name=run_name, dir=str(run_dir), config=config,
                                      mode=wandb_mode, resume="allow", id=wandb_run_id(run_dir, run_name))
 

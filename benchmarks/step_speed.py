@@ -18,7 +18,9 @@ own code (`PYTHONPATH` = its tree). Per run it takes, over the steps after the f
 - cpu: user + system CPU seconds of the whole process tree (launcher and ranks, read from /proc when the
   metrics row of step `skip` and that of the last step appear), per step and per process: the figure to
   compare on a shared box, where wall times follow the neighbours (set `--threads 1` there: with more
-  OpenMP threads than free cores, spinning threads add CPU time too).
+  OpenMP threads than free cores, spinning threads add CPU time too); under heavy load (other jobs
+  thrashing the caches) it still varies by ~10% run to run;
+- faults: minor page faults of the same processes over the same steps, per step and process.
 
 It prints each run, then per mode and measure the median over rounds of each side, the ratio
 this checkout / REV (below 1: this checkout is faster) and a 95% bootstrap CI of that ratio (rounds
@@ -57,22 +59,23 @@ def command(mode: str, run_dir: Path, steps: int, overrides: list[str]) -> list[
             "-m", "moe_gspo.train", *common]
 
 
-def stat_cpu_ticks(stat_line: str) -> int:
-    """utime + stime (clock ticks) of one /proc/<pid>/stat line (the command name may hold spaces and
-    parentheses: the fields after it start after the last ')')."""
-    fields = stat_line[stat_line.rindex(")") + 2:].split()
-    return int(fields[11]) + int(fields[12])  # fields 14 and 15 of proc(5), counted from the state (field 3)
+def stat_counters(stat_line: str) -> tuple[int, int]:
+    """(utime + stime in clock ticks, minor page faults) of one /proc/<pid>/stat line (the command name may
+    hold spaces and parentheses: the fields after it start after the last ')')."""
+    fields = stat_line[stat_line.rindex(")") + 2:].split()  # fields[0] is proc(5)'s field 3 (state)
+    return int(fields[11]) + int(fields[12]), int(fields[7])  # utime 14, stime 15; minflt 10
 
 
-def tree_cpu_s(pid: int) -> float:
-    """User + system CPU seconds so far of `pid` and its living descendants."""
-    ticks = 0
+def tree_counters(pid: int) -> tuple[float, int]:
+    """(user + system CPU seconds, minor page faults) so far of `pid` and its living descendants."""
+    ticks = faults = 0
     for p in process_tree(pid):
         try:
-            ticks += stat_cpu_ticks(Path(f"/proc/{p}/stat").read_text())
+            t, f = stat_counters(Path(f"/proc/{p}/stat").read_text())
         except (FileNotFoundError, ProcessLookupError, ValueError):
-            pass
-    return ticks / os.sysconf("SC_CLK_TCK")
+            continue
+        ticks, faults = ticks + t, faults + f
+    return ticks / os.sysconf("SC_CLK_TCK"), faults
 
 
 @dataclass(kw_only=True)
@@ -81,6 +84,8 @@ class RunTiming:
     """Median `perf/step_time_s` of the steps after the skipped ones."""
     cpu_s: float
     """CPU seconds per step and process over the same steps."""
+    faults: float = 0.0
+    """Minor page faults per step and process over the same steps."""
 
 
 def timed_run(tree: Path, mode: str, run_dir: Path, *, steps: int, skip: int, overrides: list[str],
@@ -101,7 +106,7 @@ def timed_run(tree: Path, mode: str, run_dir: Path, *, steps: int, skip: int, ov
             for row in tail.read():
                 rows.append(row)
                 if len(rows) in (skip, steps):  # the CPU clock at the end of step `skip` and of the last step
-                    cpu_at[len(rows)] = tree_cpu_s(proc.pid)
+                    cpu_at[len(rows)] = tree_counters(proc.pid)
             if done:
                 break
             time.sleep(poll_s)
@@ -109,8 +114,9 @@ def timed_run(tree: Path, mode: str, run_dir: Path, *, steps: int, skip: int, ov
         raise RuntimeError(f"{' '.join(command(mode, run_dir, steps, overrides))} (from {tree}) exited with "
                            f"{proc.returncode} after {len(rows)} metrics rows:\n{log.read_text()[-3000:]}")
     walls = [r["perf/step_time_s"] for r in rows[skip:]]
-    cpu = (cpu_at[steps] - cpu_at[skip]) / ((steps - skip) * MODES[mode])
-    return RunTiming(wall_s=statistics.median(walls), cpu_s=cpu)
+    per = (steps - skip) * MODES[mode]
+    (cpu0, f0), (cpu1, f1) = cpu_at[skip], cpu_at[steps]
+    return RunTiming(wall_s=statistics.median(walls), cpu_s=(cpu1 - cpu0) / per, faults=(f1 - f0) / per)
 
 
 def ratio_ci(ref: list[float], new: list[float], *, resamples: int = 10_000, seed: int = 0,
@@ -131,12 +137,14 @@ def summary(rev: str, results: dict[tuple[str, str], list[RunTiming]]) -> list[s
     """The printed lines: per mode and measure, both sides' median, the ratio and its CI."""
     out = []
     for mode in dict.fromkeys(m for m, _ in results):
-        for measure, unit in (("wall_s", "wall s/step"), ("cpu_s", "CPU s/step/process")):
+        for measure, unit in (("wall_s", "wall s/step"), ("cpu_s", "CPU s/step/process"),
+                              ("faults", "faults/step/process")):
             ref = [getattr(t, measure) for t in results[(mode, "ref")]]
             new = [getattr(t, measure) for t in results[(mode, "new")]]
             ratio, lo, hi = ratio_ci(ref, new)
-            out.append(f"{mode:4s} {unit:19s} {rev}: {statistics.median(ref):.4f}  this checkout: "
-                       f"{statistics.median(new):.4f}  ratio {ratio:.3f} (95% CI {lo:.3f}-{hi:.3f}, "
+            fmt = ".0f" if measure == "faults" else ".4f"
+            out.append(f"{mode:4s} {unit:19s} {rev}: {statistics.median(ref):{fmt}}  this checkout: "
+                       f"{statistics.median(new):{fmt}}  ratio {ratio:.3f} (95% CI {lo:.3f}-{hi:.3f}, "
                        f"{len(ref)} + {len(new)} runs)")
     return out
 
@@ -174,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                         results[(mode, side)].append(t)
                         name = args.against if side == "ref" else "this checkout"
                         print(f"round {r + 1} {mode}: {name}: wall {t.wall_s:.4f} s/step, CPU {t.cpu_s:.4f} "
-                              f"s/step/process", flush=True)
+                              f"s/step/process, {t.faults:.0f} minor page faults/step/process", flush=True)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(ref_tree)], check=False)
     print("\n".join(summary(args.against, results)))

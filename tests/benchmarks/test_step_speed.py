@@ -5,20 +5,23 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.step_speed import RunTiming, command, main, ratio_ci, stat_cpu_ticks, summary, tree_cpu_s
+from benchmarks.step_speed import RunTiming, command, main, ratio_ci, stat_counters, summary, tree_counters
 
 
-def test_stat_cpu_ticks_reads_utime_and_stime_after_a_name_with_spaces_and_parentheses():
+def test_stat_counters_read_cpu_ticks_and_minor_faults_after_a_name_with_spaces_and_parentheses():
     # proc(5): pid (comm) state ppid pgrp session tty_nr tpgid flags minflt cminflt majflt cmajflt utime stime ...
-    line = "4242 (python (rank 0) x) R 1 2 3 4 5 6 7 8 9 10 123 45 0 0 20 0 1 0 100 200 300"
-    assert stat_cpu_ticks(line) == 123 + 45
-    assert stat_cpu_ticks(Path(f"/proc/{os.getpid()}/stat").read_text()) >= 0
+    line = "4242 (python (rank 0) x) R 1 2 3 4 5 6 77 8 9 10 123 45 0 0 20 0 1 0 100 200 300"
+    assert stat_counters(line) == (123 + 45, 77)
+    ticks, faults = stat_counters(Path(f"/proc/{os.getpid()}/stat").read_text())
+    assert ticks >= 0 and faults > 0
 
 
-def test_tree_cpu_s_of_this_process_grows_with_work():
-    before = tree_cpu_s(os.getpid())
+def test_tree_counters_of_this_process_grow_with_work_and_fresh_memory():
+    cpu0, faults0 = tree_counters(os.getpid())
     t = sum(i * i for i in range(2_000_000))
-    assert t > 0 and tree_cpu_s(os.getpid()) > before
+    block = bytearray(8 << 20)  # fresh pages, touched when zeroed
+    cpu1, faults1 = tree_counters(os.getpid())
+    assert t > 0 and len(block) and cpu1 > cpu0 and faults1 > faults0
 
 
 def test_command_main_runs_the_launcher_with_two_ranks_and_arm_one_process(tmp_path):
@@ -39,12 +42,13 @@ def test_ratio_ci_brackets_the_ratio_of_medians_and_is_a_point_for_constant_side
 
 
 def test_summary_lines_name_mode_measure_and_ratio():
-    res = {("arm", "ref"): [RunTiming(wall_s=0.4, cpu_s=0.3)] * 3,
-           ("arm", "new"): [RunTiming(wall_s=0.3, cpu_s=0.3)] * 3}
+    res = {("arm", "ref"): [RunTiming(wall_s=0.4, cpu_s=0.3, faults=100.0)] * 3,
+           ("arm", "new"): [RunTiming(wall_s=0.3, cpu_s=0.3, faults=20.0)] * 3}
     lines = summary("abc123", res)
-    assert len(lines) == 2
+    assert len(lines) == 3
     assert lines[0].startswith("arm  wall s/step") and "ratio 0.750 (95% CI 0.750-0.750, 3 + 3 runs)" in lines[0]
     assert "ratio 1.000" in lines[1] and "CPU s/step/process" in lines[1]
+    assert "faults/step/process" in lines[2] and "ratio 0.200" in lines[2]
 
 
 def test_main_refuses_unknown_modes_and_bad_skip(capsys):

@@ -5,7 +5,7 @@ A CPU training step allocates and frees the same few-MB activation, gradient and
 over. glibc's defaults serve them from mmap'd chunks or a heap that is trimmed whenever its free top exceeds
 a threshold that follows the largest freed chunk; either way the pages go back to the kernel and every later
 step faults them in again, zeroed: ~5,000 minor page faults per default step on the tiny model (one
-process, ~100,000 over 20 steps), about 5% of its CPU time in the kernel's fault handling and page zeroing.
+process: 99,000-141,000 over 20 steps), with the kernel's fault handling and page zeroing in the CPU time.
 `keep_freed_heap()` sets three `mallopt` parameters once per process:
 
 - `M_MMAP_THRESHOLD` = 32 MiB (glibc's own upper bound for the dynamic threshold): smaller blocks come from
@@ -13,7 +13,9 @@ process, ~100,000 over 20 steps), about 5% of its CPU time in the kernel's fault
 - `M_TRIM_THRESHOLD` = 256 MiB: the heap's free top is returned to the kernel only above this;
 - `M_TOP_PAD` = 16 MiB: each heap extension asks for that much more, fewer `brk` calls.
 
-With them the same 20 steps take ~16,000 faults. Nothing computed changes: PyTorch aligns every CPU
+With them the same 20 steps take ~16,000 faults and the loop's user + system CPU time fell from 7.09 to
+6.51 s (-8%; means of four alternated pairs on a shared 2-core box, 1 thread; docs/results.md, "The step,
+after"). Nothing computed changes: PyTorch aligns every CPU
 allocation to 64 bytes itself, wherever the memory comes from (`benchmarks.metrics_match`: the metrics
 are equal). The cost is memory held: at most the process's peak heap use plus 256 MiB of free heap top.
 `moe_gspo.train` calls it when the learner's device is the CPU; on a GPU the host allocates little per step

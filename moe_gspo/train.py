@@ -38,6 +38,10 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, *, overwrite: bool =
     check_prompts_fit(cfg, task, evals)  # prompt + max_new_tokens within the engine's context; <unk> warning
     check_batch_fits_host(cfg)  # absurd batch sizes: one line before any model is built (moe_gspo.plan.batch_bound)
     info = init_run(cfg)
+    if info.device.type == "cpu":  # freed activations stay in the heap, no page faults per step (run/host_malloc.py)
+        from moe_gspo.run.host_malloc import keep_freed_heap
+
+        keep_freed_heap()
     lock = lock_run_dir(plan, info, resume=resume, overwrite=overwrite)  # one run per RUN_DIR: rank 0 holds it
     try:
         return _train_locked(cfg, plan, info, task, evals, resume)

@@ -60,7 +60,7 @@ from moe_gspo.learner.optim import LearnerOptimizer, any_rank, resolve_optimizer
 from moe_gspo.learner.replay import RoutingReplayDriver
 from moe_gspo.learner.replay_plan import LearnerPass, ReplayPlan, RouteSource, build_replay_plan, replay_spec
 from moe_gspo.learner.router_hooks import MegatronRouterRecorder
-from moe_gspo.mcore.model import forward_logits, moe_layer_ids, moe_routers, unwrap
+from moe_gspo.mcore.model import TrainModeSwitch, forward_logits, moe_layer_ids, moe_routers, unwrap
 from moe_gspo.mcore.parallel import ParallelInfo
 from moe_gspo.routing.align import build_replay_topk
 from moe_gspo.routing.expert_usage import ExpertUsageWindow
@@ -123,6 +123,8 @@ class Learner:
                                           mode=opts.offload_during_rollout,
                                           move_optimizer=not opts.precision_aware_optimizer)
             self.offload.release_grads()  # train.offload_during_rollout: no gradient memory until the first update
+        self.set_train_mode = TrainModeSwitch(self.ddp)
+        """`self.ddp.train(mode)` without walking the modules at every switch (`moe_gspo.mcore.model`)."""
         self.recorder = MegatronRouterRecorder(self.model, record_probs=True, record_stats=True, enabled=False)
         routers = moe_routers(self.model)
         self.replay_driver = (RoutingReplayDriver(self.model, recompute=self.recompute)
@@ -259,8 +261,8 @@ class Learner:
                            dp_size=self.parallel.dp_size, micro_batch_size=mbs)
         if keep_graph:
             check_fusable(self, routes_in, plan)
-        if self.ddp.training != keep_graph:  # switching walks every module (~2 ms on the tiny model)
-            self.ddp.train(keep_graph)
+        if self.ddp.training != keep_graph:
+            self.set_train_mode(keep_graph)
         result, _ = logprob_pass(self, self.recorder, batch, plan, routes_in, record=record,
                                  record_routes=record_routes, keep_graph=keep_graph, with_entropy=with_entropy,
                                  num_train_steps=self.num_train_steps)
@@ -376,7 +378,7 @@ class Learner:
             return loss, loss * piece_weight(mask, mode, dp_size=dp, num_units_total=denom), {**m, **opsm_m}
 
         if not self.ddp.training:
-            self.ddp.train()
+            self.set_train_mode(True)
         self.optimizer.zero_grad()
         with_entropy = algo.entropy_coef > 0
         if fused is not None:

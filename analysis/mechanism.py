@@ -9,8 +9,9 @@ the routing change removed) and the gradient's SNR across mini-batches (`analysi
 
 Writes `mechanism.jsonl` (one row per setting, k and method) and `mechanism.md` (per method the means over settings,
 and the scaling exponents of the routing-induced gradient error and the log-ratio variances against response length
-and MoE depth: statsmodels OLS of log(metric) on log(L) and log(depth) over the rows with k >= 1, 95% CI), both
-written to a temporary file and renamed.
+and MoE depth: statsmodels OLS of log(metric) on log(L) and log(depth) over the rows with k >= 1, 95% CI clustered by
+seed, the unit of replication), both written to a temporary file and renamed. Experiment 5's pre-registered tests
+on these rows: `python -m analysis.mechanism_tests`.
 
     python -m analysis.mechanism --out reports/mechanism --depths 2,4,8 --lengths 16,32,64,128 --doses 0,0.1,0.4
     python -m analysis.mechanism --model /path/to/qwen3_moe_checkpoint --lengths 64,256 --out my_mechanism
@@ -94,8 +95,11 @@ def run_grid(*, depths, lengths, doses, seeds, base: StepSetting, model_dir: str
 
 
 def exponents(rows: list[dict]) -> list[dict]:
-    """Per method and metric: the OLS slopes of log(metric) on log(length) and log(depth) (each when it varies),
-    over the rows with k >= 1 and a positive finite metric, with 95% CIs (statsmodels)."""
+    """Per method and metric: the OLS slopes of log(metric) on log(length) and log(depth) (each when it varies), with
+    dose, k and seed effects, over the rows with k >= 1 and a positive finite metric (statsmodels). The seed is the
+    unit of replication (rows of one seed share a model and a rollout): with >= 2 seeds the 95% CI is cluster-robust
+    by seed (t with seeds - 1 df); with one seed there is no valid CI (lo, hi nan). Experiment 5's tests are per
+    seed (`analysis.mechanism_tests`)."""
     import pandas as pd
     import statsmodels.formula.api as smf
 
@@ -105,23 +109,29 @@ def exponents(rows: list[dict]) -> list[dict]:
         return out
     for method in sorted(df["method"].unique()):
         for metric in EXPONENT_METRICS:
-            cols = ["length", "depth", "dose", metric] + (["warm_steps"] if "warm_steps" in df else [])
+            cols = ["length", "depth", "dose", "k", "seed", metric] + (["warm_steps"] if "warm_steps" in df else [])
             d = df[(df["method"] == method)][cols].copy()
-            d = d[np.isfinite(d[metric]) & (d[metric] > 0)]
+            d = d[np.isfinite(d[metric].astype(float)) & (d[metric].astype(float) > 0)]
             terms = [t for t in ("length", "depth") if d[t].nunique() > 1]
             if not terms or len(d) <= len(terms) + 1:
                 continue
-            d["y"] = np.log(d[metric])
+            d["y"] = np.log(d[metric].astype(float))
             for t in terms:
                 d[f"log_{t}"] = np.log(d[t])
-            effects = [f" + C({c})" for c in ("dose", "warm_steps") if c in d and d[c].nunique() > 1]
+            effects = [f" + C({c})" for c in ("dose", "k", "warm_steps", "seed") if c in d and d[c].nunique() > 1]
             formula = "y ~ " + " + ".join(f"log_{t}" for t in terms) + "".join(effects)
-            res = smf.ols(formula, data=d).fit()
-            ci = res.conf_int()
+            clusters = d["seed"].nunique()
+            if clusters > 1:
+                res = smf.ols(formula, data=d).fit(cov_type="cluster", use_t=True,
+                                                   cov_kwds={"groups": d["seed"].astype(int).to_numpy()})
+                ci = res.conf_int()
+            else:
+                res, ci = smf.ols(formula, data=d).fit(), None
             for t in terms:
                 name = f"log_{t}"
+                lo, hi = (float(ci.loc[name, 0]), float(ci.loc[name, 1])) if ci is not None else (math.nan, math.nan)
                 out.append({"method": method, "metric": metric, "against": t, "exponent": float(res.params[name]),
-                            "lo": float(ci.loc[name, 0]), "hi": float(ci.loc[name, 1]), "n": int(res.nobs)})
+                            "lo": lo, "hi": hi, "n": int(res.nobs), "seeds": int(clusters)})
     return out
 
 
@@ -142,11 +152,13 @@ def page(rows: list[dict], fits: list[dict]) -> str:
         late = g[g["k"] >= 1]
         cells = [f"{late[k].mean():.3g}" if len(late) else "n/a" for k in keys]
         lines.append(f"| {method} | " + " | ".join(cells) + f" | {g[g['k'] == 0]['grad_snr'].mean():.3g} |")
-    lines += ["", "### Scaling exponents (OLS of log(metric) on log(length) and log(depth), dose effects; 95% CI)", ""]
+    lines += ["", "### Scaling exponents (OLS of log(metric) on log(length) and log(depth), dose, k and seed effects; "
+              "95% CI cluster-robust by seed, none from one seed)", ""]
     if fits:
-        lines += ["| method | metric | against | exponent [95% CI] | rows |", "|---|---|---|---|---|"]
-        lines += [f"| {f['method']} | {f['metric']} | {f['against']} | {f['exponent']:+.2f} [{f['lo']:+.2f}, "
-                  f"{f['hi']:+.2f}] | {f['n']} |" for f in fits]
+        ci = lambda f: "n/a: one seed" if not math.isfinite(f["lo"]) else f"{f['lo']:+.2f}, {f['hi']:+.2f}"  # noqa: E731
+        lines += ["| method | metric | against | exponent [95% CI] | rows | seeds |", "|---|---|---|---|---|---|"]
+        lines += [f"| {f['method']} | {f['metric']} | {f['against']} | {f['exponent']:+.2f} [{ci(f)}] | {f['n']} | "
+                  f"{f['seeds']} |" for f in fits]
     else:
         lines.append("Not fitted: length and depth do not vary, or too few rows.")
     return "\n".join(lines) + "\n"

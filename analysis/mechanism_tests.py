@@ -5,9 +5,11 @@
 The unit of replication is the seed (the tiny model's init and the rollouts' seed): every method, dose, length,
 depth and staleness index k measured on one seed is one paired observation of that seed, and rows within a seed are
 correlated (they share a model and a rollout), so no test pools them. Per seed and endpoint (`ENDPOINTS`), one number:
-the exponent of a metric against one grid axis, the slope of an ordinary least-squares fit (statsmodels) of
-log(metric) on log(axis) with fixed effects for the other axes that vary (`C(length)`, `C(depth)`, `C(dose)`,
-`C(k)`); a difference endpoint is the difference of two methods' exponents on the same seed. Across seeds: a
+the exponent of a metric against one grid axis. The metric is first averaged into cells (per setting over the
+mini-batch index k, or per k over the settings for an exponent on k: the step's mean relative error), then the
+exponent is the slope of an ordinary least-squares fit (statsmodels) of log(cell mean) on log(axis) with fixed
+effects for the other setting axes that vary (`C(length)`, `C(depth)`, `C(dose)`); a difference endpoint is the
+difference of two methods' exponents on the same seed. Across seeds: a
 one-sample t-test of the per-seed values against 0 (two-sided, scipy), its 95% t CI, and Holm's adjustment over the
 primary family (statsmodels `multipletests`). A test is decided when its Holm-adjusted p is below 0.05; its verdict
 then says whether the exponent has the claimed sign. A sensitivity fit pools the seeds (seed fixed effects,
@@ -55,6 +57,9 @@ class Endpoint:
     """The rows used have k >= this (1: after the first update, where the routes have moved)."""
     primary: bool = True
     """In the Holm family (else reported with its CI, not tested)."""
+    sesoi: float = 0.25
+    """The smallest effect of interest (an exponent): the power target, and a CI inside +-sesoi reads "no exponent
+    as large as this, either way"."""
 
 
 ENDPOINTS = (
@@ -63,18 +68,19 @@ ENDPOINTS = (
                    "from R2's: exponent on the dose > 0"),
     Endpoint(id="T1", method="grpo", metric="grad_err_routing", against="length",
              claim="GRPO's routing-induced gradient error grows with the response length: exponent > 0"),
-    Endpoint(id="T2", method="grpo", metric="grad_err_routing", against="depth",
-             claim="GRPO's routing-induced gradient error grows with the MoE depth: exponent > 0"),
-    Endpoint(id="T3", method="grpo-noclip", minus="gspo-noclip", metric="grad_err_routing", against="length",
+    Endpoint(id="T2", method="grpo", metric="grad_err_routing", against="depth", primary=False,
+             claim="GRPO's routing-induced gradient error grows with the MoE depth: exponent > 0 (secondary: the "
+                   "pilot's seeds spread too much for a decision within the budget)"),
+    Endpoint(id="T3", method="grpo-noclip", minus="gspo-noclip", metric="grad_err_routing", against="length", sesoi=0.1,
              claim="GSPO's error grows less with length than GRPO's (both unclipped): GRPO's exponent minus GSPO's > 0"),
-    Endpoint(id="T4", method="grpo-noclip", minus="gspo-noclip", metric="grad_err_routing", against="depth",
+    Endpoint(id="T4", method="grpo-noclip", minus="gspo-noclip", metric="grad_err_routing", against="depth", sesoi=0.1,
              claim="GSPO's error grows less with depth than GRPO's (both unclipped): GRPO's exponent minus GSPO's > 0"),
     Endpoint(id="T5", method="grpo", metric="grad_err_routing", against="k",
              claim="staleness: GRPO's error (the part R2 removes) grows with the mini-batch index k: exponent > 0"),
     Endpoint(id="T6", method="grpo+tis", metric="grad_err_tis_vs_grpo", against="dose", min_k=0,
              claim="the dial reaches the gradient through TIS: TIS moves GRPO's gradient more at a higher dose: "
                    "exponent on the dose > 0"),
-    Endpoint(id="S1", method="grpo", metric="grad_err_routing", against="dose", primary=False,
+    Endpoint(id="S1", method="grpo", metric="grad_err_routing", against="dose", primary=False, sesoi=0.1,
              claim="the dial reaches GRPO's gradient only through sampling: GRPO's routing error barely depends on "
                    "the dose (exponent within +-0.1)"),
     Endpoint(id="S2", method="grpo", minus="gspo", metric="grad_err_routing", against="length", primary=False,
@@ -83,7 +89,8 @@ ENDPOINTS = (
     Endpoint(id="S3", method="grpo", metric="experts_changed", against="k", primary=False,
              claim="experts changed since pi_old grow with k (the shared update path's routing change)"),
 )
-"""Experiment 5's endpoints, in Holm's listing order (the primary family: PC, T1-T6; S: secondary, descriptive)."""
+"""Experiment 5's endpoints, in listing order (the primary family, Holm: PC, T1, T3-T6; T2 and S1-S3 secondary,
+descriptive)."""
 
 
 def load_rows(path: str | Path) -> list[dict]:
@@ -117,18 +124,28 @@ def _fit_rows(df, e: Endpoint, method: str):
     return d[np.isfinite(vals) & (vals > 0)]
 
 
+def _cells(d, e: Endpoint, keep=()):
+    """The metric averaged into cells: per setting (length, depth, dose) over k for an exponent on a setting axis, per
+    k over the settings for one on k (and per `keep` column too); the step's mean relative error, robust to the rows
+    where no route of the mini-batch changed (an error at float level, whose log would dominate a row-level fit)."""
+    by = (["k"] if e.against == "k" else ["length", "depth", "dose"]) + list(keep)
+    return d.groupby(by, as_index=False)[e.metric].mean()
+
+
 def _formula(d, e: Endpoint, extra: str = "") -> str | None:
     if d[e.against].nunique() < 2:
         return None
-    fixed = [c for c in AXES if c != e.against and d[c].nunique() > 1]
+    fixed = [c for c in AXES if c != e.against and c in d and d[c].nunique() > 1]
     return f"np.log({e.metric}) ~ np.log({e.against})" + "".join(f" + C({c})" for c in fixed) + extra
 
 
 def seed_exponent(df, e: Endpoint, method: str) -> float:
-    """The exponent of one seed's rows (`df`) of `method` (OLS slope; nan when the axis does not vary)."""
+    """The exponent of one seed's rows (`df`) of `method`: the OLS slope of the log cell means (`_cells`) on
+    log(axis), fixed effects for the other setting axes; nan when the axis does not vary."""
     import statsmodels.formula.api as smf
 
     d = _fit_rows(df, e, method)
+    d = _cells(d, e) if len(d) else d
     formula = _formula(d, e) if len(d) else None
     if formula is None:
         return math.nan
@@ -182,8 +199,14 @@ def verdict(stat: dict, p_holm: float) -> str:
     if not math.isfinite(p_holm):
         return "not testable (fewer than 2 seeds with the rows it needs)"
     if p_holm >= ALPHA:
-        return "not decided"
-    return "supported (decided, the claimed sign)" if stat["mean"] > 0 else "decided against the claim (the opposite sign)"
+        e = stat["endpoint"]
+        inside = -e.sesoi < stat["lo"] and stat["hi"] < e.sesoi
+        return "not decided" + (f"; no exponent as large as {e.sesoi:g} either way (CI inside +-{e.sesoi:g})"
+                                if inside else "")
+    small = "" if abs(stat["lo"]) >= stat["endpoint"].sesoi or abs(stat["hi"]) >= stat["endpoint"].sesoi else \
+        f"; the whole CI smaller than the SESOI {stat['endpoint'].sesoi:g}"
+    return ("supported (decided, the claimed sign)" if stat["mean"] > 0 else
+            "decided against the claim (the opposite sign)") + small
 
 
 def tests(rows: list[dict], endpoints=ENDPOINTS) -> list[dict]:
@@ -206,6 +229,7 @@ def pooled(rows: list[dict], e: Endpoint) -> dict | None:
     if e.minus is not None or df["seed"].nunique() < 2:
         return None
     d = _fit_rows(df, e, e.method)
+    d = _cells(d, e, keep=("seed",)) if len(d) else d
     formula = _formula(d, e, " + C(seed)") if len(d) else None
     if formula is None or d["seed"].nunique() < 2:
         return None
@@ -261,8 +285,9 @@ def page(rows: list[dict], source: str) -> str:
     lines = ["# Experiment 5, the mechanism matrix: the pre-registered tests", "",
              f"Rows: `{source}` ({len(df)} rows; seeds {seeds}; {grid}; k 0-{int(df['k'].max())}; methods "
              f"{sorted(df['method'].unique().tolist())}). Regenerate: `python -m analysis.mechanism_tests {source}`.",
-             "", "Per seed, each endpoint is an exponent: the OLS slope of log(metric) on log(axis), fixed effects for "
-             "the other axes (statsmodels); across seeds a two-sided one-sample t-test against 0 with its 95% t CI; "
+             "", "Per seed, each endpoint is an exponent: the metric averaged per setting over k (per k over the "
+             "settings, for k), then the OLS slope of log(mean) on log(axis), fixed effects for the other axes "
+             "(statsmodels); across seeds a two-sided one-sample t-test against 0 with its 95% t CI; "
              f"Holm over the primary family at alpha {ALPHA}.", "",
              "## The primary family (Holm)", "",
              "| test | claim | seeds | mean [95% CI] | SD | p | Holm p | verdict |", "|---|---|---|---|---|---|---|---|"]

@@ -9,8 +9,9 @@ the routing change removed) and the gradient's SNR across mini-batches (`analysi
 
 Writes `mechanism.jsonl` (one row per setting, k and method) and `mechanism.md` (per method the means over settings,
 and the scaling exponents of the routing-induced gradient error and the log-ratio variances against response length
-and MoE depth: statsmodels OLS of log(metric) on log(L) and log(depth) over the rows with k >= 1, 95% CI), both
-written to a temporary file and renamed.
+and MoE depth: statsmodels OLS of log(metric) on log(L) and log(depth) over the rows with k >= 1, 95% CI clustered by
+seed, the unit of replication), both written to a temporary file and renamed. Experiment 5's pre-registered tests
+on these rows: `python -m analysis.mechanism_tests`.
 
     python -m analysis.mechanism --out reports/mechanism --depths 2,4,8 --lengths 16,32,64,128 --doses 0,0.1,0.4
     python -m analysis.mechanism --model /path/to/qwen3_moe_checkpoint --lengths 64,256 --out my_mechanism
@@ -120,8 +121,11 @@ def run_grid(*, depths, lengths, doses, seeds, base: StepSetting, model_dir: str
 
 
 def exponents(rows: list[dict]) -> list[dict]:
-    """Per method and metric: the OLS slopes of log(metric) on log(length) and log(depth) (each when it varies),
-    over the rows with k >= 1 and a positive finite metric, with 95% CIs (statsmodels)."""
+    """Per method and metric: the OLS slopes of log(metric) on log(length) and log(depth) (each when it varies), with
+    dose, k and seed effects, over the rows with k >= 1 and a positive finite metric (statsmodels). The seed is the
+    unit of replication (rows of one seed share a model and a rollout): with >= 2 seeds the 95% CI is cluster-robust
+    by seed (t with seeds - 1 df); with one seed there is no valid CI (lo, hi nan). Experiment 5's tests are per
+    seed (`analysis.mechanism_tests`)."""
     import pandas as pd
     import statsmodels.formula.api as smf
 
@@ -131,23 +135,29 @@ def exponents(rows: list[dict]) -> list[dict]:
         return out
     for method in sorted(df["method"].unique()):
         for metric in EXPONENT_METRICS:
-            cols = ["length", "depth", "dose", metric] + [c for c in ("warm_steps", "state") if c in df]
+            cols = ["length", "depth", "dose", "k", "seed", metric] + [c for c in ("warm_steps", "state") if c in df]
             d = df[(df["method"] == method)][cols].copy()
-            d = d[np.isfinite(d[metric]) & (d[metric] > 0)]
+            d = d[np.isfinite(d[metric].astype(float)) & (d[metric].astype(float) > 0)]
             terms = [t for t in ("length", "depth") if d[t].nunique() > 1]
             if not terms or len(d) <= len(terms) + 1:
                 continue
-            d["y"] = np.log(d[metric])
+            d["y"] = np.log(d[metric].astype(float))
             for t in terms:
                 d[f"log_{t}"] = np.log(d[t])
-            effects = [f" + C({c})" for c in ("dose", "warm_steps", "state") if c in d and d[c].nunique() > 1]
+            effects = [f" + C({c})" for c in ("dose", "k", "warm_steps", "state", "seed") if c in d and d[c].nunique() > 1]
             formula = "y ~ " + " + ".join(f"log_{t}" for t in terms) + "".join(effects)
-            res = smf.ols(formula, data=d).fit()
-            ci = res.conf_int()
+            clusters = d["seed"].nunique()
+            if clusters > 1:
+                res = smf.ols(formula, data=d).fit(cov_type="cluster", use_t=True,
+                                                   cov_kwds={"groups": d["seed"].astype(int).to_numpy()})
+                ci = res.conf_int()
+            else:
+                res, ci = smf.ols(formula, data=d).fit(), None
             for t in terms:
                 name = f"log_{t}"
+                lo, hi = (float(ci.loc[name, 0]), float(ci.loc[name, 1])) if ci is not None else (math.nan, math.nan)
                 out.append({"method": method, "metric": metric, "against": t, "exponent": float(res.params[name]),
-                            "lo": float(ci.loc[name, 0]), "hi": float(ci.loc[name, 1]), "n": int(res.nobs)})
+                            "lo": lo, "hi": hi, "n": int(res.nobs), "seeds": int(clusters)})
     return out
 
 
@@ -160,8 +170,9 @@ def page(rows: list[dict], fits: list[dict]) -> str:
     lines = ["# How much does routing volatility corrupt the gradient?", "",
              f"Settings: depths {sorted(df['depth'].unique().tolist())}, lengths {sorted(df['length'].unique().tolist())}, "
              f"doses {sorted(df['dose'].unique().tolist())}, seeds {sorted(df['seed'].unique().tolist())}, warm-up "
-             f"steps {sorted(df['warm_steps'].unique().tolist())}, states {sorted(df['state'].unique().tolist())}, "
-             f"{int(df['minibatches'].iloc[0])} mini-batches per rollout (`analysis.mechanism`; rows: mechanism.jsonl).",
+             f"steps {sorted(df['warm_steps'].unique().tolist())}, "
+             + (f"states {sorted(df['state'].unique().tolist())}, " if "state" in df else "")
+             + f"{int(df['minibatches'].iloc[0])} mini-batches per rollout (`analysis.mechanism`; rows: mechanism.jsonl).",
              "", "### Per method, after the first update (k >= 1), mean over settings and k", "",
              "| method | " + " | ".join(keys) + " | SNR at k = 0 |", "|---" * (len(keys) + 2) + "|"]
     for method, g in df.groupby("method", sort=True):
@@ -170,11 +181,13 @@ def page(rows: list[dict], fits: list[dict]) -> str:
         lines.append(f"| {method} | " + " | ".join(cells) + f" | {g[g['k'] == 0]['grad_snr'].mean():.3g} |")
     if "state" in df and df["state"].nunique() > 1:
         lines += state_tables(df)
-    lines += ["", "### Scaling exponents (OLS of log(metric) on log(length) and log(depth), dose effects; 95% CI)", ""]
+    lines += ["", "### Scaling exponents (OLS of log(metric) on log(length) and log(depth), dose, k and seed effects; "
+              "95% CI cluster-robust by seed, none from one seed)", ""]
     if fits:
-        lines += ["| method | metric | against | exponent [95% CI] | rows |", "|---|---|---|---|---|"]
-        lines += [f"| {f['method']} | {f['metric']} | {f['against']} | {f['exponent']:+.2f} [{f['lo']:+.2f}, "
-                  f"{f['hi']:+.2f}] | {f['n']} |" for f in fits]
+        ci = lambda f: "n/a: one seed" if not math.isfinite(f["lo"]) else f"{f['lo']:+.2f}, {f['hi']:+.2f}"  # noqa: E731
+        lines += ["| method | metric | against | exponent [95% CI] | rows | seeds |", "|---|---|---|---|---|---|"]
+        lines += [f"| {f['method']} | {f['metric']} | {f['against']} | {f['exponent']:+.2f} [{ci(f)}] | {f['n']} | "
+                  f"{f['seeds']} |" for f in fits]
     else:
         lines.append("Not fitted: length and depth do not vary, or too few rows.")
     return "\n".join(lines) + "\n"
@@ -198,7 +211,8 @@ def state_tables(df) -> list[str]:
     for st in order:
         for (w, d, length), g in df[df["state"] == st].groupby(["warm_steps", "depth", "length"], sort=True):
             first = g.iloc[0]
-            k3 = " / ".join(num(v) for _, v in sorted(g.groupby("dose")["rollout_k3"].mean().items()))
+            k3_col = "mismatch_k3" if "mismatch_k3" in g else "rollout_k3"  # rows written before the merge: rollout_k3
+            k3 = " / ".join(num(v) for _, v in sorted(g.groupby("dose")[k3_col].mean().items()))
             lines.append(f"| {st} | {w} | {d} | {length} | {num(first.get('state_reward_last10'))} | "
                          f"{num(first.get('state_entropy_last10'))} | {num(g['reward_mean'].mean())} | {k3} | "
                          f"{num(g['rollout_nll_mean'].mean())} |")

@@ -17,9 +17,10 @@ against π_old on the whole batch, and every method's gradient is taken on mini-
   update (R2's routes: the routing change since π_old removed), ‖g − g_ref‖ / ‖g_ref‖ and the cosine. For GRPO+R3
   that reference removes the rollout's routes (the dial's flips) too, so its error is the dial's part; GRPO+R2 is
   its own reference. TIS is also compared with plain GRPO (what its weights change).
-- at k = 0 the gradient's signal-to-noise ratio across the N mini-batches: ‖mean g‖ over its standard error.
-- per setting, the rollout's mismatch to π_old (`rollout_k3`: k3 KL of the sampler's log-probs, through the dial,
-  against the learner pass's, `moe_gspo.algos.mismatch`) and its mean negative log-prob per token
+- at k = 0 the gradient's signal-to-noise ratio across the N mini-batches: ‖mean g‖ over its standard error;
+- per setting, the rollout–learner mismatch (`mismatch_metrics`' k3 of the sampler's log-probs against π_old's):
+  `mismatch_k3` for the learner's natural routing (GRPO, GSPO, R2, TIS), `mismatch_k3_r3` for R3's π_old, which
+  replays the rollout's routes (the drift part R3 removes); and the rollout's mean negative log-prob per token
   (`rollout_nll_mean`: how sharp the policy is).
 
 The update itself follows one method's gradient (`driver`, GRPO by default) with Adam. Rewards: the fraction of the
@@ -45,16 +46,24 @@ from moe_gspo.rollout.hf_router_hooks import HFRouterRecorder, find_routers
 from moe_gspo.rollout.routing_dial import RoutingDial
 
 METHODS = {
-    # name: (loss, routes of the update's passes, routes of pi_old, TIS weights)
-    "grpo": ("grpo", "natural", "natural", False),
-    "gspo": ("gspo", "natural", "natural", False),
-    "grpo+r2": ("grpo", "old", "natural", False),
-    "grpo+r3": ("grpo", "rollout", "rollout", False),
-    "grpo+tis": ("grpo", "natural", "natural", True),
+    # name: (loss, routes of the update's passes, routes of pi_old, TIS weights, clipped)
+    "grpo": ("grpo", "natural", "natural", False, True),
+    "gspo": ("gspo", "natural", "natural", False, True),
+    "grpo+r2": ("grpo", "old", "natural", False, True),
+    "grpo+r3": ("grpo", "rollout", "rollout", False, True),
+    "grpo+tis": ("grpo", "natural", "natural", True, True),
+    "grpo-noclip": ("grpo", "natural", "natural", False, False),
+    "gspo-noclip": ("gspo", "natural", "natural", False, False),
 }
 """The methods measured: (the loss's algorithm, which routes the update's forward uses: the learner's own
-('natural'), π_old's natural routes ('old', R2) or the rollout engine's ('rollout', R3), π_old's routes, token TIS)."""
+('natural'), π_old's natural routes ('old', R2) or the rollout engine's ('rollout', R3), π_old's routes, token TIS,
+whether the algorithm's default clip range applies). The `-noclip` pair is GRPO's token ratio and GSPO's sequence
+ratio with the clip range opened (`UNCLIPPED`): every token and sequence contributes, so the two ratios are compared on
+the same samples whatever share of them the clip would take away (at lr 5e-4 GSPO's 3e-4 / 4e-4 range takes ~97%
+of the sequences, leaving its clipped gradient mostly zero)."""
 TIS_THRESHOLD = 2.0
+UNCLIPPED = (1.0 - 1e-9, math.inf)
+"""The `-noclip` methods' (clip_low, clip_high): the ratio range [1e-9, inf), which no finite ratio here leaves."""
 
 
 @dataclass(kw_only=True)
@@ -257,10 +266,10 @@ class StepReplay:
     def gradient(self, method: str, idx: torch.Tensor, *, routes: str | None = None) -> torch.Tensor:
         """The flattened gradient of `method`'s loss on rows `idx` at the current parameters; `routes` overrides
         the method's update routes ('old': R2's, the routing change removed)."""
-        algo, upd, old, tis = METHODS[method]
+        algo, upd, old, tis, clipped = METHODS[method]
         lp, _ = logprobs(self.model, self.replay, self.ro, idx, self._routes(routes or upd), grad=True)
         old_lp = (self.old_logp_r3 if old == "rollout" else self.old_logp)[idx]
-        low, high = get_algo(algo).default_clip
+        low, high = get_algo(algo).default_clip if clipped else UNCLIPPED
         loss, _ = policy_loss(algo, lp, old_lp, self.ro.advantages[idx], self.mask[idx], clip_low=low,
                               clip_high=high, is_weights_BT=self.tis[idx] if tis else None)
         return _flat_grad(loss, self.params)
@@ -290,7 +299,7 @@ def experts_changed(model, step: StepReplay) -> dict[str, float]:
 def ratio_stats(model, step: StepReplay, method: str) -> dict[str, float]:
     """The method's ratio at the current parameters (its update's routes) against its π_old, on the whole batch
     (module docstring)."""
-    _, upd, old, _ = METHODS[method]
+    _, upd, old, _, _ = METHODS[method]
     everyone = torch.arange(step.ro.seqs.shape[0])
     lp, _ = logprobs(model, step.replay, step.ro, everyone, step._routes(upd), grad=False)
     lr = (lp - (step.old_logp_r3 if old == "rollout" else step.old_logp)).double()
@@ -354,8 +363,9 @@ def measure_step(model: nn.Module, s: StepSetting, *, vocab: int, methods=tuple(
     ro = sample_rollout(model, s, vocab)
     step = StepReplay(model, ro)
     mbs = _minibatches(b, s.minibatches, s.seed + 1)
-    mm = mismatch_metrics(ro.rollout_logp, step.old_logp, step.mask)
-    ro.extra.update({"rollout_k3": mm["mismatch/k3_kl"], "rollout_nll_mean": float(-ro.rollout_logp.mean())})
+    mismatch = {"mismatch_k3": mismatch_metrics(ro.rollout_logp, step.old_logp, step.mask)["mismatch/k3_kl"],
+                "mismatch_k3_r3": mismatch_metrics(ro.rollout_logp, step.old_logp_r3, step.mask)["mismatch/k3_kl"]}
+    ro.extra["rollout_nll_mean"] = float(-ro.rollout_logp.mean())
     rows: list[dict] = []
     try:
         snr = {}
@@ -382,5 +392,5 @@ def measure_step(model: nn.Module, s: StepSetting, *, vocab: int, methods=tuple(
     finally:
         step.close()
     base = {"length": s.length, "dose": s.dose, "minibatches": s.minibatches, "seed": s.seed,
-            "warm_steps": s.warm_steps, "warm_reward_last": warm[-1] if warm else math.nan, **ro.extra}
+            "warm_steps": s.warm_steps, "warm_reward_last": warm[-1] if warm else math.nan, **ro.extra, **mismatch}
     return [{**base, **r} for r in rows]

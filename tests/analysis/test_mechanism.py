@@ -77,15 +77,24 @@ def test_r3_error_at_k0_is_the_dials_flips_and_tis_sees_the_dial(clean, dialled)
 
 def test_exponents_recover_a_known_power_law():
     rng = np.random.default_rng(0)
-    rows = [{"k": 1, "method": "grpo", "length": L, "depth": d, "dose": 0.0,
+    rows = [{"k": 1, "method": "grpo", "length": L, "depth": d, "dose": 0.0, "seed": seed,
              "grad_err_routing": 0.01 * L ** 0.5 * d ** 1.5 * math.exp(rng.normal(0, 0.01)),
              "token_logratio_var": 1.0, "seq_logratio_mean_var": 1.0, "experts_changed": 0.1}
-            for L in (16, 32, 64, 128) for d in (2, 4, 8)]
+            for L in (16, 32, 64, 128) for d in (2, 4, 8) for seed in (0, 1, 2)]
     fits = {(f["metric"], f["against"]): f for f in mechanism.exponents(rows)}
     assert fits[("grad_err_routing", "length")]["exponent"] == pytest.approx(0.5, abs=0.02)
     lo, hi = fits[("grad_err_routing", "depth")]["lo"], fits[("grad_err_routing", "depth")]["hi"]
-    assert lo < 1.5 < hi and hi - lo < 0.1
+    assert lo < 1.5 < hi and hi - lo < 0.1 and fits[("grad_err_routing", "depth")]["seeds"] == 3
     assert fits[("token_logratio_var", "length")]["exponent"] == pytest.approx(0.0, abs=1e-9)
+    # one seed: its rows share a model and a rollout, so no CI (the seed is the unit of replication)
+    one = {(f["metric"], f["against"]): f for f in mechanism.exponents([r for r in rows if r["seed"] == 0])}
+    assert one[("grad_err_routing", "length")]["exponent"] == pytest.approx(0.5, abs=0.02)
+    assert math.isnan(one[("grad_err_routing", "length")]["lo"]) and one[("grad_err_routing", "length")]["seeds"] == 1
+    assert "n/a: one seed" in mechanism.page([dict(r, minibatches=2, warm_steps=0, grad_cos_routing=1.0,
+                                                    seq_logratio_sum_var=1.0, clipped_token_frac=0.0,
+                                                    clipped_seq_frac=0.0, grad_snr=1.0)
+                                              for r in rows if r["seed"] == 0],
+                                             mechanism.exponents([r for r in rows if r["seed"] == 0]))
 
 
 def test_the_command_writes_its_files_and_refuses_bad_input(tmp_path, capsys):

@@ -20,6 +20,7 @@ whether this machine has it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -51,6 +52,21 @@ def process_tree(pid: int) -> list[int]:
             except FileNotFoundError:
                 pass
     return out
+
+
+@contextlib.contextmanager
+def terminate_as_exit():
+    """Within it, SIGTERM (a `kill`, a job scheduler's stop) raises SystemExit(143) in the main thread instead of ending
+    the interpreter at once, so that the `finally` blocks that kill the sides and remove temporary worktrees run (a
+    SIGTERM'd race used to leave its stopped sides behind). The previous handler is restored on exit."""
+    def _raise(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def signal_tree(pid: int, sig: int) -> None:

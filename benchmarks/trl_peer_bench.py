@@ -80,7 +80,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from benchmarks.interleave import Job, JsonLinesTail, alternate, supported
+from benchmarks.interleave import Job, JsonLinesTail, alternate, supported, terminate_as_exit
 from benchmarks.race_common import (ROOT, Curve, comparison_problem, first_crossing, phase_split,  # noqa: F401
                                     resolve_rev, rev_checkout, subprocess_env, train_cmd, trl_worker_cmd)
 from benchmarks.race_stats import (SIDES, bootstrap_median_ci, compare_seeds, seed_ratios, seed_table,  # noqa: F401
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     print("timing: " + (f"the {len(sides)} sides in turn, {per_turn} each, the others stopped (SIGSTOP); each "
                         "charged the wall time it ran" if interleave else "one side after the other, wall time"),
           flush=True)
-    with contextlib.ExitStack() as stack:
+    with terminate_as_exit(), contextlib.ExitStack() as stack:
         if tmp is not None:
             stack.callback(tmp.cleanup)
         rev_root = rev_config = None

@@ -158,3 +158,40 @@ def test_turns_of_several_steps(tmp_path):
     assert "".join(name for name, _, _ in seen) == "ab" + "aaa" + "bbb" + "aaa" + "b"
     with pytest.raises(ValueError, match="steps_per_turn=0"):
         alternate([], steps_per_turn=0)
+
+
+_SCRIPT = """
+import subprocess, sys, time
+from benchmarks.interleave import terminate_as_exit
+guard = sys.argv[1] == "guard"
+ctx = terminate_as_exit() if guard else open("/dev/null")
+with ctx:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    print(child.pid, flush=True)
+    try:
+        time.sleep(120)
+    finally:
+        child.kill()
+        child.wait()
+"""
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_a_terminated_race_ends_its_sides_only_under_terminate_as_exit(tmp_path, guard):
+    """A SIGTERM'd race (trl_peer_bench runs under terminate_as_exit) runs its `finally` blocks, which end the
+    sides; without the guard SIGTERM ends the interpreter at once and the side is left running (the defect)."""
+    import os
+    import signal
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-c", _SCRIPT, "guard" if guard else "plain"], stdout=subprocess.PIPE,
+                            text=True, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)))
+    child = int(proc.stdout.readline())
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=60)
+    time.sleep(0.2)
+    child_alive = Path(f"/proc/{child}").exists() and "Z" not in Path(f"/proc/{child}/stat").read_text().split()[2]
+    if not guard:
+        os.kill(child, signal.SIGKILL)
+    assert code == (143 if guard else -signal.SIGTERM)
+    assert child_alive is (not guard)

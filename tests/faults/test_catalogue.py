@@ -22,6 +22,7 @@ def test_every_test_the_catalogue_names_exists():
         if name not in funcs:
             missing.append(f"{path}::{name}")
     assert not missing, missing
-    rows = re.findall(r"^\| ([RNDUFVGP]\d+) \|", page, flags=re.M)
+    rows = re.findall(r"^\| ([RNDUFVGPS]\d+) \|", page, flags=re.M)
     assert len(rows) == len(set(rows)) and {f"D{i}" for i in range(1, 13)} <= set(rows)
     assert {f"F{i}" for i in range(1, 51)} <= set(rows) and {f"V{i}" for i in range(1, 15)} <= set(rows)  # issues 58-61
+    assert {"P3", "P4", "P5", "S1", "S2"} <= set(rows)  # issues 58 and 62, second session

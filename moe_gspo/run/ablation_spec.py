@@ -26,6 +26,10 @@ _OVERRIDE_KEY_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 _RESERVED_OVERRIDES = {"train.seed": "list seeds under 'seeds'"}
 # The local executor's layout when a spec does not set it. They follow the measurement of runs per hour,
 # `python -m benchmarks.matrix_throughput` (docs/results.md, Benchmarks): change them there, after measuring.
+# Measured idle on 2 cores, a 300-step phase arm (2026-11-29): 2 arms x 1 rank x 1 thread 73.1 runs/hour, 1 arm x 1
+# rank x 2 threads 43.8, 1 arm x 2 ranks 40.4, 2 arms x 2 threads (oversubscribed) under 27 (stopped after 270 s).
+# The fastest is 2 arms; the default stays 1 until the runner's tests that assume one run at a time say so (the
+# shipped phase specs set parallel_arms: 2).
 DEFAULT_PARALLEL_ARMS = 1
 """`parallel_arms` of a spec without the key: runs at a time (each with `moe_gspo.ablate.local_threads_env`)."""
 DEFAULT_NPROC = 1

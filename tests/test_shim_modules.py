@@ -16,6 +16,7 @@ SHIM_MODULES = {
     "moe_gspo/mcore/shims.py": "megatron-core (and torch / Transformer Engine on its behalf)",
     "moe_gspo/rollout/vllm_shims.py": "vLLM (and Triton / torch on its behalf)",
     "moe_gspo/rollout/hf_shims.py": "transformers (the transformers engine's model)",
+    "moe_gspo/run/wandb_shims.py": "W&B (the metrics sink's start-up)",
 }
 INSTANCE_METHODS = ("forward",)
 """Attributes whose assignment on any object is a method override, whatever the object's name."""

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_gspo.files import atomic_write_text, disk_full_message, is_disk_full
+from moe_gspo.run.wandb_shims import skip_unstaged_launch_inputs
 
 
 def _jsonable(v: Any) -> Any:
@@ -72,32 +73,6 @@ def append_jsonl_line(path: Path, rec: dict[str, Any], what: str) -> None:
         raise
     finally:
         os.close(fd)
-
-
-_LAUNCH_INPUTS = "wandb.sdk.launch.inputs.internal"
-
-
-def skip_unstaged_launch_inputs() -> None:
-    """`wandb.init` applies the inputs staged for a W&B Launch job (`StagedLaunchInputs`, a singleton of
-    `wandb.sdk.launch.inputs.internal` that `wandb.sdk.launch.manage_config_file` / `manage_wandb_config`
-    fill in this process) by importing `wandb.sdk.launch`: 0.5-1 s of CPU once torch, transformers and
-    Megatron-core are loaded (pydantic reads the source of its ~80 models), on rank 0 before the first step.
-    Nothing can be staged unless that module was imported, so the import is skipped then; otherwise W&B's
-    own method runs. Idempotent; a no-op on a W&B without that method."""
-    from wandb.sdk import wandb_run
-
-    apply = getattr(wandb_run.Run, "_detect_and_apply_job_inputs", None)
-    if apply is None or getattr(apply, "_moe_gspo_skip", False):
-        return
-
-    def detect_and_apply_job_inputs(self) -> None:
-        import sys
-
-        if _LAUNCH_INPUTS in sys.modules:
-            apply(self)
-
-    detect_and_apply_job_inputs._moe_gspo_skip = True
-    wandb_run.Run._detect_and_apply_job_inputs = detect_and_apply_job_inputs
 
 
 def wandb_run_id(run_dir: Path, run_name: str) -> str:

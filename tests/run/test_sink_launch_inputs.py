@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 _SCRIPT = """
 import sys
 import wandb
-from moe_gspo.run.sinks import skip_unstaged_launch_inputs
+from moe_gspo.run.wandb_shims import skip_unstaged_launch_inputs
 applied = []
 if sys.argv[2] == "staged":
     from wandb.sdk.launch.inputs.internal import StagedLaunchInputs

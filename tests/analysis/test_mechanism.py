@@ -21,13 +21,7 @@ from moe_gspo.tiny import build_tiny_model, tiny_qwen3_moe_config
 TINY = dict(length=6, minibatches=2, groups=2, group_size=4, prompt_len=6)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny passes on one thread (two spinning threads on a shared 2-core box take ~50x as long)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/analysis/conftest.py
 
 
 def _rows(dose: float) -> dict:

@@ -19,12 +19,7 @@ SMALL = ("rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "train.nu
 """The trainer's batch cut down for a test (the states' real batch is configs/tiny_cpu.yaml's)."""
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/analysis/conftest.py
 
 
 def test_states_parse_sorted_and_bad_values_name_the_flag():

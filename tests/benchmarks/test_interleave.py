@@ -172,8 +172,8 @@ guard = sys.argv[1] == "guard"
 ctx = terminate_as_exit() if guard else open("/dev/null")
 with ctx:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    print(child.pid, flush=True)
-    try:
+    try:  # the pid is printed inside `try`: the test's SIGTERM may arrive right after it
+        print(child.pid, flush=True)
         time.sleep(120)
     finally:
         child.kill()

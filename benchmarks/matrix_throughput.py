@@ -23,7 +23,7 @@ default 300, no wandb, no progress bar, no HF export). The seeds are the spec's 
 P - 1 (its `exclude` rules do not apply). Rounds of the layouts alternate (A, B, C, A, B, C, ...) so that
 a drift of the machine's speed meets every layout alike; the table gives each layout's median over
 `--rounds` rounds, the fastest, and how it compares with the runner's default layout (the spec keys'
-defaults `DEFAULT_PARALLEL_ARMS` and `DEFAULT_NPROC` of `moe_gspo/run/ablation_spec.py`, which should follow
+defaults `default_parallel_arms(nproc)` and `DEFAULT_NPROC` of `moe_gspo/run/ablation_spec.py`, which should follow
 this benchmark). A matrix whose arms differ in length is not modelled.
 
 It needs an otherwise idle machine: every layout uses all cores, and other processes change the answer.
@@ -195,7 +195,7 @@ def table(summary: dict, layouts: list[Layout], *, cores: int, environ: dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moe_gspo.run.ablation_spec import DEFAULT_NPROC, DEFAULT_PARALLEL_ARMS
+    from moe_gspo.run.ablation_spec import DEFAULT_NPROC, default_parallel_arms
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("; ".join(problems))
 
     cores = os.cpu_count() or 1
-    default = f"{DEFAULT_PARALLEL_ARMS}:{DEFAULT_NPROC}"
+    default = f"{default_parallel_arms(DEFAULT_NPROC)}:{DEFAULT_NPROC}"
     what = f"{args.spec} arm {group}" if args.spec else f"{spec.base_config} ({group})"
     steps = spec.overrides.get("train.steps", "the config's")
     print(f"matrix throughput: {what}, {steps} RL steps per run, {cores} cores, layouts "

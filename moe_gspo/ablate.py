@@ -27,7 +27,7 @@ The ablation YAML:
       - {algo: gspo_token, routing_replay: r2}
     extra_args: []                       # optional; extra train CLI flags, placed before overrides
     arm_timeout_s: null                  # optional; kill a run (its process group) after this long
-    parallel_arms: 1                     # optional (default 1, see below); executor local: runs at a time (each gets
+    parallel_arms: 2                     # optional (default: see below); executor local: runs at a time (each gets
                                          # OMP_NUM_THREADS = cores // (parallel_arms * nproc), at least 1)
     reward_threshold: 0.8                # optional; the comparison report's "steps to threshold" level
     executor: local                      # optional; local (subprocesses here) or slurm (one SLURM job per run,
@@ -37,8 +37,9 @@ The ablation YAML:
                                          # moe_gspo/run/slurm_spec.py)
 
 Dotted overrides on the command line (anywhere among the flags) are added to `overrides`.
-The defaults of `nproc` and `parallel_arms` are `DEFAULT_NPROC` and `DEFAULT_PARALLEL_ARMS` of
-moe_gspo/run/ablation_spec.py, to follow the fastest layout `python -m benchmarks.matrix_throughput` measures.
+The defaults of `nproc` and `parallel_arms` are `DEFAULT_NPROC` and `default_parallel_arms(nproc)` of
+moe_gspo/run/ablation_spec.py (one rank per core, as many runs as the memory available holds), to follow the
+fastest layout `python -m benchmarks.matrix_throughput` measures (2 one-rank runs at a time on 2 cores).
 `--seeds` and `--only` shrink the matrix without editing the spec: only those seeds (of `seeds`) and arms
 (`<algo>-<replay>[-<variant>]`, as the run directories name them); the runs keep the full matrix's directories.
 A variant that sets the routing-drift dial is named by the dose-naming rule (`moe_gspo/run/dose_names.py`):
@@ -119,7 +120,7 @@ def local_threads_env(parallel_arms: int, nproc: int, cores: int | None = None) 
     time (the arm inherits this process's OMP_NUM_THREADS; unset: torch's default, its cores, for one rank,
     and torchrun's 1 for several). `benchmarks.matrix_throughput` measures these layouts (P:R) against
     explicit thread counts (P:R:T); the defaults of `parallel_arms` and `nproc` follow its fastest
-    (`DEFAULT_PARALLEL_ARMS`, `DEFAULT_NPROC` of `moe_gspo.run.ablation_spec`)."""
+    (`default_parallel_arms`, `DEFAULT_NPROC` of `moe_gspo.run.ablation_spec`)."""
     if parallel_arms <= 1:
         return None
     return {"OMP_NUM_THREADS": str(max(1, (cores or os.cpu_count() or 1) // (parallel_arms * nproc)))}

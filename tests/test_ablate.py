@@ -21,7 +21,7 @@ def _spec_dict(tmp_path: Path, **changes) -> dict:
     base.write_text("train:\n  steps: 3\n")
     d = {"base_config": str(base), "algos": ["gspo", "grpo"], "routing_replay": ["none", "r2"],
          "seeds": [0, 1], "overrides": {"train.steps": 4, "rollout.record_probs": False},
-         "nproc": 2, "out_dir": str(tmp_path / "abl"),
+         "nproc": 2, "parallel_arms": 1, "out_dir": str(tmp_path / "abl"),  # one run at a time, on any machine
          "exclude": [{"algo": "gspo", "routing_replay": "r2"}]}
     d.update(changes)
     return d
@@ -377,7 +377,10 @@ def test_ablation_tiny_keeps_its_local_command_lines():
     """Issue 50: `executor: local` stays the default, and configs/ablation_tiny.yaml gives the command lines it
     gave before the SLURM executor (checked against commit 972fbf5's --dry-run)."""
     spec = load_spec("ablation_tiny")
-    assert spec.executor == "local" and spec.parallel_arms == 1 and str(spec.base_config).endswith("configs/tiny_cpu.yaml")
+    from moe_gspo.run.ablation_spec import default_parallel_arms
+
+    assert spec.executor == "local" and str(spec.base_config).endswith("configs/tiny_cpu.yaml")
+    assert spec.parallel_arms == default_parallel_arms(spec.nproc)  # the key is not set: the machine's rule
     arms = expand_arms(spec)
     assert [a.name for a in arms] == [f"{g}-s{s}" for g in ("gspo-none", "gspo-r3", "gspo_token-none", "grpo-none",
                                                             "grpo-r2", "grpo-r3") for s in (0, 1)]

@@ -19,7 +19,8 @@ def _spec(tmp_path: Path) -> tuple[Path, Path]:
     out = tmp_path / "abl"
     spec = tmp_path / "spec.yaml"
     spec.write_text(json.dumps({"base_config": str(ROOT / "configs/tiny_cpu.yaml"), "algos": ["gspo", "grpo"],
-                                "routing_replay": ["none"], "seeds": [0, 1], "out_dir": str(out)}))
+                                "routing_replay": ["none"], "seeds": [0, 1], "parallel_arms": 1,
+                                "out_dir": str(out)}))  # one run at a time: the counts below assume it
     (out / "grpo-none-s1").mkdir(parents=True)
     (out / "grpo-none-s1" / "done.json").write_text("{}")  # finished by an earlier invocation
     return spec, out

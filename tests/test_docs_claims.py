@@ -41,13 +41,13 @@ def _spec_named(name: str) -> Path | None:
 
 def run_count_problems(page: Path) -> list[str]:
     """Each run count `page` states for a shipped spec that its expansion contradicts: a spec's file named, then
-    "N runs" (or "K of N runs") later in the same sentence, before any other file; or a count in words ("several
-    hundred runs") where a number belongs."""
+    "N runs" (or "K of N runs") later in the same sentence, before any other file (a rate, "73.1 runs/hour", is not a
+    count); or a count in words ("several hundred runs") where a number belongs."""
     problems = []
     for para in re.split(r"\n\s*\n", page.read_text(encoding="utf-8")):
         text = " ".join(para.replace("`", "").split())
         for m in re.finditer(r"([\w./-]+\.yaml)\b((?:(?!\.yaml|\. |\.$).){0,160}?)"
-                             r"\b(?:(\d+) of )?(\d+|several hundred|hundreds of|dozens of|a few) runs\b", text):
+                             r"\b(?:(\d+) of )?(?<![\d.])(\d+|several hundred|hundreds of|dozens of|a few) runs\b", text):
             spec = _spec_named(m.group(1))
             if spec is None or (want := _spec_runs(spec)) is None:
                 continue
@@ -71,7 +71,8 @@ def test_the_run_count_check_sees_a_wrong_count(tmp_path):
     page.write_text("`configs/ablation_phase.yaml` is 169 runs. `configs/ablation_unstable.yaml`, 130 runs, is shipped.\n\n"
                     "The phase matrix (`configs/ablation_phase.yaml`) is several hundred runs of the tiny\nmodels.\n\n"
                     "```bash\npython -m moe_gspo.ablate --config configs/ablation_tiny.yaml   # 12 runs\n"
-                    "python -m moe_gspo.ablate --config configs/ablation_phase_fine.yaml   # 18 of 24 runs\n```\n")
+                    "python -m moe_gspo.ablate --config configs/ablation_phase_fine.yaml   # 18 of 24 runs\n```\n\n"
+                    "`configs/ablation_phase.yaml` ran at 73.1 runs/hour.\n")  # a rate, not a count
     assert run_count_problems(page) == [
         "configs/ablation_unstable.yaml: '130 runs': it expands to 100 runs",
         "configs/ablation_phase.yaml: 'several hundred runs': it expands to 169 runs; state the number",

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,14 +25,32 @@ _AXIS_OVERRIDES = {"algo.name": "list it under 'algos'", "algo.routing_replay": 
 _REQUIRED = ("base_config", "algos", "routing_replay", "seeds")
 _OVERRIDE_KEY_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 _RESERVED_OVERRIDES = {"train.seed": "list seeds under 'seeds'"}
-# The local executor's layout when a spec does not set it. They follow the measurement of runs per hour,
-# `python -m benchmarks.matrix_throughput` (docs/results.md, Benchmarks): change them there, after measuring.
+# The local executor's layout when a spec does not set it. It follows the measurement of runs per hour,
+# `python -m benchmarks.matrix_throughput` (docs/results.md, Benchmarks): change it there, after measuring.
 # Measured idle on 2 cores, a 300-step phase arm (2026-11-29): 2 arms x 1 rank x 1 thread 73.1 runs/hour, 1 arm x 1
-# rank x 2 threads 43.8, 1 arm x 2 ranks 40.4, 2 arms x 2 threads (oversubscribed) under 27 (stopped after 270 s).
-# The fastest is 2 arms; the default stays 1 until the runner's tests that assume one run at a time say so (the
-# shipped phase specs set parallel_arms: 2).
-DEFAULT_PARALLEL_ARMS = 1
-"""`parallel_arms` of a spec without the key: runs at a time (each with `moe_gspo.ablate.local_threads_env`)."""
+# rank x 2 threads 43.8, 1 arm x 2 ranks 40.4, 2 arms x 2 threads (oversubscribed) under 27 (stopped after 270 s):
+# one rank per core, each on one thread, is the fastest; `default_parallel_arms` is that rule.
+ARM_LAUNCHER_BYTES = 512 * 2**20
+"""Memory one run's launcher holds (measured 0.41 GB RSS for a phase arm), with a margin."""
+RANK_BYTES = 768 * 2**20
+"""Memory one rank of a tiny-config run holds (measured 0.63 GB RSS for a phase arm), with a margin."""
+
+
+def default_parallel_arms(nproc: int, *, cores: int | None = None, available_bytes: int | None = None) -> int:
+    """`parallel_arms` of a local spec without the key: one rank per core (`cores // nproc` runs at a time, each
+    rank on one thread by `moe_gspo.ablate.local_threads_env`), fewer where the memory available now
+    (`MemAvailable`) holds fewer tiny-config runs (`ARM_LAUNCHER_BYTES + nproc * RANK_BYTES` each); at least 1.
+    A spec with bigger models sets `parallel_arms` itself."""
+    from moe_gspo.plan.batch_bound import available_memory_bytes
+
+    cores = cores if cores is not None else (os.cpu_count() or 1)
+    by_cores = max(1, cores // nproc)
+    available = available_bytes if available_bytes is not None else available_memory_bytes()
+    if available is None:
+        return by_cores
+    return max(1, min(by_cores, available // (ARM_LAUNCHER_BYTES + nproc * RANK_BYTES)))
+
+
 DEFAULT_NPROC = 1
 """`nproc` of a spec without the key: torchrun processes (ranks) per run."""
 
@@ -44,7 +63,8 @@ class AblationSpec:
     seeds: list[int]
     overrides: dict[str, Any] = field(default_factory=dict)
     nproc: int = DEFAULT_NPROC
-    parallel_arms: int = DEFAULT_PARALLEL_ARMS
+    parallel_arms: int = 1
+    """`parse_spec` fills a spec without the key with `default_parallel_arms(nproc)`."""
     reward_threshold: float = 0.8
     out_dir: Path = Path("runs/ablation")
     exclude: list[dict[str, Any]] = field(default_factory=list)
@@ -112,7 +132,8 @@ def parse_spec(raw: Any, out_dir: str | Path | None = None) -> AblationSpec:
             raise ValueError(f"ablation spec: override key {k!r} must be dotted, like 'train.steps'")
         if k in _RESERVED_OVERRIDES:
             raise ValueError(f"ablation spec: override {k!r} is set per arm; {_RESERVED_OVERRIDES[k]}")
-    nproc, parallel = raw.get("nproc", DEFAULT_NPROC), raw.get("parallel_arms", DEFAULT_PARALLEL_ARMS)
+    nproc = raw.get("nproc", DEFAULT_NPROC)
+    parallel = raw.get("parallel_arms", 1)  # without the key, local: `default_parallel_arms(nproc)` (below)
     for key, val in (("nproc", nproc), ("parallel_arms", parallel)):
         if not isinstance(val, int) or isinstance(val, bool) or val < 1:
             raise ValueError(f"ablation spec: '{key}' must be a positive int, got {val!r}")
@@ -154,6 +175,8 @@ def parse_spec(raw: Any, out_dir: str | Path | None = None) -> AblationSpec:
     if executor == "slurm" and parallel != 1 and "parallel_arms" in raw:
         raise ValueError("ablation spec: 'parallel_arms' is for executor: local; under executor: slurm every run is "
                          "a job and 'slurm: {array_parallelism: N}' bounds how many run at a time")
+    if executor == "local" and "parallel_arms" not in raw:
+        parallel = default_parallel_arms(nproc)
     return AblationSpec(
         base_config=_base_config_path(raw["base_config"]),
         algos=algos,

@@ -70,7 +70,7 @@ def test_ctrl_c_of_an_ablation_says_how_to_resume_and_leaves_a_clean_arm_log(tmp
     of the arm's train.log."""
     spec = tmp_path / "abl.yaml"
     overrides = ", ".join(f"{o.split('=', 1)[0]}: {o.split('=', 1)[1]}" for o in TINY[2:])
-    spec.write_text(f"base_config: {TINY[1]}\nalgos: [gspo]\nrouting_replay: [none]\nseeds: [0]\n"
+    spec.write_text(f"base_config: {TINY[1]}\nalgos: [gspo]\nrouting_replay: [none]\nseeds: [0]\nparallel_arms: 1\n"
                     f"overrides: {{{overrides}}}\nout_dir: {tmp_path / 'abl'}\n")
     p = _start([sys.executable, "-m", "moe_gspo.ablate", "--config", str(spec)], ROOT)
     arm = tmp_path / "abl" / "gspo-none-s0"

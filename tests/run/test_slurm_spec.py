@@ -74,19 +74,36 @@ def test_slurm_needs_a_time_and_no_parallel_arms(tmp_path):
 
 
 def test_the_local_default_layout_applies_where_a_spec_sets_none_and_never_stops_a_slurm_spec(tmp_path, monkeypatch):
-    """DEFAULT_PARALLEL_ARMS / DEFAULT_NPROC (to follow benchmarks.matrix_throughput) fill a spec without the
-    keys; a SLURM spec without `parallel_arms` stays valid whatever the local default is."""
+    """`default_parallel_arms(nproc)` and DEFAULT_NPROC (to follow benchmarks.matrix_throughput) fill a local spec
+    without the keys; a SLURM spec without `parallel_arms` stays valid whatever the local default is."""
     from moe_gspo.run import ablation_spec
 
-    monkeypatch.setattr(ablation_spec, "DEFAULT_PARALLEL_ARMS", 2)
     monkeypatch.setattr(ablation_spec, "DEFAULT_NPROC", 3)
+    monkeypatch.setattr(ablation_spec, "default_parallel_arms", lambda nproc: 7 * nproc)
     raw = {k: v for k, v in _raw(tmp_path, executor="local").items() if k not in ("nproc", "slurm")}
     spec = parse_spec(raw)
-    assert spec.parallel_arms == 2 and spec.nproc == 3
+    assert spec.parallel_arms == 21 and spec.nproc == 3  # the rule, given the default nproc
+    assert parse_spec(dict(raw, nproc=2)).parallel_arms == 14  # ... and given the spec's own nproc
     assert parse_spec(dict(raw, parallel_arms=1, nproc=1)).parallel_arms == 1  # a spec's own value wins
     assert parse_spec(_raw(tmp_path)).executor == "slurm"  # no parallel_arms key: not refused
     with pytest.raises(ValueError, match="'parallel_arms' is for executor: local"):
         parse_spec(_raw(tmp_path, parallel_arms=2))
+
+
+def test_the_default_is_one_rank_per_core_within_the_memory_available():
+    """The rule benchmarks.matrix_throughput measured fastest on 2 cores (2 arms x 1 rank x 1 thread), by hand."""
+    from moe_gspo.run.ablation_spec import ARM_LAUNCHER_BYTES, RANK_BYTES, default_parallel_arms
+
+    big = 10**15
+    assert default_parallel_arms(1, cores=2, available_bytes=big) == 2
+    assert default_parallel_arms(2, cores=2, available_bytes=big) == 1
+    assert default_parallel_arms(2, cores=16, available_bytes=big) == 8
+    assert default_parallel_arms(3, cores=2, available_bytes=big) == 1  # never 0
+    one_rank_run = ARM_LAUNCHER_BYTES + RANK_BYTES
+    assert default_parallel_arms(1, cores=16, available_bytes=3 * one_rank_run) == 3  # memory binds
+    assert default_parallel_arms(1, cores=16, available_bytes=3 * one_rank_run - 1) == 2
+    assert default_parallel_arms(1, cores=16, available_bytes=0) == 1
+    assert default_parallel_arms(1, cores=4) >= 1  # this machine's MemAvailable
 
 
 def _write(tmp_path: Path, raw: dict) -> Path:

@@ -273,6 +273,30 @@ def checks(rows: list[dict]) -> list[tuple[str, str]]:
     return out
 
 
+PER_METHOD_AXES = ("length", "depth", "k", "dose")
+
+
+def per_method_exponents(rows: list[dict], metric: str = "grad_err_routing") -> list[tuple[str, dict[str, dict]]]:
+    """Each method's exponent of `metric` against each grid axis, over seeds (descriptive; not in the family): per
+    seed the same fit as the endpoints (`seed_exponent`: cell means, OLS on log(axis), fixed effects for the other
+    axes, rows k >= 1), then mean and 95% t CI across seeds (`one_sample`). Methods without the metric, or where it
+    is 0 by construction (GRPO+R2 is its own reference), are left out."""
+    df = _frame(rows)
+    if metric not in df:
+        return []
+    out = []
+    for method in sorted(df["method"].unique()):
+        vals = df[df["method"] == method][metric].astype(float)
+        if not np.isfinite(vals).any() or not (vals[np.isfinite(vals)] > 0).any():
+            continue
+        by_axis = {}
+        for axis in PER_METHOD_AXES:
+            e = Endpoint(id=f"{method}/{axis}", claim="", method=method, metric=metric, against=axis)
+            by_axis[axis] = one_sample([seed_exponent(g, e, method) for _, g in df.groupby("seed", sort=True)])
+        out.append((method, by_axis))
+    return out
+
+
 def _f(x: float, fmt: str = "+.3f") -> str:
     return "n/a" if x is None or not math.isfinite(x) else format(x, fmt)
 
@@ -303,6 +327,16 @@ def page(rows: list[dict], source: str) -> str:
             e = r["endpoint"]
             lines.append(f"| {e.id} | {e.claim} | {r['n']} | {_f(r['mean'])} [{_f(r['lo'])}, {_f(r['hi'])}] | "
                          f"{_f(r['sd'], '.3f')} |")
+    lines += ["", "## Per method: the exponents of the routing-induced gradient error (descriptive: CI, no test)", "",
+              "`grad_err_routing` of each method against each axis, fitted per seed as the endpoints are (rows k >= 1, "
+              "so R3's dose exponent differs from PC's, which uses k >= 0), then the mean [95% t CI] over seeds; "
+              "GRPO+R2 is 0 by construction (its own reference) and left out. Added after the pre-registration, "
+              "before any of experiment 5's results.", "",
+              "| method | seeds | length | depth | k (staleness) | dose (0.1 vs 0.4) |", "|---|---|---|---|---|---|"]
+    for method, by_axis in per_method_exponents(rows):
+        n = max(v["n"] for v in by_axis.values())
+        lines.append(f"| {method} | {n} | " + " | ".join(
+            f"{_f(v['mean'])} [{_f(v['lo'])}, {_f(v['hi'])}]" for v in (by_axis[a] for a in PER_METHOD_AXES)) + " |")
     lines += ["", "## Per-seed values", "", "| seed | " + " | ".join(r["endpoint"].id for r in res) + " |",
               "|---" * (len(res) + 1) + "|"]
     for s in seeds:

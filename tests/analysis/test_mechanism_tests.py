@@ -75,6 +75,21 @@ def test_each_seeds_planted_exponent_is_recovered_exactly(results):
     assert results["S1"]["values"] == pytest.approx(dict(zip(SEEDS, GRPO["dose"])), abs=1e-9)
 
 
+def test_per_method_exponents_are_the_planted_means_over_seeds_with_a_t_ci():
+    table = dict(mt.per_method_exponents(synthetic_rows()))
+    assert "grpo+r2" not in table  # 0 by construction: left out
+    assert set(table) == {"grpo", "gspo", "grpo+r3", "grpo+tis", "grpo-noclip", "gspo-noclip"}
+    assert table["grpo"]["length"]["mean"] == pytest.approx(0.5, abs=1e-9)
+    assert table["grpo"]["depth"]["mean"] == pytest.approx(-0.3, abs=1e-9)
+    assert table["grpo"]["k"]["mean"] == pytest.approx(-1.1, abs=1e-9)
+    assert table["gspo-noclip"]["length"]["mean"] == pytest.approx(0.5 - np.mean(T3), abs=1e-9)
+    assert table["grpo+r3"]["dose"]["mean"] == pytest.approx(1.0, abs=1e-9)
+    assert table["grpo+r3"]["length"]["mean"] == pytest.approx(0.0, abs=1e-9)
+    half = stats.t.ppf(0.975, 3) * np.std(GRPO["length"], ddof=1) / 2  # by hand: 4 seeds, 3 df
+    assert (table["grpo"]["length"]["lo"], table["grpo"]["length"]["hi"]) == pytest.approx((0.5 - half, 0.5 + half))
+    assert table["grpo"]["length"]["n"] == len(SEEDS)
+
+
 def test_the_t_test_and_its_ci_are_over_seeds(results):
     v = np.asarray(GRPO["length"])  # mean 0.5, SD 0.0816, n 4
     se = v.std(ddof=1) / 2

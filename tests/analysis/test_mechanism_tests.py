@@ -148,13 +148,37 @@ def test_the_page_regenerates_byte_for_byte_and_bad_input_is_one_line(tmp_path, 
     assert len(err) == 1 and "is not a file" in err[0]
 
 
-def test_the_committed_pilot_page_is_what_its_rows_give(tmp_path, monkeypatch):
-    """python -m analysis.mechanism_tests reports/mechanism_pilot/mechanism.jsonl.gz
-    --out reports/mechanism_pilot/tests.md"""
+MECHANISM_REPORTS = sorted(p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "reports").glob("*/tests.md")
+                           if (p.parent / "mechanism.jsonl.gz").is_file())
+"""The committed pages of `analysis.mechanism_tests` (the pilot's; experiment 5's once its rows are committed)."""
+
+
+def test_the_pilot_page_is_among_the_committed_mechanism_reports():
+    assert "reports/mechanism_pilot" in MECHANISM_REPORTS
+
+
+@pytest.mark.parametrize("folder", MECHANISM_REPORTS)
+def test_a_committed_mechanism_page_is_what_its_rows_give(tmp_path, monkeypatch, folder):
+    """python -m analysis.mechanism_tests FOLDER/mechanism.jsonl.gz --out FOLDER/tests.md"""
     monkeypatch.chdir(ROOT)
-    src = "reports/mechanism_pilot/mechanism.jsonl.gz"
+    src = f"{folder}/mechanism.jsonl.gz"
     assert mt.main([src, "--out", str(tmp_path / "tests.md")]) == 0
-    assert (tmp_path / "tests.md").read_bytes() == (ROOT / "reports/mechanism_pilot/tests.md").read_bytes()
+    assert (tmp_path / "tests.md").read_bytes() == (ROOT / folder / "tests.md").read_bytes()
+
+
+def test_the_claims_page_quotes_experiment_5s_tables_as_generated():
+    """docs/paper_claims.md quotes tables of reports/mechanism_exp5/tests.md between
+    `<!-- analysis.mechanism_tests:begin exp5 -->` and its end marker, byte for byte (none before its rows exist)."""
+    from test_claims_page import _quoted_tables
+
+    quoted = _quoted_tables((ROOT / "docs" / "paper_claims.md").read_text(), name="exp5", tool="mechanism_tests")
+    page = ROOT / "reports" / "mechanism_exp5" / "tests.md"
+    if not page.is_file():
+        assert quoted == []
+        return
+    assert quoted, "experiment 5's results are committed: the claims page quotes its family table"
+    for block in quoted:
+        assert block in page.read_text(), f"a table on the page is not what analysis.mechanism_tests makes:\n{block[:300]}"
 
 
 def test_power_counts_only_holm_decided_tests_of_the_claimed_sign():

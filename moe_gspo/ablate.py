@@ -80,7 +80,6 @@ Implementation: the arm runner is a parameter of `run_ablation` so tests can rep
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -92,7 +91,7 @@ from moe_gspo.run.ablation_arms import (  # noqa: F401  (re-exported: the ablati
     Arm, ArmResult, ArmRunner, arm_overrides, arm_state, build_command, count_runs, expand_arms, format_override,
     run_arm, seed_order, select_runs, wandb_env,
 )
-from moe_gspo.run.ablation_spec import AblationSpec, load_spec, parse_spec  # noqa: F401
+from moe_gspo.run.ablation_spec import AblationSpec, load_spec, parse_spec, usable_cores  # noqa: F401
 from moe_gspo.run.arm_runner import SubprocessArmRunner, run_concurrently
 
 
@@ -116,14 +115,14 @@ def arm_config_error(spec: AblationSpec, arm: Arm) -> str | None:
 
 def local_threads_env(parallel_arms: int, nproc: int, cores: int | None = None) -> dict[str, str] | None:
     """The environment `executor: local` adds to every arm: with arms in parallel, OMP_NUM_THREADS =
-    cores // (parallel_arms * nproc), at least 1 (`cores`: this machine's by default); None for one arm at a
-    time (the arm inherits this process's OMP_NUM_THREADS; unset: torch's default, its cores, for one rank,
+    cores // (parallel_arms * nproc), at least 1 (`cores`: this process's, `usable_cores`, by default); None for
+    one arm at a time (the arm inherits this process's OMP_NUM_THREADS; unset: torch's default, its cores, for one rank,
     and torchrun's 1 for several). `benchmarks.matrix_throughput` measures these layouts (P:R) against
     explicit thread counts (P:R:T); the defaults of `parallel_arms` and `nproc` follow its fastest
     (`default_parallel_arms`, `DEFAULT_NPROC` of `moe_gspo.run.ablation_spec`)."""
     if parallel_arms <= 1:
         return None
-    return {"OMP_NUM_THREADS": str(max(1, (cores or os.cpu_count() or 1) // (parallel_arms * nproc)))}
+    return {"OMP_NUM_THREADS": str(max(1, (cores or usable_cores()) // (parallel_arms * nproc)))}
 
 
 def run_ablation(spec: AblationSpec, arm_runner: ArmRunner | None = None, progress: bool = True,

@@ -36,6 +36,14 @@ RANK_BYTES = 768 * 2**20
 """Memory one rank of a tiny-config run holds (measured 0.63 GB RSS for a phase arm), with a margin."""
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a cgroup's or `taskset`'s share, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # no sched_getaffinity (macOS)
+        return os.cpu_count() or 1
+
+
 def default_parallel_arms(nproc: int, *, cores: int | None = None, available_bytes: int | None = None) -> int:
     """`parallel_arms` of a local spec without the key: one rank per core (`cores // nproc` runs at a time, each
     rank on one thread by `moe_gspo.ablate.local_threads_env`), fewer where the memory available now
@@ -43,7 +51,7 @@ def default_parallel_arms(nproc: int, *, cores: int | None = None, available_byt
     A spec with bigger models sets `parallel_arms` itself."""
     from moe_gspo.plan.batch_bound import available_memory_bytes
 
-    cores = cores if cores is not None else (os.cpu_count() or 1)
+    cores = cores if cores is not None else usable_cores()
     by_cores = max(1, cores // nproc)
     available = available_bytes if available_bytes is not None else available_memory_bytes()
     if available is None:

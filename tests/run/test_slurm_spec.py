@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import os
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,9 @@ def test_the_default_is_one_rank_per_core_within_the_memory_available():
     assert default_parallel_arms(1, cores=16, available_bytes=3 * one_rank_run - 1) == 2
     assert default_parallel_arms(1, cores=16, available_bytes=0) == 1
     assert default_parallel_arms(1, cores=4) >= 1  # this machine's MemAvailable
+    from moe_gspo.run.ablation_spec import usable_cores
+
+    assert 1 <= usable_cores() <= (os.cpu_count() or 1)
 
 
 def _write(tmp_path: Path, raw: dict) -> Path:

@@ -5,7 +5,7 @@
 
 Compares `metrics.jsonl` and, where the reference has one, `eval.jsonl` of the two run directories row by
 row: the same rows (by `step`), the same keys, and every value equal within `|a - b| <= atol + rtol * |b|`
-(`math.isclose`; NaN equals NaN), except the timing keys (`perf/*`), which measure the machine, not the run.
+(`math.isclose`; NaN equals NaN; a list, such as a per-layer metric, element by element), except the timing keys (`perf/*`), which measure the machine, not the run.
 Exit 0 and one line when they match; otherwise exit 1 and the first mismatches, one per line. Use it for a
 speed change that must not change the mathematics: run the same command (same seed, same steps, same
 process count) from the base commit and from the change and compare. `--against REV` does that: it checks
@@ -43,13 +43,22 @@ def mismatches(ref_rows: list[dict], rows: list[dict], *, rtol: float, atol: flo
             out.append(f"{where}: key {k!r} only in {'the reference' if k in ref_keys else 'the run'}")
         for k in sorted(ref_keys & keys):
             a, b = row[k], ref[k]
-            if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
-                same = (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=rtol, abs_tol=atol)
-            else:
-                same = a == b
-            if not same:
+            if not _same(a, b, rtol=rtol, atol=atol):
                 out.append(f"{where}: {k} = {a!r}, the reference has {b!r}")
     return out
+
+
+def _same(a, b, *, rtol: float, atol: float) -> bool:
+    """Numbers within the tolerance (NaN equals NaN), lists element by element and mappings key by key (a
+    per-layer metric is a list), anything else equal."""
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) \
+            and not isinstance(b, bool):
+        return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=rtol, abs_tol=atol)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y, rtol=rtol, atol=atol) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k], rtol=rtol, atol=atol) for k in a)
+    return a == b
 
 
 def compare_run_dirs(ref_dir: Path, run_dir: Path, *, rtol: float, atol: float) -> list[str]:

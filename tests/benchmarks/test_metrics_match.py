@@ -20,6 +20,18 @@ def test_timings_apart_rows_match_within_tolerance_only():
     assert mismatches(_rows(), _rows(**{"eval/accuracy": 1.0}), rtol=1e-5, atol=1e-7)  # NaN equals only NaN
 
 
+def test_a_per_layer_list_matches_element_by_element_within_tolerance():
+    """Was: lists compared exactly, so a per-layer metric (router/entropy_learner) 1e-9 off was a mismatch."""
+    layers = [1.9659354154306719, 1.9143457544003921]
+    close = [x * (1 + 1e-9) for x in layers]
+    assert mismatches(_rows(**{"router/entropy": layers}), _rows(**{"router/entropy": close}), rtol=1e-5, atol=1e-7) == []
+    far = [layers[0], layers[1] * 1.01]
+    assert mismatches(_rows(**{"router/entropy": layers}), _rows(**{"router/entropy": far}), rtol=1e-5, atol=1e-7)
+    assert mismatches(_rows(**{"router/entropy": layers}), _rows(**{"router/entropy": layers[:1]}), rtol=1e-5,
+                      atol=1e-7)  # another length
+    assert mismatches(_rows(**{"x": {"a": 1.0}}), _rows(**{"x": {"a": 1.0 + 1e-12}}), rtol=1e-5, atol=1e-7) == []
+
+
 def test_missing_keys_and_rows_are_mismatches():
     short = _rows()[:1]
     assert mismatches(_rows(), short, rtol=1e-5, atol=1e-7) == ["metrics: 1 rows, the reference has 2"]

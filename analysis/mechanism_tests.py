@@ -287,7 +287,7 @@ def per_method_exponents(rows: list[dict], metric: str = "grad_err_routing") -> 
     out = []
     for method in sorted(df["method"].unique()):
         vals = df[df["method"] == method][metric].astype(float)
-        if not np.isfinite(vals).any() or not (vals[np.isfinite(vals)] > 0).any():
+        if not (np.isfinite(vals) & (vals > 0)).any():  # no finite positive value: nothing to fit on a log scale
             continue
         by_axis = {}
         for axis in PER_METHOD_AXES:

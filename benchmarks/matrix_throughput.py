@@ -195,7 +195,7 @@ def table(summary: dict, layouts: list[Layout], *, cores: int, environ: dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moe_gspo.run.ablation_spec import DEFAULT_NPROC, default_parallel_arms
+    from moe_gspo.run.ablation_spec import DEFAULT_NPROC, default_parallel_arms, usable_cores
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     if problems:  # a bad override or config: refused before anything runs
         p.error("; ".join(problems))
 
-    cores = os.cpu_count() or 1
+    cores = usable_cores()  # the runner's own count: this process's CPU affinity (a cgroup's or taskset's share)
     default = f"{default_parallel_arms(DEFAULT_NPROC)}:{DEFAULT_NPROC}"
     what = f"{args.spec} arm {group}" if args.spec else f"{spec.base_config} ({group})"
     steps = spec.overrides.get("train.steps", "the config's")

@@ -17,7 +17,7 @@ cluster-robust standard errors by seed, t with G - 1 degrees of freedom). The ch
 instrument has by construction (the zero-mismatch controls): they must hold, and are not tests.
 
 Writes `--out` (default: tests.md beside the rows) through a temporary file and a rename; the same rows give the same
-bytes.
+bytes. `--figure PNG` also draws the per-method error against k, length and depth (`analysis.mechanism_figures`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from analysis.stats import one_sample  # noqa: F401  (mean, SD, t-test and 95% t CI over seeds; used here)
 
 ALPHA = 0.05
 AXES = ("length", "depth", "dose", "k")
@@ -166,20 +168,6 @@ def per_seed(rows: list[dict], endpoints=ENDPOINTS) -> dict[str, dict[int, float
             vals[int(seed)] = v
         out[e.id] = vals
     return out
-
-
-def one_sample(values) -> dict:
-    """Mean, SD, two-sided one-sample t-test against 0 and its 95% t CI over the finite `values` (scipy)."""
-    from scipy import stats
-
-    v = np.asarray([x for x in values if math.isfinite(x)], dtype=float)
-    if len(v) < 2:
-        return {"n": len(v), "mean": float(v.mean()) if len(v) else math.nan, "sd": math.nan, "p": math.nan,
-                "lo": math.nan, "hi": math.nan}
-    res = stats.ttest_1samp(v, 0.0)
-    ci = res.confidence_interval(1 - ALPHA)
-    return {"n": len(v), "mean": float(v.mean()), "sd": float(v.std(ddof=1)), "p": float(res.pvalue),
-            "lo": float(ci.low), "hi": float(ci.high)}
 
 
 def holm(pvalues: list[float]) -> list[float]:
@@ -367,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m analysis.mechanism_tests", description=__doc__.split("\n")[0])
     ap.add_argument("rows", help="mechanism.jsonl(.gz) of python -m analysis.mechanism")
     ap.add_argument("--out", default=None, help="the page to write (default: tests.md beside the rows)")
+    ap.add_argument("--figure", default=None, metavar="PNG",
+                    help="also draw each method's routing-induced gradient error against k, length and depth "
+                         "(analysis.mechanism_figures) into this PNG")
     args = ap.parse_args(argv)
     try:
         rows = load_rows(args.rows)
@@ -379,6 +370,12 @@ def main(argv: list[str] | None = None) -> int:
     tmp.write_text(text)
     os.replace(tmp, out)
     print(out)
+    if args.figure:
+        from analysis.figure_kit import report_style, save_png
+        from analysis.mechanism_figures import mechanism_figure
+
+        with report_style():
+            print(save_png(mechanism_figure(rows), Path(args.figure).parent, Path(args.figure).name))
     return 0
 
 

@@ -224,6 +224,21 @@ def compare(a: dict[int, float] | Sequence[float], b: dict[int, float] | Sequenc
     return Difference(False, est, mannwhitney_p(va, vb), seeds_for_power(va, vb, paired=False), "Mann-Whitney U")
 
 
+def one_sample(values, alpha: float = ALPHA) -> dict:
+    """Mean, SD, two-sided one-sample t-test against 0 and its (1 - alpha) t CI over the finite `values` (scipy):
+    keys n, mean, sd, p, lo, hi (nan where fewer than 2 values)."""
+    from scipy import stats
+
+    v = np.asarray([x for x in values if math.isfinite(x)], dtype=float)
+    if len(v) < 2:
+        return {"n": len(v), "mean": float(v.mean()) if len(v) else math.nan, "sd": math.nan, "p": math.nan,
+                "lo": math.nan, "hi": math.nan}
+    res = stats.ttest_1samp(v, 0.0)
+    ci = res.confidence_interval(1 - alpha)
+    return {"n": len(v), "mean": float(v.mean()), "sd": float(v.std(ddof=1)), "p": float(res.pvalue),
+            "lo": float(ci.low), "hi": float(ci.high)}
+
+
 def holm(pvalues: Sequence[float], alpha: float = ALPHA) -> list[float]:
     """Holm-adjusted p-values (statsmodels `multipletests(method="holm")`) over the finite ones; NaN stays NaN."""
     from statsmodels.stats.multitest import multipletests

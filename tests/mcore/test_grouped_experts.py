@@ -279,9 +279,12 @@ def test_learner_step_equals_the_per_expert_layouts(dist_ep1, replay):
     assert (lp0 - lp1).abs().max() <= 1e-5
     # The layouts' fp32 gradients agree to rounding (relative ~4e-7; the per-expert layout's grouped GEMM and the
     # loop agree bit for bit), which Adam's first steps amplify on coordinates whose gradient is near its eps:
-    # a wrong expert mapping would move most expert weights by ~lr (1e-2) apart, rounding moves a few by < 1e-3.
+    # a wrong expert mapping would move most expert weights by ~lr (1e-2) apart, rounding moves a few by < 1e-3
+    # (lr / 10; a fresh-clone CI run measured 2.35e-4 on one coordinate, above the 2e-4 this bound was before: the
+    # summation order, and so which near-eps coordinates Adam amplifies, varies between runs). The mean and the
+    # share of moved coordinates are what tell a wrong mapping from rounding.
     diff = torch.cat([(w0[k] - w1[k]).abs().flatten() for k in w0])
-    assert float(diff.max()) <= 2e-2 * 1e-2 and float(diff.mean()) <= 1e-6
+    assert float(diff.max()) <= 1e-3 and float(diff.mean()) <= 1e-6
     assert float((diff > 1e-5).float().mean()) <= 1e-3
     assert max(float((w0[k] - hf_w).abs().max()) for k, hf_w in to_per_expert_layout(hf.state_dict(), cfg).items()
                if ".experts." in k) > 1e-4  # the experts did move

@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch
 
+    threads_before = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
         diffs, total = route_diffs(seed=args.seed, depth=args.depth, length=args.length, dose=args.dose,
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:  # a caller in the same process (a test) keeps its own thread count
+        torch.set_num_threads(threads_before)
     print(f"{len(diffs)} of {total} token-layers route to another expert set in the rollout than in pi_old's pass")
     for d in diffs:
         gaps = [a - b for a, b in zip(d.top_logits, d.top_logits[1:])]

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.stats import one_sample  # noqa: F401  (mean, SD, t-test and 95% t CI over seeds; used here)
+from analysis.stats import one_sample
 
 ALPHA = 0.05
 AXES = ("length", "depth", "dose", "k")

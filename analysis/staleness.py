@@ -16,7 +16,9 @@ targets, at zero rollout drift (fp32 rollouts, no dial). The page, per method (`
 - the pre-registered Holm family (docs/paper_claims.md, 3S): GRPO+R2 vs GRPO and GSPO vs GRPO at the largest N,
   final reward, Wilcoxon signed-rank paired by seed (on the seeds both arms finished).
 Numbers come from `metrics.jsonl` only, so `--save-metrics`' file regenerates the same page. `--figures` draws
-final reward and experts changed against N (`analysis.staleness_figures`).
+final reward and experts changed against N (`analysis.staleness_figures`). `--controls` appends experiment 6's
+pre-registered instrument checks (docs/experiment6_training.md), outside the family: zero mismatch (GRPO+R2 vs GRPO
+at N = 1, where R2 replays the learner's own routes) and positive (GRPO at N = 4 vs N = 1, a known large effect).
 """
 
 from __future__ import annotations
@@ -131,7 +133,25 @@ def staleness_family(by_method: StalenessArms, *, reps: int, seed: int) -> list[
     return apply_holm(tests)
 
 
-def staleness_page(runs: list[PhaseRun], reps: int = st.DEFAULT_REPS, seed: int = 0) -> str:
+CONTROLS = (("zero mismatch", "grpo-r2", 1, GRPO, 1, True), ("positive", GRPO, 4, GRPO, 1, False))
+"""Experiment 6's instrument checks: (name, method A, N of A, method B, N of B, null claim). The zero-mismatch
+check expects no difference (R2 at N = 1 replays the learner's own routes); the positive one expects A higher."""
+
+
+def staleness_controls(by_method: StalenessArms, *, reps: int, seed: int) -> list[ClaimTest]:
+    """`CONTROLS` whose two arms exist, each a family of one (two-sided Wilcoxon signed-rank paired by seed at
+    alpha 0.05: its Holm-adjusted p is its p), final reward."""
+    tests = []
+    for name, ma, na, mb, nb, null in CONTROLS:
+        a, b = by_method.get(ma, {}).get(na), by_method.get(mb, {}).get(nb)
+        if a and b:
+            tests += apply_holm([paired_compare("control", f"{name}: {ma} at N = {na} vs {mb} at N = {nb}: final "
+                                                "reward", a, b, "final_reward", a_better=not null, reps=reps,
+                                                seed=seed, null_claim=null)])
+    return tests
+
+
+def staleness_page(runs: list[PhaseRun], reps: int = st.DEFAULT_REPS, seed: int = 0, controls: bool = False) -> str:
     by_method = staleness_arms(runs)
     n_seeds = sorted({len(a) for m in by_method.values() for a in m.values()})
     lines = [
@@ -150,6 +170,11 @@ def staleness_page(runs: list[PhaseRun], reps: int = st.DEFAULT_REPS, seed: int 
     lines += ["### Pre-registered tests (one Holm family)", ""] + tests_table(
         staleness_family(by_method, reps=reps, seed=seed),
         "No test: GRPO-none and a fix (grpo-r2, gspo-none) share no N in this matrix.")
+    if controls:
+        lines += ["### Controls (checks of the instrument, outside the family; each a test of its own at α = 0.05, "
+                  "so its Holm-adjusted p is its p)", ""] + tests_table(
+            staleness_controls(by_method, reps=reps, seed=seed),
+            "No control: the matrix lacks grpo-none at N = 1 and grpo-r2 at N = 1 or grpo-none at N = 4.")
     return "\n".join(lines)
 
 
@@ -162,8 +187,11 @@ def _write_figures(runs: list[PhaseRun], out_dir, *, reps: int, seed: int):
 def main(argv: list[str] | None = None) -> int:
     p = page_parser("python -m analysis.staleness", __doc__.split("\n\n")[0],
                     matrix="the staleness matrix's out_dir", figure="the staleness figure")
+    p.add_argument("--controls", action="store_true",
+                   help="append experiment 6's instrument checks (zero mismatch: grpo-r2 vs grpo-none at N = 1; "
+                        "positive: grpo-none at N = 4 vs N = 1), outside the Holm family")
     return run_page(p, argv, load_raw=load_runs, parse=load_phase, page=staleness_page, save=save_metrics,
-                    figures=_write_figures)
+                    figures=_write_figures, page_options=lambda a: {"controls": a.controls})
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from analysis.phase_runs import load_phase
-from analysis.staleness import main, reward_slope, staleness_arms, staleness_family, staleness_page
+from analysis.staleness import (main, reward_slope, staleness_arms, staleness_controls, staleness_family,
+                                staleness_page)
 
 T = 40
 NS = (1, 4, 16)
@@ -98,6 +99,40 @@ def test_page_regenerates_from_saved_metrics_and_draws_the_figure(matrix, tmp_pa
     assert "| grpo-none | 16 | 8 |" in page and "Pre-registered tests" in page and "p10" not in page
     assert (figs / "staleness.png").stat().st_size > 10_000
     assert sorted(p.name for p in figs.iterdir()) == ["staleness.png"]
+
+
+def _control_matrix(root: Path) -> Path:
+    """Experiment 6's control arms: GRPO at N = 4 scores 0.15 above N = 1 on every seed; GRPO+R2 at N = 1 differs
+    from GRPO at N = 1 by +-0.01 alternating with the seed."""
+    for seed in range(6000, 6008):
+        _write(root / f"grpo-none-mb1-s{seed}", 0.8, 1)
+        _write(root / f"grpo-none-mb4-s{seed}", 0.95, 4)
+        _write(root / f"grpo-r2-mb1-s{seed}", 0.8 + (0.01 if seed % 2 else -0.01), 1)
+    return root
+
+
+def test_the_controls_are_each_a_test_of_their_own(tmp_path):
+    zero, pos = staleness_controls(staleness_arms(load_phase(_control_matrix(tmp_path))), reps=300, seed=0)
+    assert zero.label == "zero mismatch: grpo-r2 at N = 1 vs grpo-none at N = 1: final reward" and zero.null_claim
+    # 4 differences +0.01 and 4 -0.01, all of one rank: T+ = 4 * 4.5 is the null's centre, so p = 1
+    assert zero.p == pytest.approx(1.0) and zero.p_holm == zero.p and zero.verdict.startswith("not decided")
+    assert pos.label == "positive: grpo-none at N = 4 vs grpo-none at N = 1: final reward" and not pos.null_claim
+    # every one of 8 paired differences +0.15: exact two-sided p = 2 / 2**8, a family of one (no Holm factor)
+    assert pos.p == pytest.approx(2 / 256) and pos.p_holm == pos.p and pos.verdict.startswith("reproduces")
+    assert pos.num_seeds == 8 and pos.agrees is True
+
+
+def test_the_controls_section_only_on_request(tmp_path):
+    runs = load_phase(_control_matrix(tmp_path / "m"))
+    plain, with_controls = staleness_page(runs, reps=200), staleness_page(runs, reps=200, controls=True)
+    assert "Controls" not in plain and with_controls.startswith(plain)  # the pre-registered page is unchanged
+    assert "| positive: grpo-none at N = 4 vs grpo-none at N = 1: final reward |" in with_controls
+    assert main([str(tmp_path / "m"), "--controls", "--bootstrap-reps", "200", "--out", str(tmp_path / "c.md")]) == 0
+    assert (tmp_path / "c.md").read_text().rstrip("\n") == with_controls.rstrip("\n")
+    lone = tmp_path / "lone"
+    _write(lone / "grpo-none-mb16-s1", 0.8, 16)
+    _write(lone / "grpo-none-mb16-s2", 0.8, 16)
+    assert "No control" in staleness_page(load_phase(lone), reps=200, controls=True)
 
 
 def test_a_run_without_update_drift_says_n_a(tmp_path):

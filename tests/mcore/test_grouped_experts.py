@@ -282,10 +282,14 @@ def test_learner_step_equals_the_per_expert_layouts(dist_ep1, replay):
     # a wrong expert mapping would move most expert weights by ~lr (1e-2) apart, rounding moves a few by < 1e-3
     # (lr / 10; a fresh-clone CI run measured 2.35e-4 on one coordinate, above the 2e-4 this bound was before: the
     # summation order, and so which near-eps coordinates Adam amplifies, varies between runs). The mean and the
-    # share of moved coordinates are what tell a wrong mapping from rounding.
+    # share of moved coordinates are what tell a wrong mapping from rounding: expert weights are 48% of the
+    # coordinates, so a wrong mapping moves ~half of them by ~lr (mean ~5e-3). Measured on one thread (the summation
+    # order differs from two): max 2.35e-4, mean 5.6e-7, 0.44% of coordinates moved by > 1e-5 (rounding in the
+    # second Adam step on coordinates whose first gradient was small), 0.004% by > 1e-4; on two threads 1.2e-4,
+    # 1.7e-7, 0.04%, 0.
     diff = torch.cat([(w0[k] - w1[k]).abs().flatten() for k in w0])
-    assert float(diff.max()) <= 1e-3 and float(diff.mean()) <= 1e-6
-    assert float((diff > 1e-5).float().mean()) <= 1e-3
+    assert float(diff.max()) <= 1e-3 and float(diff.mean()) <= 1e-5
+    assert float((diff > 1e-4).float().mean()) <= 1e-3
     assert max(float((w0[k] - hf_w).abs().max()) for k, hf_w in to_per_expert_layout(hf.state_dict(), cfg).items()
                if ".experts." in k) > 1e-4  # the experts did move
 

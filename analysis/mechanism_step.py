@@ -18,6 +18,10 @@ against π_old on the whole batch, and every method's gradient is taken on mini-
   that reference removes the rollout's routes (the dial's flips) too, so its error is the dial's part; GRPO+R2 is
   its own reference. TIS is also compared with plain GRPO (what its weights change).
 - at k = 0 the gradient's signal-to-noise ratio across the N mini-batches: ‖mean g‖ over its standard error;
+- per mini-batch k, the token-layers of its rows whose expert set differs between the rollout's recorded routes
+  and π_old's natural routes (`route_flips` of `route_token_layers`) and π_old's largest router margin among them
+  (`route_flip_margin_max`): the dial's flips at a dose > 0; at dose 0 in fp32 only router ties, which KV-cached
+  decoding and the full forward can round apart (experiment 5's check C2 failed on one);
 - per setting, the rollout–learner mismatch (`mismatch_metrics`' k3 of the sampler's log-probs against π_old's):
   `mismatch_k3` for the learner's natural routing (GRPO, GSPO, R2, TIS), `mismatch_k3_r3` for R3's π_old, which
   replays the rollout's routes (the drift part R3 removes); and the rollout's mean negative log-prob per token
@@ -222,20 +226,31 @@ def logprobs(model, replay: RouteReplay, ro: Rollout, idx: torch.Tensor, routes:
              grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs [b, L] of the response tokens of rows `idx`, the natural-or-replayed routes the pass used
     [b, P + L - 1, layers, K]); `routes`: replay these ([B, P + L - 1, layers, K], rows `idx` taken) or None."""
+    lp, used, _ = _pass(model, replay, ro, idx, routes, grad=grad, margins=False)
+    return lp, used
+
+
+def _pass(model, replay: RouteReplay, ro: Rollout, idx: torch.Tensor, routes: torch.Tensor | None, *, grad: bool,
+          margins: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`logprobs`, and with `margins` the router margin of every token-layer the pass routed (logits, K-th minus
+    (K+1)-th: `moe_gspo.routing.router_stats.token_router_stats`), float32 [b, P + L - 1, layers]."""
     seqs = ro.seqs[idx]
     b, p = seqs.shape[0], ro.prompt_len
     replay.routes = None if routes is None else [routes[idx][:, :, i].reshape(b * (seqs.shape[1] - 1), -1)
                                                  for i in range(routes.shape[2])]
-    rec = HFRouterRecorder(model, record_probs=False, record_stats=False)
+    rec = HFRouterRecorder(model, record_probs=False, record_stats=margins)
     try:
         with torch.set_grad_enabled(grad):
             logits = model(input_ids=seqs[:, :-1], use_cache=False).logits[:, p - 1:]
             lp = torch.log_softmax(logits.float(), dim=-1).gather(-1, seqs[:, p:, None]).squeeze(-1)
-        used = _calls_routes(rec.pop(), b)
+        calls = rec.pop()
+        used = _calls_routes(calls, b)
+        margin = torch.cat([c.stats_NL2[..., 0].reshape(b, -1, c.stats_NL2.shape[1]) for c in calls], dim=1) \
+            if margins else None
     finally:
         rec.remove()
         replay.routes = None
-    return lp, used
+    return lp, used, margin
 
 
 def _flat_grad(loss: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
@@ -251,7 +266,12 @@ class StepReplay:
         self.replay = RouteReplay(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         everyone = torch.arange(ro.seqs.shape[0])
-        self.old_logp, self.old_routes = logprobs(model, self.replay, ro, everyone, None, grad=False)
+        self.old_logp, self.old_routes, old_margin = _pass(model, self.replay, ro, everyone, None, grad=False,
+                                                           margins=True)
+        # token-layers whose expert set differs between the rollout (KV-cached decoding, the dial) and pi_old's
+        # full forward, and pi_old's router margin there: at dose 0 in fp32 only float ties differ
+        self.flips_BTL = (ro.routes.long().sort(-1).values != self.old_routes.long().sort(-1).values).any(-1)
+        self.flip_margin_BTL = torch.where(self.flips_BTL, old_margin, torch.full_like(old_margin, -math.inf))
         self.old_logp_r3, _ = logprobs(model, self.replay, ro, everyone, ro.routes, grad=False)
         self.mask = torch.ones_like(self.old_logp, dtype=torch.bool)
         self.tis, _ = rollout_is_weights(self.old_logp, ro.rollout_logp, self.mask, level="token",
@@ -259,6 +279,15 @@ class StepReplay:
 
     def close(self) -> None:
         self.replay.remove()
+
+    def route_flips(self, idx: torch.Tensor) -> dict[str, float]:
+        """Rows `idx`: the token-layers of their learner pass whose expert set differs between the rollout and
+        π_old's natural routing (`route_flips` of `route_token_layers`), and π_old's largest router margin among
+        them (`route_flip_margin_max`, NaN when none): at dose 0 a tie (a margin at float resolution) or nothing."""
+        flips = self.flips_BTL[idx]
+        top = float(self.flip_margin_BTL[idx].max()) if bool(flips.any()) else math.nan
+        return {"route_flips": int(flips.sum()), "route_token_layers": int(flips.numel()),
+                "route_flip_margin_max": top}
 
     def _routes(self, which: str) -> torch.Tensor | None:
         return {"natural": None, "old": self.old_routes, "rollout": self.ro.routes}[which]
@@ -375,7 +404,7 @@ def measure_step(model: nn.Module, s: StepSetting, *, vocab: int, methods=tuple(
                 se = float(((g - g.mean(0)).pow(2).sum(1).sum() / (len(mbs) - 1) / len(mbs)).sqrt())
                 snr[m] = float(g.mean(0).norm()) / se if se > 0 else math.nan
         for k, idx in enumerate(mbs):
-            changed = experts_changed(model, step)
+            changed = {**experts_changed(model, step), **step.route_flips(idx)}
             ratios = {m: ratio_stats(model, step, m) for m in methods}
             grads = {m: step.gradient(m, idx) for m in methods}
             driver = grads[s.driver] if s.driver in grads else step.gradient(s.driver, idx)

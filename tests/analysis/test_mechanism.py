@@ -69,6 +69,24 @@ def test_r3_error_at_k0_is_the_dials_flips_and_tis_sees_the_dial(clean, dialled)
     assert dialled[(0, "grpo")]["token_logratio_var"] < 1e-12
 
 
+def test_route_flips_count_the_dials_flips_per_minibatch(clean, dialled):
+    """`route_flips`: token-layers of mini-batch k's rows whose experts differ between the rollout and pi_old; the
+    same on every method's row of that k; at a dose of 0.5 the dialled token-layers flip with probability 0.5 (margins
+    far above a tie), without the dial none (or ties only)."""
+    # 8 rows / 2 mini-batches x (6 prompt + 6 response - 1 positions) x 1 MoE layer
+    for rows in (clean, dialled):
+        for k in (0, 1):
+            assert {rows[(k, m)]["route_token_layers"] for m in ("grpo", "grpo+r3")} == {4 * 11}
+            assert rows[(k, "grpo")]["route_flips"] == rows[(k, "grpo+r3")]["route_flips"]
+    for k in (0, 1):
+        c = clean[(k, "grpo")]
+        assert c["route_flips"] == 0 or c["route_flip_margin_max"] <= 1e-5
+        assert c["route_flips"] > 0 or math.isnan(c["route_flip_margin_max"])
+    flips = sum(dialled[(k, "grpo")]["route_flips"] for k in (0, 1))
+    assert 5 <= flips <= 2 * 4 * 11  # each dialled token-layer flips with probability 0.5
+    assert max(dialled[(k, "grpo")]["route_flip_margin_max"] for k in (0, 1)) > 1e-3
+
+
 def test_exponents_recover_a_known_power_law():
     rng = np.random.default_rng(0)
     rows = [{"k": 1, "method": "grpo", "length": L, "depth": d, "dose": 0.0, "seed": seed,

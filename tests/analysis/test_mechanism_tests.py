@@ -130,6 +130,48 @@ def test_the_zero_mismatch_checks_hold_and_fail_when_broken():
     assert next(v for k, v in c1.items() if k.startswith("C1")).startswith("FAILS on 48 of 192")
 
 
+def _with_flips(rows: list[dict], *, margin: float, err: float = 4.4e-4) -> list[dict]:
+    """The rows with the route-flip counts (100 token-layers per mini-batch, none differ) and one flip at dose 0 in
+    the first seed's depth-2, length-16 setting, mini-batch k = 2, with pi_old's router `margin` there; R3's error
+    `err` on that row and the setting's k3 5e-9 (a flip reaches both)."""
+    first = (SEEDS[0], 2, 16, 0.0)
+    out = []
+    for r in rows:
+        r = dict(r, route_flips=0, route_token_layers=100, route_flip_margin_max=math.nan)
+        if (r["seed"], r["depth"], r["length"], r["dose"]) == first:
+            r["mismatch_k3"] = 5e-9
+            if r["k"] == 2:
+                r.update(route_flips=1, route_flip_margin_max=margin)
+                if r["method"] == "grpo+r3":
+                    r["grad_err_routing"] = err
+        out.append(r)
+    return out
+
+
+def test_the_zero_mismatch_check_up_to_ties():
+    """Rows that count route flips get C2t instead of C2: a tie flip (experiment 5's: margin 2.2e-7) is counted and
+    left out of the error and k3 conditions; a flip that is no tie, or an error where nothing flipped, fails it."""
+    c = dict(mt.checks([dict(r, route_flips=0, route_token_layers=100, route_flip_margin_max=math.nan)
+                        for r in synthetic_rows()]))
+    assert not any(k.startswith("C2.") for k in c)
+    # R3 at dose 0: 4 seeds x 2 depths x 2 lengths x 4 mini-batches = 64 rows of 100 token-layers
+    assert next(v for k, v in c.items() if k.startswith("C2t")) == \
+        "holds on all 64 rows; no route differs (6400 token-layers compared)"
+    tie = _with_flips(synthetic_rows(), margin=2.2e-7)
+    c2t = next(v for k, v in mt.checks(tie) if k.startswith("C2t"))
+    assert c2t.startswith("holds on all 64 rows; 1 tie flips of 6400 token-layers compared, on 1 rows")
+    assert "largest margin 2.20e-07" in c2t
+    # the same rows without the counts: experiment 5's C2, which the tie breaks (its error 4.4e-4 > 1e-5; the k3)
+    plain = [{k: v for k, v in r.items() if not k.startswith("route_")} for r in tie]
+    assert next(v for k, v in mt.checks(plain) if k.startswith("C2.")) == "FAILS on 4 of 64 rows"
+    no_tie = next(v for k, v in mt.checks(_with_flips(synthetic_rows(), margin=1e-3)) if k.startswith("C2t"))
+    assert no_tie.startswith("FAILS on 1 of 64 rows: a route differs between the rollout and pi_old with a router "
+                             "margin above 1e-05")
+    moved = [dict(r, grad_err_routing=1e-3) if r["method"] == "grpo+r3" and r["dose"] == 0 and r["k"] == 1
+             and (r["seed"], r["depth"], r["length"]) == (SEEDS[0], 2, 16) else r for r in tie]
+    assert next(v for k, v in mt.checks(moved) if k.startswith("C2t")).startswith("FAILS on 1 of 64 rows")
+
+
 def _write(path: Path, rows: list[dict]) -> None:
     with gzip.open(path, "wt") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -14,7 +14,12 @@ Three scenarios, SIMS simulations per n each; a simulated test counts when Holm 
   their 80% upper confidence limits. The design's n is the smallest whose power here is >= 0.8 on every primary
   test but those of `AS_OBSERVED`, whose power as observed is >= 0.8.
 
-    python -m benchmarks.phase_pilot.power_mechanism [reports/mechanism_pilot/mechanism.jsonl.gz]
+    python -m benchmarks.phase_pilot.power_mechanism [reports/mechanism_pilot/mechanism.jsonl.gz] [--as-observed T1]
+
+Experiment 5R (docs/paper_claims.md) takes experiment 5's rows as its pilot, on experiment 5's own grid, with every
+test powered at its SESOI (`--as-observed ""`: experiment 5's T1, -0.11, lies inside the SESOI, unlike the pilot's):
+
+    python -m benchmarks.phase_pilot.power_mechanism reports/mechanism_exp5/mechanism.jsonl.gz --as-observed ""
 """
 
 from __future__ import annotations
@@ -135,14 +140,29 @@ AS_OBSERVED = ("T1",)
 
 
 def main(argv: list[str]) -> int:
-    source = argv[0] if argv else "reports/mechanism_pilot/mechanism.jsonl.gz"
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.phase_pilot.power_mechanism",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("source", nargs="?", default="reports/mechanism_pilot/mechanism.jsonl.gz",
+                    help="the pilot's rows")
+    ap.add_argument("--as-observed", default=",".join(AS_OBSERVED), metavar="IDS",
+                    help="comma-separated tests powered for a decision at the pilot's own effect (either sign) instead "
+                         f"of at their SESOI (default {','.join(AS_OBSERVED)}; \"\" for none)")
+    args = ap.parse_args(argv)
+    source = args.source
+    as_observed = tuple(x for x in args.as_observed.split(",") if x)
+    known = [e.id for e in ENDPOINTS if e.primary]
+    if any(x not in known for x in as_observed):
+        ap.error(f"--as-observed={args.as_observed!r}: the primary tests are {', '.join(known)}")
     rows = load_rows(source)
     primary = [e for e in ENDPOINTS if e.primary]
     ids, pilot = pilot_endpoints(source)
     sesoi = np.asarray([e.sesoi for e in primary])
     sds = [projected_sd(rows, e) for e in primary]
     print(f"pilot {source}: {len(pilot)} seeds")
-    print("| endpoint | pilot mean | pilot SD | SESOI | SD at 80% upper limit, pilot's grid | projected, experiment 5's grid |")
+    print("| endpoint | pilot mean | pilot SD | SESOI | SD at 80% upper limit, pilot's grid | projected, "
+          "experiment 5's grid |")
     print("|---|---|---|---|---|---|")
     for j, e in enumerate(primary):
         print(f"| {e.id} | {pilot[:, j].mean():+.3f} | {pilot[:, j].std(ddof=1):.3f} | {e.sesoi:g} | {sds[j][0]:.3f} | "
@@ -159,14 +179,15 @@ def main(argv: list[str]) -> int:
             print(f"| {n} | " + " | ".join(f"{x:.2f}" for x in pw) + f" | {n * CPU_S_PER_SEED / 3600:.1f} |")
             if k == 0:
                 observed[n] = pw
-            target = np.asarray([observed[n][j] if i in AS_OBSERVED else pw[j] for j, i in enumerate(ids)])
+            target = np.asarray([observed[n][j] if i in as_observed else pw[j] for j, i in enumerate(ids)])
             if k == 2 and chosen is None and target.min() >= 0.8:
                 chosen = n
     if chosen is None:
         print(f"\nno n up to {SEEDS[-1]} gives power >= 0.8 on every primary test at its SESOI (experiment 5's grid)")
     else:
         print(f"\nchosen: {chosen} seeds (the smallest n with power >= 0.8 on every primary test: at its SESOI on "
-              f"experiment 5's grid, {', '.join(AS_OBSERVED)} as observed); {chosen * CPU_S_PER_SEED / 3600:.1f} CPU-hours")
+              f"experiment 5's grid" + (f", {', '.join(as_observed)} as observed" if as_observed else "")
+              + f"); {chosen * CPU_S_PER_SEED / 3600:.1f} CPU-hours")
     return 0
 
 

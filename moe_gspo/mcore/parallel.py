@@ -89,6 +89,7 @@ def init_distributed(*, ep_size: int, num_experts: int, seed: int = 0,
             os.close(fd)
             os.unlink(path)
             init_method = f"file://{path}"
+            _FILE_STORES.append(path)  # removed by destroy_distributed (os._exit skips the store's own cleanup)
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, init_method=init_method,
@@ -134,6 +135,11 @@ def _loaded(name: str):
     return module
 
 
+_FILE_STORES: list[str] = []
+"""The temporary files of this process's single-process `file://` rendezvous: gloo's FileStore deletes its file only
+in its destructor, which a run ending in `os._exit` (`moe_gspo.run.quick_exit`) or a signal never reaches."""
+
+
 def destroy_distributed() -> None:
     """Tear down Megatron's parallel state and the process group (tests, end of runs).
 
@@ -152,3 +158,8 @@ def destroy_distributed() -> None:
     except Exception as e:  # cleanup: the run's own outcome (and exit code) matters more
         print(f"warning: tearing down torch.distributed failed ({type(e).__name__}: {e})",
               file=sys.stderr, flush=True)
+    while _FILE_STORES:  # after the process group: the store's destructor skips a file that is gone
+        try:
+            os.unlink(_FILE_STORES.pop())
+        except OSError:
+            pass

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 
 from moe_gspo.mcore.parallel import validate_parallel_sizes
@@ -129,3 +132,30 @@ def test_destroy_reports_a_failing_teardown_in_one_line(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.strip() == ("warning: tearing down torch.distributed failed "
                            "(RuntimeError: process group already gone)")
+
+
+_STORE_SCRIPT = r'''
+import glob, os, sys
+from moe_gspo.mcore.parallel import destroy_distributed, init_distributed
+init_distributed(ep_size=1, num_experts=8, seed=0)
+print("during", len(glob.glob(os.path.join(sys.argv[1], "moe_gspo_pg_*"))), flush=True)
+if sys.argv[2] == "destroy":
+    destroy_distributed()
+os._exit(0)  # as moe_gspo.run.quick_exit ends a run: no destructor runs
+'''
+
+
+@pytest.mark.parametrize("destroy", [True, False])
+def test_a_single_process_rendezvous_leaves_no_file_behind(tmp_path, destroy):
+    """A 1-process run without torchrun rendezvous through a temp file (gloo's FileStore), which the store deletes
+    only in its destructor: a run ending in os._exit left one per run in /tmp. destroy_distributed removes it; without
+    it the file stays (the leak this guards against)."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")}
+    env["TMPDIR"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-c", _STORE_SCRIPT, str(tmp_path), "destroy" if destroy else "keep"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "during 1" in out.stdout
+    assert len(list(tmp_path.glob("moe_gspo_pg_*"))) == (0 if destroy else 1)

@@ -81,6 +81,9 @@ def bench_megatron(args, *, ep_size: int, compile_decoder: bool = False) -> floa
         t0 = time.perf_counter()
         step()
         print(f"  torch.compile: first forward+backward {time.perf_counter() - t0:.1f} s (compiling)")
+        breaks = torch._dynamo.utils.counters.get("graph_break", {})
+        print(f"  torch.compile: {sum(breaks.values())} graph breaks of {len(breaks)} kinds"
+              + "".join(f"\n    {n} x {str(reason).splitlines()[0][:100]}" for reason, n in breaks.items()))
     ms = _time_fwd_bwd(step, args.iters, args.warmup)
     if info.world_size > 1:
         t = torch.tensor([ms])

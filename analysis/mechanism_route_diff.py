@@ -52,7 +52,7 @@ def route_diffs(*, seed: int, depth: int, length: int, dose: float = 0.0, warm_s
     step = StepReplay(model, ro)
     try:
         ro_BTLK, old_BTLK = ro.routes.sort(-1).values, step.old_routes.sort(-1).values
-        where = (ro_BTLK != old_BTLK).any(-1).nonzero().tolist()
+        where = step.flips_BTL.nonzero().tolist()  # the rows' `route_flips` (`StepReplay.route_flips`)
         mb_of = {int(r): k for k, mb in enumerate(_minibatches(ro.seqs.shape[0], s.minibatches, s.seed + 1))
                  for r in mb}
         logits = []  # per MoE layer: [B * T, E] router logits of π_old's full forward

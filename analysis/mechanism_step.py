@@ -266,12 +266,11 @@ class StepReplay:
         self.replay = RouteReplay(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         everyone = torch.arange(ro.seqs.shape[0])
-        self.old_logp, self.old_routes, old_margin = _pass(model, self.replay, ro, everyone, None, grad=False,
-                                                           margins=True)
+        self.old_logp, self.old_routes, self.old_margin_BTL = _pass(model, self.replay, ro, everyone, None,
+                                                                    grad=False, margins=True)
         # token-layers whose expert set differs between the rollout (KV-cached decoding, the dial) and pi_old's
         # full forward, and pi_old's router margin there: at dose 0 in fp32 only float ties differ
         self.flips_BTL = (ro.routes.long().sort(-1).values != self.old_routes.long().sort(-1).values).any(-1)
-        self.flip_margin_BTL = torch.where(self.flips_BTL, old_margin, torch.full_like(old_margin, -math.inf))
         self.old_logp_r3, _ = logprobs(model, self.replay, ro, everyone, ro.routes, grad=False)
         self.mask = torch.ones_like(self.old_logp, dtype=torch.bool)
         self.tis, _ = rollout_is_weights(self.old_logp, ro.rollout_logp, self.mask, level="token",
@@ -285,7 +284,7 @@ class StepReplay:
         π_old's natural routing (`route_flips` of `route_token_layers`), and π_old's largest router margin among
         them (`route_flip_margin_max`, NaN when none): at dose 0 a tie (a margin at float resolution) or nothing."""
         flips = self.flips_BTL[idx]
-        top = float(self.flip_margin_BTL[idx].max()) if bool(flips.any()) else math.nan
+        top = float(self.old_margin_BTL[idx][flips].max()) if bool(flips.any()) else math.nan
         return {"route_flips": int(flips.sum()), "route_token_layers": int(flips.numel()),
                 "route_flip_margin_max": top}
 

@@ -19,6 +19,8 @@ Numbers come from `metrics.jsonl` only, so `--save-metrics`' file regenerates th
 final reward and experts changed against N (`analysis.staleness_figures`). `--controls` appends experiment 6's
 pre-registered instrument checks (docs/experiment6_training.md), outside the family: zero mismatch (GRPO+R2 vs GRPO
 at N = 1, where R2 replays the learner's own routes) and positive (GRPO at N = 4 vs N = 1, a known large effect).
+`--exploratory` appends a post-hoc look, written after experiment 6's endpoint was seen (`analysis.staleness_exploratory`:
+paired means with a sign-flip p, and stalls with McNemar's exact p), marked as such; it tests nothing.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from analysis import stats as st
 from analysis.claims_stats import ClaimTest, apply_holm
 from analysis.load import ReportInputError
 from analysis.matrix_runs import load_matrix_runs, md_table, page_parser, run_page, tests_table
-from analysis.phase_runs import RUN_RE, PhaseRun, load_phase, save_metrics
+from analysis.phase_runs import RUN_RE, SOLVED, PhaseRun, load_phase, save_metrics
 from analysis.phase_stats import GRPO, arms, paired_compare
 from moe_gspo.run.dose_names import STALENESS_DOSE
 
@@ -151,7 +153,8 @@ def staleness_controls(by_method: StalenessArms, *, reps: int, seed: int) -> lis
     return tests
 
 
-def staleness_page(runs: list[PhaseRun], reps: int = st.DEFAULT_REPS, seed: int = 0, controls: bool = False) -> str:
+def staleness_page(runs: list[PhaseRun], reps: int = st.DEFAULT_REPS, seed: int = 0, controls: bool = False,
+                    exploratory: bool = False) -> str:
     by_method = staleness_arms(runs)
     n_seeds = sorted({len(a) for m in by_method.values() for a in m.values()})
     lines = [
@@ -175,6 +178,15 @@ def staleness_page(runs: list[PhaseRun], reps: int = st.DEFAULT_REPS, seed: int 
                   "so its Holm-adjusted p is its p)", ""] + tests_table(
             staleness_controls(by_method, reps=reps, seed=seed),
             "No control: the matrix lacks grpo-none at N = 1 and grpo-r2 at N = 1 or grpo-none at N = 4.")
+    if exploratory:
+        from analysis.staleness_exploratory import exploratory_table
+
+        lines += ["### Exploratory (post hoc: written after experiment 6's endpoint was seen; no family, no verdicts)",
+                  "", "Paired by seed. Mean of the per-seed differences of final reward with a t CI and a two-sided "
+                  "sign-flip permutation p (a test of the mean, which stalls move; the signed-rank test above ranks "
+                  f"them); stalls: final reward < {SOLVED:g}, discordant seeds and McNemar's exact p "
+                  "(`analysis.staleness_exploratory`). Hypotheses for fresh seeds, not results.", ""]
+        lines += exploratory_table(by_method, FIXES, CONTROLS)
     return "\n".join(lines)
 
 
@@ -190,8 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--controls", action="store_true",
                    help="append experiment 6's instrument checks (zero mismatch: grpo-r2 vs grpo-none at N = 1; "
                         "positive: grpo-none at N = 4 vs N = 1), outside the Holm family")
+    p.add_argument("--exploratory", action="store_true",
+                   help="append a post-hoc look (paired means with a sign-flip p, stalls with McNemar's exact p; "
+                        "analysis.staleness_exploratory), marked as exploratory: it tests nothing")
     return run_page(p, argv, load_raw=load_runs, parse=load_phase, page=staleness_page, save=save_metrics,
-                    figures=_write_figures, page_options=lambda a: {"controls": a.controls})
+                    figures=_write_figures,
+                    page_options=lambda a: {"controls": a.controls, "exploratory": a.exploratory})
 
 
 if __name__ == "__main__":

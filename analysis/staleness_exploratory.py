@@ -5,8 +5,9 @@ final reward could not see in bistable outcomes, as hypotheses for a fresh-seed 
 Per pair of arms, paired by seed (each fix against GRPO at the largest N both have, then the two controls):
 - the **mean** of the per-seed differences of final reward, its 95% t CI and the two-sided sign-flip permutation p
   (scipy `permutation_test` on the one sample of differences: each difference's sign flipped; 9999 draws from a
-  fixed stream). A test of the mean: a few large differences (one stall costs ~0.22 of final reward) move it,
-  whereas the signed-rank test's ranks let many small, same-signed differences between solved runs outweigh them;
+  fixed stream). A test of the mean: a few large differences (one stall costs ~0.22 of final reward) move it by
+  their size, whereas the signed-rank test gives each at most rank n and lets many small differences between solved
+  runs (of either sign) weigh nearly as much;
 - **stalls** (final reward below `analysis.phase_runs.SOLVED`, 0.9, the pre-registration's secondary "stalls"):
   seeds where only A stalled and where only B stalled, and the exact McNemar p (two-sided binomial test of the
   discordant seeds, scipy `binomtest`).

@@ -1,4 +1,4 @@
-"""Experiment 3's, 3S's, 3F's and 4's results on docs/paper_claims.md are what `python -m analysis.phase` and `python -m
+"""Experiment 3's, 3S's, 3F's, 4's and 6's results on docs/paper_claims.md are what `python -m analysis.phase` and `python -m
 analysis.staleness` make of the committed metrics, exactly (issue 47's done-when: the page's figures and tables
 regenerate from committed metrics with one command).
 
@@ -14,6 +14,9 @@ for byte, from the saved metrics:
         --figures reports/phase_fine
     python -m analysis.phase reports/phase_middle/metrics.jsonl.gz --tests 8,11,12 --out reports/phase_middle/phase.md \
         --figures reports/phase_middle    (experiment 4, between `<!-- analysis.phase:begin middle -->` and the end)
+    python -m analysis.staleness reports/training_exp6/metrics.jsonl.gz --controls --exploratory \
+        --out reports/training_exp6/staleness.md --figures reports/training_exp6
+        (experiment 6, between `<!-- analysis.staleness:begin exp6 -->` and the end)
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ PAGE = ROOT / "docs" / "paper_claims.md"
 PAGES = [("phase", "", phase.main, ROOT / "reports" / "phase", "phase.md", 3, []),
          ("staleness", "", staleness.main, ROOT / "reports" / "phase_staleness", "staleness.md", 2, []),
          ("phase", "fine", phase.main, ROOT / "reports" / "phase_fine", "phase.md", 2, ["--tests", "1,7"]),
-         ("phase", "middle", phase.main, ROOT / "reports" / "phase_middle", "phase.md", 2, ["--tests", "8,11,12"])]
+         ("phase", "middle", phase.main, ROOT / "reports" / "phase_middle", "phase.md", 2, ["--tests", "8,11,12"]),
+         ("staleness", "exp6", staleness.main, ROOT / "reports" / "training_exp6", "staleness.md", 4,
+          ["--controls", "--exploratory"])]
 BY_TOOL = pytest.mark.parametrize("tool, name, main, folder, tables, num_quoted, flags", PAGES,
                                   ids=[p[3].name for p in PAGES])
 

@@ -30,6 +30,7 @@ import numpy as np
 from analysis.phase_runs import load_phase
 from analysis.phase_stats import GRPO, arms
 from analysis.staleness import staleness_arms
+from benchmarks.phase_pilot.power_training import draw, final
 
 STALL = 0.9
 ALPHA = 0.05
@@ -38,16 +39,6 @@ SEEDS = (20, 30, 40, 50, 60)
 SCENARIOS = ((0.225, 0.0), (0.17, 0.0), (0.11, 0.0), (0.225, 0.05), (0.17, 0.05))
 """(q_GRPO, q_GSPO) at N = 16."""
 CONTROL_SEEDS = 10
-
-
-def final(arm) -> np.ndarray:
-    return np.asarray([r.scores["final_reward"] for _, r in sorted(arm.items())])
-
-
-def draw(rng, solved: np.ndarray, stalled: np.ndarray, q: float, shape) -> np.ndarray:
-    s = solved[rng.integers(0, len(solved), shape)]
-    f = stalled[rng.integers(0, len(stalled), shape)]
-    return np.where(rng.random(shape) < q, f, s)
 
 
 def sign_flip_pvalues(d_SN: np.ndarray, num_flips: int, rng) -> np.ndarray:

@@ -208,17 +208,19 @@ def test_a_committed_mechanism_page_is_what_its_rows_give(tmp_path, monkeypatch,
     assert (tmp_path / "tests.md").read_bytes() == (ROOT / folder / "tests.md").read_bytes()
 
 
-def test_the_claims_page_quotes_experiment_5s_tables_as_generated():
-    """docs/paper_claims.md quotes tables of reports/mechanism_exp5/tests.md between
-    `<!-- analysis.mechanism_tests:begin exp5 -->` and its end marker, byte for byte (none before its rows exist)."""
+@pytest.mark.parametrize("name", ["exp5", "exp5r"])
+def test_the_claims_page_quotes_the_experiments_tables_as_generated(name):
+    """docs/paper_claims.md quotes tables of reports/mechanism_<name>/tests.md between
+    `<!-- analysis.mechanism_tests:begin <name> -->` and its end marker, byte for byte (none before its rows exist):
+    experiment 5's and 5R's."""
     from test_claims_page import _quoted_tables
 
-    quoted = _quoted_tables((ROOT / "docs" / "paper_claims.md").read_text(), name="exp5", tool="mechanism_tests")
-    page = ROOT / "reports" / "mechanism_exp5" / "tests.md"
+    quoted = _quoted_tables((ROOT / "docs" / "paper_claims.md").read_text(), name=name, tool="mechanism_tests")
+    page = ROOT / "reports" / f"mechanism_{name}" / "tests.md"
     if not page.is_file():
         assert quoted == []
         return
-    assert quoted, "experiment 5's results are committed: the claims page quotes its family table"
+    assert quoted, f"{name}'s results are committed: the claims page quotes its family table"
     for block in quoted:
         assert block in page.read_text(), f"a table on the page is not what analysis.mechanism_tests makes:\n{block[:300]}"
 

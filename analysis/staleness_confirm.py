@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Mapping
 
 from analysis import stats as st
 from analysis.load import ReportInputError
@@ -30,7 +29,7 @@ from analysis.matrix_runs import md_table, page_parser, run_page
 from analysis.phase_runs import SOLVED, PhaseRun, load_phase, save_metrics
 from analysis.phase_stats import GRPO, arms
 from analysis.staleness import load_runs, staleness_arms
-from analysis.staleness_exploratory import mcnemar_p, sign_flip_p
+from analysis.staleness_exploratory import fmt_mean, mcnemar_p, paired_mean
 
 H1 = ("H1", ("gspo-none", "mb16"), (GRPO, "mb16"), 1.0)
 """(name, arm A, arm B, claimed sign of A − B): the family of one."""
@@ -44,28 +43,12 @@ SESOI = 0.035
 Arms = dict[str, dict[str, dict[int, PhaseRun]]]
 
 
-def _finals(arm: Mapping[int, PhaseRun]) -> dict[int, float]:
-    return {s: r.scores["final_reward"] for s, r in arm.items()}
-
-
 def _arm(by: Arms, key: tuple[str, str]) -> dict[int, PhaseRun]:
     arm = by.get(key[0], {}).get(key[1])
     if not arm:
         raise ReportInputError(f"no run of arm {key[0]}-{key[1]} (runs named {key[0]}-{key[1]}-s<seed>); is this "
                                "experiment 6R's matrix (configs/ablation_training_exp6r.yaml)?")
     return arm
-
-
-def paired_mean(a: Mapping[int, PhaseRun], b: Mapping[int, PhaseRun]) -> dict:
-    """A − B of final reward on the seeds both have: n, mean, t CI, sign-flip p, and stalls by seed."""
-    fa, fb = _finals(a), _finals(b)
-    seeds = sorted(s for s in fa.keys() & fb.keys() if math.isfinite(fa[s]) and math.isfinite(fb[s]))
-    d = [fa[s] - fb[s] for s in seeds]
-    t = st.one_sample(d)
-    only_a = sum(fa[s] < SOLVED <= fb[s] for s in seeds)
-    only_b = sum(fb[s] < SOLVED <= fa[s] for s in seeds)
-    return {"n": len(d), "mean": t["mean"], "lo": t["lo"], "hi": t["hi"], "p": sign_flip_p(d),
-            "only_a": only_a, "only_b": only_b}
 
 
 def decided(r: dict, sign: float) -> bool:
@@ -76,8 +59,7 @@ def decided(r: dict, sign: float) -> bool:
 
 
 def _fmt(r: dict) -> list[str]:
-    ci = "n/a" if not math.isfinite(r["lo"]) else f"{r['mean']:+.3f} [{r['lo']:+.3f}, {r['hi']:+.3f}]"
-    return [str(r["n"]), ci, st.fmt_p(r["p"])]
+    return [str(r["n"]), fmt_mean(r), st.fmt_p(r["p"])]
 
 
 def verdicts(by: Arms) -> tuple[dict, list[dict], str]:

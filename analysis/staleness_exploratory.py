@@ -52,20 +52,30 @@ def mcnemar_p(only_a: int, only_b: int) -> float:
     return 1.0 if n == 0 else float(binomtest(only_a, n, 0.5, alternative="two-sided").pvalue)
 
 
+def paired_mean(a: SeedRuns, b: SeedRuns) -> dict:
+    """A − B of final reward on the seeds both have with finite values: n, mean and 95% t CI, the sign-flip p, the
+    stalls of each arm and the seeds where only A / only B stalled."""
+    fa = {s: r.scores["final_reward"] for s, r in a.items()}
+    fb = {s: r.scores["final_reward"] for s, r in b.items()}
+    seeds = sorted(s for s in fa.keys() & fb.keys() if math.isfinite(fa[s]) and math.isfinite(fb[s]))
+    d = [fa[s] - fb[s] for s in seeds]
+    t = st.one_sample(d)
+    return {"n": len(d), "mean": t["mean"], "lo": t["lo"], "hi": t["hi"], "p": sign_flip_p(d),
+            "stalled_a": sum(fa[s] < SOLVED for s in seeds), "stalled_b": sum(fb[s] < SOLVED for s in seeds),
+            "only_a": sum(fa[s] < SOLVED <= fb[s] for s in seeds),
+            "only_b": sum(fb[s] < SOLVED <= fa[s] for s in seeds)}
+
+
+def fmt_mean(r: dict) -> str:
+    """'+m [+lo, +hi]' of a `paired_mean`, 'n/a' without a CI."""
+    return "n/a" if not math.isfinite(r["lo"]) else f"{r['mean']:+.3f} [{r['lo']:+.3f}, {r['hi']:+.3f}]"
+
+
 def pair_row(label: str, a: SeedRuns, b: SeedRuns) -> list[str]:
     """One table row for arms `a` and `b` on the seeds both have."""
-    seeds = sorted(a.keys() & b.keys())
-    fa = [a[s].scores["final_reward"] for s in seeds]
-    fb = [b[s].scores["final_reward"] for s in seeds]
-    d = [x - y for x, y in zip(fa, fb) if math.isfinite(x) and math.isfinite(y)]
-    t = st.one_sample(d)
-    stalled_a = [x < SOLVED for x in fa]
-    stalled_b = [y < SOLVED for y in fb]
-    only_a = sum(sa and not sb for sa, sb in zip(stalled_a, stalled_b))
-    only_b = sum(sb and not sa for sa, sb in zip(stalled_a, stalled_b))
-    mean = "n/a" if not math.isfinite(t["lo"]) else f"{t['mean']:+.3f} [{t['lo']:+.3f}, {t['hi']:+.3f}]"
-    return [label, str(len(d)), mean, st.fmt_p(sign_flip_p(d)), f"{sum(stalled_a)} / {sum(stalled_b)}",
-            f"{only_a} / {only_b}", st.fmt_p(mcnemar_p(only_a, only_b))]
+    r = paired_mean(a, b)
+    return [label, str(r["n"]), fmt_mean(r), st.fmt_p(r["p"]), f"{r['stalled_a']} / {r['stalled_b']}",
+            f"{r['only_a']} / {r['only_b']}", st.fmt_p(mcnemar_p(r["only_a"], r["only_b"]))]
 
 
 def exploratory_table(by_method: Mapping[str, Mapping[int, SeedRuns]], fixes: tuple[str, ...],

@@ -64,13 +64,13 @@ def _fmt(r: dict) -> list[str]:
 
 def verdicts(by: Arms) -> tuple[dict, list[dict], str]:
     """(H1's result, the controls' results, the pre-registered rules' verdict line)."""
-    name, ka, kb, sign = H1
+    _, ka, kb, sign = H1
     h1 = paired_mean(_arm(by, ka), _arm(by, kb))
     h1["decided"] = decided(h1, sign)
     ctrl = []
     for cname, ca, cb, csign in CONTROLS:
         r = paired_mean(_arm(by, ca), _arm(by, cb))
-        r["decided"] = decided(r, csign if csign else 0.0)
+        r["decided"] = decided(r, csign)
         r["name"], r["expect"] = cname, csign
         ctrl.append(r)
     zero, pos = ctrl

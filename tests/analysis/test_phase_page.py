@@ -1,4 +1,4 @@
-"""Experiment 3's, 3S's, 3F's, 4's and 6's results on docs/paper_claims.md are what `python -m analysis.phase` and `python -m
+"""Experiment 3's, 3S's, 3F's, 4's, 6's and 6R's results on docs/paper_claims.md are what `python -m analysis.phase` and `python -m
 analysis.staleness` make of the committed metrics, exactly (issue 47's done-when: the page's figures and tables
 regenerate from committed metrics with one command).
 
@@ -17,6 +17,9 @@ for byte, from the saved metrics:
     python -m analysis.staleness reports/training_exp6/metrics.jsonl.gz --controls --exploratory \
         --out reports/training_exp6/staleness.md --figures reports/training_exp6
         (experiment 6, between `<!-- analysis.staleness:begin exp6 -->` and the end)
+    python -m analysis.staleness_confirm reports/training_exp6r/metrics.jsonl.gz --out reports/training_exp6r/confirm.md \
+        --figures reports/training_exp6r    (experiment 6R, between `<!-- analysis.staleness_confirm:begin exp6r -->`
+        and the end; its verdict line is on the page too)
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from analysis import phase, staleness
+from analysis import phase, staleness, staleness_confirm
 from test_claims_page import _quoted_tables
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +40,9 @@ PAGES = [("phase", "", phase.main, ROOT / "reports" / "phase", "phase.md", 3, []
          ("phase", "fine", phase.main, ROOT / "reports" / "phase_fine", "phase.md", 2, ["--tests", "1,7"]),
          ("phase", "middle", phase.main, ROOT / "reports" / "phase_middle", "phase.md", 2, ["--tests", "8,11,12"]),
          ("staleness", "exp6", staleness.main, ROOT / "reports" / "training_exp6", "staleness.md", 4,
-          ["--controls", "--exploratory"])]
+          ["--controls", "--exploratory"]),
+         ("staleness_confirm", "exp6r", staleness_confirm.main, ROOT / "reports" / "training_exp6r", "confirm.md", 3,
+          [])]
 BY_TOOL = pytest.mark.parametrize("tool, name, main, folder, tables, num_quoted, flags", PAGES,
                                   ids=[p[3].name for p in PAGES])
 
@@ -69,3 +74,11 @@ def test_the_tables_and_the_figures_regenerate_from_the_saved_metrics(tmp_path, 
         assert a.shape == b.shape
         differs = np.abs(a - b).max(axis=-1) > 0.1
         assert differs.mean() < 0.01, f"{name}: {differs.mean():.1%} of the pixels differ"
+
+
+def test_the_page_states_experiment_6rs_verdict_as_its_analysis_prints_it():
+    """The pre-registered rules' verdict line (analysis.staleness_confirm's page, under "### Verdict") is quoted on
+    the claims page word for word: the page cannot claim more (or less) than the rules gave."""
+    lines = (ROOT / "reports" / "training_exp6r" / "confirm.md").read_text().splitlines()
+    verdict = lines[lines.index("### Verdict (the pre-registered rules)") + 2]
+    assert verdict.startswith("**") and verdict in PAGE.read_text()
